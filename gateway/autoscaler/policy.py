@@ -1,0 +1,223 @@
+"""Ember's scaling policy: a pure function from a function's recent load and its
+replicas to actions on the cold-start ladder.
+
+Arithmetic in the spirit of Knative's KPA: concurrency (queued + in flight) is
+averaged over a stable and a panic window; a burst that needs `panic_threshold`
+times the hot replicas enters panic, which scales up on the panic window and
+forbids any scale-down until a stable window passes without a new burst.
+
+What differs from KPA is the way down. Scaling up takes the short window because
+waking a parked replica costs ~0.3 s; scaling down parks (T1, frees the GPU,
+keeps the process) once a replica's capacity has been unused for `park_after`
+seconds, and evicts (T2, stops the process) only after `scaledown_window`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+STARTING, HOT, PARKED = "starting", "hot", "parked"
+
+
+@dataclass(frozen=True)
+class ScalingSettings:
+    min_replicas: int = 0
+    max_replicas: int = 10
+    buffer_replicas: int = 0  # idle hot replicas kept beyond demand
+    target_concurrency: float = 1.0  # requests per replica the policy aims for
+    max_concurrency: int = 1  # requests a replica may run at once
+    scaledown_window: float = 60.0  # idle seconds before a replica is evicted (process stopped)
+    park_after: float | None = None  # idle seconds before a hot replica parks (None = never)
+    stable_window: float = 60.0
+    panic_window: float = 6.0
+    panic_threshold: float = 2.0
+    start_latency: float = 1.5  # expected seconds for a fresh start (node-warm); sets the pre-warm lead
+    wake_latency: float = 0.3  # expected seconds to wake a parked replica
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"need 0 <= min_replicas <= max_replicas, got {self.min_replicas} and "
+                f"{self.max_replicas}: raise max_replicas or lower min_replicas"
+            )
+        if self.target_concurrency <= 0 or self.target_concurrency > self.max_concurrency:
+            raise ValueError(
+                f"target_concurrency must be in (0, max_concurrency={self.max_concurrency}], "
+                f"got {self.target_concurrency}"
+            )
+        if not 0 < self.panic_window <= self.stable_window:
+            raise ValueError("need 0 < panic_window <= stable_window")
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    id: str
+    state: str  # "starting" | "hot" | "parked"
+    in_flight: int
+    idle_since: float | None  # None while it has work
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    queued: int
+    in_flight: int
+    arrivals: int  # arrivals since previous sample
+
+    @property
+    def concurrency(self) -> int:
+        return self.queued + self.in_flight
+
+
+@dataclass(frozen=True)
+class Start:
+    count: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    replica_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Park:
+    replica_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    replica_id: str
+    reason: str
+
+
+Action = Start | Wake | Park | Evict
+
+
+@dataclass(frozen=True)
+class PolicyMemo:
+    panic_since: float | None = None  # last time the panic condition held
+    panic_peak: int = 0  # replicas wanted at the height of the current panic
+
+
+def window(history: Sequence[Sample], now: float, seconds: float) -> list[Sample]:
+    """The samples of the last `seconds` (history is oldest first)."""
+    start = now - seconds
+    out = []
+    for sample in reversed(history):
+        if sample.t <= start:
+            break
+        out.append(sample)
+    return out
+
+
+def mean_concurrency(samples: Sequence[Sample]) -> float:
+    return sum(s.concurrency for s in samples) / len(samples) if samples else 0.0
+
+
+def arrival_rate(samples: Sequence[Sample], seconds: float) -> float:
+    return sum(s.arrivals for s in samples) / seconds
+
+
+def replicas_for(concurrency: float, target: float) -> int:
+    # round before ceil so 3.0000000001 replicas of float noise is 3
+    return math.ceil(round(concurrency / target, 6))
+
+
+def prewarm_concurrency(settings: ScalingSettings, history: Sequence[Sample], now: float, lead: float) -> float:
+    """Concurrency expected `lead` seconds from now when arrivals are rising, else 0.
+
+    Extrapolates the arrival rate of the last panic window against the one before
+    it, and turns rate into concurrency with the service time that Little's law
+    gives over the stable window.
+    """
+    w = settings.panic_window
+    recent = arrival_rate(window(history, now, w), w)
+    before = arrival_rate([s for s in window(history, now, 2 * w) if s.t <= now - w], w)
+    if recent <= before * 1.25 or recent == 0:
+        return 0.0
+    stable = window(history, now, settings.stable_window)
+    rate = arrival_rate(stable, settings.stable_window)
+    service = (sum(s.in_flight for s in stable) / len(stable)) / rate if rate else 0.0
+    if service == 0:
+        return 0.0
+    slope = (recent - before) / w
+    return (recent + slope * lead) * service
+
+
+def decide(
+    settings: ScalingSettings,
+    replicas: Sequence[ReplicaView],
+    history: Sequence[Sample],
+    now: float,
+    memo: PolicyMemo = PolicyMemo(),
+) -> tuple[list[Action], PolicyMemo]:
+    """Actions for one function at time `now`.
+
+    The caller applies them and reports the result in the next call: a Start shows
+    up as `count` replicas in state "starting", a Wake turns a parked replica into
+    "starting", a Park into "parked", an Evict removes it.
+    """
+    s = settings
+    hot = [r for r in replicas if r.state == HOT]
+    starting = [r for r in replicas if r.state == STARTING]
+    parked = [r for r in replicas if r.state == PARKED]
+
+    panic_samples = window(history, now, s.panic_window)
+    panic_avg = mean_concurrency(panic_samples)
+    latest = history[-1].concurrency if history else 0
+    # from zero, the queue right now is the demand; an average would dilute it
+    demand = max(panic_avg, latest if not hot and not starting else 0)
+    want_panic = replicas_for(demand, s.target_concurrency)
+
+    over_threshold = want_panic >= s.panic_threshold * max(len(hot), 1) and want_panic > len(hot)
+    panic_since = now if over_threshold else memo.panic_since
+    panicking = panic_since is not None and now - panic_since < s.stable_window
+    if not panicking:
+        panic_since = None
+
+    lead = s.wake_latency if parked else s.start_latency
+    rising = prewarm_concurrency(s, history, now, lead)
+    want = max(want_panic, replicas_for(rising, s.target_concurrency))
+    if panicking:
+        want = max(want, memo.panic_peak)
+    peak = want if panicking else 0
+    want = min(max(want + s.buffer_replicas, s.min_replicas), s.max_replicas)
+
+    actions: list[Action] = []
+    have = len(hot) + len(starting)
+    if want > have:
+        why = (
+            f"panic: {demand:.1f} concurrent over {s.panic_window:g}s needs {want} replicas, have {have}"
+            if panicking
+            else f"rising arrivals: expect {rising:.1f} concurrent in {lead:g}s, want {want}, have {have}"
+            if rising and replicas_for(rising, s.target_concurrency) >= want_panic
+            else f"{demand:.1f} concurrent over {s.panic_window:g}s needs {want} replicas, have {have}"
+        )
+        waking = sorted(parked, key=lambda r: r.idle_since or 0.0, reverse=True)[: want - have]
+        actions += [Wake(r.id, why) for r in waking]
+        if want - have - len(waking) > 0:
+            actions.append(Start(want - have - len(waking), why))
+        return actions, PolicyMemo(panic_since, peak)
+
+    if panicking:  # no scale-down of any kind until the burst has been over a stable window
+        return actions, PolicyMemo(panic_since, peak)
+
+    # Capacity is spare only if the peak of the hold window would still fit without it.
+    hold = s.park_after if s.park_after is not None else s.scaledown_window
+    recent_peak = max((x.concurrency for x in window(history, now, max(hold, s.panic_window))), default=0)
+    keep = max(want, min(replicas_for(recent_peak, s.target_concurrency) + s.buffer_replicas, s.max_replicas))
+    idle = sorted((r for r in hot if r.in_flight == 0 and r.idle_since is not None), key=lambda r: r.idle_since)
+    spare = [r for r in idle if now - r.idle_since >= min(hold, s.panic_window)][: max(len(hot) - keep, 0)]
+    for r in spare:
+        why = f"idle {now - r.idle_since:.0f}s; peak {recent_peak} concurrent over {hold:g}s fits {keep} replicas"
+        actions.append(Park(r.id, why) if s.park_after is not None else Evict(r.id, why))
+
+    for r in parked:
+        if r.idle_since is not None and now - r.idle_since >= s.scaledown_window:
+            actions.append(Evict(r.id, f"parked and idle {now - r.idle_since:.0f}s >= scaledown_window {s.scaledown_window:g}s"))
+    return actions, replace(memo, panic_since=None, panic_peak=0)
