@@ -1,0 +1,89 @@
+"""Incremental detokenization and stop strings for one request.
+
+Tokens are decoded through a sliding window (prefix/read offsets, as in vLLM): the
+window is decoded with and without the newest tokens, and only the text they add is
+emitted, once it no longer ends in U+FFFD, i.e. once a character split across byte
+tokens is complete. Text that could still grow into a stop string is held back, so a
+stop string never reaches the client.
+"""
+
+# Prompt tokens decoded ahead of the output so tokenizers that drop a leading space
+# at the start of a decode (SentencePiece) still produce the right first word.
+CONTEXT_TOKENS = 5
+REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, prompt_token_ids, stop=(), include_stop_str_in_output=False,
+                 skip_special_tokens=True):
+        self.tokenizer = tokenizer
+        self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.stop = [s for s in stop if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""          # output text decoded so far (complete characters only)
+        self.sent = 0           # how much of self.text has been returned
+        self.stop_reason = None  # the stop string that ended the request
+
+    def step(self, token_ids, finished=False) -> str:
+        """Take the request's new tokens; return the text that may be sent now.
+
+        After a stop string matched (`stop_reason` is set) the request is over and
+        further tokens are ignored. `finished` flushes everything still held.
+        """
+        if self.stop_reason is not None:
+            return ""
+        self.tokens.extend(token_ids)
+        searched = len(self.text)
+        self.text += self._decode_new(flush=finished)
+        match = find_stop(self.text, self.stop, searched)
+        if match is not None:
+            start, stop = match
+            self.stop_reason = stop
+            self.text = self.text[: start + len(stop) if self.include_stop_str_in_output else start]
+            end = len(self.text)
+        elif finished:
+            end = len(self.text)
+        else:
+            end = len(self.text) - partial_stop_len(self.text, self.stop)
+        delta = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return delta
+
+    def _decode_new(self, flush: bool) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.tokens[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special_tokens)
+        full = decode(self.tokens[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT) and not flush):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.tokens)
+        return full[len(prefix):]
+
+
+def find_stop(text: str, stops: list[str], searched: int) -> tuple[int, str] | None:
+    """Earliest stop string in `text`, looking only where it could overlap new text."""
+    best = None
+    for stop in stops:
+        i = text.find(stop, max(0, searched - len(stop) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best
+
+
+def partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token on its own, as logprobs show it."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,101 @@
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ember.runtime.engine.detokenizer import Detokenizer, partial_stop_len
+from ember.runtime.engine.tiny import train_tokenizer
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Café naïve résumé 🙂 🚀 日本語 and 한국어 ❤️ done",
+    "🎉🎉🎉",
+    " leading space, trailing space ",
+    "line one\nline two\n\ttabbed",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+def stream(tokenizer, text, prompt="Hello there", **kw):
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = Detokenizer(tokenizer, prompt_ids, **kw)
+    deltas = [detok.step([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
+    return deltas, detok
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_matches_full_decode_and_never_splits_a_character(tokenizer, text):
+    deltas, _ = stream(tokenizer, text)
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_multibyte_character_is_held_until_complete(tokenizer):
+    ids = tokenizer.encode("🙂", add_special_tokens=False)
+    assert len(ids) > 1, "the tiny tokenizer must split emoji into byte tokens"
+    detok = Detokenizer(tokenizer, [])
+    assert [detok.step([t]) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.step(ids[-1:]) == "🙂"
+
+
+def test_special_tokens_are_skipped_by_default_and_kept_on_request(tokenizer):
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode("Hello", add_special_tokens=False) + [eos]
+    assert Detokenizer(tokenizer, []).step(ids, finished=True) == "Hello"
+    kept = Detokenizer(tokenizer, [], skip_special_tokens=False).step(ids, finished=True)
+    assert kept == "Hello<|im_end|>"
+
+
+def test_stop_string_is_cut_and_never_leaks(tokenizer):
+    deltas, detok = stream(tokenizer, "The capital of France is Paris, a city", stop=["Paris"])
+    assert "".join(deltas) == "The capital of France is "
+    assert detok.stop_reason == "Paris"
+
+
+def test_stop_string_included_on_request(tokenizer):
+    deltas, detok = stream(tokenizer, "one two three four", stop=["three"], include_stop_str_in_output=True)
+    assert "".join(deltas) == "one two three"
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    deltas, detok = stream(tokenizer, "alpha beta gamma delta", stop=["delta", "beta"])
+    assert "".join(deltas) == "alpha "
+    assert detok.stop_reason == "beta"
+
+
+def test_partial_match_is_released_when_it_turns_out_not_to_be_a_stop(tokenizer):
+    deltas, detok = stream(tokenizer, "the cat sat on the mat", stop=["the dog"])
+    assert "".join(deltas) == "the cat sat on the mat"
+    assert detok.stop_reason is None
+
+
+def test_tokens_after_a_stop_are_ignored(tokenizer):
+    detok = Detokenizer(tokenizer, [], stop=["x"])
+    assert detok.step(tokenizer.encode("abxcd", add_special_tokens=False)) == "ab"
+    assert detok.step(tokenizer.encode("more", add_special_tokens=False), finished=True) == ""
+
+
+def test_partial_stop_len():
+    assert partial_stop_len("hello wor", ["world"]) == 3
+    assert partial_stop_len("hello", ["world"]) == 0
+    assert partial_stop_len("aab", ["aabc", "bx"]) == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from(list("ab c.é🙂日\n")), min_size=1, max_size=40),
+    stop=st.text(alphabet=st.sampled_from(list("ab c.é🙂日")), min_size=1, max_size=4),
+)
+def test_streamed_text_equals_text_before_first_stop(tokenizer, text, stop):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = Detokenizer(tokenizer, [], stop=[stop])
+    sent = ""
+    for i, t in enumerate(ids):
+        sent += detok.step([t], finished=i == len(ids) - 1)
+        assert stop not in sent
+        assert "\ufffd" not in sent
+    cut = text.find(stop)
+    assert sent == (text if cut < 0 else text[:cut])
