@@ -79,18 +79,22 @@ class Decision(NamedTuple):
     reset: float  # seconds until the bucket is full again
 
 
+def charge(tat: float, now: float, rate: int, cost: float, window: float = WINDOW) -> float:
+    """The tat after spending `cost` units unconditionally (negative refunds, never beyond a full bucket)."""
+    return max(max(tat, now) + cost * window / rate, now)
+
+
 def gcra(tat: float, now: float, rate: int, cost: float, need: float | None = None, window: float = WINDOW) -> Decision:
     """Generic cell rate algorithm: `rate` units per `window`, burst of a whole window.
 
-    Admit when the bucket holds `need` units (default: `cost`), then charge `cost`
-    (negative refunds, never beyond a full bucket). Denied requests change nothing.
+    Admit when the bucket holds `need` units (default: `cost`), then charge `cost`.
+    Denied requests change nothing.
     """
     need = cost if need is None else need
     interval = window / rate
-    base = max(tat, now)
-    wait = base + need * interval - window - now
+    wait = max(tat, now) + need * interval - window - now
     allowed = wait <= 1e-9
-    new_tat = max(base + cost * interval, now) if allowed else tat
+    new_tat = charge(tat, now, rate, cost, window) if allowed else tat
     filled = max(new_tat - now, 0.0)
     remaining = max(math.floor((window - filled) / interval + 1e-9), 0)
     return Decision(allowed, new_tat, 0.0 if allowed else wait, remaining, filled)
@@ -187,13 +191,12 @@ class MemoryLimiter:
                 before[scope.name, dim] = self.tats.get((scope.name, dim), now)
             limits = scope.limits
             if limits.requests_per_minute:
-                after[scope.name, "rpm"] = gcra(before[scope.name, "rpm"], now, limits.requests_per_minute, 1).tat
+                after[scope.name, "rpm"] = charge(before[scope.name, "rpm"], now, limits.requests_per_minute, 1)
             if limits.tokens_per_minute:
-                charge = gcra(before[scope.name, "tpm"], now, limits.tokens_per_minute, tokens, need=min(tokens, 1))
-                after[scope.name, "tpm"] = charge.tat
+                after[scope.name, "tpm"] = charge(before[scope.name, "tpm"], now, limits.tokens_per_minute, tokens)
             busy[scope.name] = len(self._live_leases(scope.name, now))
         admission = _admission(scopes, tokens, uuid.uuid4().hex, before, after, now, busy)
-        if admission.allowed:
+        if admission.allowed:  # no await since reading the state: check and charge are one step
             self.tats.update(after)
             for scope in scopes:
                 if scope.limits.max_concurrent:
@@ -207,7 +210,7 @@ class MemoryLimiter:
             rate = scope.limits.tokens_per_minute
             if rate and used_tokens is not None and used_tokens != ticket.reserved_tokens:
                 tat = self.tats.get((scope.name, "tpm"), now)
-                self.tats[scope.name, "tpm"] = gcra(tat, now, rate, used_tokens - ticket.reserved_tokens, need=0).tat
+                self.tats[scope.name, "tpm"] = charge(tat, now, rate, used_tokens - ticket.reserved_tokens)
 
     async def renew(self, ticket: Ticket) -> None:
         now = self.clock()
@@ -219,12 +222,13 @@ class MemoryLimiter:
 
 # The Lua mirrors `gcra` above: it only decides and stores; Python reads the results.
 _GCRA_LUA = """
+local function charge(tat, now, rate, cost, window)
+  return math.max(math.max(tat, now) + cost * window / rate, now)
+end
 local function gcra(tat, now, rate, cost, need, window)
-  local interval = window / rate
-  local base = math.max(tat, now)
-  local wait = base + need * interval - window - now
-  if wait <= 1e-9 then return true, math.max(base + cost * interval, now), 0 end
-  return false, tat, wait
+  local wait = math.max(tat, now) + need * window / rate - window - now
+  if wait <= 1e-9 then return true, charge(tat, now, rate, cost, window) end
+  return false, tat
 end
 local function store(key, tat, now)
   if tat <= now then redis.call('DEL', key)
@@ -285,7 +289,7 @@ for i = 1, #KEYS / 2 do
   redis.call('ZREM', KEYS[2 * i], lease)
   local tpm = tonumber(ARGV[3 + i])
   if tpm > 0 and delta ~= 0 then
-    local _, tat = gcra(tonumber(redis.call('GET', KEYS[2 * i - 1]) or now), now, tpm, delta, 0, window)
+    local tat = charge(tonumber(redis.call('GET', KEYS[2 * i - 1]) or now), now, tpm, delta, window)
     store(KEYS[2 * i - 1], tat, now)
   end
 end
