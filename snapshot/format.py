@@ -1,0 +1,115 @@
+"""The snapshot file: a JSON header, then tensor data aligned for direct I/O, checksummed per chunk.
+
+    [8 B magic "EMBERSN1"][8 B header length, little endian][header JSON][zero pad to 4 KiB]
+    [data region: each tensor at a 4 KiB-aligned offset; the region is padded to 4 KiB]
+
+The data region is cut into fixed-size chunks (a multiple of 4 KiB) and the header lists the
+sha256 of each, so a loader verifies every chunk it reads before the bytes reach a model.
+A snapshot's id is the sha256 of its header bytes, which name every chunk's hash: the id
+addresses the content.
+"""
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ember.snapshot.errors import SnapshotCorrupt
+
+MAGIC = b"EMBERSN1"
+PREAMBLE = 16
+ALIGN = 4096
+CHUNK_SIZE = 16 << 20
+
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+)}
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # from the start of the data region
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    tensors: tuple[TensorEntry, ...]
+    chunk_size: int
+    data_offset: int  # from the start of the file
+    data_size: int
+    chunks: tuple[str, ...]  # sha256 hex of each chunk of the data region
+
+    @property
+    def file_size(self) -> int:
+        return self.data_offset + self.data_size
+
+    def chunk_span(self, index: int) -> tuple[int, int]:
+        """Byte range [start, end) of one chunk within the data region."""
+        start = index * self.chunk_size
+        return start, min(start + self.chunk_size, self.data_size)
+
+    def encode(self) -> bytes:
+        body = {
+            "version": 1, "chunk_size": self.chunk_size, "data_offset": self.data_offset,
+            "data_size": self.data_size, "chunks": list(self.chunks),
+            "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors],
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def preamble(self) -> bytes:
+        raw = self.encode()
+        return MAGIC + struct.pack("<Q", len(raw)) + raw
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha256(self.encode()).hexdigest()
+
+
+def layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], chunk_size: int = CHUNK_SIZE) -> Header:
+    """Places tensors in the data region; chunk hashes are left blank for the writer to fill."""
+    if chunk_size % ALIGN:
+        raise ValueError(f"chunk_size must be a multiple of {ALIGN}, got {chunk_size}")
+    entries, offset = [], 0
+    for name, dtype, shape in specs:
+        key = str(dtype).removeprefix("torch.")
+        if key not in DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {dtype}, which snapshots do not store; supported: {sorted(DTYPES)}")
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        entries.append(TensorEntry(name, key, tuple(shape), offset, nbytes))
+        offset = align(offset + nbytes)
+    data_size = align(offset)
+    blank = ("0" * 64,) * (-(-data_size // chunk_size))
+    probe = Header(tuple(entries), chunk_size, 0, data_size, blank)
+    # Hashes are fixed-width hex, so the header's length is known before they are; +20 leaves
+    # room for the digits of data_offset itself.
+    data_offset = align(PREAMBLE + len(probe.encode()) + 20)
+    return Header(tuple(entries), chunk_size, data_offset, data_size, blank)
+
+
+def parse_preamble(head: bytes, snapshot_id: str) -> int:
+    """Length of the header JSON that follows the 16-byte preamble."""
+    if len(head) < PREAMBLE or head[:8] != MAGIC:
+        raise SnapshotCorrupt(snapshot_id, "bad magic: not an Ember snapshot or truncated")
+    return struct.unpack("<Q", head[8:PREAMBLE])[0]
+
+
+def decode(raw: bytes, snapshot_id: str | None = None) -> Header:
+    """Parses header bytes; when an id is given, the bytes must hash to it."""
+    if snapshot_id is not None and hashlib.sha256(raw).hexdigest() != snapshot_id:
+        raise SnapshotCorrupt(snapshot_id, "header does not match its id")
+    try:
+        body = json.loads(raw)
+        tensors = tuple(TensorEntry(n, d, tuple(s), o, b) for n, d, s, o, b in body["tensors"])
+        return Header(tensors, body["chunk_size"], body["data_offset"], body["data_size"], tuple(body["chunks"]))
+    except (ValueError, KeyError, TypeError) as err:
+        raise SnapshotCorrupt(snapshot_id or "?", f"unreadable header: {err}") from None

@@ -1,0 +1,182 @@
+"""Loads a snapshot at the speed of its slowest link: storage, checksum, PCIe.
+
+Each worker thread owns two chunk buffers (pinned when the target is a GPU) and one CUDA
+stream. It reads a chunk into one buffer (O_DIRECT from disk, or a ranged GET from S3),
+checks the chunk's sha256, and queues its host->device copies straight into the target
+tensors, then reads the next chunk into its other buffer while those copies run.
+A buffer is reused only once the copies out of it have finished.
+
+A chunk is copied only after its checksum passed, so the targets never receive a corrupt
+byte; but when a later chunk fails, earlier tensors are already written: the caller must
+treat the targets as garbage (restore_into's contract) and boot from scratch.
+"""
+import bisect
+import hashlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ember.snapshot.errors import SnapshotCorrupt, SnapshotMismatch
+from ember.snapshot.format import ALIGN, DTYPES, Header
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class LoadReport:
+    bytes: int
+    seconds: float
+    chunks: int
+    threads: int
+    direct_io: bool
+    source: str
+    device: str
+    # wall seconds for setup phases; summed thread seconds for read / verify / copy
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    def __str__(self) -> str:
+        parts = " ".join(f"{k}={v:.3f}s" for k, v in self.phases.items())
+        return (f"{self.bytes / 1e9:.2f} GB in {self.seconds:.3f} s = {self.gbps:.1f} GB/s from {self.source} "
+                f"({self.threads} threads, direct_io={self.direct_io}; {parts})")
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
+
+
+def plan(header: Header) -> list[list[tuple[str, int, int, int]]]:
+    """For each chunk: (tensor, start in chunk, end in chunk, start in tensor) of every piece it holds."""
+    starts = [t.offset for t in header.tensors]
+    pieces = []
+    for index in range(len(header.chunks)):
+        lo, hi = header.chunk_span(index)
+        found = []
+        for entry in header.tensors[max(bisect.bisect_right(starts, lo) - 1, 0):]:
+            if entry.offset >= hi:
+                break
+            a, b = max(lo, entry.offset), min(hi, entry.offset + entry.nbytes)
+            if a < b:
+                found.append((entry.name, a - lo, b - lo, a - entry.offset))
+        pieces.append(found)
+    return pieces
+
+
+def check_targets(header: Header, targets: Mapping[str, torch.Tensor]) -> None:
+    want = {t.name: t for t in header.tensors}
+    missing, extra = want.keys() - targets.keys(), targets.keys() - want.keys()
+    if missing or extra:
+        raise SnapshotMismatch(f"snapshot and model hold different tensors: missing from model {sorted(missing)[:5]}, "
+                               f"missing from snapshot {sorted(extra)[:5]}; rebuild the snapshot from this model")
+    for name, t in targets.items():
+        e = want[name]
+        if tuple(t.shape) != e.shape or t.dtype != DTYPES[e.dtype]:
+            raise SnapshotMismatch(f"tensor {name!r}: model has {t.dtype} {tuple(t.shape)}, snapshot has "
+                                   f"{e.dtype} {e.shape}; rebuild the snapshot from this model")
+        if not t.is_contiguous():
+            raise SnapshotMismatch(f"tensor {name!r} is not contiguous; load into contiguous tensors")
+
+
+def aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + nbytes]
+
+
+def load(source, targets: Mapping[str, torch.Tensor] | None = None, device: str | torch.device = "cpu",
+         threads: int | None = None, progress: Progress | None = None) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """Reads every tensor of `source` into `targets` (allocated on `device` when None).
+
+    Raises SnapshotCorrupt when a chunk fails its checksum, SnapshotMismatch when targets
+    do not match the snapshot (before any byte is copied).
+    """
+    began = time.perf_counter()
+    header: Header = source.header
+    if targets is None:
+        targets = {e.name: torch.empty(e.shape, dtype=DTYPES[e.dtype], device=device) for e in header.tensors}
+    else:
+        check_targets(header, targets)
+        device = next(iter(targets.values())).device if targets else torch.device(device)
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    views = {name: byte_view(t) for name, t in targets.items()}
+    pieces = plan(header)
+    threads = max(1, min(threads or source.default_threads, len(pieces)))
+    allocated = time.perf_counter()
+
+    slab = aligned_buffer(2 * threads * header.chunk_size, pin=cuda)
+    pinned = time.perf_counter()
+
+    next_chunk, lock, stop = itertools.count(), threading.Lock(), threading.Event()
+    done, busy = [0], {"read": 0.0, "verify": 0.0, "copy": 0.0}
+
+    def work(worker: int) -> None:
+        stream = torch.cuda.Stream(device) if cuda else None
+        base = 2 * worker * header.chunk_size
+        buffers = [slab[base + k * header.chunk_size: base + (k + 1) * header.chunk_size] for k in (0, 1)]
+        events: list = [None, None]
+        spent = dict.fromkeys(busy, 0.0)
+        try:
+            stream_chunks(stream, buffers, events, spent)
+        except BaseException:
+            stop.set()  # the other workers stop at their next chunk
+            raise
+        finally:
+            if stream is not None:
+                stream.synchronize()  # no copy may still read a buffer once it is freed
+            with lock:
+                for k, dt in spent.items():
+                    busy[k] += dt
+
+    def stream_chunks(stream, buffers, events, spent) -> None:
+        for turn in itertools.count():
+            with lock:
+                index = next(next_chunk)
+            if index >= len(pieces) or stop.is_set():
+                break
+            slot = turn % 2
+            if events[slot] is not None:
+                events[slot].synchronize()
+            buf = buffers[slot]
+            t0 = time.perf_counter()
+            n = source.read_chunk(index, memoryview(buf.numpy()))
+            t1 = time.perf_counter()
+            if hashlib.sha256(buf[:n].numpy()).hexdigest() != header.chunks[index]:
+                raise SnapshotCorrupt(source.id, f"chunk {index} (bytes {header.chunk_span(index)}) fails its sha256")
+            t2 = time.perf_counter()
+            if cuda:
+                with torch.cuda.stream(stream):
+                    for name, a, b, at in pieces[index]:
+                        views[name][at:at + b - a].copy_(buf[a:b], non_blocking=True)
+                    events[slot] = stream.record_event()
+            else:
+                for name, a, b, at in pieces[index]:
+                    views[name][at:at + b - a].copy_(buf[a:b])
+            t3 = time.perf_counter()
+            for k, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2)):
+                spent[k] += dt
+            with lock:
+                done[0] += n
+                if progress:
+                    progress(done[0], header.data_size)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="snapshot-load") as pool:
+        futures = [pool.submit(work, w) for w in range(threads)]
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            stop.set()
+    finished = time.perf_counter()
+    phases = {"allocate": allocated - began, "pin": pinned - allocated, "stream": finished - pinned, **busy}
+    report = LoadReport(header.data_size, finished - began, len(pieces), threads, source.direct_io, source.url,
+                        str(device), phases)
+    return dict(targets), report

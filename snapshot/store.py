@@ -1,0 +1,190 @@
+"""Where snapshots live: a content-addressed directory in EMBER_HOME, or S3 (see s3.py).
+
+Both stores answer the same calls: put, resolve, open, ls, rm, quarantine. An object is
+named by its id (the sha256 of its header); names are refs pointing at ids.
+"""
+import mmap
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ember.home import Home
+from ember.snapshot.errors import SnapshotCorrupt, SnapshotError, SnapshotNotFound
+from ember.snapshot.format import ALIGN, PREAMBLE, Header, decode, parse_preamble
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    id: str
+    names: tuple[str, ...]
+    size: int
+    tensors: int
+    created: float
+    store: str
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "names": list(self.names), "size": self.size, "tensors": self.tensors,
+                "created": self.created, "store": self.store}
+
+
+def check_name(name: str) -> str:
+    if not NAME.match(name):
+        raise ValueError(f"snapshot name {name!r} is not allowed: use letters, digits, '.', '_' or '-' (at most 128)")
+    return name
+
+
+def staging_path() -> Path:
+    """A fresh file path on local disk for a snapshot being written, beside the local store."""
+    folder = Home().snapshots / "tmp"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{uuid.uuid4().hex}.partial"
+
+
+def read_header(path: str | os.PathLike, snapshot_id: str | None = None) -> Header:
+    path = Path(path)
+    with open(path, "rb") as f:
+        length = parse_preamble(f.read(PREAMBLE), snapshot_id or path.stem)
+        raw = f.read(length)
+    if len(raw) < length:
+        raise SnapshotCorrupt(snapshot_id or path.stem, "truncated inside the header")
+    return decode(raw, snapshot_id)
+
+
+def pick(key: str, ids: list[str], where: str) -> str:
+    """The one id that `key` names as an id or a unique id prefix."""
+    found = [i for i in ids if i.startswith(key)] if len(key) >= 6 else []
+    if len(found) > 1:
+        raise SnapshotError(f"{key!r} matches {len(found)} snapshots in {where}; give more of the id")
+    if not found:
+        raise SnapshotNotFound(key, where)
+    return found[0]
+
+
+class FileSource:
+    """Reads one snapshot file chunk by chunk, with O_DIRECT where the filesystem allows it."""
+
+    default_threads = min(16, os.cpu_count() or 1)
+
+    def __init__(self, path: Path, snapshot_id: str):
+        self.path, self.id, self.url = path, snapshot_id, str(path)
+        self.header = read_header(path, snapshot_id)
+        size = path.stat().st_size
+        if size < self.header.file_size:
+            raise SnapshotCorrupt(snapshot_id, f"truncated: {size} of {self.header.file_size} bytes")
+        self.fd, self.direct_io = self._open()
+
+    def _open(self) -> tuple[int, bool]:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            return os.open(self.path, os.O_RDONLY), False
+        probe = mmap.mmap(-1, ALIGN)  # page-aligned, as O_DIRECT wants
+        try:
+            os.preadv(fd, [probe], self.header.data_offset)
+            return fd, hasattr(os, "O_DIRECT")
+        except OSError:  # e.g. tmpfs refuses O_DIRECT reads
+            os.close(fd)
+            return os.open(self.path, os.O_RDONLY), False
+        finally:
+            probe.close()
+
+    def read_chunk(self, index: int, into: memoryview) -> int:
+        start, end = self.header.chunk_span(index)
+        want, done = end - start, 0
+        while done < want:
+            got = os.preadv(self.fd, [into[done:want]], self.header.data_offset + start + done)
+            if got == 0:
+                raise SnapshotCorrupt(self.id, f"truncated in chunk {index}")
+            done += got
+        return want
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class LocalStore:
+    """$EMBER_HOME/snapshots/{objects/<id>.ember, refs/<name>, quarantine/<id>.ember}."""
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root) if root else Home().snapshots
+        self.url = "local"
+        self.objects, self.refs, self.quarantined = (self.root / d for d in ("objects", "refs", "quarantine"))
+        for d in (self.objects, self.refs, self.quarantined):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def _object(self, snapshot_id: str) -> Path:
+        return self.objects / f"{snapshot_id}.ember"
+
+    def _names(self) -> dict[str, str]:
+        return {p.name: p.read_text().strip() for p in self.refs.iterdir() if not p.name.startswith(".")}
+
+    def put(self, path: str | os.PathLike, name: str | None = None) -> SnapshotRef:
+        """Takes ownership of a written snapshot file and files it under its id (and `name`)."""
+        header = read_header(Path(path))
+        shutil.move(path, self._object(header.id))
+        if name:
+            ref = self.refs / check_name(name)
+            tmp = ref.with_name(f".{name}.{uuid.uuid4().hex}")
+            tmp.write_text(header.id)
+            os.replace(tmp, ref)
+        return self._ref(header.id)
+
+    def resolve(self, key: str) -> str:
+        names = self._names()
+        if key in names and self._object(names[key]).exists():
+            return names[key]
+        return pick(key, [p.stem for p in self.objects.glob("*.ember")], f"local store {self.root}")
+
+    def open(self, key: str) -> FileSource:
+        snapshot_id = self.resolve(key)
+        return FileSource(self._object(snapshot_id), snapshot_id)
+
+    def _ref(self, snapshot_id: str) -> SnapshotRef:
+        path = self._object(snapshot_id)
+        try:
+            tensors = len(read_header(path).tensors)
+        except SnapshotError:
+            tensors = -1
+        names = tuple(sorted(n for n, i in self._names().items() if i == snapshot_id))
+        st = path.stat()
+        return SnapshotRef(snapshot_id, names, st.st_size, tensors, st.st_mtime, self.url)
+
+    def ls(self) -> list[SnapshotRef]:
+        return sorted((self._ref(p.stem) for p in self.objects.glob("*.ember")), key=lambda r: r.created)
+
+    def rm(self, key: str) -> SnapshotRef:
+        ref = self._ref(self.resolve(key))
+        for name in ref.names:
+            (self.refs / name).unlink(missing_ok=True)
+        self._object(ref.id).unlink()
+        return ref
+
+    def quarantine(self, snapshot_id: str, reason: str) -> Path:
+        """Moves a corrupt snapshot aside (kept for inspection) and drops the names pointing at it."""
+        for name, target in self._names().items():
+            if target == snapshot_id:
+                (self.refs / name).unlink(missing_ok=True)
+        dest = self.quarantined / f"{snapshot_id}.{int(time.time())}.ember"
+        if self._object(snapshot_id).exists():
+            os.replace(self._object(snapshot_id), dest)
+        dest.with_suffix(".reason").write_text(reason + "\n")
+        return dest
+
+
+def open_store(spec: str | None = None):
+    """`local` (or None) for the EMBER_HOME store, `s3://bucket/prefix` for S3."""
+    if spec in (None, "", "local"):
+        return LocalStore()
+    if spec.startswith("s3://"):
+        from ember.snapshot.s3 import S3Store  # boto3 only where S3 is used
+        bucket, _, prefix = spec.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise ValueError(f"store {spec!r} names no bucket; write s3://BUCKET/PREFIX")
+        return S3Store(bucket, prefix)
+    raise ValueError(f"unknown store {spec!r}; use 'local' or 's3://bucket/prefix'")

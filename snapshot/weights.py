@@ -1,0 +1,90 @@
+"""What a replica calls for `snapshot=True`: restore weights from a snapshot, or capture one after a full boot.
+
+    report = restore_into(model, store, key, device)   # None: no snapshot yet
+    ...full boot when it returned None or raised SnapshotError...
+    capture(model, store, key)                          # after the first full boot
+"""
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+import torch
+from tqdm import tqdm
+
+from ember.snapshot.errors import SnapshotCorrupt, SnapshotNotFound
+from ember.snapshot.format import CHUNK_SIZE
+from ember.snapshot.loader import LoadReport, Progress, load
+from ember.snapshot.store import SnapshotRef, staging_path
+from ember.snapshot.writer import write_state_dict
+
+log = logging.getLogger("ember.snapshot")
+BAR_FROM = 1 << 30  # loads of a GiB or more show a progress bar unless a callback is given
+
+
+def bar(total: int, desc: str) -> tuple[Progress, tqdm]:
+    shown = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False)
+
+    def update(done: int, _total: int) -> None:
+        shown.update(done - shown.n)
+
+    return update, shown
+
+
+def state_of(module_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if isinstance(module_or_state, torch.nn.Module):
+        return module_or_state.state_dict()
+    return dict(module_or_state)
+
+
+def capture(module_or_state: torch.nn.Module | Mapping[str, torch.Tensor], store, key: str,
+            chunk_size: int = CHUNK_SIZE, progress: Progress | None = None) -> SnapshotRef:
+    """Writes the module's state dict as a snapshot into `store` under the name `key`."""
+    path = staging_path()
+    try:
+        write_state_dict(state_of(module_or_state), path, chunk_size, progress)
+        return store.put(path, key)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def restore_into(module: torch.nn.Module | Mapping[str, torch.Tensor], store, key: str,
+                 device: str | torch.device | None = None, threads: int | None = None,
+                 progress: Progress | None = None) -> LoadReport | None:
+    """Loads snapshot `key` into the module's own tensors, in place.
+
+    Returns None when the store holds no such snapshot. Raises SnapshotCorrupt, after
+    quarantining the snapshot, when a checksum or size fails, and SnapshotMismatch when the
+    snapshot holds other tensors than the module (nothing is copied then). After any
+    SnapshotError the module's weights are partly overwritten: boot it from scratch.
+    `device` is only checked: the module must already sit there (its tensors are the targets).
+    """
+    targets = state_of(module)
+    if device is not None and targets:
+        where = next(iter(targets.values())).device
+        if torch.device(device).type != where.type:
+            raise ValueError(f"module is on {where}, asked to restore onto {device}; move the module first")
+    try:
+        source = store.open(key)
+    except SnapshotNotFound:
+        return None
+    except SnapshotCorrupt as err:
+        store.quarantine(err.snapshot_id, err.reason)
+        log.warning("snapshot %s quarantined: %s", key, err.reason)
+        raise
+    shown = None
+    if progress is None and source.header.data_size >= BAR_FROM:
+        progress, shown = bar(source.header.data_size, f"restore {key}")
+    try:
+        _, report = load(source, targets, threads=threads, progress=progress)
+    except SnapshotCorrupt as err:
+        store.quarantine(err.snapshot_id, err.reason)
+        log.warning("snapshot %s quarantined: %s", key, err.reason)
+        raise
+    finally:
+        source.close()
+        if shown is not None:
+            shown.close()
+    log.info("restored %s: %s", key, report)
+    return report
