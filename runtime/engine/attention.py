@@ -1,0 +1,93 @@
+"""Paged attention behind one interface: `plan(batch)` once per step, then `forward(q, k, v, kv_cache)` per layer.
+
+KV cache layout per layer: [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim] (flashinfer's NHD).
+Tokens of a step are flattened: sequence after sequence, each sequence's new tokens in order.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionBatch:
+    query_lens: list[int]          # new tokens per sequence this step
+    context_lens: list[int]        # tokens in the cache per sequence after this step (cached + new)
+    block_tables: list[list[int]]  # blocks per sequence, covering context_lens
+    slot_blocks: torch.Tensor      # [T] block of each new token (on the device)
+    slot_offsets: torch.Tensor     # [T] offset in that block
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
+    kv_cache[batch.slot_blocks, 0, batch.slot_offsets] = k
+    kv_cache[batch.slot_blocks, 1, batch.slot_offsets] = v
+
+
+class SdpaBackend:
+    """Gathers each sequence's K/V from its blocks and runs torch SDPA with a causal mask offset by the prefix."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size, self.scale = block_size, scale
+
+    def plan(self, batch: AttentionBatch) -> None:
+        device = batch.slot_blocks.device
+        self.batch = batch
+        self.tables, self.masks = [], []
+        for n, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
+            self.tables.append(torch.tensor(table, dtype=torch.long, device=device))
+            query_pos = torch.arange(ctx - n, ctx, device=device)
+            self.masks.append(torch.arange(ctx, device=device)[None, :] <= query_pos[:, None])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        write_kv(kv_cache, k, v, self.batch)
+        out = torch.empty_like(q)
+        start = 0
+        for n, ctx, table, mask in zip(self.batch.query_lens, self.batch.context_lens, self.tables, self.masks):
+            kv = kv_cache[table].transpose(0, 1).reshape(2, -1, self.num_kv_heads, self.head_dim)[:, :ctx]
+            o = F.scaled_dot_product_attention(
+                q[start:start + n].transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1),
+                attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[start:start + n] = o.transpose(0, 1)
+            start += n
+        return out
+
+
+class FlashInferBackend:
+    """flashinfer's paged kernels: the decode wrapper when every sequence adds one token, else the prefill one."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
+                 dtype: torch.dtype, device: torch.device):
+        import flashinfer
+
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size, self.scale, self.dtype = block_size, scale, dtype
+        workspace = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+
+    def plan(self, batch: AttentionBatch) -> None:
+        self.batch = batch
+        blocks_per_seq = [len(t) for t in batch.block_tables]
+        kv_indptr = torch.tensor([0] + blocks_per_seq, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        kv_indices = torch.tensor([b for t in batch.block_tables for b in t], dtype=torch.int32)
+        last_page_len = torch.tensor([(c - 1) % self.block_size + 1 for c in batch.context_lens], dtype=torch.int32)
+        common = dict(num_kv_heads=self.num_kv_heads, page_size=self.block_size, sm_scale=self.scale,
+                      q_data_type=self.dtype, kv_data_type=self.dtype)
+        if batch.is_decode_only:
+            self.wrapper = self.decode
+            self.decode.plan(kv_indptr, kv_indices, last_page_len, num_qo_heads=self.num_heads,
+                             head_dim=self.head_dim, **common)
+        else:
+            self.wrapper = self.prefill
+            qo_indptr = torch.tensor([0] + batch.query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads=self.num_heads,
+                              head_dim_qk=self.head_dim, causal=True, **common)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        write_kv(kv_cache, k, v, self.batch)
+        return self.wrapper.run(q, kv_cache)

@@ -1,0 +1,116 @@
+"""Paged KV blocks: refcounts, a hash chain over full blocks for prefix reuse, and an LRU of free cached blocks."""
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from .sequence import Sequence
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None             # chain hash of (parent hash, tokens) once the block is full and registered
+    token_ids: tuple[int, ...] | None = None
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.clean: deque[int] = deque(range(num_blocks))       # free, holding nothing worth keeping
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free but still cached; oldest first
+        self.cached: dict[int, int] = {}                         # chain hash -> block id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.clean) + len(self.evictable)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def adopt_prefix(self, seq: Sequence) -> int:
+        """Point a fresh sequence at cached blocks holding its longest known prefix; return the tokens covered."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        seq.block_hashes = []
+        if not self.enable_prefix_caching:
+            return 0
+        # The last token is always recomputed: its logits are needed to sample.
+        for i in range((len(seq) - 1) // self.block_size):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return seq.num_computed_tokens
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow the block table to hold `num_new_tokens` more tokens; call can_allocate first."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        assert need <= self.num_free_blocks, "allocate() without can_allocate()"
+        for _ in range(need):
+            block_id = self.clean.popleft() if self.clean else self._evict()
+            self.blocks[block_id].ref_count = 1
+            seq.block_table.append(block_id)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that became full (and computed) so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.cached:  # an identical block computed by another request keeps the entry
+                block.hash, block.token_ids = h, tokens
+                self.cached[h] = block.id
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks go first into the LRU so they are evicted before the shared prefix they extend.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self.evictable[block_id] = None
+                else:
+                    self.clean.append(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.evictable.pop(block_id, None)
+        block.ref_count += 1
+
+    def _evict(self) -> int:
+        block_id, _ = self.evictable.popitem(last=False)
+        block = self.blocks[block_id]
+        if self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids = None, None
+        return block_id

@@ -1,0 +1,36 @@
+"""Engine configuration: the one dataclass that says which model runs where and how big the batches are."""
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BACKENDS = ("auto", "flashinfer", "sdpa")
+
+
+@dataclass
+class EngineConfig:
+    model: str                         # a Hugging Face model directory (config.json + *.safetensors [+ tokenizer files])
+    dtype: str = "auto"                # "auto": bf16 on CUDA, fp32 on CPU; or "float32"/"bfloat16"/"float16"
+    device: str = "auto"               # "auto": cuda if available else cpu
+    block_size: int = 16               # tokens per KV block
+    num_kv_blocks: int | None = None   # None: derive from gpu_memory_utilization on GPU, or from max_model_len*max_num_seqs on CPU
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048 # token budget per step (prefill chunks + decodes)
+    max_model_len: int | None = None   # None: from config.max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"    # "flashinfer" on CUDA when importable, else "sdpa"
+    enforce_eager: bool = False        # True disables CUDA graphs
+    log_token_ids: bool = False        # log prompt/output token ids per request
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: use one of {_DTYPES}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {_BACKENDS}")
+        if self.block_size <= 0 or self.block_size % 8:
+            raise ValueError(f"block_size={self.block_size}: use a positive multiple of 8, e.g. 16")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: use at least 1, or None to size it automatically")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: use a fraction in (0, 1]")

@@ -1,0 +1,167 @@
+"""LLMEngine: add requests, then step() = schedule, run, postprocess until every request has finished."""
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import Sequence, SequenceStatus
+from .stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:                   # what one engine step produced for one request
+    request_id: str
+    new_token_ids: list[int]           # usually 0 or 1 tokens
+    new_logprobs: list[dict] | None    # per new token: {"token_id", "logprob", "top": [(token_id, logprob), ...]}
+    finished: bool
+    finish_reason: str | None          # "stop" (EOS or stop token), "length" (max_tokens or context), "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int             # prompt tokens served from the prefix cache
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.model_name = Path(config.model).name
+        self.eos_token_ids = _eos_token_ids(config.model, self.runner.hf_config)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.stats = EngineStats()
+        self.seqs: dict[str, Sequence] = {}
+        self._aborted: list[RequestOutput] = []
+        self._ids = itertools.count()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise ValueError(f"request_id {request_id!r} is already running: use a unique id per request")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: pass at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}: shorten the prompt below {self.max_model_len} tokens")
+        vocab = self.runner.vocab_size
+        if not all(0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}): check the tokenizer matches the model")
+        params.validate(vocab)
+        generator = self.runner.make_generator(params.seed) if params.seed is not None else None
+        seq = Sequence(request_id, prompt_token_ids, params, generator)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        if self.config.log_token_ids:
+            logger.info("request %s prompt_token_ids=%s", request_id, prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None or seq.status is SequenceStatus.FINISHED:
+            return
+        self.scheduler.finish(seq, "abort")
+        self.stats.request_success["abort"] += 1
+        self._aborted.append(self._output(seq, [], None))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        forward = 0.0
+        if batch.seqs:
+            before = time.perf_counter()
+            tokens, logprobs = self.runner.run(batch, self.eos_token_ids)
+            forward = time.perf_counter() - before
+            outputs += self._postprocess(batch, tokens, logprobs)
+        self._record_step(batch, time.perf_counter() - start, forward)
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(request_id, prompt, p)
+        results = {request_id: [] for request_id in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[request_id] for request_id in ids]
+
+    def _postprocess(self, batch: ScheduledBatch, tokens, logprobs) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for seq, n, token, logprob in zip(batch.seqs, batch.num_new_tokens, tokens, logprobs):
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                self.stats.queue_time.observe(now - seq.arrival_time)
+                self.stats.prefix_cache_queries += seq.num_prompt_tokens
+                self.stats.prefix_cache_hits += seq.num_cached_tokens
+                self.stats.prompt_tokens += seq.num_prompt_tokens
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if token is None:   # a prefill chunk that did not reach the end of the prompt
+                continue
+            seq.token_ids.append(token)
+            self.stats.generation_tokens += 1
+            if seq.last_token_time is None:
+                self.stats.time_to_first_token.observe(now - seq.arrival_time)
+            else:
+                self.stats.inter_token_latency.observe(now - seq.last_token_time)
+            seq.last_token_time = now
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                del self.seqs[seq.request_id]
+                self.stats.request_success[reason] += 1
+                self.stats.e2e_request_latency.observe(now - seq.arrival_time)
+                if self.config.log_token_ids:
+                    logger.info("request %s finished (%s) output_token_ids=%s", seq.request_id, reason,
+                                seq.output_token_ids)
+            outputs.append(self._output(seq, [token], [logprob] if logprob is not None else None))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens and (
+                token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None) -> RequestOutput:
+        return RequestOutput(seq.request_id, tokens, logprobs, seq.status is SequenceStatus.FINISHED,
+                             seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens)
+
+    def _record_step(self, batch: ScheduledBatch, elapsed: float, forward: float) -> None:
+        s = self.stats
+        s.num_preemptions += len(batch.preempted)
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_cache_usage = self.block_manager.usage
+        s.step_time.observe(elapsed)
+        s.step_host_time.observe(elapsed - forward)
+
+
+def _eos_token_ids(model_dir: str, hf_config) -> set[int]:
+    ids = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    generation_config = Path(model_dir) / "generation_config.json"
+    if generation_config.is_file():
+        sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(source)
+    return ids

@@ -1,0 +1,131 @@
+"""Owns the device: the model weights, the KV cache tensors, the attention backend; runs one scheduled batch."""
+import logging
+
+import torch
+
+from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
+from .config import EngineConfig
+from .models.loader import load_model
+from .sampling import SamplingRow, sample
+from .scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device if config.device != "auto"
+                                   else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if config.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[config.dtype]
+        self.model, self.hf_config = load_model(config.model, self.dtype, self.device)
+        hf = self.hf_config
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = config.max_model_len or hf.max_position_embeddings
+        if self.max_model_len > hf.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{hf.max_position_embeddings}: lower it")
+        self.block_size = config.block_size
+        head_dim = self.model.head_dim
+        self.num_kv_heads = hf.num_key_value_heads
+        self.num_layers = hf.num_hidden_layers
+        self.num_blocks = config.num_kv_blocks or self._derive_num_blocks(head_dim)
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(f"{self.num_blocks} KV blocks of {self.block_size} tokens cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len}: raise num_kv_blocks or lower max_model_len")
+        self.kv_caches = [
+            torch.zeros(self.num_blocks, 2, self.block_size, self.num_kv_heads, head_dim,
+                        dtype=self.dtype, device=self.device)
+            for _ in range(self.num_layers)]
+        self.attention = self._make_backend(head_dim)
+        logger.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s", config.model, self.device,
+                    self.dtype, self.num_blocks, self.block_size, type(self.attention).__name__)
+
+    def _block_bytes(self, head_dim: int) -> int:
+        return 2 * self.block_size * self.num_kv_heads * head_dim * self.dtype.itemsize * self.num_layers
+
+    def _derive_num_blocks(self, head_dim: int) -> int:
+        if self.device.type != "cuda":
+            return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        free, total = torch.cuda.mem_get_info(self.device)
+        hf = self.hf_config
+        # Headroom for one step's activations: the MLP intermediate of a full token budget and the logits.
+        activations = (self.config.max_num_batched_tokens * (2 * hf.intermediate_size + 4 * hf.hidden_size)
+                       * self.dtype.itemsize + self.config.max_num_seqs * hf.vocab_size * 4 * 4 + (1 << 30))
+        budget = free - (1 - self.config.gpu_memory_utilization) * total - activations
+        blocks = int(budget // self._block_bytes(head_dim))
+        if blocks < 1:
+            raise ValueError("no GPU memory left for the KV cache: raise gpu_memory_utilization or use a smaller model")
+        return blocks
+
+    def _make_backend(self, head_dim: int):
+        hf = self.hf_config
+        name = self.config.attention_backend
+        args = (hf.num_attention_heads, self.num_kv_heads, head_dim, self.block_size, head_dim ** -0.5)
+        if name == "auto":
+            name = "flashinfer" if self.device.type == "cuda" and _flashinfer_importable() else "sdpa"
+        if name == "flashinfer":
+            if self.device.type != "cuda":
+                raise ValueError("attention_backend='flashinfer' needs a CUDA device: use 'sdpa' on CPU")
+            return FlashInferBackend(*args, dtype=self.dtype, device=self.device)
+        return SdpaBackend(*args)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> tuple[list[int | None], list[dict | None]]:
+        """Compute the batch's new tokens; sample for every sequence whose tokens are now all in the cache."""
+        input_ids, positions, slot_blocks, slot_offsets = [], [], [], []
+        sample_index, rows = [], []
+        end = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            pos = torch.arange(start, start + n)
+            input_ids.append(torch.tensor(seq.token_ids[start:start + n]))
+            positions.append(pos)
+            slot_blocks.append(torch.tensor(seq.block_table)[pos // self.block_size])
+            slot_offsets.append(pos % self.block_size)
+            end += n
+            if start + n == len(seq):
+                sample_index.append(end - 1)
+                rows.append(self._sampling_row(seq, eos_token_ids))
+        attn = AttentionBatch(
+            query_lens=list(batch.num_new_tokens),
+            context_lens=[s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)],
+            block_tables=[s.block_table for s in batch.seqs],
+            slot_blocks=torch.cat(slot_blocks).to(self.device),
+            slot_offsets=torch.cat(slot_offsets).to(self.device))
+        self.attention.plan(attn)
+        hidden = self.model(torch.cat(input_ids).to(self.device), torch.cat(positions).to(self.device),
+                            self.attention, self.kv_caches)
+        tokens: list[int | None] = [None] * len(batch.seqs)
+        logprobs: list[dict | None] = [None] * len(batch.seqs)
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_index, device=self.device)])
+            sampled, sampled_logprobs = sample(logits, rows)
+            it = iter(zip(sampled, sampled_logprobs))
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+                if seq.num_computed_tokens + n == len(seq):
+                    tokens[i], logprobs[i] = next(it)
+        return tokens, logprobs
+
+    def _sampling_row(self, seq, eos_token_ids: set[int]) -> SamplingRow:
+        p = seq.params
+        banned = []
+        if seq.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
+        return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator, banned)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+
+def _flashinfer_importable() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True

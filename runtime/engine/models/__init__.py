@@ -1,0 +1,1 @@
+"""Model architectures the engine can run, and the loader that picks one from config.json."""

@@ -1,0 +1,140 @@
+"""Llama and Qwen2 decoder stacks (GQA, RoPE with scaling, optional QKV bias, tied or untied embeddings).
+
+Module names follow Hugging Face's so safetensors weights load by name.
+"""
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary:
+    """Rotate-half RoPE; the frequencies and scaling come from the config's rope parameters."""
+
+    def __init__(self, config, head_dim: int):
+        with torch.device("cpu"):   # the model itself may be built on the meta device
+            self.inv_freq, self.scaling = self._frequencies(config, head_dim)
+
+    @staticmethod
+    def _frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+        params = getattr(config, "rope_parameters", None) or {
+            **(getattr(config, "rope_scaling", None) or {}), "rope_theta": getattr(config, "rope_theta", 10000.0)}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type == "default":
+            exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+            return 1.0 / (params["rope_theta"] ** exponent), 1.0
+        if rope_type in ("linear", "llama3", "yarn"):
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        raise ValueError(f"rope type {rope_type!r} is not supported: use default, linear, llama3 or yarn")
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype)[:, None, :], (emb.sin() * self.scaling).to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim
+        # Qwen2 configs carry no attention_bias and always have a QKV bias (and none on o_proj).
+        qkv_bias, o_bias = getattr(config, "attention_bias", True), getattr(config, "attention_bias", False)
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=o_bias)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def forward(self, x, cos, sin, attention, kv_cache):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.qk_norm(q, k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention.forward(q, k, v, kv_cache)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported: only silu")
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, head_dim: int, attention_cls):
+        super().__init__()
+        self.self_attn = attention_cls(config, head_dim)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attention, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, head_dim: int, attention_cls):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, head_dim, attention_cls) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.model = LlamaModel(config, self.head_dim, self.attention_cls)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(config, self.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, kv_caches) -> torch.Tensor:
+        """Hidden states [T, hidden] for the flattened tokens of one step."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, attention, kv_cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,56 @@
+"""One request as the engine sees it: its tokens, how many of them are in the KV cache, and its blocks."""
+import enum
+import time
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 generator: torch.Generator | None = None):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chain hashes of the full blocks at the head of block_table
+        self.num_computed_tokens = 0   # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0     # prompt tokens served from the prefix cache on first admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.last_token_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={len(self)}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
