@@ -57,6 +57,7 @@ class ReplicaView:
     state: str  # "starting" | "hot" | "parked"
     in_flight: int
     idle_since: float | None  # None while it has work
+    draining: bool = False  # a Park or Evict is waiting for its in-flight requests; routes nothing new
 
 
 @dataclass(frozen=True)
@@ -119,10 +120,6 @@ def mean_concurrency(samples: Sequence[Sample]) -> float:
     return sum(s.concurrency for s in samples) / len(samples) if samples else 0.0
 
 
-def arrival_rate(samples: Sequence[Sample], seconds: float) -> float:
-    return sum(s.arrivals for s in samples) / seconds
-
-
 def replicas_for(concurrency: float, target: float) -> int:
     # round before ceil so 3.0000000001 replicas of float noise is 3
     return math.ceil(round(concurrency / target, 6))
@@ -136,17 +133,18 @@ def prewarm_concurrency(settings: ScalingSettings, history: Sequence[Sample], no
     gives over the stable window.
     """
     w = settings.panic_window
-    recent = arrival_rate(window(history, now, w), w)
-    before = arrival_rate([s for s in window(history, now, 2 * w) if s.t <= now - w], w)
-    if recent <= before * 1.25 or recent == 0:
+    recent = sum(s.arrivals for s in window(history, now, w))
+    before = sum(s.arrivals for s in window(history, now, 2 * w)) - recent
+    # Poisson counts: a rise under 3 standard deviations is noise, not a trend
+    if recent - before <= 3 * math.sqrt(recent + before + 1):
         return 0.0
     stable = window(history, now, settings.stable_window)
-    rate = arrival_rate(stable, settings.stable_window)
+    rate = sum(s.arrivals for s in stable) / settings.stable_window
     service = (sum(s.in_flight for s in stable) / len(stable)) / rate if rate else 0.0
     if service == 0:
         return 0.0
-    slope = (recent - before) / w
-    return (recent + slope * lead) * service
+    slope = (recent - before) / w / w
+    return (recent / w + slope * lead) * service
 
 
 def decide(
@@ -159,11 +157,15 @@ def decide(
     """Actions for one function at time `now`.
 
     The caller applies them and reports the result in the next call: a Start shows
-    up as `count` replicas in state "starting", a Wake turns a parked replica into
-    "starting", a Park into "parked", an Evict removes it.
+    up as `count` replicas in state "starting"; a Wake turns a parked replica into
+    "starting", or takes a draining one back into routing; a Park or Evict of a
+    replica with requests in flight first drains it (no new requests, `draining`
+    set) and parks or stops it when the last one finishes. Parked replicas keep the
+    `idle_since` they parked with.
     """
     s = settings
-    hot = [r for r in replicas if r.state == HOT]
+    hot = [r for r in replicas if r.state == HOT and not r.draining]
+    draining = [r for r in replicas if r.state == HOT and r.draining]
     starting = [r for r in replicas if r.state == STARTING]
     parked = [r for r in replicas if r.state == PARKED]
 
@@ -198,7 +200,8 @@ def decide(
             if rising and replicas_for(rising, s.target_concurrency) >= want_panic
             else f"{demand:.1f} concurrent over {s.panic_window:g}s needs {want} replicas, have {have}"
         )
-        waking = sorted(parked, key=lambda r: r.idle_since or 0.0, reverse=True)[: want - have]
+        # cheapest first: a draining replica is still hot, a parked one needs ~0.3 s
+        waking = (draining + sorted(parked, key=lambda r: r.idle_since or 0.0, reverse=True))[: want - have]
         actions += [Wake(r.id, why) for r in waking]
         if want - have - len(waking) > 0:
             actions.append(Start(want - have - len(waking), why))
@@ -211,10 +214,10 @@ def decide(
     hold = s.park_after if s.park_after is not None else s.scaledown_window
     recent_peak = max((x.concurrency for x in window(history, now, max(hold, s.panic_window))), default=0)
     keep = max(want, min(replicas_for(recent_peak, s.target_concurrency) + s.buffer_replicas, s.max_replicas))
-    idle = sorted((r for r in hot if r.in_flight == 0 and r.idle_since is not None), key=lambda r: r.idle_since)
-    spare = [r for r in idle if now - r.idle_since >= min(hold, s.panic_window)][: max(len(hot) - keep, 0)]
-    for r in spare:
-        why = f"idle {now - r.idle_since:.0f}s; peak {recent_peak} concurrent over {hold:g}s fits {keep} replicas"
+    # the least loaded go first, so draining them is quick
+    spare = sorted(hot, key=lambda r: (r.in_flight, r.idle_since if r.idle_since is not None else now))
+    for r in spare[: max(len(hot) - keep, 0)]:
+        why = f"peak {recent_peak} concurrent over {hold:g}s fits {keep} replicas of {len(hot)}"
         actions.append(Park(r.id, why) if s.park_after is not None else Evict(r.id, why))
 
     for r in parked:

@@ -1,0 +1,77 @@
+"""Seeded request traces for the autoscaling simulator.
+
+Each trace is a list of requests in arrival order; arrivals are Poisson at a rate
+that varies with time (drawn by thinning), token counts are log-normal around a
+chat-like prompt and answer.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Request:
+    t: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+def tokens(rng: random.Random) -> tuple[int, int]:
+    prompt = int(min(max(rng.lognormvariate(math.log(500), 0.8), 16), 8000))
+    output = int(min(max(rng.lognormvariate(math.log(150), 0.6), 8), 1000))
+    return prompt, output
+
+
+def poisson(rate: Callable[[float], float], peak: float, duration: float, rng: random.Random) -> list[Request]:
+    """Arrivals at `rate(t)` req/s (never above `peak`) over [0, duration)."""
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= duration:
+            return out
+        if rng.random() * peak < rate(t):
+            out.append(Request(t, *tokens(rng)))
+
+
+def steady(duration: float, rng: random.Random, rate: float = 8.0) -> list[Request]:
+    return poisson(lambda t: rate, rate, duration, rng)
+
+
+def diurnal(duration: float, rng: random.Random, mean: float = 8.0) -> list[Request]:
+    """One day compressed into `duration`: trough near 5% of the mean, peak near 1.95x."""
+    return poisson(lambda t: mean * (1 - 0.95 * math.cos(2 * math.pi * t / duration)), 2 * mean, duration, rng)
+
+
+def on_off(duration: float, rng: random.Random, rate: float = 25.0, on: float = 60.0, off: float = 240.0) -> list[Request]:
+    return poisson(lambda t: rate if t % (on + off) < on else 0.0, rate, duration, rng)
+
+
+def spike(duration: float, rng: random.Random, base: float = 0.5, peak: float = 40.0, at: float = 0.4, width: float = 30.0) -> list[Request]:
+    start = duration * at
+    return poisson(lambda t: peak if start <= t < start + width else base, peak, duration, rng)
+
+
+def sessions(duration: float, rng: random.Random, rate: float = 0.15, turns: tuple[int, int] = (3, 12), think: tuple[float, float] = (2.0, 12.0)) -> list[Request]:
+    """Many short chat sessions: each sends a few turns separated by a think time."""
+    out = []
+    for begin in poisson(lambda t: rate, rate, duration, rng):
+        t = begin.t
+        for _ in range(rng.randint(*turns)):
+            if t >= duration:
+                break
+            out.append(Request(t, *tokens(rng)))
+            t += rng.uniform(*think)
+    return sorted(out, key=lambda r: r.t)
+
+
+TRACES = {"steady": steady, "diurnal": diurnal, "on_off": on_off, "spike": spike, "sessions": sessions}
+
+
+def generate(name: str, duration: float, seed: int) -> list[Request]:
+    if name not in TRACES:
+        raise ValueError(f"unknown trace {name!r}; choose one of {', '.join(TRACES)}")
+    return TRACES[name](duration, random.Random(seed))
