@@ -1,0 +1,164 @@
+"""App, Function and Cls: the declarative SDK. Decorator kwargs are the whole configuration."""
+import inspect
+import re
+from typing import Any, Callable
+
+from ember import hooks
+from ember.spec import FunctionSpec, SpecError, build_spec
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not NAME.match(name):
+        raise SpecError(f"{kind} name {name!r} must match {NAME.pattern} (it becomes a URL path segment)")
+    return name
+
+
+class App:
+    """A named group of functions and classes served under https://<gateway>/{name}/..."""
+
+    def __init__(self, name: str):
+        self.name = _check_name("app", name)
+        self.units: dict[str, "Function | Cls"] = {}
+
+    def _add(self, unit: "Function | Cls") -> None:
+        if unit.name in self.units:
+            raise SpecError(f"app {self.name!r} already has a function or class named {unit.name!r}")
+        self.units[unit.name] = unit
+
+    def function(self, _fn: object = None, **settings: Any) -> Callable[[Callable], "Function"]:
+        if callable(_fn):
+            raise TypeError("use @app.function() with parentheses")
+        spec = build_spec("@app.function", settings)
+
+        def register(fn: Callable) -> Function:
+            unit = Function(self, fn, spec)
+            self._add(unit)
+            return unit
+
+        return register
+
+    def cls(self, _cls: object = None, **settings: Any) -> Callable[[type], "Cls"]:
+        if callable(_cls):
+            raise TypeError("use @app.cls() with parentheses")
+        spec = build_spec("@app.cls", settings)
+
+        def register(user_cls: type) -> Cls:
+            unit = Cls(self, user_cls, spec)
+            self._add(unit)
+            return unit
+
+        return register
+
+    def manifest(self) -> dict:
+        """What the gateway needs to route and scale, without unpickling user code."""
+        return {"app": self.name, "units": {name: unit.describe() for name, unit in self.units.items()}}
+
+
+class Function:
+    def __init__(self, app: App, fn: Callable, spec: FunctionSpec):
+        self.app, self.fn, self.spec = app, fn, spec
+        self.name = _check_name("function", fn.__name__)
+        self.is_asgi = bool(getattr(fn, hooks.ASGI, False))
+
+    def describe(self) -> dict:
+        methods = [] if self.is_asgi else [self.name]
+        return {"kind": "function", "methods": methods, "asgi": self.is_asgi, "spec": self.spec.model_dump()}
+
+    def local(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        from ember.client import Client
+
+        return Client.from_env().call(self.app.name, self.name, _as_kwargs(self.fn, args, kwargs))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+class Cls:
+    """A class whose instance lives in a replica: enter hooks run once, methods serve calls."""
+
+    def __init__(self, app: App, user_cls: type, spec: FunctionSpec):
+        self.app, self.user_cls, self.spec = app, user_cls, spec
+        self.name = _check_name("class", user_cls.__name__)
+        members = inspect.getmembers(user_cls, callable)
+        self.methods = [n for n, f in members if getattr(f, hooks.METHOD, False)]
+        asgi = [n for n, f in members if getattr(f, hooks.ASGI, False)]
+        if len(asgi) > 1:
+            raise SpecError(f"class {self.name!r} has more than one @ember.asgi_app() method: {asgi}")
+        self.asgi = asgi[0] if asgi else None
+        enters = [(n, getattr(f, hooks.ENTER)) for n, f in members if hasattr(f, hooks.ENTER)]
+        # snap=True hooks build the state a snapshot captures, so they run before snap=False ones.
+        self.enter_hooks = [n for n, snap in enters if snap] + [n for n, snap in enters if not snap]
+        self.exit_hooks = [n for n, f in members if getattr(f, hooks.EXIT, False)]
+        if not self.methods and not self.asgi:
+            raise SpecError(f"class {self.name!r} has no @ember.method() or @ember.asgi_app(); nothing to serve")
+
+    def describe(self) -> dict:
+        return {"kind": "class", "methods": self.methods, "asgi": self.asgi is not None, "spec": self.spec.model_dump()}
+
+    def start(self, on_hook: Callable[[str, float], None] | None = None) -> Any:
+        """Create the instance and run its enter hooks (snap=True first)."""
+        import time
+
+        obj = self.user_cls()
+        for name in self.enter_hooks:
+            began = time.monotonic()
+            getattr(obj, name)()
+            if on_hook:
+                on_hook(name, time.monotonic() - began)
+        return obj
+
+    def stop(self, obj: Any) -> None:
+        for name in self.exit_hooks:
+            getattr(obj, name)()
+
+    def __call__(self) -> "Instance":
+        return Instance(self)
+
+
+class Instance:
+    """A handle on a Cls: `Model().embed.remote(...)` or `.local(...)` (local runs enter hooks once)."""
+
+    def __init__(self, cls: Cls):
+        self._cls = cls
+        self._obj: Any = None
+
+    def __getattr__(self, name: str) -> "BoundMethod":
+        if name not in self._cls.methods:
+            raise AttributeError(f"{self._cls.name} has no @ember.method() named {name!r}; methods: {self._cls.methods}")
+        return BoundMethod(self, name)
+
+    def _local_obj(self) -> Any:
+        if self._obj is None:
+            self._obj = self._cls.start()
+        return self._obj
+
+
+class BoundMethod:
+    def __init__(self, instance: Instance, name: str):
+        self.instance, self.name = instance, name
+
+    def local(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.instance._local_obj(), self.name)(*args, **kwargs)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        from ember.client import Client
+
+        cls = self.instance._cls
+        fn = getattr(cls.user_cls, self.name)
+        return Client.from_env().call(cls.app.name, f"{cls.name}.{self.name}", _as_kwargs(fn, args, kwargs, bound=True))
+
+
+def _as_kwargs(fn: Callable, args: tuple, kwargs: dict, bound: bool = False) -> dict:
+    """The HTTP contract carries keyword arguments only; bind positionals by the signature."""
+    if not args:
+        return kwargs
+    signature = inspect.signature(fn)
+    if bound:
+        params = list(signature.parameters.values())[1:]
+        signature = signature.replace(parameters=params)
+    return dict(signature.bind(*args, **kwargs).arguments)

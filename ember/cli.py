@@ -1,0 +1,230 @@
+"""The `ember` command."""
+import argparse
+import asyncio
+import json
+import sys
+import time
+from datetime import datetime
+
+from ember.home import Home
+
+EPILOG = "EMBER_HOME (default ~/.ember) holds the key database, TLS material, packages and logs."
+
+
+def _admin_client():
+    from ember.client import Client
+
+    return Client.from_env()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ember.gateway.serve import serve
+
+    return serve(args.app, args.host, args.port, args.new_key)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    if args.target == "aws":
+        print("error: --target aws is not available yet; deploy with --target local to a running `ember serve`", file=sys.stderr)
+        return 2
+    from ember.package import build, load_app
+
+    package = build(load_app(args.app), Home())
+    reply = _admin_client().request("POST", "/admin/deploy", json={"package": str(package)}).json()
+    print(f"deployed app {reply['app']!r} ({', '.join(reply['functions'])}) from {package}")
+    return 0
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from ember.gateway.backend import LocalBackend
+    from ember.package import build, load_app
+
+    path, sep, target = args.target.partition("::")
+    if not sep or not target:
+        print("error: name the function as APP.py::function or APP.py::Class.method", file=sys.stderr)
+        return 2
+    kwargs = {}
+    for item in args.args:
+        name, eq, value = item.partition("=")
+        if not eq:
+            print(f"error: argument {item!r} must be NAME=VALUE (VALUE is parsed as JSON when it can be)", file=sys.stderr)
+            return 2
+        kwargs[name] = _parse_value(value)
+    app = load_app(path)
+    unit_name, _, method = target.partition(".")
+    if unit_name not in app.units:
+        print(f"error: {path} has no function or class {unit_name!r}; it has {sorted(app.units)}", file=sys.stderr)
+        return 2
+    home = Home()
+    package = build(app, home)
+
+    async def once() -> int:
+        backend = LocalBackend(home.logs)
+        replica = backend.new_replica(app.name, unit_name)
+        await backend.start(replica, package)
+        if replica.error:
+            print(f"error: {replica.error}\nlog: {replica.log_path}", file=sys.stderr)
+            return 1
+        try:
+            async with httpx.AsyncClient(timeout=app.units[unit_name].spec.timeout + 5) as client:
+                reply = await client.post(f"http://127.0.0.1:{replica.port}/__ember__/call/{method or unit_name}", json=kwargs)
+        finally:
+            await backend.stop(replica)
+        body = reply.json()
+        if reply.status_code != 200:
+            print(f"error: {body['error']['type']}: {body['error']['message']}", file=sys.stderr)
+            return 1
+        print(json.dumps(body["result"], indent=2))
+        return 0
+
+    return asyncio.run(once())
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from ember.gateway.keys import KeyStore
+
+    keys = KeyStore(Home().db)
+    if args.keys_command == "create":
+        key, secret = keys.create(args.name, admin=args.admin)
+        if args.quiet:
+            print(secret)
+        else:
+            print(f"created {'admin ' if key.admin else ''}key {key.id} ({key.name}); it is shown only this once:\n{secret}")
+    elif args.keys_command == "list":
+        rows = keys.all()
+        if args.json:
+            print(json.dumps([vars(k) for k in rows], indent=2))
+        for key in [] if args.json else rows:
+            state = f"revoked {datetime.fromtimestamp(key.revoked):%Y-%m-%d %H:%M}" if key.revoked else "live"
+            print(f"{key.id}  {key.name:<20} {'admin' if key.admin else 'user ':<6} created {datetime.fromtimestamp(key.created):%Y-%m-%d %H:%M}  {state}")
+    else:
+        revoked = keys.revoke(args.key)
+        if not revoked:
+            print(f"error: no live key with id or name {args.key!r}; see `ember keys list`", file=sys.stderr)
+            return 1
+        for key in revoked:
+            print(f"revoked key {key.id} ({key.name})")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _admin_client().request("GET", "/admin/status").json()
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    now = time.time()
+    for app, info in status["apps"].items():
+        print(f"app {app}  (package {info['package']})")
+        for name, unit in info["functions"].items():
+            print(f"  {name}: {len(unit['replicas'])} replicas, queue depth {unit['queue_depth']}, in flight {unit['in_flight']}")
+            for r in unit["replicas"]:
+                start = r["start"]
+                breakdown = ", ".join(f"{k}={v}" for k, v in start.items() if k != "tier")
+                print(f"    {r['id']:<24} {r['state']:<9} in_flight={r['in_flight']} age={r['age_s']}s  start: {start['tier']} {breakdown}")
+            for f in unit["failed"]:
+                print(f"    FAILED {f['id']} {now - f['at']:.0f}s ago: {f['error']}  (log: {f['log']})")
+            for d in unit["decisions"][-3:]:
+                print(f"    decision {now - d['t']:.0f}s ago: {d['action']} {d['replica'] or d['count']}: {d['reason']}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    params = {"lines": args.lines} | ({"replica": args.replica} if args.replica else {})
+    sys.stdout.write(_admin_client().request("GET", "/admin/logs", params=params).text)
+    return 0
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from ember.snapshot.cli import main as snapshot_main
+
+    return snapshot_main(args.rest)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="ember", description="Serverless inference: decorate a function, get an HTTPS endpoint.", epilog=EPILOG)
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run gateway, autoscaler and local backend for APP.py in the foreground",
+                       description="Serve APP.py over HTTPS on this machine; prints the URL and the dev CA path.", epilog=EPILOG)
+    p.add_argument("app", help="the app file, e.g. examples/hello.py")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8443, help="port to listen on; 0 picks a free one (default 8443)")
+    p.add_argument("--new-key", metavar="NAME", help="also create an API key NAME and print a ready-to-paste curl")
+    p.set_defaults(run=cmd_serve)
+
+    p = sub.add_parser("deploy", help="package APP.py and deploy it to the running gateway",
+                       description="Build APP.py's package and hand it to the gateway `ember serve` runs.")
+    p.add_argument("app", help="the app file")
+    p.add_argument("--target", choices=["local", "aws"], default="local", help="where to deploy (default local)")
+    p.set_defaults(run=cmd_deploy)
+
+    p = sub.add_parser("run", help="run one call of APP.py::fn in a fresh replica process and print the result",
+                       description="Start a replica of the function from its package, call it once with NAME=VALUE arguments "
+                                   "(VALUE parsed as JSON when it can be), print the JSON result, stop the replica.")
+    p.add_argument("target", metavar="APP.py::fn", help="APP.py::function or APP.py::Class.method")
+    p.add_argument("args", nargs="*", metavar="NAME=VALUE")
+    p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser("keys", help="create, list or revoke API keys",
+                       description="Manage API keys in EMBER_HOME's database directly; works with or without a running gateway, "
+                                   "which checks every request against the database, so revocation is immediate.")
+    keys = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    k = keys.add_parser("create", help="create a key and print it once")
+    k.add_argument("--name", required=True, help="a label for the key")
+    k.add_argument("--admin", action="store_true", help="allow the /admin API")
+    k.add_argument("--quiet", "-q", action="store_true", help="print only the key")
+    k = keys.add_parser("list", help="list keys (never their secrets)")
+    k.add_argument("--json", action="store_true", help="machine-readable output")
+    k = keys.add_parser("revoke", help="revoke a key by id, or all live keys with a name")
+    k.add_argument("key", metavar="ID_OR_NAME")
+    p.set_defaults(run=cmd_keys)
+
+    p = sub.add_parser("status", help="replicas per function, their state and start times, queue depth, failures",
+                       description="Ask the running gateway for replicas per function, queue depth, failures and scaling decisions.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=cmd_status)
+
+    p = sub.add_parser("logs", help="the gateway's log, or one replica's",
+                       description="Print the tail of the gateway's log (replica starts, failures with their tracebacks, evictions), "
+                                   "or of one replica's log with --replica.")
+    p.add_argument("--replica", metavar="ID", help="a replica id from `ember status`")
+    p.add_argument("-n", "--lines", type=int, default=200, help="how many lines (default 200)")
+    p.set_defaults(run=cmd_logs)
+
+    p = sub.add_parser("snapshot", help="build, list or remove snapshots (ember snapshot --help)", add_help=False,
+                       description="Build, list or remove weight and GPU memory snapshots.")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(run=cmd_snapshot)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    import httpx
+
+    from ember.client import RemoteError
+
+    try:
+        return args.run(args)
+    except RemoteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except httpx.TransportError as exc:
+        print(f"error: cannot reach the gateway ({exc}); is `ember serve` running?", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Lifecycle markers for methods of an @app.cls class: enter, exit, method, asgi_app."""
+from typing import Callable
+
+ENTER = "__ember_enter__"  # value: snap flag
+EXIT = "__ember_exit__"
+METHOD = "__ember_method__"
+ASGI = "__ember_asgi__"
+
+
+def _marker(decorator: str, attribute: str, value: object) -> Callable:
+    def mark(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise TypeError(f"@ember.{decorator}() decorates a function or method, got {fn!r}")
+        setattr(fn, attribute, value)
+        return fn
+
+    return mark
+
+
+def _no_bare_use(decorator: str, first: object) -> None:
+    if callable(first):
+        raise TypeError(f"use @ember.{decorator}() with parentheses")
+
+
+def enter(_fn: object = None, *, snap: bool = False) -> Callable:
+    """Run when a replica starts; snap=True hooks run first and their state may be snapshotted."""
+    _no_bare_use("enter", _fn)
+    return _marker("enter", ENTER, bool(snap))
+
+
+def exit(_fn: object = None) -> Callable:  # noqa: A001 - mirrors enter/exit lifecycle naming
+    """Run when a replica stops (SIGTERM)."""
+    _no_bare_use("exit", _fn)
+    return _marker("exit", EXIT, True)
+
+
+def method(_fn: object = None) -> Callable:
+    """Expose a method of an @app.cls class as /{app}/{Class}.{method}."""
+    _no_bare_use("method", _fn)
+    return _marker("method", METHOD, True)
+
+
+def asgi_app(_fn: object = None) -> Callable:
+    """The decorated callable returns an ASGI app (e.g. FastAPI) served under /{app}/..."""
+    _no_bare_use("asgi_app", _fn)
+    return _marker("asgi_app", ASGI, True)

@@ -1,0 +1,79 @@
+"""An app shipped to replicas: cloudpickle of the App plus the user's source, content-hashed.
+
+A package is a zip at EMBER_HOME/packages/<sha256>.pkg holding manifest.json (routing and
+scaling settings, readable without user code), app.pkl and the source file.
+"""
+import hashlib
+import importlib.util
+import io
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+import cloudpickle
+
+from ember.app import App
+from ember.home import Home
+
+
+def load_app(path: str | Path, name: str | None = None) -> App:
+    """Import APP.py and return its App (the one named `name` when the file has several)."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no app file at {path}")
+    module_name = f"ember_user_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    apps = [value for value in vars(module).values() if isinstance(value, App)]
+    if name is not None:
+        apps = [app for app in apps if app.name == name]
+    if len(apps) != 1:
+        found = ", ".join(a.name for a in apps) or "none"
+        raise ValueError(f"{path} must define exactly one ember.App{f' named {name!r}' if name else ''} (found: {found})")
+    return apps[0]
+
+
+def build(app: App, home: Home) -> Path:
+    """Write the package for `app` (whose module was loaded by load_app) and return its path."""
+    module = sys.modules[_module_of(app)]
+    source_path = Path(module.__file__)
+    # By value: a replica has the package, not the user's module on its import path.
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        pickled = cloudpickle.dumps(app)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    manifest = json.dumps(app.manifest() | {"source": source_path.name}, sort_keys=True).encode()
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for name, data in (("manifest.json", manifest), ("app.pkl", pickled), (f"source/{source_path.name}", source_path.read_bytes())):
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # fixed time: same app, same hash
+            zf.writestr(info, data)
+    data = buffer.getvalue()
+    target = home.packages / f"{hashlib.sha256(data).hexdigest()}.pkg"
+    if not target.exists():
+        tmp = target.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(target)
+    return target
+
+
+def _module_of(app: App) -> str:
+    for unit in app.units.values():
+        owner = getattr(unit, "fn", None) or unit.user_cls
+        return owner.__module__
+    raise ValueError(f"app {app.name!r} declares no functions or classes")
+
+
+def read_manifest(package: str | Path) -> dict:
+    with zipfile.ZipFile(package) as zf:
+        return json.loads(zf.read("manifest.json"))
+
+
+def unpack(package: str | Path) -> App:
+    """Load the App from a package alone (what a replica does)."""
+    with zipfile.ZipFile(package) as zf:
+        return cloudpickle.loads(zf.read("app.pkl"))

@@ -1,0 +1,64 @@
+"""FunctionSpec: every setting of a function or class, checked when the app is loaded."""
+import difflib
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+GPU_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9-]*(:[1-9][0-9]*)?$")
+
+
+class SpecError(ValueError):
+    """A decorator argument is wrong; the message names the argument and the fix."""
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu: str | None = None
+    cpu: float = Field(1.0, gt=0)
+    memory: int = Field(1024, gt=0, description="MiB")
+    min_replicas: int = Field(0, ge=0)
+    max_replicas: int = Field(10, ge=1)
+    buffer_replicas: int = Field(0, ge=0)
+    scaledown_window: float = Field(60.0, gt=0, description="idle seconds before a replica is stopped")
+    target_concurrency: float = Field(1.0, gt=0)
+    max_concurrency: int = Field(1, ge=1)
+    timeout: float = Field(300.0, gt=0, description="seconds one call may run")
+    snapshot: bool = False
+    secrets: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu_shape(cls, value: str | None) -> str | None:
+        if value is not None and not GPU_PATTERN.match(value):
+            raise ValueError(f"gpu must look like 'H200' or 'H200:2', got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "FunctionSpec":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+        if self.target_concurrency > self.max_concurrency:
+            raise ValueError(
+                f"target_concurrency ({self.target_concurrency}) must be <= max_concurrency ({self.max_concurrency})"
+            )
+        return self
+
+
+def build_spec(decorator: str, kwargs: dict[str, Any]) -> FunctionSpec:
+    """Validate decorator kwargs; unknown names get the nearest valid one suggested."""
+    valid = list(FunctionSpec.model_fields)
+    for name in kwargs:
+        if name not in valid:
+            near = difflib.get_close_matches(name, valid, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; valid arguments: {', '.join(valid)}"
+            raise SpecError(f"unknown argument {name!r} for {decorator}{hint}")
+    try:
+        return FunctionSpec(**kwargs)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+        )
+        raise SpecError(f"invalid settings for {decorator}: {problems}") from None

@@ -1,0 +1,63 @@
+"""A deployed app: its package and, per function or class, the spec, queue and scaling record."""
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ember.gateway.autoscaler.policy import PolicyMemo, Sample, ScalingSettings
+from ember.gateway.queue import FunctionQueue
+from ember.package import read_manifest
+from ember.spec import FunctionSpec
+
+QUEUE_BOUND = 256  # calls one function may buffer while its replicas start
+
+
+def scaling_settings(spec: FunctionSpec) -> ScalingSettings:
+    # A demand window longer than the idle window would hold idle replicas past their scaledown_window.
+    panic_window = min(6.0, spec.scaledown_window)
+    return ScalingSettings(
+        min_replicas=spec.min_replicas,
+        max_replicas=spec.max_replicas,
+        buffer_replicas=spec.buffer_replicas,
+        target_concurrency=spec.target_concurrency,
+        max_concurrency=spec.max_concurrency,
+        scaledown_window=spec.scaledown_window,
+        panic_window=panic_window,
+        stable_window=max(panic_window, min(60.0, 10 * spec.scaledown_window)),
+    )
+
+
+@dataclass(eq=False)
+class Unit:
+    """One function or class: the scaling unit (a class's methods share its replicas)."""
+
+    app: str
+    name: str
+    kind: str
+    methods: list[str]
+    asgi: bool
+    spec: FunctionSpec
+    queue: FunctionQueue
+    settings: ScalingSettings
+    history: deque[Sample] = field(default_factory=lambda: deque(maxlen=1000))
+    memo: PolicyMemo = field(default_factory=PolicyMemo)
+    decisions: deque[dict] = field(default_factory=lambda: deque(maxlen=20))
+    failures: deque[dict] = field(default_factory=lambda: deque(maxlen=5))
+    arrivals_seen: int = 0
+
+
+@dataclass(eq=False)
+class Deployment:
+    name: str
+    package: Path
+    units: dict[str, Unit]
+
+    @classmethod
+    def from_package(cls, package: Path, on_demand: Callable[[], None]) -> "Deployment":
+        manifest = read_manifest(package)
+        units = {}
+        for name, info in manifest["units"].items():
+            spec = FunctionSpec(**info["spec"])
+            queue = FunctionQueue(spec.max_concurrency, wait_timeout=spec.timeout, bound=QUEUE_BOUND, on_demand=on_demand)
+            units[name] = Unit(manifest["app"], name, info["kind"], info["methods"], info["asgi"], spec, queue, scaling_settings(spec))
+        return cls(manifest["app"], package, units)

@@ -1,0 +1,41 @@
+"""Every error a client sees is JSON {"error": {"type", "message"}}, never a traceback."""
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("ember.gateway")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, type: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.type, self.message, self.headers = status, type, message, headers or {}
+
+
+def error_response(status: int, type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"type": type, "message": message}}, status_code=status, headers=headers)
+
+
+HTTP_TYPES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized"}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.type, exc.message, exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, HTTP_TYPES.get(exc.status_code, "http_error"), str(exc.detail), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, "invalid_request", "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", "the gateway hit an unexpected error; see its log")

@@ -1,0 +1,38 @@
+"""One replica as the gateway sees it: its process, port, state and load."""
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STARTING, HOT, PARKED, FAILED, STOPPING = "starting", "hot", "parked", "failed", "stopping"
+
+
+@dataclass(eq=False)
+class Replica:
+    id: str
+    app: str
+    unit: str
+    log_path: Path
+    state: str = STARTING
+    port: int | None = None
+    in_flight: int = 0
+    idle_since: float | None = None
+    created: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None  # when it last became able to serve (start or wake)
+    tier: str = "node-warm"  # the cold-start tier its last start or wake came from
+    timings: dict[str, int] = field(default_factory=dict)  # spawn/import/enter/total ms of its start
+    error: str | None = None
+    process: asyncio.subprocess.Process | None = None
+
+    def describe(self, now: float) -> dict:
+        return {
+            "id": self.id,
+            "state": self.state,
+            "in_flight": self.in_flight,
+            "port": self.port,
+            "age_s": round(now - self.created, 1),
+            "idle_s": None if self.idle_since is None else round(now - self.idle_since, 1),
+            "start": {"tier": self.tier, **self.timings},
+            "error": self.error,
+            "log": str(self.log_path),
+        }

@@ -1,0 +1,77 @@
+"""`ember serve`: gateway, autoscaler and local backend for one app, in the foreground, over HTTPS."""
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+
+import uvicorn
+
+from ember.gateway.server import Gateway, create_app
+from ember.gateway.tls import issue_server_cert
+from ember.home import Home
+from ember.package import build, load_app
+
+CLI_KEY_NAME = "ember-cli"
+
+
+def _logging(home: Home) -> None:
+    handlers = [logging.StreamHandler(), logging.FileHandler(home.logs / "gateway.log")]
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
+    logger = logging.getLogger("ember.gateway")
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def _cli_key(gateway: Gateway) -> None:
+    """A fresh admin key for the CLI on this machine, replacing the previous run's."""
+    gateway.keys.revoke(CLI_KEY_NAME)
+    _, secret = gateway.keys.create(CLI_KEY_NAME, admin=True)
+    path = gateway.home.cli_key_file
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(secret + "\n")
+
+
+def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str | None = None) -> int:
+    home = Home()
+    _logging(home)
+    app = load_app(app_path)
+    package = build(app, home)
+    gateway = Gateway(home)
+    deployment, _ = gateway.register(package)
+    cert, key = issue_server_cert(home.tls, host)
+    _cli_key(gateway)
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    port = sock.getsockname()[1]
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"https://{f'[{shown}]' if ':' in shown else shown}:{port}"
+    home.gateway_file.write_text(json.dumps({"url": url, "ca": str(home.ca), "pid": os.getpid()}))
+
+    print(f"Ember is serving app {deployment.name!r} at {url}", flush=True)
+    print(f"CA certificate: {home.ca}", flush=True)
+    example = next(iter(deployment.units.values()))
+    path = example.name if example.kind == "function" else f"{example.name}.{example.methods[0]}" if example.methods else ""
+    if new_key:
+        _, secret = gateway.keys.create(new_key)
+        print(f"API key {new_key!r} (shown once): {secret}", flush=True)
+        print(f"Try it:\n  curl --cacert {home.ca} -H 'Authorization: Bearer {secret}' -H 'Content-Type: application/json' "
+              f"-d '{{}}' {url}/{deployment.name}/{path}", flush=True)
+    else:
+        print("Create an API key with: ember keys create --name NAME", flush=True)
+
+    config = uvicorn.Config(create_app(gateway), ssl_certfile=str(cert), ssl_keyfile=str(key), log_level="warning")
+    try:
+        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+    finally:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            if json.loads(home.gateway_file.read_text()).get("pid") == os.getpid():
+                home.gateway_file.unlink()
+    return 0

@@ -1,0 +1,175 @@
+"""One replica: load a package, run enter hooks, serve calls on 127.0.0.1, run exit hooks on SIGTERM.
+
+    python -m ember.runtime.worker --package P --target NAME
+
+stdout is the control channel to the gateway: one JSON line {"event": "ready", "port", "timings"}
+or {"event": "failed", "phase", "error"}. Everything the user's code prints goes to stderr,
+which the gateway sends to the replica's log file.
+"""
+import time
+
+STARTED = time.monotonic()  # before heavy imports: the gateway measures spawn time up to here
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+
+class ControlChannel:
+    """The original stdout, kept for the gateway; fd 1 is pointed at the log so user prints land there."""
+
+    def __init__(self) -> None:
+        self._out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+
+    def send(self, **message: Any) -> None:
+        self._out.write(json.dumps(message) + "\n")
+        self._out.flush()
+
+
+def _error_response(status: int, type: str, message: str):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"type": type, "message": message}}, status_code=status)
+
+
+class Replica:
+    """The loaded unit (a function or a class instance) and the calls it serves."""
+
+    def __init__(self, unit: Any, obj: Any):
+        self.unit, self.obj = unit, obj
+        self.timeout = unit.spec.timeout
+
+    def target(self, method: str) -> Callable | None:
+        if self.obj is None:
+            return self.unit.fn if method == self.unit.name and not self.unit.is_asgi else None
+        return getattr(self.obj, method) if method in self.unit.methods else None
+
+    def asgi(self) -> Callable | None:
+        if self.obj is None:
+            return self.unit.fn() if self.unit.is_asgi else None
+        return getattr(self.obj, self.unit.asgi)() if self.unit.asgi else None
+
+    async def call(self, request):
+        fn = self.target(request.path_params["method"])
+        if fn is None:
+            return _error_response(404, "not_found", f"{self.unit.name} has no method {request.path_params['method']!r}")
+        try:
+            kwargs = json.loads(await request.body() or b"{}")
+        except ValueError as exc:
+            return _error_response(400, "invalid_json", f"request body is not valid JSON: {exc}")
+        if not isinstance(kwargs, dict):
+            return _error_response(422, "invalid_arguments", "request body must be a JSON object of keyword arguments")
+        try:
+            inspect.signature(fn).bind(**kwargs)
+        except TypeError as exc:
+            return _error_response(422, "invalid_arguments", str(exc))
+        try:
+            if inspect.iscoroutinefunction(fn):
+                result = await asyncio.wait_for(fn(**kwargs), self.timeout)
+            else:
+                result = await asyncio.wait_for(asyncio.to_thread(fn, **kwargs), self.timeout)
+        except asyncio.TimeoutError:
+            return _error_response(504, "timeout", f"call exceeded the function's timeout of {self.timeout:g} s")
+        except Exception as exc:  # the user's error goes to the caller as JSON, the traceback to the log
+            traceback.print_exc()
+            return _error_response(500, "function_error", f"{type(exc).__name__}: {exc}")
+        try:
+            body = json.dumps({"result": result})
+        except (TypeError, ValueError) as exc:
+            return _error_response(500, "result_not_json", f"the function returned a value JSON cannot encode: {exc}")
+        from starlette.responses import Response
+
+        return Response(body, media_type="application/json")
+
+
+def build_asgi(replica: Replica):
+    """Internal routes under /__ember__/; every other path goes to the user's ASGI app, if any."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def health(request):
+        return JSONResponse({"ok": True})
+
+    internal = Starlette(routes=[
+        Route("/__ember__/call/{method}", replica.call, methods=["POST"]),
+        Route("/__ember__/health", health),
+    ])
+    user_app = replica.asgi()
+
+    async def root(scope, receive, send):
+        if scope["type"] == "lifespan":
+            await (user_app or internal)(scope, receive, send)
+        elif scope["path"].startswith("/__ember__/") or user_app is None:
+            await internal(scope, receive, send)
+        else:
+            await user_app(scope, receive, send)
+
+    return root
+
+
+def _serve(app, sock: socket.socket) -> None:
+    import uvicorn
+
+    class ReplicaServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # Stop serving on SIGTERM instead of re-raising it, so exit hooks still run.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: setattr(self, "should_exit", True))
+            yield
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="auto")
+    asyncio.run(ReplicaServer(config).serve(sockets=[sock]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ember.runtime.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--package", required=True, help="path of the .pkg file")
+    parser.add_argument("--target", required=True, help="function or class name inside the app")
+    args = parser.parse_args(argv)
+    control = ControlChannel()
+    timings = {}
+    phase = "import"
+    try:
+        from ember.package import unpack
+
+        app = unpack(args.package)
+        unit = app.units[args.target]
+        os.environ.update(unit.spec.env)
+        timings["import_ms"] = round((time.monotonic() - STARTED) * 1000)
+        phase = "enter"
+        began = time.monotonic()
+        obj = unit.start() if hasattr(unit, "user_cls") else None
+        timings["enter_ms"] = round((time.monotonic() - began) * 1000)
+        phase = "serve"
+        asgi = build_asgi(Replica(unit, obj))
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+    except BaseException as exc:
+        traceback.print_exc()
+        control.send(event="failed", phase=phase, error=f"{type(exc).__name__}: {exc}")
+        return 1
+    control.send(event="ready", port=sock.getsockname()[1], started=STARTED, timings=timings)
+    try:
+        _serve(asgi, sock)
+    finally:
+        if obj is not None:
+            unit.stop(obj)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
