@@ -33,7 +33,8 @@ budget may be spent at once):
 
 Redis clock: all times come from Redis `TIME`, so gateways with skewed clocks agree.
 Every key carries an expiry. The scripts touch several scopes' keys at once, so use
-one Redis primary, not Redis Cluster.
+one Redis primary, not Redis Cluster. Redis errors (refused, timed out) propagate:
+whether to fail open or answer 503 is the gateway's call.
 """
 
 import math
