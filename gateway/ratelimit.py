@@ -8,8 +8,8 @@ lives in one of two stores with the same async interface:
 
     scopes = [Scope("key:" + key_id, key_limits), Scope("app:" + app, app_limits)]
     admission = await limiter.admit(scopes, tokens=prompt_tokens + max_tokens)
-    if not admission.allowed:
-        return JSONResponse(error_body(admission), 429, headers=headers(admission))
+    if not admission.allowed:   # ember.gateway.errors.ApiError renders {"error": {"type", "message"}}
+        raise ApiError(429, ERROR_TYPE, denial_message(admission), headers(admission))
     try:
         response = ...                             # add headers(admission) to it
     finally:
@@ -380,17 +380,17 @@ def _retry_after_s(admission: Admission) -> int:
     return max(math.ceil(admission.retry_after), 1)
 
 
-def error_body(admission: Admission) -> dict:
-    """The 429 body, in the gateway's error shape."""
+ERROR_TYPE = "rate_limit_exceeded"  # the error type of the 429 body
+
+
+def denial_message(admission: Admission) -> str:
+    """The message of the 429 body: which limit, and when to come back."""
     what = {
         "requests": "requests per minute",
         "tokens": "tokens per minute",
         "concurrency": "concurrent requests",
     }[admission.reason]
-    return {
-        "error": {
-            "type": "rate_limit_exceeded",
-            "message": f"Rate limit on {what} reached; retry after {_retry_after_s(admission)} s "
-            "(see Retry-After) or ask for a higher limit.",
-        }
-    }
+    return (
+        f"Rate limit on {what} reached; retry after {_retry_after_s(admission)} s "
+        "(see Retry-After) or ask for a higher limit."
+    )
