@@ -1,0 +1,214 @@
+"""AsyncLLM: the engine's step loop in one background thread, requests as async iterators.
+
+`LLMEngine.step()` is not thread-safe, so only the loop thread touches the engine:
+callers hand it add/abort commands through a queue that it drains before every step,
+and it hands each step's outputs back to the callers' event loops.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, replace
+from typing import AsyncIterator
+
+from ember.runtime.engine.detokenizer import Detokenizer
+
+log = logging.getLogger("ember.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; every request in flight failed with it."""
+
+
+@dataclass
+class Completion:
+    """What one choice of a request produced since the last one: text, tokens, and why it ended."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] | None
+    finish_reason: str | None      # "stop" | "length" | "abort" once finished, else None
+    stop_reason: str | int | None  # the stop string or stop token that ended it
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    prompt_index: int = 0          # which prompt of a batched request this choice answers
+
+
+@dataclass
+class _Route:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    index: int
+
+
+class AsyncLLM:
+    def __init__(self, engine, tokenizer):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._routes: dict[str, _Route] = {}  # touched only by the loop thread
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ember-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config) -> "AsyncLLM":
+        from transformers import AutoTokenizer
+
+        from ember.runtime.engine.engine import LLMEngine
+
+        return cls(LLMEngine(config), AutoTokenizer.from_pretrained(config.model))
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    async def generate(self, prompt_token_ids: list[int], params, *, n: int = 1, stop=(),
+                       include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                       request_id: str | None = None) -> AsyncIterator[Completion]:
+        """Run `n` samples of one prompt; yields each choice's increments as they come.
+
+        Raises ValueError (before the first yield) when the engine refuses the request.
+        Closing the iterator early aborts what is still running, which frees its KV blocks.
+        """
+        if not self.alive:
+            raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
+        request_id = request_id or uuid.uuid4().hex
+        ids = [request_id if n == 1 else f"{request_id}-{i}" for i in range(n)]
+        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
+        detokenizers = [Detokenizer(self.tokenizer, prompt_token_ids, stop, include_stop_str_in_output,
+                                    skip_special_tokens) for _ in range(n)]
+        running: set[int] = set()
+        try:
+            for i, rid in enumerate(ids):
+                # n samples of one seeded request must differ from each other, reproducibly.
+                sample = params if params.seed is None or n == 1 else replace(params, seed=params.seed + i)
+                running.add(i)  # before the await, so a cancelled add is still aborted
+                await self._add(rid, prompt_token_ids, sample, _Route(loop, outputs, i))
+            while running:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine loop failed: {item!r}") from item
+                i, out = item
+                if i not in running:
+                    continue
+                detok = detokenizers[i]
+                text = detok.step(out.new_token_ids, finished=out.finished)
+                finish, stop_reason = (out.finish_reason, None) if out.finished else (None, None)
+                if detok.stop_reason is not None:
+                    finish, stop_reason = "stop", detok.stop_reason
+                elif finish == "stop" and out.new_token_ids and out.new_token_ids[-1] in params.stop_token_ids:
+                    stop_reason = out.new_token_ids[-1]
+                if finish is not None:
+                    running.discard(i)
+                    if not out.finished:
+                        self.abort(ids[i])
+                yield Completion(i, text, out.new_token_ids, out.new_logprobs, finish, stop_reason,
+                                 out.num_prompt_tokens, out.num_cached_tokens)
+        finally:
+            for i in running:
+                self.abort(ids[i])
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    async def _add(self, request_id, prompt_token_ids, params, route) -> None:
+        done = asyncio.get_running_loop().create_future()
+        self._send(("add", request_id, prompt_token_ids, params, route, done))
+        await done
+
+    def _send(self, command) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                self._deliver(self.engine.step())
+        except BaseException as e:  # noqa: BLE001 - every waiting caller must hear of it
+            log.exception("engine loop failed")
+            self.error = e
+            for route in self._routes.values():
+                _post(route.loop, route.outputs.put_nowait, e)
+            self._routes.clear()
+            self._fail_pending_adds(e)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "abort":
+                self._routes.pop(command[1], None)
+                self.engine.abort_request(command[1])
+                continue
+            _, request_id, prompt_token_ids, params, route, done = command
+            try:
+                self.engine.add_request(request_id, list(prompt_token_ids), params)
+            except ValueError as e:
+                _post(route.loop, _settle, done, e)
+            else:
+                self._routes[request_id] = route
+                _post(route.loop, _settle, done, None)
+
+    def _fail_pending_adds(self, error: BaseException) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _post(command[4].loop, _settle, command[5], EngineDeadError(repr(error)))
+
+    def _deliver(self, outputs) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            if out.finished:
+                del self._routes[out.request_id]
+            batches.setdefault(route.loop, []).append((route.outputs, (route.index, out)))
+        for loop, batch in batches.items():
+            if not _post(loop, _put_all, batch):
+                # The caller's event loop is gone: nobody will read these, so stop them.
+                for _, (_, out) in batch:
+                    self._routes.pop(out.request_id, None)
+                    self.engine.abort_request(out.request_id)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:  # the loop was closed
+        return False
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _put_all(batch) -> None:
+    for outputs, item in batch:
+        outputs.put_nowait(item)

@@ -1,0 +1,127 @@
+import asyncio
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.engine import LLMEngine
+from ember.runtime.engine.sampling import SamplingParams
+from ember.runtime.engine.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3")
+    llm = AsyncLLM(LLMEngine(EngineConfig(model=str(path), max_model_len=256)), AutoTokenizer.from_pretrained(path))
+    yield llm
+    llm.shutdown()
+
+
+def prompt(llm, text="The capital of France is"):
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def collect(stream):
+    return [c async for c in stream]
+
+
+def wait_until_idle(engine, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests() or engine.block_manager.usage > 0:
+        assert time.monotonic() < deadline, "the engine still holds requests or KV blocks"
+        time.sleep(0.01)
+
+
+def test_streams_tokens_and_text_that_match_offline_generate(llm):
+    params = SamplingParams(max_tokens=12, temperature=0)
+    chunks = asyncio.run(collect(llm.generate(prompt(llm), params)))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+    assert len(tokens) == 12
+    assert "".join(c.text for c in chunks) == llm.tokenizer.decode(tokens, skip_special_tokens=True)
+    # The loop thread owns the engine, so compare against a second engine on the same weights.
+    offline = LLMEngine(llm.engine.config).generate([prompt(llm)], params)[0]
+    assert tokens == offline
+
+
+def test_n_fans_out_with_seed_plus_i_and_is_reproducible(llm):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=11)
+
+    def choices():
+        chunks = asyncio.run(collect(llm.generate(prompt(llm), params, n=3)))
+        return [tuple(t for c in chunks if c.index == i for t in c.token_ids) for i in range(3)]
+
+    first = choices()
+    assert first == choices()
+    assert len(set(first)) == 3
+    single = asyncio.run(collect(llm.generate(prompt(llm), SamplingParams(max_tokens=10, temperature=1.0, seed=12))))
+    assert tuple(t for c in single for t in c.token_ids) == first[1]
+
+
+def test_stop_string_ends_the_request_and_frees_its_blocks(llm):
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=5)
+    full = "".join(c.text for c in asyncio.run(collect(llm.generate(prompt(llm), params))))
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    chunks = asyncio.run(collect(llm.generate(prompt(llm), params, stop=[stop])))
+    assert "".join(c.text for c in chunks) == full[:full.find(stop)]
+    assert (chunks[-1].finish_reason, chunks[-1].stop_reason) == ("stop", stop)
+    wait_until_idle(llm.engine)
+
+
+def test_closing_the_stream_aborts_the_request_and_frees_kv_blocks(llm):
+    async def read_two_then_leave():
+        stream = llm.generate(prompt(llm), SamplingParams(max_tokens=200, temperature=1.0, ignore_eos=True))
+        got = [await anext(stream), await anext(stream)]
+        assert llm.engine.block_manager.usage > 0
+        await stream.aclose()
+        return got
+
+    aborted = llm.engine.stats.request_success["abort"]
+    assert len(asyncio.run(read_two_then_leave())) == 2
+    wait_until_idle(llm.engine)
+    assert llm.engine.stats.request_success["abort"] == aborted + 1
+
+
+def test_cancelling_the_consumer_task_aborts_every_choice(llm):
+    async def cancel_midway():
+        async def consume():
+            async for _ in llm.generate(prompt(llm), SamplingParams(max_tokens=200, ignore_eos=True), n=2):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    aborted = llm.engine.stats.request_success["abort"]
+    asyncio.run(cancel_midway())
+    wait_until_idle(llm.engine)
+    assert llm.engine.stats.request_success["abort"] == aborted + 2
+
+
+def test_refused_request_raises_value_error_before_any_output(llm):
+    async def too_long():
+        return await collect(llm.generate([1] * 300, SamplingParams(max_tokens=4)))
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(too_long())
+    wait_until_idle(llm.engine)
+
+
+def test_a_failing_step_fails_waiting_requests_and_marks_the_engine_dead(tmp_path):
+    path = build_tiny_model(tmp_path / "m")
+    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=128))
+    llm = AsyncLLM(engine, AutoTokenizer.from_pretrained(path))
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step
+    with pytest.raises(EngineDeadError, match="device lost"):
+        asyncio.run(collect(llm.generate([5, 6, 7], SamplingParams(max_tokens=4))))
+    assert not llm.alive
+    with pytest.raises(EngineDeadError):
+        asyncio.run(collect(llm.generate([5, 6, 7], SamplingParams(max_tokens=4))))
