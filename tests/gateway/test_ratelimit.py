@@ -1,6 +1,7 @@
 import asyncio
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -257,6 +258,31 @@ def test_redis_keys_expire_and_scripts_run_by_evalsha(redis_url):  # noqa: F811
                 assert 0 < await client.pttl(key) <= 60_000
             stats = await client.info("commandstats")
             assert stats["cmdstat_evalsha"]["calls"] >= 1
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_redis_limiters_on_skewed_clocks_agree(redis_url, monkeypatch):  # noqa: F811
+    prefix = f"t{uuid.uuid4().hex}"
+    scopes = [Scope("key:a", Limits(requests_per_minute=6))]
+    real_time, real_time_ns = time.time, time.time_ns
+
+    def skew(seconds):  # the wall clock is what drifts between hosts
+        monkeypatch.setattr(time, "time", lambda: real_time() + seconds)
+        monkeypatch.setattr(time, "time_ns", lambda: real_time_ns() + seconds * 10**9)
+
+    async def main():
+        client = aredis.Redis.from_url(redis_url)
+        try:
+            ahead, behind = RedisLimiter(client, prefix=prefix), RedisLimiter(client, prefix=prefix)
+            results = []
+            for i in range(8):  # gateways one hour apart take turns
+                skew(3600 if i % 2 else -3600)
+                results.append(await (ahead if i % 2 else behind).admit(scopes))
+            assert [r.allowed for r in results] == [True] * 6 + [False] * 2
+            assert all(9 < r.retry_after <= 10 for r in results[6:])
         finally:
             await client.aclose()
 
