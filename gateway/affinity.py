@@ -1,6 +1,6 @@
 """Which replica serves a request: rendezvous hashing with bounded load. Pure functions.
 
-    replicas = [ReplicaLoad("r1", in_flight=3), ReplicaLoad("r2", in_flight=5), ...]
+    replicas = [ReplicaLoad("r1", load=3), ReplicaLoad("r2", load=5), ...]
     key = request.headers.get("X-Session-ID") or prefix_key(prompt_text(body))
     replica_id = pick(key, replicas) if key else <least loaded>      # epsilon=DEFAULT_EPSILON
 
@@ -9,6 +9,8 @@ the first whose load after this request stays within ceil((1+ε)·(total+1)/n), 
 total is the sum of the given loads: no replica ends up above (1+ε)× the mean, and
 one always qualifies (the least loaded one does). Adding or removing a replica only
 moves the keys whose top-ranked replica changed, plus the few the bound pushes on.
+`pick` keeps no state: a key stays on its replica while that replica is within the
+bound, spills to its next-ranked one while it is not, and returns when load drops.
 `load` is whatever the caller balances — in-flight requests for prefix routing, live
 sessions for session affinity — as long as it counts the same thing for every replica.
 
