@@ -64,7 +64,8 @@ class Function:
 
     def describe(self) -> dict:
         methods = [] if self.is_asgi else [self.name]
-        return {"kind": "function", "methods": methods, "asgi": self.is_asgi, "spec": self.spec.model_dump()}
+        params = {m: _required_params(self.fn) for m in methods}
+        return {"kind": "function", "methods": methods, "params": params, "asgi": self.is_asgi, "spec": self.spec.model_dump()}
 
     def local(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -98,7 +99,8 @@ class Cls:
             raise SpecError(f"class {self.name!r} has no @ember.method() or @ember.asgi_app(); nothing to serve")
 
     def describe(self) -> dict:
-        return {"kind": "class", "methods": self.methods, "asgi": self.asgi is not None, "spec": self.spec.model_dump()}
+        params = {m: _required_params(getattr(self.user_cls, m), bound=True) for m in self.methods}
+        return {"kind": "class", "methods": self.methods, "params": params, "asgi": self.asgi is not None, "spec": self.spec.model_dump()}
 
     def start(self, on_hook: Callable[[str, float], None] | None = None) -> Any:
         """Create the instance and run its enter hooks (snap=True first)."""
@@ -151,6 +153,15 @@ class BoundMethod:
         cls = self.instance._cls
         fn = getattr(cls.user_cls, self.name)
         return Client.from_env().call(cls.app.name, f"{cls.name}.{self.name}", _as_kwargs(fn, args, kwargs, bound=True))
+
+
+def _required_params(fn: Callable, bound: bool = False) -> dict[str, str | None]:
+    """Required keyword arguments and their annotation names: enough to show a caller a working request."""
+    params = list(inspect.signature(fn).parameters.values())[1 if bound else 0:]
+    return {
+        p.name: getattr(p.annotation, "__name__", None) if p.annotation is not p.empty else None
+        for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
 
 
 def _as_kwargs(fn: Callable, args: tuple, kwargs: dict, bound: bool = False) -> dict:

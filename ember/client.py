@@ -1,6 +1,7 @@
 """The Python client: calls a deployed function over HTTPS, verifying the Ember dev CA."""
 import json
 import os
+import ssl
 from typing import Any
 
 import httpx
@@ -17,7 +18,8 @@ class RemoteError(RuntimeError):
 class Client:
     def __init__(self, url: str, key: str, ca: str | os.PathLike | bool = True, timeout: float = 600.0):
         self.url, self.key = url.rstrip("/"), key
-        self.http = httpx.Client(verify=str(ca) if not isinstance(ca, bool) else ca, timeout=timeout)
+        verify = ca if isinstance(ca, bool) else ssl.create_default_context(cafile=str(ca))
+        self.http = httpx.Client(verify=verify, timeout=timeout)
 
     @classmethod
     def from_env(cls) -> "Client":

@@ -46,7 +46,7 @@ def build(app: App, home: Home) -> Path:
         pickled = cloudpickle.dumps(app)
     finally:
         cloudpickle.unregister_pickle_by_value(module)
-    manifest = json.dumps(app.manifest() | {"source": source_path.name}, sort_keys=True).encode()
+    manifest = json.dumps(app.manifest() | {"source": source_path.name}).encode()
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as zf:
         for name, data in (("manifest.json", manifest), ("app.pkl", pickled), (f"source/{source_path.name}", source_path.read_bytes())):

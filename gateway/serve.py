@@ -11,7 +11,7 @@ import uvicorn
 from ember.gateway.server import Gateway, create_app
 from ember.gateway.tls import issue_server_cert
 from ember.home import Home
-from ember.package import build, load_app
+from ember.package import build, load_app, read_manifest
 
 CLI_KEY_NAME = "ember-cli"
 
@@ -36,6 +36,19 @@ def _cli_key(gateway: Gateway) -> None:
     path.write_text(secret + "\n")
 
 
+EXAMPLE_VALUES = {"int": 3, "float": 3.0, "str": "world", "bool": True, "list": [], "dict": {}}
+
+
+def _example_call(package) -> tuple[str, str]:
+    """The first declared function or method and a JSON body for it, for the printed curl."""
+    for name, unit in read_manifest(package)["units"].items():
+        for method in unit["methods"]:
+            params = unit["params"][method]
+            body = json.dumps({p: EXAMPLE_VALUES.get(kind) for p, kind in params.items()})
+            return (method if unit["kind"] == "function" else f"{name}.{method}"), body
+    return "", "{}"
+
+
 def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str | None = None) -> int:
     home = Home()
     _logging(home)
@@ -57,13 +70,12 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
 
     print(f"Ember is serving app {deployment.name!r} at {url}", flush=True)
     print(f"CA certificate: {home.ca}", flush=True)
-    example = next(iter(deployment.units.values()))
-    path = example.name if example.kind == "function" else f"{example.name}.{example.methods[0]}" if example.methods else ""
+    path, body = _example_call(package)
     if new_key:
         _, secret = gateway.keys.create(new_key)
         print(f"API key {new_key!r} (shown once): {secret}", flush=True)
         print(f"Try it:\n  curl --cacert {home.ca} -H 'Authorization: Bearer {secret}' -H 'Content-Type: application/json' "
-              f"-d '{{}}' {url}/{deployment.name}/{path}", flush=True)
+              f"-d '{body}' {url}/{deployment.name}/{path}", flush=True)
     else:
         print("Create an API key with: ember keys create --name NAME", flush=True)
 

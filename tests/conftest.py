@@ -1,0 +1,106 @@
+"""Fixtures that run the real system: `ember serve` as a subprocess over HTTPS, with a temp EMBER_HOME."""
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ember.gateway.keys import KeyStore
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Served:
+    """A running `ember serve`: its URL, CA, home, and helpers that talk to it the way users do."""
+
+    url: str
+    ca: Path
+    home: Path
+    process: subprocess.Popen
+    stdout: list[str]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return os.environ | {"EMBER_HOME": str(self.home)}
+
+    def tls(self) -> ssl.SSLContext:
+        """Verifies the gateway's certificate against the dev CA only (what `curl --cacert` does)."""
+        return ssl.create_default_context(cafile=str(self.ca))
+
+    def key(self, name: str = "test", admin: bool = False) -> str:
+        return KeyStore(self.home / "ember.db").create(name, admin=admin)[1]
+
+    def client(self, key: str | None, timeout: float = 60.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, verify=self.tls(), headers=headers, timeout=timeout)
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        result = subprocess.run([sys.executable, "-m", "ember.cli", *args], env=self.env, capture_output=True, text=True, timeout=60)
+        if check and result.returncode != 0:
+            raise AssertionError(f"ember {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json").stdout)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop the gateway and its replicas (one process group); SIGKILL whatever outlives the grace period."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(5)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """serve(APP.py) starts `ember serve` on a free port and returns a Served once /readyz answers."""
+    started: list[subprocess.Popen] = []
+
+    def start(app_path: str | Path, timeout: float = 60.0) -> Served:
+        home = tmp_path / "ember-home"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ember.cli", "serve", str(app_path), "--port", "0"],
+            env=os.environ | {"EMBER_HOME": str(home)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True, cwd=ROOT,
+        )
+        started.append(process)
+        lines: list[str] = []
+        url = None
+        deadline = time.monotonic() + timeout
+        while url is None:
+            line = process.stdout.readline()
+            if not line:
+                raise AssertionError("ember serve exited early:\n" + "".join(lines))
+            lines.append(line)
+            if line.startswith("Ember is serving"):
+                url = line.split(" at ")[-1].strip()
+            assert time.monotonic() < deadline, "ember serve printed no URL:\n" + "".join(lines)
+        served = Served(url, home / "tls" / "ca.pem", home, process, lines)
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz", verify=served.tls()).status_code == 200:
+                    return served
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "ember serve never became ready"
+            time.sleep(0.1)
+
+    yield start
+    for process in started:
+        _stop(process)
