@@ -33,6 +33,7 @@ class ReplicaModel:
     decode_tokens_per_s: float = 60.0  # per sequence, at any batch up to max_concurrency
     max_concurrency: int = 16
     host_gb: float = 16.0  # pinned host RAM a parked replica keeps
+    gpus_per_node: int = 8  # a snapshot on a node's disk makes starts on all its GPUs node-warm
     snapshot_built: bool = True  # False: the first start ever is a full boot
 
     def start_latency(self, tier: str) -> float:
@@ -67,7 +68,7 @@ class Queue:
 class Replica:
     id: str
     state: str
-    node: int
+    gpu: int  # a parked replica keeps its GPU reserved to wake on
     in_flight: int = 0
     idle_since: float | None = None
     ready_at: float = 0.0
@@ -130,7 +131,6 @@ def simulate(
 
     replicas: dict[str, Replica] = {}
     warm_nodes: set[int] = set()
-    next_node = 0
     snapshot = model.snapshot_built
     waiting: deque[int] = deque()
     outcome: list[tuple[float, float] | None] = [None] * len(trace)  # (queue wait, ttft); None = 503
@@ -146,17 +146,17 @@ def simulate(
     ids = 0
 
     def new_replica(now: float) -> None:
-        # a node that ran the function keeps its snapshot on disk: the next start there is node-warm
-        nonlocal ids, next_node, snapshot
-        free = sorted(warm_nodes - {r.node for r in replicas.values()})
-        if free:
-            node, tier = free[0], "node-warm"
+        # the lowest free GPU, so nodes that already hold the snapshot are reused first
+        nonlocal ids, snapshot
+        taken = {r.gpu for r in replicas.values()}
+        gpu = next(g for g in range(len(taken) + 1) if g not in taken)
+        if gpu // model.gpus_per_node in warm_nodes:
+            tier = "node-warm"
         else:
-            node, next_node = next_node, next_node + 1
             tier = "node-cold" if snapshot else "full-boot"
             snapshot = True
         ids += 1
-        start(Replica(f"r{ids}", STARTING, node), now, tier)
+        start(Replica(f"r{ids}", STARTING, gpu), now, tier)
 
     def start(rep: Replica, now: float, tier: str) -> None:
         rep.state, rep.idle_since, rep.ready_at = STARTING, None, now + model.start_latency(tier)
@@ -211,14 +211,27 @@ def simulate(
         if rep.drain_to is Park:
             rep.state, rep.idle_since = PARKED, now
         else:
-            warm_nodes.add(rep.node)
             del replicas[rep.id]
         rep.drain_to = None
 
+    def decide_now(now: float) -> None:
+        nonlocal arrivals, history, memo, peak, violations
+        in_flight = sum(r.in_flight for r in replicas.values())
+        history.append(Sample(now, len(waiting), in_flight, arrivals))
+        arrivals = 0
+        if history[0].t < now - history_seconds:
+            history = [x for x in history if x.t >= now - history_seconds]
+        decided, memo = policy.decide([r.view() for r in replicas.values()], history, now, memo)
+        for action in decided:
+            apply(action, now)
+        live = sum(r.state in (HOT, STARTING) and not r.drain_to for r in replicas.values())
+        peak = max(peak, live)
+        violations += not policy.min_replicas <= live <= policy.max_replicas
+        dispatch(now)
+
     for i in range(policy.initial_hot):
-        replicas[f"a{i}"] = Replica(f"a{i}", HOT, next_node, idle_since=0.0)
-        warm_nodes.add(next_node)
-        next_node += 1
+        replicas[f"a{i}"] = Replica(f"a{i}", HOT, i, idle_since=0.0)
+        warm_nodes.add(i // model.gpus_per_node)
 
     duration = until if until is not None else trace[-1].t if trace else 0.0
     while events:
@@ -236,11 +249,13 @@ def simulate(
                 oldest = now - trace[waiting[0]].t
                 if not isinstance(admit(len(waiting) - 1, queue.bound, oldest, queue.timeout, eta), Admit):
                     reject(waiting.pop())
+                elif not any(r.state in (HOT, STARTING) and not r.drain_to for r in replicas.values()):
+                    decide_now(now)  # a request at zero asks for a decision now, as Knative's activator does
         elif kind == "ready":
             rep = replicas.get(data)
             if rep is not None and rep.state == STARTING and rep.ready_at == now:
                 rep.state, rep.idle_since = HOT, now
-                warm_nodes.add(rep.node)
+                warm_nodes.add(rep.gpu // model.gpus_per_node)
                 dispatch(now)
         elif kind == "done":
             rid, i = data
@@ -253,20 +268,8 @@ def simulate(
         else:
             while waiting and expired(now - trace[waiting[0]].t, queue.timeout):
                 reject(waiting.popleft())
-            in_flight = sum(r.in_flight for r in replicas.values())
-            history.append(Sample(now, len(waiting), in_flight, arrivals))
-            arrivals = 0
-            if history[0].t < now - history_seconds:
-                history = history[-int(history_seconds / tick):]
-            decided, memo = policy.decide([r.view() for r in replicas.values()], history, now, memo)
-            for action in decided:
-                apply(action, now)
-            live = sum(r.state in (HOT, STARTING) for r in replicas.values())
-            peak = max(peak, live)
-            violations += not policy.min_replicas <= live <= policy.max_replicas
-            dispatch(now)
-            busy = waiting or any(r.in_flight for r in replicas.values())
-            if now < duration or busy:
+            decide_now(now)
+            if now < duration or waiting or any(r.in_flight for r in replicas.values()):
                 push(now + tick, "tick", None)
 
     if any(n != 1 for n in settled):

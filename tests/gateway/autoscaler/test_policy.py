@@ -1,0 +1,155 @@
+import pytest
+
+from ember.gateway.autoscaler.policy import (
+    Evict,
+    Park,
+    PolicyMemo,
+    ReplicaView,
+    Sample,
+    ScalingSettings,
+    Start,
+    Wake,
+    decide,
+)
+
+
+def load(concurrency: int, until: float, since: float = 0.0, arrivals: int = 3) -> list[Sample]:
+    """One sample a second of `concurrency` requests in flight."""
+    return [Sample(float(t), 0, concurrency, arrivals) for t in range(int(since), int(until) + 1)]
+
+
+def hot(n: int, in_flight: int = 0, idle_since: float | None = 0.0, prefix: str = "h") -> list[ReplicaView]:
+    return [ReplicaView(f"{prefix}{i}", "hot", in_flight, None if in_flight else idle_since) for i in range(n)]
+
+
+def run(settings: ScalingSettings, replicas, history, now, memo=PolicyMemo()):
+    actions, memo = decide(settings, replicas, history, now, memo)
+    assert all(a.reason for a in actions), "every action explains itself for `ember status`"
+    return actions, memo
+
+
+PARKING = ScalingSettings(target_concurrency=10, max_concurrency=16, park_after=5.0, scaledown_window=60.0, stable_window=20.0)
+
+
+def test_starts_from_zero_on_the_first_queued_request():
+    history = load(0, 9) + [Sample(10.0, 3, 0, 3)]
+    actions, _ = run(PARKING, [], history, 10.0)
+    assert actions == [Start(1, actions[0].reason)]
+
+
+def test_steady_load_at_target_takes_no_action_for_ten_minutes():
+    replicas = hot(3, in_flight=8)
+    memo = PolicyMemo()
+    for now in range(60, 660):
+        actions, memo = run(PARKING, replicas, load(24, now, since=now - 120), float(now), memo)
+        assert actions == [], f"flapped at t={now}: {actions}"
+
+
+def test_scales_up_to_cover_concurrency_and_counts_starting_replicas():
+    replicas = hot(2, in_flight=16) + [ReplicaView("s0", "starting", 0, None)]
+    actions, _ = run(PARKING, replicas, load(45, 30), 30.0)
+    assert actions == [Start(2, actions[0].reason)]  # 45 / 10 -> 5 replicas, 3 live
+
+
+def test_never_more_than_max_replicas():
+    s = ScalingSettings(target_concurrency=10, max_concurrency=16, max_replicas=5)
+    actions, _ = run(s, hot(2, in_flight=16), load(400, 30), 30.0)
+    assert actions == [Start(3, actions[0].reason)]
+
+
+def test_never_parks_below_min_replicas():
+    s = ScalingSettings(min_replicas=2, target_concurrency=10, max_concurrency=16, park_after=5.0)
+    actions, _ = run(s, hot(3), load(0, 300), 300.0)
+    assert [type(a) for a in actions] == [Park]
+    actions, _ = run(s, [], load(0, 300), 300.0)
+    assert actions == [Start(2, actions[0].reason)]
+
+
+def test_wakes_parked_replicas_before_starting_new_ones():
+    parked = [ReplicaView(f"p{i}", "parked", 0, 50.0 + i) for i in range(2)]
+    actions, _ = run(PARKING, hot(1, in_flight=16) + parked, load(45, 100), 100.0)
+    assert [type(a) for a in actions] == [Wake, Wake, Start]
+    assert {a.replica_id for a in actions[:2]} == {"p0", "p1"}
+    assert actions[2].count == 2
+
+
+def test_takes_a_draining_replica_back_before_waking_a_parked_one():
+    draining = ReplicaView("d0", "hot", 3, None, draining=True)
+    parked = ReplicaView("p0", "parked", 0, 10.0)
+    actions, _ = run(PARKING, hot(1, in_flight=16) + [draining, parked], load(15, 100), 100.0)
+    assert actions == [Wake("d0", actions[0].reason)]
+
+
+def test_parks_spare_capacity_only_after_the_park_window():
+    replicas = hot(1, in_flight=4) + hot(2, idle_since=40.0, prefix="idle")
+    history = load(25, 40) + load(4, 60, since=41)
+    assert run(PARKING, replicas, history[:-16], 44.0)[0] == []  # 25 concurrent 4 s ago still needs 3
+    actions, _ = run(PARKING, replicas, history, 60.0)
+    assert sorted(a.replica_id for a in actions) == ["idle0", "idle1"]
+    assert all(isinstance(a, Park) for a in actions)
+
+
+def test_parks_least_loaded_replica_first_and_lets_it_drain():
+    replicas = [ReplicaView("busy", "hot", 6, None), ReplicaView("light", "hot", 1, None)]
+    actions, _ = run(PARKING, replicas, load(7, 60), 60.0)
+    assert actions == [Park("light", actions[0].reason)]
+
+
+def test_no_scale_down_of_any_kind_in_panic():
+    s = PARKING
+    burst = load(1, 30) + load(60, 36, since=31)
+    actions, memo = run(s, hot(1, in_flight=16), burst, 36.0)
+    assert memo.panic_since == 36.0 and sum(a.count for a in actions if isinstance(a, Start)) >= 5
+    # the burst stops dead; within the stable window nothing parks or is evicted
+    six_idle = hot(6, idle_since=37.0)
+    quiet = burst + load(0, 55, since=37)
+    for now in (40.0, 50.0, 55.0):
+        actions, memo = run(s, six_idle, [x for x in quiet if x.t <= now], now, memo)
+        assert not [a for a in actions if isinstance(a, (Park, Evict))], f"scaled down in panic at {now}"
+    actions, memo = run(s, six_idle, quiet + load(0, 57, since=56), 57.0, memo)
+    assert memo.panic_since is None
+    assert sorted(type(a).__name__ for a in actions) == ["Park"] * 6
+
+
+def test_scale_to_zero_only_after_the_scaledown_window():
+    s = ScalingSettings(target_concurrency=10, max_concurrency=16, scaledown_window=60.0)  # no parking
+    history = load(5, 100) + load(0, 159, since=101)
+    one = hot(1, idle_since=100.5)
+    assert run(s, one, history, 159.0)[0] == []
+    actions, _ = run(s, one, history + load(0, 161, since=160), 161.0)
+    assert actions == [Evict("h0", actions[0].reason)]
+
+
+def test_parked_replicas_are_evicted_after_the_scaledown_window():
+    parked = [ReplicaView("p0", "parked", 0, 100.0), ReplicaView("p1", "parked", 0, 130.0)]
+    actions, _ = run(PARKING, parked, load(0, 165), 165.0)
+    assert actions == [Evict("p0", actions[0].reason)]
+
+
+def test_buffer_replicas_stay_hot_beyond_demand():
+    s = ScalingSettings(target_concurrency=10, max_concurrency=16, buffer_replicas=1, park_after=5.0)
+    assert run(s, hot(2, in_flight=5), load(10, 100), 100.0)[0] == []
+    actions, _ = run(s, hot(1, in_flight=10), load(10, 100), 100.0)
+    assert actions == [Start(1, actions[0].reason)]
+
+
+def test_prewarms_when_arrivals_rise():
+    # concurrency so far fits 2 replicas, but arrivals doubled in the last panic window
+    history = [Sample(float(t), 0, 15, 5 if t <= 54 else 12) for t in range(0, 61)]
+    actions, _ = run(PARKING, hot(2, in_flight=8), history, 60.0)
+    assert actions and isinstance(actions[0], Start)
+    assert "rising" in actions[0].reason
+
+
+def test_poisson_noise_in_arrivals_is_not_a_trend():
+    history = [Sample(float(t), 0, 15, 5 if t % 2 else 4) for t in range(0, 61)]
+    assert run(PARKING, hot(2, in_flight=8), history, 60.0)[0] == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [(dict(min_replicas=3, max_replicas=2), "max_replicas"), (dict(target_concurrency=4, max_concurrency=2), "target_concurrency")],
+)
+def test_bad_settings_say_what_to_fix(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        ScalingSettings(**kwargs)

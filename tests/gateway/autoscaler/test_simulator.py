@@ -1,0 +1,61 @@
+from functools import partial
+
+import pytest
+
+from ember.gateway.autoscaler.baselines import KPA_SETTINGS, KpaMemo, RayMemo, kpa_decide, ray_decide
+from ember.gateway.autoscaler.policy import PolicyMemo, ScalingSettings, decide
+from ember.gateway.autoscaler.simulator import Policy, Queue, ReplicaModel, simulate
+from ember.gateway.autoscaler.trace import Request, generate
+
+FUNCTION = dict(min_replicas=1, max_replicas=3, target_concurrency=10.0, max_concurrency=16)
+EMBER = ScalingSettings(**FUNCTION, park_after=5.0, scaledown_window=60.0, stable_window=20.0)
+KPA = ScalingSettings(**FUNCTION, **KPA_SETTINGS)
+
+
+def policies(settings=EMBER):
+    return [
+        Policy("ember", partial(decide, settings), PolicyMemo(), settings.min_replicas, settings.max_replicas),
+        Policy("kpa-like", partial(kpa_decide, KPA), KpaMemo(), KPA.min_replicas, KPA.max_replicas),
+        Policy("ray-default", partial(ray_decide, KPA), RayMemo(), KPA.min_replicas, KPA.max_replicas),
+    ]
+
+
+@pytest.mark.parametrize("policy", policies(), ids=lambda p: p.name)
+def test_short_bursty_trace_serves_every_request_once_within_bounds(policy):
+    trace = generate("on_off", 400.0, seed=3)
+    report = simulate(trace, policy, until=400.0)
+    assert report.served + report.rejected == report.requests == len(trace)
+    assert report.bound_violations == 0
+    assert 1 <= report.peak_replicas <= 3
+    assert report.gpu_seconds >= 400.0 * 1  # min_replicas=1 holds a GPU the whole time
+
+
+def test_same_seed_same_report():
+    trace = generate("spike", 300.0, seed=1)
+    assert simulate(trace, policies()[0], until=300.0) == simulate(trace, policies()[0], until=300.0)
+
+
+def test_a_full_queue_turns_requests_away():
+    # 200 requests at once against one slot: the queue bound of 20 sends the rest a 503
+    trace = [Request(1.0 + i * 1e-3, 100, 50) for i in range(200)]
+    one = ScalingSettings(max_replicas=1, target_concurrency=1, max_concurrency=1)
+    report = simulate(trace, Policy("one", partial(decide, one), PolicyMemo(), 0, 1),
+                      ReplicaModel(max_concurrency=1), Queue(bound=20, timeout=30.0))
+    assert report.rejected >= 170 and report.served + report.rejected == 200
+
+
+def test_parking_is_counted_as_host_ram_not_gpu():
+    trace = [Request(1.0, 200, 60), Request(100.0, 200, 60)]
+    s = ScalingSettings(target_concurrency=1, max_concurrency=1, park_after=2.0, scaledown_window=300.0, stable_window=10.0)
+    report = simulate(trace, Policy("ember", partial(decide, s), PolicyMemo(), 0, 10), ReplicaModel(max_concurrency=1))
+    assert report.cold_starts["parked"] == 1  # the second request woke the first replica
+    assert report.gpu_seconds < 30.0 and report.parked_host_gb_seconds > 16.0 * 80
+
+
+def test_steady_regular_load_does_not_flap():
+    trace = [Request(i * 0.25, 400, 120) for i in range(2400)]  # 4 req/s of 2 s work: 8 concurrent
+    s = ScalingSettings(target_concurrency=4, max_concurrency=8, park_after=5.0, stable_window=20.0)
+    report = simulate(trace, Policy("ember", partial(decide, s), PolicyMemo(), 0, 10), ReplicaModel(max_concurrency=8))
+    # the ramp-up overshoots and parks the surplus once; nothing is ever started or woken again
+    assert report.actions["Start"] == report.peak_replicas and "Wake" not in report.actions, report.actions
+    assert report.actions["Park"] < report.peak_replicas
