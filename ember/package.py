@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import io
 import json
+import linecache
 import sys
 import zipfile
 from pathlib import Path
@@ -76,4 +77,9 @@ def read_manifest(package: str | Path) -> dict:
 def unpack(package: str | Path) -> App:
     """Load the App from a package alone (what a replica does)."""
     with zipfile.ZipFile(package) as zf:
-        return cloudpickle.loads(zf.read("app.pkl"))
+        source = zf.read(f"source/{json.loads(zf.read('manifest.json'))['source']}").decode()
+        app = cloudpickle.loads(zf.read("app.pkl"))
+    # cloudpickle names by-value code "<dynamic-code>"; it all comes from the one source file shipped
+    # here, so tracebacks in a replica can show the user's lines.
+    linecache.cache["<dynamic-code>"] = (len(source), None, source.splitlines(keepends=True), "<dynamic-code>")
+    return app

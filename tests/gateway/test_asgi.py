@@ -1,0 +1,34 @@
+"""An app's ASGI endpoint behind the gateway: any path that is not a declared method, SSE streamed through."""
+from pathlib import Path
+import time
+
+APPS = Path(__file__).parent / "apps"
+
+
+def test_asgi_forwarding_and_sse_cancellation(serve):
+    served = serve(APPS / "streaming.py")
+    with served.client(served.key()) as http:
+        echo = http.post("/streaming/v1/echo?x=1", json={"hello": "world"})
+        assert echo.status_code == 200, echo.text
+        assert echo.json() == {"path": "/v1/echo", "query": "x=1", "body": {"hello": "world"}}
+        assert echo.headers["x-ember-replica"].startswith("web-")
+
+        assert http.post("/streaming/Web.ping", json={}).json() == {"result": "pong"}
+
+        with http.stream("GET", "/streaming/v1/stream", params={"n": 5}) as whole:
+            assert whole.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in whole.iter_lines() if line.startswith("data:")]
+        assert events == [f"data: {i}" for i in range(5)]
+
+        with http.stream("GET", "/streaming/v1/stream") as partial:
+            lines = partial.iter_lines()
+            first = [next(lines) for _ in range(4)]
+        assert first[0] == "data: 0"
+
+        deadline = time.monotonic() + 10
+        while http.get("/streaming/v1/cancelled").json()["cancelled"] < 1:
+            assert time.monotonic() < deadline, "the upstream stream was not cancelled after the client left"
+            time.sleep(0.1)
+        assert http.get("/streaming/v1/nowhere").status_code == 404
+        status = served.status()["apps"]["streaming"]["functions"]["Web"]
+        assert status["in_flight"] == 0  # slots of finished and abandoned streams were returned
