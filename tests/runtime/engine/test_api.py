@@ -1,0 +1,214 @@
+"""The OpenAI-compatible app in-process (httpx ASGITransport) over the real engine and a tiny model."""
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from ember.runtime.engine.api import create_app
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.tiny import build_tiny_model
+
+MODEL = "tiny-chat"
+HELLO = [{"role": "user", "content": "Hello, how are you?"}]
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3")
+    app = create_app(EngineConfig(model=str(path), max_model_len=256), served_model_name=MODEL)
+    yield app
+    app.state.llm.shutdown()
+
+
+@pytest.fixture
+def call(app):
+    """call(method, path, json=...) -> httpx.Response, each in a fresh client."""
+
+    def call(method, path, **kwargs):
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+                return await client.request(method, path, **kwargs)
+
+        return asyncio.run(go())
+
+    return call
+
+
+def chat(call, **body):
+    return call("POST", "/v1/chat/completions", json={"model": MODEL, "messages": HELLO, **body})
+
+
+def events(response):
+    assert response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_models_lists_the_served_model(call):
+    body = call("GET", "/v1/models").json()
+    assert [m["id"] for m in body["data"]] == [MODEL]
+    assert body["data"][0]["max_model_len"] == 256
+    assert call("GET", f"/v1/models/{MODEL}").json()["id"] == MODEL
+    missing = call("GET", "/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_chat_completion_shape_usage_and_greedy_determinism(app, call):
+    first = chat(call, max_tokens=8, temperature=0)
+    assert first.status_code == 200
+    body = first.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    [choice] = body["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    tokenizer = app.state.llm.tokenizer
+    prompt = tokenizer.apply_chat_template(HELLO, add_generation_prompt=True, tokenize=False)
+    assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt, add_special_tokens=False))
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 8
+    assert chat(call, max_tokens=8, temperature=0).json()["choices"][0]["message"] == choice["message"]
+
+
+def test_max_completion_tokens_wins_over_max_tokens(call):
+    body = chat(call, max_tokens=3, max_completion_tokens=5, ignore_eos=True).json()
+    assert body["usage"]["completion_tokens"] == 5
+
+
+def test_streaming_chat_matches_non_streaming_and_ends_with_usage(call):
+    expected = chat(call, max_tokens=10, seed=4).json()["choices"][0]["message"]["content"]
+    chunks = events(chat(call, max_tokens=10, seed=4, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == expected
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    assert all(c["usage"] is None for c in chunks[:-1])
+    plain = events(chat(call, max_tokens=3, stream=True))
+    assert all("usage" not in c for c in plain)
+
+
+def test_seed_reproduces_and_different_seeds_differ(call):
+    texts = [chat(call, max_tokens=16, seed=s).json()["choices"][0]["message"]["content"] for s in (1, 1, 2)]
+    assert texts[0] == texts[1] != texts[2]
+
+
+def test_n_choices_differ_and_share_one_prompt_in_usage(call):
+    body = chat(call, max_tokens=6, n=3, seed=9, ignore_eos=True).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert len({c["message"]["content"] for c in body["choices"]}) == 3
+    assert body["usage"]["completion_tokens"] == 18
+    assert body["usage"]["prompt_tokens"] == chat(call, max_tokens=1).json()["usage"]["prompt_tokens"]
+
+
+def test_stop_string_is_not_leaked_in_plain_or_streaming_responses(call):
+    full = chat(call, max_tokens=40, seed=21).json()["choices"][0]["message"]["content"]
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    expected = full[:full.find(stop)]
+    [choice] = chat(call, max_tokens=40, seed=21, stop=stop).json()["choices"]
+    assert (choice["message"]["content"], choice["finish_reason"], choice["stop_reason"]) == (expected, "stop", stop)
+    chunks = events(chat(call, max_tokens=40, seed=21, stop=[stop, "never-generated"], stream=True))
+    deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+    assert "".join(deltas) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    kept = chat(call, max_tokens=40, seed=21, stop=stop, include_stop_str_in_output=True).json()
+    assert kept["choices"][0]["message"]["content"] == expected + stop
+
+
+def test_chat_logprobs(call):
+    [choice] = chat(call, max_tokens=4, logprobs=True, top_logprobs=2, ignore_eos=True).json()["choices"]
+    content = choice["logprobs"]["content"]
+    assert len(content) == 4
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6
+    assert "".join(e["token"] for e in content) == choice["message"]["content"]
+
+
+def test_completions_batch_n_token_ids_and_echo(app, call):
+    tokenizer = app.state.llm.tokenizer
+    ids = tokenizer.encode("Once upon a time", add_special_tokens=False)
+    body = call("POST", "/v1/completions", json={"model": MODEL, "prompt": ["The capital of France is", "Hello"],
+                                                  "n": 2, "max_tokens": 3, "seed": 1, "ignore_eos": True}).json()
+    assert body["object"] == "text_completion"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    lengths = [len(tokenizer.encode(p, add_special_tokens=False)) for p in ["The capital of France is", "Hello"]]
+    assert body["usage"] == {"prompt_tokens": sum(lengths), "completion_tokens": 12,
+                             "total_tokens": sum(lengths) + 12, "prompt_tokens_details": {"cached_tokens": 0}}
+    by_ids = call("POST", "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 5, "temperature": 0,
+                                                    "echo": True}).json()
+    by_text = call("POST", "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5,
+                                                     "temperature": 0}).json()
+    assert by_ids["choices"][0]["text"] == "Once upon a time" + by_text["choices"][0]["text"]
+
+
+def test_completions_streaming_and_logprobs(call):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 6, "seed": 3, "logprobs": 1, "ignore_eos": True}
+    plain = call("POST", "/v1/completions", json=body).json()["choices"][0]
+    assert len(plain["logprobs"]["tokens"]) == 6 and len(plain["logprobs"]["top_logprobs"][0]) == 1
+    chunks = events(call("POST", "/v1/completions", json={**body, "stream": True,
+                                                          "stream_options": {"include_usage": True}}))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == plain["text"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_repeated_prompt_hits_the_prefix_cache(call):
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 1}
+    call("POST", "/v1/completions", json=body)
+    usage = call("POST", "/v1/completions", json=body).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16
+
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": HELLO}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "temperature": 3}, 400, "temperature", "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "invalid_value"),
+    ("/v1/chat/completions", {"messages": HELLO}, 400, "model", "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "n": 0}, 400, "n", "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.0.role", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi " * 300}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 300}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 300}]}, 400,
+     "messages", "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 99999]}, 400, None, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens", None),
+])
+def test_bad_requests_get_openai_shaped_errors(call, path, body, status, param, code):
+    response = call("POST", path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] in ("invalid_request_error", "not_found_error")
+    assert (error["param"], error["code"]) == (param, code)
+
+
+def test_malformed_json_and_unknown_routes_are_json_errors(call):
+    bad = call("POST", "/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    missing = call("GET", "/v2/everything")
+    assert missing.status_code == 404 and "error" in missing.json()
+    wrong_method = call("GET", "/v1/chat/completions")
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+def test_health_and_metrics_use_vllm_names(call):
+    assert call("GET", "/health").json() == {"status": "ok"}
+    chat(call, max_tokens=3)
+    text = call("GET", "/metrics").text
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    label = f'model_name="{MODEL}"'
+    for name in ["time_to_first_token_seconds", "inter_token_latency_seconds", "request_queue_time_seconds"]:
+        assert samples[f"ember:{name}_count{{{label}}}"] > 0
+        assert samples[f'ember:{name}_bucket{{{label},le="+Inf"}}'] == samples[f"ember:{name}_count{{{label}}}"]
+    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]:
+        assert f"ember:{name}{{{label}}}" in samples
+    assert samples[f"ember:prefix_cache_queries_total{{{label}}}"] > 0
+    assert f"ember:prefix_cache_hits_total{{{label}}}" in samples
+    assert samples[f'ember:request_success_total{{{label},finished_reason="length"}}'] > 0

@@ -1,0 +1,102 @@
+"""The app behind a real uvicorn socket, driven by the official `openai` client."""
+import socket
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+
+from ember.runtime.engine.api import create_app
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.tiny import build_tiny_model
+
+MODEL = "tiny-chat"
+HELLO = [{"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3")
+    app = create_app(EngineConfig(model=str(path), max_model_len=1024), served_model_name=MODEL)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "uvicorn failed to start"
+        time.sleep(0.01)
+    yield app, f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=server[1], api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def wait_until_idle(engine, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests() or engine.block_manager.usage > 0:
+        assert time.monotonic() < deadline, "the engine still holds requests or KV blocks"
+        time.sleep(0.01)
+
+
+def test_models_and_chat(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, seed=1)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.usage.completion_tokens <= 8 and reply.usage.prompt_tokens > 0
+    again = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, seed=1)
+    assert again.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_streaming_chat_with_usage_and_n(client):
+    expected = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, seed=7, n=2)
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, seed=7, n=2, stream=True,
+                                            stream_options={"include_usage": True})
+    texts, usage = {0: "", 1: ""}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+        usage = chunk.usage or usage
+    assert texts == {c.index: c.message.content for c in expected.choices}
+    assert usage.completion_tokens == expected.usage.completion_tokens
+
+
+def test_completions_with_stop(client):
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=30, seed=3).choices[0].text
+    stop = full[10:12]
+    cut = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=30, seed=3, stop=[stop])
+    assert cut.choices[0].text == full[:full.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_errors_map_to_the_clients_exception_types(client):
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=MODEL, prompt="word " * 1100)
+    assert too_long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=HELLO, top_p=1.5)
+    assert bad.value.param == "top_p"
+
+
+def test_disconnecting_mid_stream_aborts_and_frees_kv_blocks(server, client):
+    engine = server[0].state.llm.engine
+    aborted = engine.stats.request_success["abort"]
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1000, stream=True,
+                                            extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(3), stream):
+        pass
+    assert engine.has_unfinished_requests()
+    stream.close()
+    wait_until_idle(engine)
+    assert engine.stats.request_success["abort"] == aborted + 1
