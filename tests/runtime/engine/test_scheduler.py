@@ -1,0 +1,132 @@
+"""Scheduler properties under random arrivals, lengths, cancellations and cache pressure (hypothesis).
+
+The first test drives Scheduler + BlockManager directly with a stand-in for the model (each completed
+sequence gets one token); the second drives the real LLMEngine on a tiny model.
+"""
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from ember.runtime.engine.block_manager import BlockManager
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.engine import LLMEngine
+from ember.runtime.engine.sampling import SamplingParams
+from ember.runtime.engine.scheduler import Scheduler
+from ember.runtime.engine.sequence import Sequence, SequenceStatus
+
+from .hf_models import build
+
+BS = 8
+
+
+@st.composite
+def workloads(draw):
+    num_blocks = draw(st.integers(3, 12))
+    capacity = num_blocks * BS
+    prefixes = [draw(st.lists(st.integers(0, 3), min_size=0, max_size=40)) for _ in range(2)]
+    requests = []
+    for _ in range(draw(st.integers(1, 12))):
+        prefix = draw(st.sampled_from(prefixes))
+        tail = draw(st.lists(st.integers(0, 50), min_size=1, max_size=40))
+        prompt = (prefix + tail)[:capacity - 1]
+        max_tokens = draw(st.integers(1, max(1, min(30, capacity - len(prompt)))))
+        arrival = draw(st.integers(0, 15))
+        cancel = draw(st.one_of(st.none(), st.integers(arrival, arrival + 20)))
+        requests.append((prompt, max_tokens, arrival, cancel))
+    return dict(num_blocks=num_blocks, max_num_seqs=draw(st.integers(1, 6)),
+                budget=draw(st.integers(1, 64)), prefix_caching=draw(st.booleans()), requests=requests)
+
+
+def check_block_accounting(bm: BlockManager, live: list[Sequence]) -> None:
+    owners = Counter(b for seq in live for b in seq.block_table)
+    for block in bm.blocks:
+        assert block.ref_count == owners[block.id]
+    free = set(bm.clean) | set(bm.evictable)
+    assert len(free) == len(bm.clean) + len(bm.evictable)
+    assert not free & set(owners)
+    assert len(free) + len(owners) == bm.num_blocks
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_every_request_finishes_once_within_budget(w):
+    bm = BlockManager(w["num_blocks"], BS, w["prefix_caching"])
+    scheduler = Scheduler(bm, w["max_num_seqs"], w["budget"])
+    seqs = [Sequence(str(i), prompt, SamplingParams(max_tokens=m)) for i, (prompt, m, _, _) in enumerate(w["requests"])]
+    finished: Counter = Counter()
+    for step in range(2000):
+        for seq, (_, _, arrival, cancel) in zip(seqs, w["requests"]):
+            if arrival == step:
+                scheduler.add(seq)
+            if cancel == step and arrival <= step and seq.status is not SequenceStatus.FINISHED:
+                scheduler.finish(seq, "abort")
+                finished[seq.request_id] += 1
+        batch = scheduler.schedule()
+        assert batch.num_tokens <= w["budget"]
+        assert len(scheduler.running) <= w["max_num_seqs"]
+        assert len({id(s) for s in batch.seqs}) == len(batch.seqs)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_uncomputed_tokens
+            assert len(seq.block_table) * BS >= seq.num_computed_tokens + n
+        check_block_accounting(bm, scheduler.running)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            bm.cache_full_blocks(seq)
+            if seq.num_computed_tokens == len(seq):
+                seq.token_ids.append(len(seq) % 7)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    scheduler.finish(seq, "length")
+                    finished[seq.request_id] += 1
+        if step > max(r[2] for r in w["requests"]) and not scheduler.has_unfinished():
+            break
+    else:
+        pytest.fail("the scheduler stopped making progress")
+    assert finished == Counter({s.request_id: 1 for s in seqs})
+    for seq in seqs:
+        if seq.finish_reason == "length":
+            assert seq.num_output_tokens == seq.params.max_tokens
+    assert all(b.ref_count == 0 for b in bm.blocks) and bm.num_free_blocks == w["num_blocks"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen3-prop")
+    build("qwen3", directory)
+    return str(directory)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_engine_under_pressure_matches_an_unpressured_engine(qwen3_dir, data):
+    prompts = data.draw(st.lists(st.lists(st.integers(3, 60), min_size=1, max_size=30), min_size=1, max_size=6))
+    prompts = [[5] * 16 + p if data.draw(st.booleans()) else p for p in prompts]   # shared prefixes for hits
+    cancel = data.draw(st.lists(st.booleans(), min_size=len(prompts), max_size=len(prompts)))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    roomy = LLMEngine(EngineConfig(model=qwen3_dir, num_kv_blocks=64, max_model_len=64))
+    expected = [roomy.generate([p], params)[0] for p in prompts]
+
+    eng = LLMEngine(EngineConfig(model=qwen3_dir, block_size=8, num_kv_blocks=data.draw(st.integers(7, 16)),
+                                 max_model_len=56, max_num_seqs=data.draw(st.integers(1, 4)),
+                                 max_num_batched_tokens=data.draw(st.integers(4, 48))))
+    tokens: dict[str, list[int]] = {}
+    finishes: Counter = Counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    step = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            finishes[out.request_id] += out.finished
+        step += 1
+        if step == 3:
+            for i, c in enumerate(cancel):
+                if c:
+                    eng.abort_request(str(i))
+        assert step < 500
+    assert finishes == Counter({str(i): 1 for i in range(len(prompts))})
+    for i, want in enumerate(expected):
+        assert tokens.get(str(i), []) == want[:len(tokens.get(str(i), []))]
+        if not cancel[i]:
+            assert tokens[str(i)] == want
+    assert all(b.ref_count == 0 for b in eng.block_manager.blocks)
