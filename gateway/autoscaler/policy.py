@@ -138,13 +138,30 @@ def prewarm_concurrency(settings: ScalingSettings, history: Sequence[Sample], no
     # Poisson counts: a rise under 3 standard deviations is noise, not a trend
     if recent - before <= 3 * math.sqrt(recent + before + 1):
         return 0.0
-    stable = window(history, now, settings.stable_window)
-    rate = sum(s.arrivals for s in stable) / settings.stable_window
+    stable = window(history, now, settings.stable_window)  # newest first
+    if len(stable) < 2:
+        return 0.0
+    # the oldest sample's arrivals fell before the window, so it only marks where it starts
+    rate = sum(s.arrivals for s in stable[:-1]) / (now - stable[-1].t)
     service = (sum(s.in_flight for s in stable) / len(stable)) / rate if rate else 0.0
     if service == 0:
         return 0.0
     slope = (recent - before) / w / w
     return (recent / w + slope * lead) * service
+
+
+def burst(settings: ScalingSettings, hot: Sequence[ReplicaView], starting: Sequence[ReplicaView], latest: Sample) -> float:
+    """The latest sample's concurrency when it is a burst the averages would dilute, else 0.
+
+    A burst is a panic-sized load (or any load at zero); requests already queued for
+    slots on the replicas starting or free on the hot ones do not ask for more.
+    """
+    capacity = len(hot) * settings.target_concurrency
+    if hot or starting:
+        if latest.concurrency < settings.panic_threshold * max(capacity, settings.target_concurrency):
+            return 0.0
+    free = len(starting) * settings.max_concurrency + sum(max(settings.max_concurrency - r.in_flight, 0) for r in hot)
+    return latest.in_flight + max(latest.queued - free, 0)
 
 
 def decide(
@@ -171,9 +188,7 @@ def decide(
 
     panic_samples = window(history, now, s.panic_window)
     panic_avg = mean_concurrency(panic_samples)
-    latest = history[-1].concurrency if history else 0
-    # from zero, the queue right now is the demand; an average would dilute it
-    demand = max(panic_avg, latest if not hot and not starting else 0)
+    demand = max(panic_avg, burst(s, hot, starting, history[-1]) if history else 0.0)
     want_panic = replicas_for(demand, s.target_concurrency)
 
     over_threshold = want_panic >= s.panic_threshold * max(len(hot), 1) and want_panic > len(hot)

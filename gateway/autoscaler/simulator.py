@@ -34,6 +34,7 @@ class ReplicaModel:
     max_concurrency: int = 16
     host_gb: float = 16.0  # pinned host RAM a parked replica keeps
     gpus_per_node: int = 8  # a snapshot on a node's disk makes starts on all its GPUs node-warm
+    warm_nodes: int = 1  # nodes holding the snapshot at t=0: the one `ember snapshot build` ran on
     snapshot_built: bool = True  # False: the first start ever is a full boot
 
     def start_latency(self, tier: str) -> float:
@@ -130,7 +131,7 @@ def simulate(
     push(0.0, "tick", None)
 
     replicas: dict[str, Replica] = {}
-    warm_nodes: set[int] = set()
+    warm_nodes: set[int] = set(range(model.warm_nodes))
     snapshot = model.snapshot_built
     waiting: deque[int] = deque()
     outcome: list[tuple[float, float] | None] = [None] * len(trace)  # (queue wait, ttft); None = 503

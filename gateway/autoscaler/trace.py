@@ -50,7 +50,7 @@ def on_off(duration: float, rng: random.Random, rate: float = 25.0, on: float = 
     return poisson(lambda t: rate if t % (on + off) < on else 0.0, rate, duration, rng)
 
 
-def spike(duration: float, rng: random.Random, base: float = 0.5, peak: float = 40.0, at: float = 0.4, width: float = 30.0) -> list[Request]:
+def spike(duration: float, rng: random.Random, base: float = 0.1, peak: float = 40.0, at: float = 0.4, width: float = 30.0) -> list[Request]:
     start = duration * at
     return poisson(lambda t: peak if start <= t < start + width else base, peak, duration, rng)
 

@@ -57,5 +57,6 @@ def test_steady_regular_load_does_not_flap():
     s = ScalingSettings(target_concurrency=4, max_concurrency=8, park_after=5.0, stable_window=20.0)
     report = simulate(trace, Policy("ember", partial(decide, s), PolicyMemo(), 0, 10), ReplicaModel(max_concurrency=8))
     # the ramp-up overshoots and parks the surplus once; nothing is ever started or woken again
-    assert report.actions["Start"] == report.peak_replicas and "Wake" not in report.actions, report.actions
-    assert report.actions["Park"] < report.peak_replicas
+    fresh = report.cold_starts["node-warm"] + report.cold_starts["node-cold"]
+    assert fresh == report.peak_replicas and report.cold_starts["parked"] == 0, report
+    assert report.actions.get("Park", 0) < report.peak_replicas
