@@ -10,6 +10,7 @@ from ember.package import read_manifest
 from ember.spec import FunctionSpec
 
 QUEUE_BOUND = 256  # calls one function may buffer while its replicas start
+QUEUE_WAIT = 300.0  # seconds a call may wait for a replica: long enough for a model load in enter
 
 
 def scaling_settings(spec: FunctionSpec) -> ScalingSettings:
@@ -58,6 +59,6 @@ class Deployment:
         units = {}
         for name, info in manifest["units"].items():
             spec = FunctionSpec(**info["spec"])
-            queue = FunctionQueue(spec.max_concurrency, wait_timeout=spec.timeout, bound=QUEUE_BOUND, on_demand=on_demand)
+            queue = FunctionQueue(spec.max_concurrency, wait_timeout=QUEUE_WAIT, bound=QUEUE_BOUND, on_demand=on_demand)
             units[name] = Unit(manifest["app"], name, info["kind"], info["methods"], info["asgi"], spec, queue, scaling_settings(spec))
         return cls(manifest["app"], package, units)

@@ -1,0 +1,54 @@
+"""Packages: content-hashed, and a fresh process starts from the package alone."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from ember.home import Home
+from ember.package import build, load_app, read_manifest
+
+
+def test_a_fresh_process_runs_the_app_from_the_package_alone(tmp_path):
+    source = tmp_path / "user_code" / "scorer.py"
+    source.parent.mkdir()
+    source.write_text(textwrap.dedent('''
+        import ember
+        from helper_not_on_path import OFFSET  # noqa: F401 - resolved at load, captured by value
+
+        app = ember.App("scorer")
+        WEIGHTS = {"a": 2}
+
+        @app.function(max_replicas=3)
+        def score(word: str) -> int:
+            return WEIGHTS.get(word, 0) + OFFSET
+    '''))
+    (source.parent / "helper_not_on_path.py").write_text("OFFSET = 40\n")
+    sys.path.insert(0, str(source.parent))
+    try:
+        package = build(load_app(source), Home(tmp_path / "home"))
+    finally:
+        sys.path.remove(str(source.parent))
+    assert package.parent == tmp_path / "home" / "packages" and len(package.stem) == 64
+    manifest = read_manifest(package)
+    assert manifest["app"] == "scorer" and manifest["source"] == "scorer.py"
+    assert manifest["units"]["score"]["spec"]["max_replicas"] == 3
+
+    source.unlink()  # nothing of the user's folder is needed any more
+    (source.parent / "helper_not_on_path.py").unlink()
+    code = ("import json, sys; from ember.package import unpack; app = unpack(sys.argv[1]); "
+            "print(json.dumps(app.units['score'].fn('a')))")
+    result = subprocess.run([sys.executable, "-c", code, str(package)], capture_output=True, text=True,
+                            cwd="/", env=os.environ, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == 42
+
+
+def test_same_app_same_package(tmp_path):
+    source = tmp_path / "same.py"
+    source.write_text("import ember\napp = ember.App('same')\n\n@app.function()\ndef f() -> int:\n    return 1\n")
+    home = Home(tmp_path / "home")
+    first = build(load_app(source), home)
+    assert build(load_app(source), home) == first
+    source.write_text(source.read_text().replace("return 1", "return 2"))
+    assert build(load_app(source, "same"), home) != first

@@ -1,0 +1,45 @@
+"""FunctionSpec and the decorators: wrong settings fail at load time with a message that names the fix."""
+import pytest
+
+import ember
+from ember.spec import FunctionSpec, SpecError, build_spec
+
+
+def test_misspelt_argument_names_the_nearest_valid_one():
+    app = ember.App("a")
+    with pytest.raises(SpecError, match=r"unknown argument 'max_replica' for @app.function; did you mean 'max_replicas'\?"):
+        app.function(max_replica=3)
+    with pytest.raises(SpecError, match=r"unknown argument 'scaledown' for @app.cls; did you mean 'scaledown_window'\?"):
+        app.cls(scaledown=3)
+    with pytest.raises(SpecError, match=r"unknown argument 'zzz'.*valid arguments: gpu, cpu"):
+        build_spec("@app.function", {"zzz": 1})
+
+
+@pytest.mark.parametrize("settings, fragment", [
+    ({"min_replicas": 3, "max_replicas": 2}, "min_replicas (3) must be <= max_replicas (2)"),
+    ({"scaledown_window": 0}, "scaledown_window: Input should be greater than 0"),
+    ({"gpu": "H200:0"}, "gpu must look like 'H200' or 'H200:2'"),
+    ({"target_concurrency": 4, "max_concurrency": 2}, "target_concurrency (4.0) must be <= max_concurrency (2)"),
+    ({"timeout": -1}, "timeout: Input should be greater than 0"),
+    ({"env": {"A": 1}}, "env.A: Input should be a valid string"),
+])
+def test_ranges_are_checked(settings, fragment):
+    with pytest.raises(SpecError) as error:
+        build_spec("@app.function", settings)
+    assert fragment in str(error.value)
+
+
+def test_valid_settings():
+    spec = build_spec("@app.function", {"gpu": "H200:2", "min_replicas": 1, "max_replicas": 4, "secrets": ["hf"], "env": {"A": "b"}})
+    assert spec.gpu == "H200:2" and spec.max_replicas == 4 and spec.env == {"A": "b"}
+    assert FunctionSpec().gpu is None and FunctionSpec().scaledown_window == 60
+
+
+def test_decorators_need_parentheses_and_names_must_be_url_safe():
+    app = ember.App("a")
+    with pytest.raises(TypeError, match=r"@app.function\(\) with parentheses"):
+        app.function(lambda: 1)
+    with pytest.raises(TypeError, match=r"@ember.method\(\) with parentheses"):
+        ember.method(lambda self: 1)
+    with pytest.raises(SpecError, match="app name 'my app'"):
+        ember.App("my app")
