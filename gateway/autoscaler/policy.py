@@ -120,6 +120,20 @@ def mean_concurrency(samples: Sequence[Sample]) -> float:
     return sum(s.concurrency for s in samples) / len(samples) if samples else 0.0
 
 
+def peak_average(history: Sequence[Sample], now: float, hold: float, width: float) -> float:
+    """The highest mean concurrency over any `width`-second window that ends in the last `hold` seconds."""
+    samples = window(history, now, hold + width)[::-1]
+    best, total, lo = 0.0, 0, 0
+    for hi, x in enumerate(samples):
+        total += x.concurrency
+        while samples[lo].t <= x.t - width:
+            total -= samples[lo].concurrency
+            lo += 1
+        if x.t > now - hold:
+            best = max(best, total / (hi - lo + 1))
+    return best
+
+
 def replicas_for(concurrency: float, target: float) -> int:
     # round before ceil so 3.0000000001 replicas of float noise is 3
     return math.ceil(round(concurrency / target, 6))
@@ -225,14 +239,17 @@ def decide(
     if panicking:  # no scale-down of any kind until the burst has been over a stable window
         return actions, PolicyMemo(panic_since, peak)
 
-    # Capacity is spare only if the peak of the hold window would still fit without it.
+    # Capacity is spare only if the peak of the hold window would still fit without it; that
+    # peak is of the panic-window averages (noise in single samples is not demand), and no
+    # more than the raw peak (a window with no requests at all needs no replica).
     hold = s.park_after if s.park_after is not None else s.scaledown_window
-    recent_peak = max((x.concurrency for x in window(history, now, max(hold, s.panic_window))), default=0)
+    held = window(history, now, hold)
+    recent_peak = min(peak_average(history, now, hold, s.panic_window), max((x.concurrency for x in held), default=0))
     keep = max(want, min(replicas_for(recent_peak, s.target_concurrency) + s.buffer_replicas, s.max_replicas))
     # the least loaded go first, so draining them is quick
     spare = sorted(hot, key=lambda r: (r.in_flight, r.idle_since if r.idle_since is not None else now))
     for r in spare[: max(len(hot) - keep, 0)]:
-        why = f"peak {recent_peak} concurrent over {hold:g}s fits {keep} replicas of {len(hot)}"
+        why = f"peak {recent_peak:.1f} concurrent over {hold:g}s fits {keep} replicas of {len(hot)}"
         actions.append(Park(r.id, why) if s.park_after is not None else Evict(r.id, why))
 
     for r in parked:
