@@ -5,6 +5,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,10 +73,10 @@ def serve(tmp_path):
     """serve(APP.py) starts `ember serve` on a free port and returns a Served once /readyz answers."""
     started: list[subprocess.Popen] = []
 
-    def start(app_path: str | Path, timeout: float = 60.0) -> Served:
+    def start(app_path: str | Path, *args: str, timeout: float = 60.0) -> Served:
         home = tmp_path / "ember-home"
         process = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "serve", str(app_path), "--port", "0"],
+            [sys.executable, "-m", "ember.cli", "serve", str(app_path), "--port", "0", *args],
             env=os.environ | {"EMBER_HOME": str(home)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True, cwd=ROOT,
         )
@@ -92,6 +93,9 @@ def serve(tmp_path):
                 url = line.split(" at ")[-1].strip()
             assert time.monotonic() < deadline, "ember serve printed no URL:\n" + "".join(lines)
         served = Served(url, home / "tls" / "ca.pem", home, process, lines)
+        lines += [process.stdout.readline() for _ in range(4 if "--new-key" in args else 1)]
+        # Keep draining its output (gateway log lines) so a full pipe never blocks the server.
+        threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
         while True:
             try:
                 if httpx.get(f"{url}/readyz", verify=served.tls()).status_code == 200:

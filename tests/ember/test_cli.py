@@ -1,0 +1,64 @@
+"""The `ember` command: help for every command, keys without a gateway, the quickstart curl."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hello.py"
+COMMANDS = ["serve", "deploy", "run", "keys", "status", "logs"]
+
+
+def ember(*args: str, home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ember.cli", *args], env=os.environ | {"EMBER_HOME": str(home)},
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("command", COMMANDS + ["keys create", "keys list", "keys revoke"])
+def test_every_command_has_help(command, tmp_path):
+    result = ember(*command.split(), "--help", home=tmp_path)
+    assert result.returncode == 0 and "usage: ember" in result.stdout
+    assert len(result.stdout.splitlines()) > 3
+
+
+def test_top_level_help_lists_commands(tmp_path):
+    out = ember("--help", home=tmp_path).stdout
+    assert all(re.search(rf"^\s+{c}\s", out, re.M) for c in COMMANDS + ["snapshot"])
+
+
+def test_keys_work_on_the_database_without_a_gateway(tmp_path):
+    created = ember("keys", "create", "--name", "alice", home=tmp_path)
+    secret = created.stdout.split()[-1]
+    assert secret.startswith("ek_") and "shown only this once" in created.stdout
+    assert secret not in ember("keys", "list", home=tmp_path).stdout
+    assert "alice" in ember("keys", "list", home=tmp_path).stdout
+    assert ember("keys", "revoke", "alice", home=tmp_path).returncode == 0
+    missing = ember("keys", "revoke", "alice", home=tmp_path)
+    assert missing.returncode == 1 and "no live key" in missing.stderr
+
+
+def test_status_without_a_gateway_says_what_to_do(tmp_path):
+    result = ember("status", home=tmp_path)
+    assert result.returncode == 1 and "ember serve" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_misspelt_setting_fails_at_load(tmp_path):
+    app = tmp_path / "typo.py"
+    app.write_text("import ember\napp = ember.App('t')\n\n@app.function(max_replica=2)\ndef f():\n    return 1\n")
+    result = ember("run", f"{app}::f", home=tmp_path)
+    assert result.returncode == 1
+    assert "unknown argument 'max_replica' for @app.function; did you mean 'max_replicas'?" in result.stderr
+
+
+def test_printed_curl_works_with_cacert(serve):
+    served = serve(EXAMPLE, "--new-key", "quickstart")
+    text = "".join(served.stdout)
+    assert f"CA certificate: {served.ca}" in text
+    curl = next(line.strip() for line in served.stdout if line.strip().startswith("curl --cacert"))
+    result = subprocess.run(shlex.split(curl) + ["-sS", "-i"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr  # curl verified the certificate against ca.pem
+    assert "x-ember-cold-start: node-warm" in result.stdout.lower()
+    assert '{"result": 9.0}' in result.stdout

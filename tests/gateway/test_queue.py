@@ -1,0 +1,85 @@
+"""The per-function queue: buffers while replicas start, stamps cold starts, fails waiters when a start fails."""
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from ember.gateway.errors import ApiError
+from ember.gateway.queue import FunctionQueue
+from ember.gateway.replica import FAILED, HOT, PARKED, Replica
+
+
+def replica(name: str) -> Replica:
+    return Replica(name, "app", "fn", Path("/dev/null"))
+
+
+def ready(queue: FunctionQueue, r: Replica) -> None:
+    r.state, r.ready_at, r.idle_since = HOT, time.monotonic(), time.monotonic()
+    queue.ready(r)
+
+
+def test_waits_for_a_start_then_reuses_the_slot():
+    async def scenario():
+        demand = []
+        queue = FunctionQueue(max_concurrency=1, wait_timeout=5, bound=4, on_demand=lambda: demand.append(1))
+        r = replica("r1")
+        queue.add(r)
+        first = asyncio.create_task(queue.acquire())
+        second = asyncio.create_task(queue.acquire())
+        await asyncio.sleep(0.05)
+        assert queue.depth == 2 and demand == [1, 1]
+        ready(queue, r)
+        lease = await first
+        assert lease.replica is r and lease.cold_start.startswith("node-warm; ms=")
+        assert int(lease.cold_start.split("ms=")[1]) >= 40
+        assert not second.done() and r.in_flight == 1  # max_concurrency=1
+        queue.release(r)
+        later = await second
+        assert later.replica is r and later.cold_start.startswith("node-warm")  # it arrived before the start too
+        third = asyncio.create_task(queue.acquire())
+        await asyncio.sleep(0.01)
+        queue.release(r)
+        assert (await third).cold_start is None  # it waited for a busy slot, not for a start
+        queue.release(r)
+        assert r.in_flight == 0 and r.idle_since is not None
+        assert (await queue.acquire()).cold_start is None
+
+    asyncio.run(scenario())
+
+
+def test_failed_start_answers_every_waiter_503():
+    async def scenario():
+        queue = FunctionQueue(max_concurrency=1, wait_timeout=5, bound=4, on_demand=lambda: None)
+        r = replica("r1")
+        queue.add(r)
+        waiters = [asyncio.create_task(queue.acquire()) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        r.state, r.error = FAILED, "enter failed: OSError: disk"
+        queue.remove(r)
+        for task in waiters:
+            with pytest.raises(ApiError) as error:
+                await task
+            assert error.value.status == 503 and error.value.message == "enter failed: OSError: disk"
+        assert queue.depth == 0
+
+    asyncio.run(scenario())
+
+
+def test_full_queue_and_wake_of_parked():
+    async def scenario():
+        queue = FunctionQueue(max_concurrency=1, wait_timeout=5, bound=1, on_demand=lambda: None)
+        queue.add(replica("starting"))
+        waiting = asyncio.create_task(queue.acquire())
+        await asyncio.sleep(0.01)
+        with pytest.raises(ApiError) as full:
+            await queue.acquire()
+        assert full.value.status == 503 and "queue full" in full.value.message and full.value.headers["Retry-After"]
+        parked = replica("parked")
+        parked.state = PARKED
+        queue.add(parked)
+        queue.ready(parked)
+        lease = await waiting
+        assert lease.replica is parked and parked.state == HOT and lease.cold_start.startswith("parked; ms=")
+
+    asyncio.run(scenario())

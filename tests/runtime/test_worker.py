@@ -1,0 +1,108 @@
+"""The worker process on its own: ready line, calls, timeouts, exit hooks on SIGTERM, a crash in enter."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import pytest
+
+from ember.home import Home
+from ember.package import build, load_app
+
+APP = '''
+import time
+import ember
+
+app = ember.App("w")
+
+
+@app.function(timeout=0.5)
+def slow(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+@app.cls()
+class Counter:
+    @ember.enter()
+    def start(self):
+        self.n = 0
+
+    @ember.method()
+    def bump(self) -> int:
+        self.n += 1
+        return self.n
+
+    @ember.method()
+    def bad(self) -> object:
+        return object()
+
+    @ember.exit()
+    def close(self):
+        print("EXIT HOOK n=%d" % self.n, flush=True)
+
+
+@app.cls()
+class Broken:
+    @ember.enter()
+    def start(self):
+        raise RuntimeError("no weights")
+
+    @ember.method()
+    def m(self) -> int:
+        return 1
+'''
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("worker")
+    (folder / "w.py").write_text(textwrap.dedent(APP))
+    return build(load_app(folder / "w.py"), Home(folder / "home"))
+
+
+def start(package, target: str, log):
+    process = subprocess.Popen([sys.executable, "-m", "ember.runtime.worker", "--package", str(package), "--target", target],
+                               stdout=subprocess.PIPE, stderr=log, text=True)
+    return process, json.loads(process.stdout.readline())
+
+
+def test_calls_timeouts_and_exit_hooks(package, tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        process, ready = start(package, "Counter", log)
+        try:
+            assert ready["event"] == "ready" and set(ready["timings"]) == {"import_ms", "enter_ms"}
+            url = f"http://127.0.0.1:{ready['port']}/__ember__/call"
+            assert [httpx.post(f"{url}/bump", json={}).json()["result"] for _ in range(2)] == [1, 2]
+            bad = httpx.post(f"{url}/bad", json={})
+            assert bad.status_code == 500 and bad.json()["error"]["type"] == "result_not_json"
+            assert httpx.post(f"{url}/bump", json={"x": 1}).json()["error"]["type"] == "invalid_arguments"
+            assert httpx.post(f"{url}/nope", json={}).status_code == 404
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(15) == 0
+    assert "EXIT HOOK n=2" in (tmp_path / "log").read_text()
+
+
+def test_function_timeout(package, tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        process, ready = start(package, "slow", log)
+        try:
+            url = f"http://127.0.0.1:{ready['port']}/__ember__/call/slow"
+            assert httpx.post(url, json={"seconds": 0.01}).json() == {"result": 0.01}
+            late = httpx.post(url, json={"seconds": 2}, timeout=10)
+            assert late.status_code == 504 and "timeout of 0.5 s" in late.json()["error"]["message"]
+        finally:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_crash_in_enter_is_reported_on_the_control_line(package, tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        process, message = start(package, "Broken", log)
+        assert process.wait(15) == 1
+    assert message == {"event": "failed", "phase": "enter", "error": "RuntimeError: no weights"}
+    assert 'raise RuntimeError("no weights")' in (tmp_path / "log").read_text()
