@@ -80,7 +80,7 @@ class LLMEngine:
         if batch.seqs:
             before = time.perf_counter()
             tokens, logprobs = self.runner.run(batch, self.eos_token_ids)
-            forward = time.perf_counter() - before
+            forward = time.perf_counter() - before - self.runner.prepare_seconds
             outputs += self._postprocess(batch, tokens, logprobs)
         self._record_step(batch, time.perf_counter() - start, forward)
         return outputs

@@ -40,7 +40,7 @@ class EngineStats:
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(_ITL_BUCKETS))      # vllm:inter_token_latency_seconds
     queue_time: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))           # vllm:request_queue_time_seconds
     e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))  # vllm:e2e_request_latency_seconds
-    step_host_time: Histogram = field(default_factory=lambda: Histogram(_STEP_BUCKETS))          # host time of step() minus the forward pass
+    step_host_time: Histogram = field(default_factory=lambda: Histogram(_STEP_BUCKETS))          # step() minus forward pass and sampling: schedule, inputs, postprocess
     step_time: Histogram = field(default_factory=lambda: Histogram(_STEP_BUCKETS))               # whole step(), forward pass included
     num_running: int = 0              # vllm:num_requests_running
     num_waiting: int = 0              # vllm:num_requests_waiting
