@@ -1,0 +1,53 @@
+"""An OpenAI-compatible LLM endpoint served by Ember's engine.
+
+    ember serve examples/chat.py                                   # a tiny random-weight model, built locally
+    EMBER_CHAT_MODEL=/models/Qwen3-0.6B ember serve examples/chat.py  # a Hugging Face model directory
+
+Then point any OpenAI client at https://127.0.0.1:8443/chat/v1 with an Ember key:
+
+    curl --cacert ~/.ember/tls/ca.pem -H "Authorization: Bearer $KEY" https://127.0.0.1:8443/chat/v1/models
+    curl --cacert ~/.ember/tls/ca.pem -H "Authorization: Bearer $KEY" https://127.0.0.1:8443/chat/v1/chat/completions \\
+         -d '{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
+
+The model's name in requests is its directory's name. With no GPU the engine runs on CPU
+(torch SDPA), so the same file serves in CI and on an H200.
+"""
+import os
+
+import ember
+
+app = ember.App("chat")
+
+
+@app.cls(
+    gpu="H200",
+    snapshot=True,
+    max_concurrency=64,
+    # The engine batches concurrent requests, so one replica takes many before another is worth starting.
+    target_concurrency=32,
+    scaledown_window=300,
+    timeout=600,
+    env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+)
+class Chat:
+    @ember.enter(snap=True)
+    def load(self):
+        # Weights and KV cache: the state a snapshot captures.
+        from ember.home import Home
+        from ember.runtime.engine.config import EngineConfig
+        from ember.runtime.engine.engine import LLMEngine
+        from ember.runtime.engine.tiny import build_tiny_model
+
+        model = os.environ.get("EMBER_CHAT_MODEL") or build_tiny_model(Home().root / "models" / "tiny-qwen3")
+        self.engine = LLMEngine(EngineConfig(model=str(model)))
+
+    @ember.enter(snap=False)
+    def serve(self):
+        # The step-loop thread is per process, so it starts after any snapshot restore.
+        from ember.runtime.engine.api import create_app
+
+        self.api = create_app(self.engine)
+
+    @ember.asgi_app()
+    def web(self):
+        return self.api

@@ -1,0 +1,83 @@
+"""examples/chat.py served by `ember serve`, driven over HTTPS by the official openai client."""
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "chat.py"
+MODEL = "tiny-qwen3"
+STORY = [{"role": "user", "content": "Tell me a story about the sea."}]
+
+
+def _samples(metrics_text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics_text.splitlines() if line and not line.startswith("#")}
+
+
+def test_openai_client_against_ember_serve(serve):
+    served = serve(EXAMPLE, timeout=120)
+    key = served.key()
+    http = httpx.Client(verify=served.tls(), timeout=120)
+    client = openai.OpenAI(base_url=f"{served.url}/chat/v1", api_key=key, http_client=http, max_retries=0)
+    with http, client:
+        # Non-streaming, seeded: reproducible, different seeds differ.
+        assert [m.id for m in client.models.list()] == [MODEL]
+        first = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=24, seed=1)
+        assert first.choices[0].message.role == "assistant"
+        assert first.usage.completion_tokens == 24 and first.choices[0].finish_reason == "length"
+        text = first.choices[0].message.content
+        assert client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=24, seed=1) \
+            .choices[0].message.content == text
+        assert client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=24, seed=2) \
+            .choices[0].message.content != text
+
+        # Streaming through the gateway gives the same text, then a usage chunk.
+        stream = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=24, seed=1, stream=True,
+                                                stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+        # A stop string ends the answer before it, in both modes.
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        cut = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=24, seed=1, stop=[stop])
+        assert cut.choices[0].message.content == text[:text.find(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+        streamed = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=24, seed=1, stop=[stop],
+                                                  stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[:text.find(stop)]
+
+        # OpenAI-shaped errors surface as the client's exception types.
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.chat.completions.create(model="gpt-4o", messages=STORY)
+        assert missing.value.code == "model_not_found"
+        with pytest.raises(openai.BadRequestError) as too_long:
+            client.completions.create(model=MODEL, prompt="word " * 1100)
+        assert too_long.value.code == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=MODEL, messages=STORY, temperature=7)
+        assert bad.value.param == "temperature"
+
+        # A client that leaves mid-stream aborts its request and frees its KV blocks.
+        label = f'model_name="{MODEL}"'
+        aborted = f'ember:request_success_total{{{label},finished_reason="abort"}}'
+        metrics_url, auth = f"{served.url}/chat/metrics", {"Authorization": f"Bearer {key}"}
+        before = _samples(http.get(metrics_url, headers=auth).text)[aborted]
+        long = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=1000, stream=True,
+                                              extra_body={"ignore_eos": True})
+        for _, _chunk in zip(range(3), long):
+            pass
+        long.close()
+        deadline = time.monotonic() + 20
+        while True:
+            metrics = _samples(http.get(metrics_url, headers=auth).text)
+            if metrics[aborted] == before + 1:
+                break
+            assert time.monotonic() < deadline, "the abandoned stream was never aborted"
+            time.sleep(0.2)
+        assert metrics[f"ember:num_requests_running{{{label}}}"] == 0
+        assert metrics[f"ember:kv_cache_usage_perc{{{label}}}"] == 0
+        assert metrics[f'ember:request_success_total{{{label},finished_reason="length"}}'] >= 4
+        assert metrics[f"ember:time_to_first_token_seconds_count{{{label}}}"] >= 7
