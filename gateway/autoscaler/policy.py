@@ -15,7 +15,7 @@ seconds, and evicts (T2, stops the process) only after `scaledown_window`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 STARTING, HOT, PARKED = "starting", "hot", "parked"
@@ -35,6 +35,7 @@ class ScalingSettings:
     panic_threshold: float = 2.0
     start_latency: float = 1.5  # expected seconds for a fresh start (node-warm); sets the pre-warm lead
     wake_latency: float = 0.3  # expected seconds to wake a parked replica
+    max_parked: int | None = None  # parked replicas whose pinned host RAM the node can spare (None = no bound)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
@@ -200,8 +201,7 @@ def decide(
     starting = [r for r in replicas if r.state == STARTING]
     parked = [r for r in replicas if r.state == PARKED]
 
-    panic_samples = window(history, now, s.panic_window)
-    panic_avg = mean_concurrency(panic_samples)
+    panic_avg = mean_concurrency(window(history, now, s.panic_window))
     demand = max(panic_avg, burst(s, hot, starting, history[-1]) if history else 0.0)
     want_panic = replicas_for(demand, s.target_concurrency)
 
@@ -222,13 +222,11 @@ def decide(
     actions: list[Action] = []
     have = len(hot) + len(starting)
     if want > have:
-        why = (
-            f"panic: {demand:.1f} concurrent over {s.panic_window:g}s needs {want} replicas, have {have}"
-            if panicking
-            else f"rising arrivals: expect {rising:.1f} concurrent in {lead:g}s, want {want}, have {have}"
-            if rising and replicas_for(rising, s.target_concurrency) >= want_panic
-            else f"{demand:.1f} concurrent over {s.panic_window:g}s needs {want} replicas, have {have}"
-        )
+        why = f"{demand:.1f} concurrent over {s.panic_window:g}s needs {want} replicas, have {have}"
+        if panicking:
+            why = "panic: " + why
+        elif replicas_for(rising, s.target_concurrency) > want_panic:
+            why = f"rising arrivals: expect {rising:.1f} concurrent in {lead:g}s, want {want}, have {have}"
         # cheapest first: a draining replica is still hot, a parked one needs ~0.3 s
         waking = (draining + sorted(parked, key=lambda r: r.idle_since or 0.0, reverse=True))[: want - have]
         actions += [Wake(r.id, why) for r in waking]
@@ -252,7 +250,12 @@ def decide(
         why = f"peak {recent_peak:.1f} concurrent over {hold:g}s fits {keep} replicas of {len(hot)}"
         actions.append(Park(r.id, why) if s.park_after is not None else Evict(r.id, why))
 
-    for r in parked:
-        if r.idle_since is not None and now - r.idle_since >= s.scaledown_window:
-            actions.append(Evict(r.id, f"parked and idle {now - r.idle_since:.0f}s >= scaledown_window {s.scaledown_window:g}s"))
-    return actions, replace(memo, panic_since=None, panic_peak=0)
+    # oldest parked first; past max_parked they go to free host RAM, past the window because it ended
+    parked.sort(key=lambda r: r.idle_since if r.idle_since is not None else now)
+    for i, r in enumerate(parked):
+        idle = now - r.idle_since if r.idle_since is not None else 0.0
+        if idle >= s.scaledown_window:
+            actions.append(Evict(r.id, f"parked and idle {idle:.0f}s >= scaledown_window {s.scaledown_window:g}s"))
+        elif s.max_parked is not None and len(parked) - i > s.max_parked:
+            actions.append(Evict(r.id, f"{len(parked)} parked > max_parked {s.max_parked}: frees its host RAM"))
+    return actions, PolicyMemo()

@@ -153,3 +153,10 @@ def test_poisson_noise_in_arrivals_is_not_a_trend():
 def test_bad_settings_say_what_to_fix(kwargs, word):
     with pytest.raises(ValueError, match=word):
         ScalingSettings(**kwargs)
+
+
+def test_parked_replicas_beyond_max_parked_are_evicted_oldest_first():
+    s = ScalingSettings(target_concurrency=10, max_concurrency=16, park_after=5.0, scaledown_window=600.0, max_parked=1)
+    parked = [ReplicaView(f"p{i}", "parked", 0, 100.0 + i) for i in range(3)]
+    actions, _ = run(s, parked, load(0, 200), 200.0)
+    assert [(type(a), a.replica_id) for a in actions] == [(Evict, "p0"), (Evict, "p1")]
