@@ -40,7 +40,7 @@ class FunctionQueue:
 
     def _free(self) -> Replica | None:
         """Least-loaded hot replica with a free slot; else a parked one, woken (on the local CPU backend waking is free)."""
-        hot = [r for r in self.replicas.values() if r.state == HOT and r.in_flight < self.max_concurrency]
+        hot = [r for r in self.replicas.values() if r.state == HOT and not r.draining and r.in_flight < self.max_concurrency]
         if hot:
             return min(hot, key=lambda r: r.in_flight)
         parked = [r for r in self.replicas.values() if r.state == PARKED]
@@ -109,6 +109,9 @@ class FunctionQueue:
         self._dispatch()
 
     def wake(self, replica: Replica) -> None:
+        if replica.draining:  # still hot: taking it back into routing costs nothing
+            replica.draining = None
+            return
         # CPU-only local backend: a parked replica is a live process merely marked parked, so waking is a state change.
         replica.state, replica.tier, replica.ready_at = HOT, "parked", time.monotonic()
 

@@ -22,6 +22,7 @@ class Replica:
     tier: str = "node-warm"  # the cold-start tier its last start or wake came from
     timings: dict[str, int] = field(default_factory=dict)  # spawn/import/enter/total ms of its start
     error: str | None = None
+    draining: str | None = None  # "park" or "evict" once its in-flight calls finish; routes nothing new
     process: asyncio.subprocess.Process | None = None
 
     def describe(self, now: float) -> dict:
@@ -29,6 +30,7 @@ class Replica:
             "id": self.id,
             "state": self.state,
             "in_flight": self.in_flight,
+            "draining": self.draining,
             "port": self.port,
             "age_s": round(now - self.created, 1),
             "idle_s": None if self.idle_since is None else round(now - self.idle_since, 1),

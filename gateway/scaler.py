@@ -34,10 +34,12 @@ class Scaler:
 
     def tick(self, deployment: Deployment, unit: Unit, now: float) -> None:
         queue = unit.queue
+        for replica in [r for r in queue.replicas.values() if r.draining and r.in_flight == 0]:
+            self._finish(unit, replica)
         unit.history.append(Sample(now, queue.depth, queue.in_flight, queue.arrivals - unit.arrivals_seen))
         unit.arrivals_seen = queue.arrivals
         views = [
-            ReplicaView(r.id, r.state, r.in_flight, r.idle_since)
+            ReplicaView(r.id, r.state, r.in_flight, r.idle_since, draining=r.draining is not None)
             for r in queue.replicas.values() if r.state in (STARTING, HOT, PARKED)
         ]
         actions, unit.memo = decide(unit.settings, views, unit.history, now, unit.memo)
@@ -59,14 +61,21 @@ class Scaler:
         if isinstance(action, Wake):
             unit.queue.wake(replica)
             unit.queue.ready(replica)
-        elif isinstance(action, Park):
+            return
+        replica.draining = "park" if isinstance(action, Park) else "evict"
+        log.info("replica %s: %s (%s)", replica.id, replica.draining, action.reason)
+        if replica.in_flight == 0:
+            self._finish(unit, replica)
+
+    def _finish(self, unit: Unit, replica: Replica) -> None:
+        """Carry out a drained replica's park or evict."""
+        if replica.draining == "park":
             # CPU-only local backend: no GPU memory to release, so parking just marks the live process parked.
-            replica.state = PARKED
-        elif isinstance(action, Evict) and replica.in_flight == 0:
-            replica.state = STOPPING
-            unit.queue.remove(replica)
-            self._spawn(self.backend.stop(replica))
-            log.info("replica %s evicted: %s", replica.id, action.reason)
+            replica.state, replica.draining = PARKED, None
+            return
+        replica.state, replica.draining = STOPPING, None
+        unit.queue.remove(replica)
+        self._spawn(self.backend.stop(replica))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

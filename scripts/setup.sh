@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything a fresh machine needs to serve and test Ember; safe to run again (it skips what is there).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "Ember needs Python >= 3.11 (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
+
+if ! command -v redis-server >/dev/null; then  # the rate-limit tests start a real redis-server
+  echo "== installing redis-server"
+  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server
+fi
+
+# CPU torch first, so installing Ember does not pull the multi-GB CUDA build.
+if ! "$PYTHON" -c 'import torch, sys; sys.exit(not torch.__version__.startswith("2.13.0"))' 2>/dev/null; then
+  echo "== installing torch 2.13.0 (CPU build)"
+  "$PYTHON" -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+fi
+
+echo "== installing ember (editable, with dev extras)"
+"$PYTHON" -m pip install -q -e '.[dev]'
