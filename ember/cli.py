@@ -143,12 +143,6 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_snapshot(args: argparse.Namespace) -> int:
-    from ember.snapshot.cli import main as snapshot_main
-
-    return snapshot_main(args.rest)
-
-
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="ember", description="Serverless inference: decorate a function, get an HTTPS endpoint.", epilog=EPILOG)
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -200,14 +194,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--lines", type=int, default=200, help="how many lines (default 200)")
     p.set_defaults(run=cmd_logs)
 
-    p = sub.add_parser("snapshot", help="build, list or remove snapshots (ember snapshot --help)", add_help=False,
-                       description="Build, list or remove weight and GPU memory snapshots.")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(run=cmd_snapshot)
+    # Listed for help only: main() hands `ember snapshot ...` to ember.snapshot.cli before parsing.
+    sub.add_parser("snapshot", help="build, list or remove snapshots (ember snapshot --help)")
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["snapshot"]:  # everything after it, --help included, belongs to the snapshot CLI
+        from ember.snapshot.cli import main as snapshot_main
+
+        return snapshot_main(argv[1:])
     args = parser().parse_args(argv)
     import httpx
 

@@ -62,3 +62,20 @@ def test_printed_curl_works_with_cacert(serve):
     assert result.returncode == 0, result.stderr  # curl verified the certificate against ca.pem
     assert "x-ember-cold-start: node-warm" in result.stdout.lower()
     assert '{"result": 9.0}' in result.stdout
+
+
+def test_snapshot_is_handed_to_the_snapshot_cli(tmp_path):
+    result = ember("snapshot", "--help", home=tmp_path)
+    assert result.returncode == 0 and "build" in result.stdout and "ls" in result.stdout
+
+
+def test_deploy_a_second_app_to_the_running_gateway(serve):
+    served = serve(EXAMPLE)
+    other = Path(__file__).resolve().parents[1] / "gateway" / "apps" / "quick.py"
+    deployed = served.cli("deploy", str(other), "--target", "local")
+    assert "deployed app 'quick'" in deployed.stdout
+    assert set(served.status()["apps"]) == {"hello", "quick"}
+    with served.client(served.key()) as http:
+        assert http.post("/quick/add", json={"a": 1, "b": 2}).json()["result"]["sum"] == 3
+    aws = served.cli("deploy", str(other), "--target", "aws", check=False)
+    assert aws.returncode == 2 and "--target local" in aws.stderr
