@@ -60,6 +60,13 @@ class ReplicaView:
     idle_since: float | None  # None while it has work
     draining: bool = False  # a Park or Evict is waiting for its in-flight requests; routes nothing new
 
+    def __post_init__(self) -> None:
+        if self.state not in (STARTING, HOT, PARKED):
+            raise ValueError(
+                f"replica {self.id}: state {self.state!r} is not one of starting, hot, parked; "
+                "leave stopping and failed replicas out of the policy's view"
+            )
+
 
 @dataclass(frozen=True)
 class Sample:
