@@ -2,6 +2,7 @@
 
     ember serve examples/chat.py                                   # a tiny random-weight model, built locally
     EMBER_CHAT_MODEL=/models/Qwen3-0.6B ember serve examples/chat.py  # a Hugging Face model directory
+    EMBER_CHAT_LOG_TOKEN_IDS=1 ember serve examples/chat.py          # log prompt/output token ids per request
 
 Then point any OpenAI client at https://127.0.0.1:8443/chat/v1 with an Ember key:
 
@@ -12,6 +13,7 @@ Then point any OpenAI client at https://127.0.0.1:8443/chat/v1 with an Ember key
 The model's name in requests is its directory's name. With no GPU the engine runs on CPU
 (torch SDPA), so the same file serves in CI and on an H200.
 """
+import logging
 import os
 
 import ember
@@ -39,7 +41,11 @@ class Chat:
         from ember.runtime.engine.tiny import build_tiny_model
 
         model = os.environ.get("EMBER_CHAT_MODEL") or build_tiny_model(Home().root / "models" / "tiny-qwen3")
-        self.engine = LLMEngine(EngineConfig(model=str(model)))
+        log_token_ids = os.environ.get("EMBER_CHAT_LOG_TOKEN_IDS", "") not in ("", "0")
+        if log_token_ids:
+            # The engine logs ids at INFO; the replica's stderr is its log file.
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        self.engine = LLMEngine(EngineConfig(model=str(model), log_token_ids=log_token_ids))
 
     @ember.enter(snap=False)
     def serve(self):

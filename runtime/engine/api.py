@@ -102,11 +102,11 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await server.completions(body, request)
+        return await _unless_disconnected(request, server.completions(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await server.chat(body, request)
+        return await _unless_disconnected(request, server.chat(body))
 
     return app
 
@@ -119,6 +119,33 @@ def _async_llm(engine_or_config) -> AsyncLLM:
     from transformers import AutoTokenizer
 
     return AsyncLLM(engine_or_config, AutoTokenizer.from_pretrained(engine_or_config.config.model))
+
+
+async def _unless_disconnected(request: Request, work):
+    """Run a handler, cancelling it (and so aborting its engine requests) if the client hangs up first.
+
+    Streaming responses get the same from Starlette once they start; this covers the wait
+    for the first token and whole non-streaming generations.
+    """
+    async def hung_up():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    # 499: nginx's "client closed request"; nobody is left to read it.
+    return error_response(499, "the client disconnected", "client_closed_request")
 
 
 class OpenAIServer:
@@ -135,7 +162,7 @@ class OpenAIServer:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                            param="model", code="model_not_found", type="not_found_error")
 
-    async def chat(self, req: ChatCompletionRequest, request: Request):
+    async def chat(self, req: ChatCompletionRequest):
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "Invalid 'top_logprobs': set 'logprobs' to true to use it.", param="top_logprobs")
@@ -166,7 +193,7 @@ class OpenAIServer:
                 "choices": [choices[i] for i in sorted(choices)], "usage": usage.as_dict(),
                 "system_fingerprint": None}
 
-    async def completions(self, req: CompletionRequest, request: Request):
+    async def completions(self, req: CompletionRequest):
         self.check_model(req.model)
         prompts = req.prompts()
         if not prompts or any(len(p) == 0 for p in prompts):

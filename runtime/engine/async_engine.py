@@ -124,6 +124,8 @@ class AsyncLLM:
     async def _add(self, request_id, prompt_token_ids, params, route) -> None:
         done = asyncio.get_running_loop().create_future()
         self._send(("add", request_id, prompt_token_ids, params, route, done))
+        if self.error is not None:  # the loop died after generate() checked: nobody else will answer
+            self._fail_pending_adds(self.error)
         await done
 
     def _send(self, command) -> None:

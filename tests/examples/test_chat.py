@@ -16,7 +16,8 @@ def _samples(metrics_text: str) -> dict[str, float]:
             for line in metrics_text.splitlines() if line and not line.startswith("#")}
 
 
-def test_openai_client_against_ember_serve(serve):
+def test_openai_client_against_ember_serve(serve, monkeypatch):
+    monkeypatch.setenv("EMBER_CHAT_LOG_TOKEN_IDS", "1")
     served = serve(EXAMPLE, timeout=120)
     key = served.key()
     http = httpx.Client(verify=served.tls(), timeout=120)
@@ -81,3 +82,13 @@ def test_openai_client_against_ember_serve(serve):
         assert metrics[f"ember:kv_cache_usage_perc{{{label}}}"] == 0
         assert metrics[f'ember:request_success_total{{{label},finished_reason="length"}}'] >= 4
         assert metrics[f"ember:time_to_first_token_seconds_count{{{label}}}"] >= 7
+
+    # Token ids of every request are in the replica's log, as the example was asked to.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(served.home / "models" / MODEL)
+    prompt = tokenizer.apply_chat_template(STORY, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    logs = "".join(p.read_text() for p in (served.home / "logs").rglob("*") if p.is_file())
+    assert f"prompt_token_ids={ids}" in logs
+    assert "output_token_ids=[" in logs

@@ -7,6 +7,7 @@ import pytest
 
 from ember.runtime.engine.api import create_app
 from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.tiny import build_tiny_model
 
 MODEL = "tiny-chat"
@@ -212,3 +213,26 @@ def test_health_and_metrics_use_vllm_names(call):
     assert samples[f"ember:prefix_cache_queries_total{{{label}}}"] > 0
     assert f"ember:prefix_cache_hits_total{{{label}}}" in samples
     assert samples[f'ember:request_success_total{{{label},finished_reason="length"}}'] > 0
+
+
+def test_a_dead_engine_answers_503_json(tmp_path):
+    path = build_tiny_model(tmp_path / "m")
+    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=128))
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step
+    app = create_app(engine, served_model_name=MODEL)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            body = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
+            return [await client.post("/v1/chat/completions", json=body),
+                    await client.post("/v1/chat/completions", json={**body, "stream": True}),
+                    await client.get("/health")]
+
+    for response in asyncio.run(go()):
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "server_error"
+        assert "device lost" in response.json()["error"]["message"]

@@ -3,6 +3,7 @@ import socket
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 import uvicorn
@@ -98,5 +99,16 @@ def test_disconnecting_mid_stream_aborts_and_frees_kv_blocks(server, client):
         pass
     assert engine.has_unfinished_requests()
     stream.close()
+    wait_until_idle(engine)
+    assert engine.stats.request_success["abort"] == aborted + 1
+
+
+def test_disconnecting_before_a_non_streaming_reply_aborts_it(server):
+    app, base_url = server
+    engine = app.state.llm.engine
+    aborted = engine.stats.request_success["abort"]
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/completions", json=body, timeout=httpx.Timeout(0.3, connect=5))
     wait_until_idle(engine)
     assert engine.stats.request_success["abort"] == aborted + 1
