@@ -164,7 +164,8 @@ def test_repeated_prompt_hits_the_prefix_cache(call):
 @pytest.mark.parametrize("path, body, status, param, code", [
     ("/v1/chat/completions", {"model": "gpt-4", "messages": HELLO}, 404, "model", "model_not_found"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "temperature": 3}, 400, "temperature", "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "temperature": 3}, 400, "temperature",
+     "invalid_value"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "invalid_value"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "invalid_value"),
     ("/v1/chat/completions", {"messages": HELLO}, 400, "model", "invalid_value"),

@@ -1,0 +1,213 @@
+"""The OpenAI endpoints' work: prompt tokens in, `Completion` streams out, shaped as OpenAI JSON or events."""
+
+import time
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from ember.runtime.engine.async_engine import AsyncLLM, Completion
+from ember.runtime.engine.detokenizer import token_text
+from ember.runtime.engine.serving.errors import APIError
+from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from ember.runtime.engine.serving.streams import event_stream, merge, renumber, start
+
+# JSON has no -inf; OpenAI clients expect a number, vLLM sends this floor too.
+MIN_LOGPROB = -9999.0
+
+
+class OpenAIServer:
+    def __init__(self, llm: AsyncLLM, model_name: str):
+        self.llm, self.model_name, self.tokenizer = llm, model_name, llm.tokenizer
+        self.created = int(time.time())
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ember",
+                "max_model_len": self.llm.engine.max_model_len}
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found", type="not_found_error")
+
+    async def chat(self, req: ChatCompletionRequest):
+        self.check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "Invalid 'top_logprobs': set 'logprobs' to true to use it.", param="top_logprobs")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                        tokenize=False)
+        except Exception as e:  # a template's own raise_exception() is how it rejects a conversation
+            raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from e
+        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        [stream] = await self._start(req, [prompt_ids], "messages")
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return event_stream(self._chat_events(req, response_id, stream))
+        choices, usage = {}, Usage()
+        async with aclosing(stream):
+            async for c in stream:
+                usage.add(c)
+                choice = choices.setdefault(c.index, {
+                    "index": c.index, "message": {"role": "assistant", "content": ""},
+                    "logprobs": {"content": []} if req.logprobs else None, "finish_reason": None})
+                choice["message"]["content"] += c.text
+                if req.logprobs and c.logprobs:
+                    choice["logprobs"]["content"] += self._chat_logprobs(c.logprobs)
+                if c.finish_reason:
+                    choice["finish_reason"] = c.finish_reason
+                    choice["stop_reason"] = c.stop_reason
+        return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [choices[i] for i in sorted(choices)], "usage": usage.as_dict(),
+                "system_fingerprint": None}
+
+    async def completions(self, req: CompletionRequest):
+        self.check_model(req.model)
+        prompts = req.prompts()
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise APIError(400, "Invalid 'prompt': it must not be empty.", param="prompt")
+        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
+                      for p in prompts]
+        streams = await self._start(req, prompt_ids, "prompt")
+        n = req.n or 1
+        merged = merge([renumber(s, i * n) for i, s in enumerate(streams)])
+        echoes = {i * n + j: self.tokenizer.decode(ids) if req.echo else "" for i, ids in enumerate(prompt_ids)
+                  for j in range(n)}
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return event_stream(self._completion_events(req, response_id, merged, echoes))
+        choices, usage = {}, Usage()
+        async with aclosing(merged):
+            async for c in merged:
+                usage.add(c)
+                choice = choices.setdefault(c.index, {
+                    "index": c.index, "text": echoes[c.index], "finish_reason": None,
+                    "logprobs": _empty_completion_logprobs() if req.logprobs is not None else None})
+                if choice["logprobs"] is not None and c.logprobs:
+                    self._completion_logprobs(choice["logprobs"], c.logprobs, len(choice["text"]))
+                choice["text"] += c.text
+                if c.finish_reason:
+                    choice["finish_reason"] = c.finish_reason
+                    choice["stop_reason"] = c.stop_reason
+        return {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [choices[i] for i in sorted(choices)], "usage": usage.as_dict(),
+                "system_fingerprint": None}
+
+    async def _start(self, req: SamplingRequest, prompts: list[list[int]], prompt_param: str):
+        """Submit every prompt and wait for its first output, so a refused request is a 400, not a broken stream."""
+        limit = self.llm.engine.max_model_len
+        streams = []
+        for ids in prompts:
+            max_tokens = req.requested_max_tokens()
+            if len(ids) + (max_tokens or 1) > limit:
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                               f"{len(ids) + (max_tokens or 0)} tokens ({len(ids)} in the {prompt_param}, "
+                               f"{max_tokens or 0} in the completion). Please reduce the length of the "
+                               f"{prompt_param} or completion.", param=prompt_param, code="context_length_exceeded")
+            params = req.sampling_params(max_tokens or limit - len(ids))
+            streams.append(self.llm.generate(ids, params, n=req.n or 1, stop=req.stop_strings,
+                                             include_stop_str_in_output=req.include_stop_str_in_output,
+                                             skip_special_tokens=req.skip_special_tokens))
+        try:
+            return await start(streams)
+        except ValueError as e:
+            raise APIError(400, str(e), param=_param_named_in(str(e))) from e
+
+    async def _chat_events(self, req, response_id, stream) -> AsyncIterator[dict]:
+        created, usage, started = int(time.time()), Usage(), set()
+
+        def chunk(index, delta, finish_reason=None, logprobs=None, **extra):
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}
+            body = {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model_name, "choices": [choice], "system_fingerprint": None}
+            if req.include_usage:
+                body["usage"] = None
+            return body
+
+        async with aclosing(stream):
+            async for c in stream:
+                usage.add(c)
+                if c.index not in started:
+                    started.add(c.index)
+                    yield chunk(c.index, {"role": "assistant", "content": ""})
+                logprobs = {"content": self._chat_logprobs(c.logprobs)} if req.logprobs and c.logprobs else None
+                if c.text or c.finish_reason or logprobs:
+                    extra = {"stop_reason": c.stop_reason} if c.finish_reason else {}
+                    yield chunk(c.index, {"content": c.text} if c.text else {}, c.finish_reason, logprobs, **extra)
+        if req.include_usage:
+            yield {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                   "choices": [], "usage": usage.as_dict(), "system_fingerprint": None}
+
+    async def _completion_events(self, req, response_id, stream, echoes) -> AsyncIterator[dict]:
+        created, usage, offsets = int(time.time()), Usage(), {}
+        async with aclosing(stream):
+            async for c in stream:
+                usage.add(c)
+                text = c.text
+                if c.index not in offsets:
+                    text = echoes[c.index] + text
+                    offsets[c.index] = len(echoes[c.index])
+                logprobs = None
+                if req.logprobs is not None and c.logprobs:
+                    logprobs = _empty_completion_logprobs()
+                    self._completion_logprobs(logprobs, c.logprobs, offsets[c.index])
+                offsets[c.index] += len(c.text)
+                if not (text or c.finish_reason or logprobs):
+                    continue
+                choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+                if c.finish_reason:
+                    choice["stop_reason"] = c.stop_reason
+                body = {"id": response_id, "object": "text_completion", "created": created, "model": self.model_name,
+                        "choices": [choice], "system_fingerprint": None}
+                if req.include_usage:
+                    body["usage"] = None
+                yield body
+        if req.include_usage:
+            yield {"id": response_id, "object": "text_completion", "created": created, "model": self.model_name,
+                   "choices": [], "usage": usage.as_dict(), "system_fingerprint": None}
+
+    def _chat_logprobs(self, entries: list[dict]) -> list[dict]:
+        def item(token_id, logprob):
+            text = token_text(self.tokenizer, token_id)
+            return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode())}
+
+        return [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
+                for e in entries]
+
+    def _completion_logprobs(self, into: dict, entries: list[dict], offset: int) -> None:
+        for e in entries:
+            text = token_text(self.tokenizer, e["token_id"])
+            into["tokens"].append(text)
+            into["token_logprobs"].append(max(e["logprob"], MIN_LOGPROB))
+            into["top_logprobs"].append({token_text(self.tokenizer, t): max(lp, MIN_LOGPROB) for t, lp in e["top"]})
+            into["text_offset"].append(offset)
+            offset += len(text)
+
+
+class Usage:
+    """Prompt tokens count once per prompt (not per choice), as OpenAI counts them."""
+
+    def __init__(self):
+        self.prompts: dict[int, tuple[int, int]] = {}
+        self.completion_tokens = 0
+
+    def add(self, c: Completion) -> None:
+        self.completion_tokens += len(c.token_ids)
+        self.prompts[c.prompt_index] = (c.num_prompt_tokens, max(c.num_cached_tokens,
+                                                                 self.prompts.get(c.prompt_index, (0, 0))[1]))
+
+    def as_dict(self) -> dict:
+        prompt = sum(p for p, _ in self.prompts.values())
+        cached = sum(c for _, c in self.prompts.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _empty_completion_logprobs() -> dict:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def _param_named_in(message: str) -> str | None:
+    """The engine's ValueErrors start with the field they are about, e.g. 'top_k=-3: must be ...'."""
+    head = message.split("=", 1)[0].split(":", 1)[0]
+    return head if head.isidentifier() else None

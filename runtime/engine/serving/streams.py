@@ -1,0 +1,93 @@
+"""Async plumbing between engine streams and the HTTP response: first-item priming, batching, SSE."""
+
+import asyncio
+import json
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from ember.runtime.engine.async_engine import Completion, EngineDeadError
+
+
+async def start(streams: list[AsyncIterator[Completion]]) -> list[AsyncIterator[Completion]]:
+    """Wait for every stream's first item, so a refused request fails before any response byte is sent."""
+    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+    try:
+        firsts = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+        raise
+    return [_prepend(first, s) for first, s in zip(firsts, streams)]
+
+
+async def _prepend(first: Completion, rest: AsyncIterator[Completion]) -> AsyncIterator[Completion]:
+    async with aclosing(rest):
+        yield first
+        async for c in rest:
+            yield c
+
+
+async def renumber(stream: AsyncIterator[Completion], offset: int) -> AsyncIterator[Completion]:
+    """Prompt i of a batch answers as choices i*n .. i*n+n-1, as OpenAI numbers them."""
+    async with aclosing(stream):
+        async for c in stream:
+            c.prompt_index = offset
+            c.index += offset
+            yield c
+
+
+async def merge(streams: list[AsyncIterator[Completion]]) -> AsyncIterator[Completion]:
+    """Interleave several streams in arrival order; closing the merge closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]):
+            async for c in streams[0]:
+                yield c
+        return
+    outputs: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream):
+        try:
+            async for c in stream:
+                await outputs.put(c)
+            await outputs.put(done)
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which re-raises it
+            await outputs.put(e)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await outputs.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def event_stream(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def sse():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except EngineDeadError as e:
+            error = {"error": {"message": f"{e}; restart the replica", "type": "server_error", "param": None,
+                               "code": None}}
+            yield f"data: {json.dumps(error)}\n\n"
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
