@@ -112,3 +112,13 @@ def test_disconnecting_before_a_non_streaming_reply_aborts_it(server):
         httpx.post(f"{base_url}/completions", json=body, timeout=httpx.Timeout(0.3, connect=5))
     wait_until_idle(engine)
     assert engine.stats.request_success["abort"] == aborted + 1
+
+
+def test_logprobs_and_streamed_completions_parse_in_the_client(client):
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, logprobs=True, top_logprobs=2,
+                                           extra_body={"ignore_eos": True})
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, seed=2)
+    parts = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, seed=2, stream=True)
+    assert "".join(c.choices[0].text for c in parts) == whole.choices[0].text
