@@ -141,13 +141,15 @@ class AsyncLLM:
                     self._wakeup.clear()
                     continue
                 self._deliver(self.engine.step())
+            error: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:  # noqa: BLE001 - every waiting caller must hear of it
             log.exception("engine loop failed")
-            self.error = e
-            for route in self._routes.values():
-                _post(route.loop, route.outputs.put_nowait, e)
-            self._routes.clear()
-            self._fail_pending_adds(e)
+            error = e
+        self.error = error
+        for route in self._routes.values():
+            _post(route.loop, route.outputs.put_nowait, error)
+        self._routes.clear()
+        self._fail_pending_adds(error)
 
     def _drain_commands(self) -> None:
         while True:

@@ -125,3 +125,18 @@ def test_a_failing_step_fails_waiting_requests_and_marks_the_engine_dead(tmp_pat
     assert not llm.alive
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(llm.generate([5, 6, 7], SamplingParams(max_tokens=4))))
+
+
+def test_shutdown_fails_requests_in_flight(tmp_path):
+    path = build_tiny_model(tmp_path / "m")
+    llm = AsyncLLM(LLMEngine(EngineConfig(model=str(path), max_model_len=1024)), AutoTokenizer.from_pretrained(path))
+
+    async def shut_down_midway():
+        stream = llm.generate([5, 6, 7], SamplingParams(max_tokens=1000, ignore_eos=True))
+        await anext(stream)
+        await asyncio.to_thread(llm.shutdown)
+        return await collect(stream)
+
+    with pytest.raises(EngineDeadError, match="shut down"):
+        asyncio.run(shut_down_midway())
+    assert not llm.alive
