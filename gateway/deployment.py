@@ -45,6 +45,7 @@ class Unit:
     decisions: deque[dict] = field(default_factory=lambda: deque(maxlen=20))
     failures: deque[dict] = field(default_factory=lambda: deque(maxlen=5))
     arrivals_seen: int = 0
+    last_failure: tuple[int, float] | None = None  # (arrivals, monotonic time) when a start last failed
 
 
 @dataclass(eq=False)

@@ -10,6 +10,7 @@ from ember.gateway.replica import FAILED, HOT, PARKED, STARTING, STOPPING, Repli
 
 log = logging.getLogger("ember.gateway")
 INTERVAL = 0.5
+RETRY_AFTER_FAILURE = 30.0  # seconds before a failed unit is started again without a new call
 
 
 class Scaler:
@@ -44,6 +45,8 @@ class Scaler:
         ]
         actions, unit.memo = decide(unit.settings, views, unit.history, now, unit.memo)
         for action in actions:
+            if isinstance(action, Start) and self._held(unit):
+                continue
             unit.decisions.append({"t": time.time(), "action": type(action).__name__.lower(), "reason": action.reason,
                                    "replica": getattr(action, "replica_id", None), "count": getattr(action, "count", None)})
             self.apply(deployment, unit, action)
@@ -77,6 +80,14 @@ class Scaler:
         unit.queue.remove(replica)
         self._spawn(self.backend.stop(replica))
 
+    @staticmethod
+    def _held(unit: Unit) -> bool:
+        """After a failed start, start again only for a new call (or after a while), so a crash in enter does not loop."""
+        if unit.last_failure is None:
+            return False
+        arrivals, at = unit.last_failure
+        return unit.queue.arrivals == arrivals and time.monotonic() - at < RETRY_AFTER_FAILURE
+
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -92,6 +103,7 @@ class Scaler:
             self._failed(unit, replica)
             return
         log.info("replica %s ready on port %s (%s)", replica.id, replica.port, replica.timings)
+        unit.last_failure = None
         unit.queue.ready(replica)
         code = await self.backend.wait(replica)
         if replica.state != STOPPING:
@@ -102,6 +114,7 @@ class Scaler:
         tail = "".join(replica.log_path.read_text(errors="replace").splitlines(keepends=True)[-15:]) if replica.log_path.exists() else ""
         log.error("replica %s of %s/%s failed: %s (log: %s)\n%s", replica.id, unit.app, unit.name, replica.error, replica.log_path, tail)
         unit.failures.append(replica.describe(time.monotonic()) | {"at": time.time()})
+        unit.last_failure = (unit.queue.arrivals, time.monotonic())
         unit.queue.remove(replica)
 
     async def stop_all(self) -> None:

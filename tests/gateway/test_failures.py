@@ -28,3 +28,14 @@ def test_crash_in_enter_is_reported_and_answered_503(serve):
     assert "raise ZeroDivisionError" in logs  # the traceback from the replica's log
     replica_log = served.cli("logs", "--replica", failure["id"]).stdout
     assert "Traceback" in replica_log
+
+
+def test_a_crashing_replica_is_not_restarted_without_a_new_call(serve):
+    served = serve(APPS / "broken.py")
+    with served.client(served.key(), timeout=30) as http:
+        assert http.post("/broken/Model.predict", json={"x": 1}).status_code == 503
+        time.sleep(2)  # several autoscaler ticks with the failed call still in its demand window
+        assert len(served.status()["apps"]["broken"]["functions"]["Model"]["failed"]) == 1
+        assert http.post("/broken/Model.predict", json={"x": 1}).status_code == 503
+    model = served.status()["apps"]["broken"]["functions"]["Model"]
+    assert len(model["failed"]) == 2 and [d["action"] for d in model["decisions"]] == ["start", "start"]
