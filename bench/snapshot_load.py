@@ -157,6 +157,15 @@ def mmap_register(path: Path, targets: dict[str, torch.Tensor], store: LocalStor
     return header.data_size / seconds / 1e9, registered - t
 
 
+def same_as_safetensors(path: Path, targets: dict[str, torch.Tensor]) -> bool:
+    """Tensors Ember loaded (first, last and a layer's worth from the middle) equal the safetensors file's."""
+    from safetensors import safe_open
+    names = list(targets)
+    sample = names[:1] + names[len(names) // 2:len(names) // 2 + 9] + names[-2:]
+    with safe_open(path, "pt") as f:
+        return all(torch.equal(f.get_tensor(name), targets[name].cpu()) for name in sample)
+
+
 def machine(folder: Path) -> dict:
     def sh(cmd: str) -> str:
         return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
@@ -207,7 +216,8 @@ def run(args) -> None:
 
         record("drop_method", drop_caches(files))
         record("disk_read_gbps", read_file(snap, direct=True))
-        read_file(snap, direct=False)
+        drop_caches(files)
+        record("disk_buffered_read_gbps", read_file(snap, direct=False))
         record("page_cache_read_gbps", read_file(snap, direct=False))
 
         targets = {e.name: torch.empty(e.shape, dtype=torch.bfloat16, device=device)
@@ -225,6 +235,7 @@ def run(args) -> None:
         report = ember()
         record("ember_cold_gbps", report.gbps)
         record("ember_cold_phases", report.phases)
+        record("ember_bit_identical", same_as_safetensors(st_path, targets))
         read_file(snap, direct=False)
         warm = [ember() for _ in range(3)]
         record("ember_warm_gbps", statistics.median(r.gbps for r in warm))
@@ -253,7 +264,7 @@ def run(args) -> None:
 
         drop_caches(files)
         record("safetensors_cold_gbps", safetensors_load())
-        record("safetensors_warm_gbps", max(safetensors_load() for _ in range(2)))
+        record("safetensors_warm_gbps", safetensors_load())
 
         from transformers import AutoModelForCausalLM
 
@@ -276,7 +287,8 @@ def run(args) -> None:
 
 
 def goals(row: dict, h2d: float | None) -> dict:
-    slower = min(row["disk_read_gbps"], h2d) if h2d else row["disk_read_gbps"]
+    disk = max(row["disk_read_gbps"], row.get("disk_buffered_read_gbps", 0))
+    slower = min(disk, h2d) if h2d else disk
     return {
         "cold_vs_slower_link": row["ember_cold_gbps"] / slower,
         "warm_gbps": row["ember_warm_gbps"],
@@ -289,17 +301,18 @@ def table(results: dict) -> str:
     h2d = results.get("h2d_pinned_gbps")
     lines = [f"machine: {json.dumps(results['machine'])}", "",
              f"pinned host->device: {h2d:.1f} GB/s" if h2d else "pinned host->device: n/a (cpu)", "",
-             "| model | disk O_DIRECT | page cache | Ember cold | Ember warm | Ember warm, no sha256 | "
-             "mmap+cudaHostRegister warm, no sha256 | safetensors cold | safetensors warm | transformers cold | "
+             "| model | disk O_DIRECT | disk buffered | page cache | Ember cold | Ember warm | Ember warm, no checksum | "
+             "mmap+cudaHostRegister warm, no checksum | safetensors cold | safetensors warm | transformers cold | "
              "transformers warm |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    keys = ["disk_read_gbps", "page_cache_read_gbps", "ember_cold_gbps", "ember_warm_gbps", "ember_warm_noverify_gbps",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = ["disk_read_gbps", "disk_buffered_read_gbps", "page_cache_read_gbps", "ember_cold_gbps", "ember_warm_gbps", "ember_warm_noverify_gbps",
             "mmap_register_warm_gbps",
             "safetensors_cold_gbps", "safetensors_warm_gbps", "transformers_cold_gbps", "transformers_warm_gbps"]
     for row in results["sizes"]:
         cells = [f"{row[k]:.1f}" if k in row else "-" for k in keys]
         lines.append(f"| {row.get('bytes', 0) / 1e9:.1f} GB bf16 | " + " | ".join(cells) + " |")
-    lines += ["", "GB/s, each the bytes of the model over wall time (warm Ember: median of 3; warm safetensors: best of 2).", ""]
+    lines += ["", "GB/s, each the bytes of the model over wall time (warm Ember: median of 3). Disk columns: 16 threads "
+              "reading 16 MiB blocks of the snapshot file after drop_caches.", ""]
     for row in results["sizes"]:
         if "transformers_warm_gbps" in row:
             g = goals(row, h2d)

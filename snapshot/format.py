@@ -3,10 +3,12 @@
     [8 B magic "EMBERSN1"][8 B header length, little endian][header JSON][zero pad to 4 KiB]
     [data region: each tensor at a 4 KiB-aligned offset; the region is padded to 4 KiB]
 
-The data region is cut into fixed-size chunks (a multiple of 4 KiB) and the header lists the
-sha256 of each, so a loader verifies every chunk it reads before the bytes reach a model.
-A snapshot's id is the sha256 of its header bytes, which name every chunk's hash: the id
-addresses the content.
+The data region is cut into fixed-size chunks (a multiple of 4 KiB) and the header lists two
+digests of each: sha256, which the snapshot's id is built on (the id is the sha256 of the
+header bytes, so it addresses the content) and which `ember snapshot verify` checks, and
+xxh3-128, which the loader checks on every chunk it reads before the bytes reach a model:
+sha256 runs at ~1.2 GB/s a core on the GPU machine, too slow for a 25 GB/s load; xxh3 at
+>10 GB/s a core, and 128 bits catch any flipped byte or torn write.
 """
 import hashlib
 import json
@@ -20,7 +22,7 @@ from ember.snapshot.errors import SnapshotCorrupt
 MAGIC = b"EMBERSN1"
 PREAMBLE = 16
 ALIGN = 4096
-CHUNK_SIZE = 16 << 20
+CHUNK_SIZE = 8 << 20
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -48,6 +50,7 @@ class Header:
     data_offset: int  # from the start of the file
     data_size: int
     chunks: tuple[str, ...]  # sha256 hex of each chunk of the data region
+    xxh3: tuple[str, ...]  # xxh3-128 hex of each chunk, checked on every load
 
     @property
     def file_size(self) -> int:
@@ -61,7 +64,7 @@ class Header:
     def encode(self) -> bytes:
         body = {
             "version": 1, "chunk_size": self.chunk_size, "data_offset": self.data_offset,
-            "data_size": self.data_size, "chunks": list(self.chunks),
+            "data_size": self.data_size, "chunks": list(self.chunks), "xxh3": list(self.xxh3),
             "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors],
         }
         return json.dumps(body, separators=(",", ":")).encode()
@@ -88,12 +91,13 @@ def layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], chunk_size: in
         entries.append(TensorEntry(name, key, tuple(shape), offset, nbytes))
         offset = align(offset + nbytes)
     data_size = align(offset)
-    blank = ("0" * 64,) * (-(-data_size // chunk_size))
-    probe = Header(tuple(entries), chunk_size, 0, data_size, blank)
+    count = -(-data_size // chunk_size)
+    blank, blank_fast = ("0" * 64,) * count, ("0" * 32,) * count
+    probe = Header(tuple(entries), chunk_size, 0, data_size, blank, blank_fast)
     # Hashes are fixed-width hex, so the header's length is known before they are; +20 leaves
     # room for the digits of data_offset itself.
     data_offset = align(PREAMBLE + len(probe.encode()) + 20)
-    return Header(tuple(entries), chunk_size, data_offset, data_size, blank)
+    return Header(tuple(entries), chunk_size, data_offset, data_size, blank, blank_fast)
 
 
 def parse_preamble(head: bytes, snapshot_id: str) -> int:
@@ -110,6 +114,10 @@ def decode(raw: bytes, snapshot_id: str | None = None) -> Header:
     try:
         body = json.loads(raw)
         tensors = tuple(TensorEntry(n, d, tuple(s), o, b) for n, d, s, o, b in body["tensors"])
-        return Header(tensors, body["chunk_size"], body["data_offset"], body["data_size"], tuple(body["chunks"]))
+        header = Header(tensors, body["chunk_size"], body["data_offset"], body["data_size"], tuple(body["chunks"]),
+                        tuple(body["xxh3"]))
     except (ValueError, KeyError, TypeError) as err:
         raise SnapshotCorrupt(snapshot_id or "?", f"unreadable header: {err}") from None
+    if not len(header.chunks) == len(header.xxh3) == -(-header.data_size // header.chunk_size):
+        raise SnapshotCorrupt(snapshot_id or "?", "header lists the wrong number of chunk digests")
+    return header

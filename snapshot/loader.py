@@ -1,10 +1,11 @@
 """Loads a snapshot at the speed of its slowest link: storage, checksum, PCIe.
 
-Each worker thread owns two chunk buffers (pinned when the target is a GPU) and one CUDA
-stream. It reads a chunk into one buffer (O_DIRECT from disk, or a ranged GET from S3),
-checks the chunk's sha256, and queues its host->device copies straight into the target
-tensors, then reads the next chunk into its other buffer while those copies run.
-A buffer is reused only once the copies out of it have finished.
+Each worker thread owns two chunk buffers (pinned when the target is a GPU, allocated by the
+worker itself so pinning overlaps the other workers' reads) and one CUDA stream. It reads a
+chunk into one buffer (page cache or O_DIRECT from disk, or a ranged GET from S3), checks
+the chunk's xxh3-128, and queues its host->device copies straight into the target tensors,
+then reads the next chunk into its other buffer while those copies run. A buffer is reused
+only once the copies out of it have finished.
 
 A chunk is copied only after its checksum passed, so the targets never receive a corrupt
 byte; but when a later chunk fails, earlier tensors are already written: the caller must
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 from ember.snapshot.errors import SnapshotCorrupt, SnapshotMismatch
 from ember.snapshot.format import ALIGN, DTYPES, Header
@@ -36,7 +38,7 @@ class LoadReport:
     direct_io: bool
     source: str
     device: str
-    # wall seconds for setup phases; summed thread seconds for read / verify / copy
+    # wall seconds for allocate / stream; summed thread seconds for pin / read / verify / copy
     phases: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -86,7 +88,11 @@ def check_targets(header: Header, targets: Mapping[str, torch.Tensor]) -> None:
 
 
 def aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    """4 KiB-aligned host memory, as O_DIRECT wants. Pinned memory is page-aligned already, and
+    asking for more would make the pinned allocator round up to the next power of two."""
+    if pin:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes]
 
@@ -114,18 +120,17 @@ def load(source, targets: Mapping[str, torch.Tensor] | None = None, device: str 
     threads = max(1, min(threads or source.default_threads, len(pieces)))
     allocated = time.perf_counter()
 
-    slab = aligned_buffer(2 * threads * header.chunk_size, pin=cuda)
-    pinned = time.perf_counter()
-
     next_chunk, lock, stop = itertools.count(), threading.Lock(), threading.Event()
-    done, busy = [0], {"read": 0.0, "verify": 0.0, "copy": 0.0}
+    done, busy = [0], {"pin": 0.0, "read": 0.0, "verify": 0.0, "copy": 0.0}
 
     def work(worker: int) -> None:
-        stream = torch.cuda.Stream(device) if cuda else None
-        base = 2 * worker * header.chunk_size
-        buffers = [slab[base + k * header.chunk_size: base + (k + 1) * header.chunk_size] for k in (0, 1)]
-        events: list = [None, None]
         spent = dict.fromkeys(busy, 0.0)
+        t = time.perf_counter()
+        stream = torch.cuda.Stream(device) if cuda else None
+        slab = aligned_buffer(2 * header.chunk_size, pin=cuda)
+        buffers = [slab[:header.chunk_size], slab[header.chunk_size:]]
+        events: list = [None, None]
+        spent["pin"] = time.perf_counter() - t
         try:
             stream_chunks(stream, buffers, events, spent)
         except BaseException:
@@ -151,8 +156,8 @@ def load(source, targets: Mapping[str, torch.Tensor] | None = None, device: str 
             t0 = time.perf_counter()
             n = source.read_chunk(index, memoryview(buf.numpy()))
             t1 = time.perf_counter()
-            if verify and hashlib.sha256(buf[:n].numpy()).hexdigest() != header.chunks[index]:
-                raise SnapshotCorrupt(source.id, f"chunk {index} (bytes {header.chunk_span(index)}) fails its sha256")
+            if verify and xxhash.xxh3_128_hexdigest(buf[:n].numpy()) != header.xxh3[index]:
+                raise SnapshotCorrupt(source.id, f"chunk {index} (bytes {header.chunk_span(index)}) fails its checksum")
             t2 = time.perf_counter()
             if cuda:
                 with torch.cuda.stream(stream):
@@ -163,7 +168,7 @@ def load(source, targets: Mapping[str, torch.Tensor] | None = None, device: str 
                 for name, a, b, at in pieces[index]:
                     views[name][at:at + b - a].copy_(buf[a:b])
             t3 = time.perf_counter()
-            for k, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2)):
+            for k, dt in zip(("read", "verify", "copy"), (t1 - t0, t2 - t1, t3 - t2)):
                 spent[k] += dt
             with lock:
                 done[0] += n
@@ -178,7 +183,21 @@ def load(source, targets: Mapping[str, torch.Tensor] | None = None, device: str 
         finally:
             stop.set()
     finished = time.perf_counter()
-    phases = {"allocate": allocated - began, "pin": pinned - allocated, "stream": finished - pinned, **busy}
+    phases = {"allocate": allocated - began, "stream": finished - allocated, **busy}
     report = LoadReport(header.data_size, finished - began, len(pieces), threads, source.direct_io, source.url,
                         str(device), phases)
     return dict(targets), report
+
+
+def audit(source, threads: int | None = None) -> None:
+    """Checks every chunk against its sha256 (the digest the id is built on); raises SnapshotCorrupt."""
+    header: Header = source.header
+
+    def check(index: int) -> None:
+        buf = aligned_buffer(header.chunk_size, pin=False)
+        n = source.read_chunk(index, memoryview(buf.numpy()))
+        if hashlib.sha256(buf[:n].numpy()).hexdigest() != header.chunks[index]:
+            raise SnapshotCorrupt(source.id, f"chunk {index} (bytes {header.chunk_span(index)}) fails its sha256")
+
+    with ThreadPoolExecutor(threads or source.default_threads, thread_name_prefix="snapshot-audit") as pool:
+        list(pool.map(check, range(len(header.chunks))))

@@ -3,6 +3,7 @@
 Both stores answer the same calls: put, resolve, open, ls, rm, quarantine. An object is
 named by its id (the sha256 of its header); names are refs pointing at ids.
 """
+import ctypes
 import mmap
 import os
 import re
@@ -11,6 +12,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from ember.home import Home
 from ember.snapshot.errors import SnapshotCorrupt, SnapshotError, SnapshotNotFound
@@ -66,25 +69,61 @@ def pick(key: str, ids: list[str], where: str) -> str:
     return found[0]
 
 
-class FileSource:
-    """Reads one snapshot file chunk by chunk: from the page cache when it holds the bytes, else with O_DIRECT.
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
-    Each chunk first tries a buffered read that must not wait for the disk (RWF_NOWAIT);
-    what the page cache lacks is read with O_DIRECT, which skips the cache's extra copy,
-    where the filesystem allows it (tmpfs does not).
+
+class PageCache:
+    """Which parts of a file the page cache holds: mincore() on a mapping that is never touched.
+
+    Asking by a non-blocking read (RWF_NOWAIT) would start readahead of what is missing,
+    which an O_DIRECT read of the same bytes would then duplicate.
+    """
+
+    def __init__(self, fd: int, size: int):
+        self.size = size
+        self.addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0) if size else None
+        if self.addr in (None, ctypes.c_void_p(-1).value):
+            self.addr = None
+
+    def holds(self, offset: int, length: int) -> bool:
+        if self.addr is None:
+            return False
+        start = offset - offset % mmap.PAGESIZE
+        pages = -(-(offset + length - start) // mmap.PAGESIZE)
+        vec = np.zeros(pages, dtype=np.uint8)
+        if _libc.mincore(self.addr + start, pages * mmap.PAGESIZE, vec.ctypes.data) != 0:
+            return False
+        return bool((vec & 1).all())
+
+    def close(self) -> None:
+        if self.addr is not None:
+            _libc.munmap(self.addr, self.size)
+            self.addr = None
+
+
+class FileSource:
+    """Reads one snapshot file chunk by chunk: from the page cache when it holds the chunk, else with O_DIRECT.
+
+    O_DIRECT skips the page cache's extra copy on a cold read, where the filesystem allows
+    it (tmpfs does not); a chunk already cached is read from the cache.
     """
 
     default_threads = min(16, os.cpu_count() or 1)
 
-    def __init__(self, path: Path, snapshot_id: str):
+    def __init__(self, path: Path, snapshot_id: str, direct: bool = True):
         self.path, self.id, self.url = path, snapshot_id, str(path)
         self.header = read_header(path, snapshot_id)
         size = path.stat().st_size
         if size < self.header.file_size:
             raise SnapshotCorrupt(snapshot_id, f"truncated: {size} of {self.header.file_size} bytes")
         self.fd = os.open(path, os.O_RDONLY)
-        self.direct_fd = self._open_direct()
+        self.direct_fd = self._open_direct() if direct else None
         self.direct_io = self.direct_fd is not None
+        self.cache = PageCache(self.fd, size)
 
     def _open_direct(self) -> int | None:
         try:
@@ -101,28 +140,20 @@ class FileSource:
         finally:
             probe.close()
 
-    def _cached(self, into: memoryview, offset: int) -> int:
-        """Bytes the page cache gives without waiting for the disk."""
-        try:
-            return os.preadv(self.fd, [into], offset, os.RWF_NOWAIT)
-        except (BlockingIOError, OSError, AttributeError):
-            return 0
-
     def read_chunk(self, index: int, into: memoryview) -> int:
         start, end = self.header.chunk_span(index)
         want, done, at = end - start, 0, self.header.data_offset + start
+        direct = self.direct_fd is not None and not self.cache.holds(at, want)
+        fd = self.direct_fd if direct else self.fd
         while done < want:
-            got = self._cached(into[done:want], at + done) if self.direct_fd is not None else 0
-            if got == 0:
-                aligned = (at + done) % ALIGN == 0
-                fd = self.direct_fd if self.direct_fd is not None and aligned else self.fd
-                got = os.preadv(fd, [into[done:want]], at + done)
+            got = os.preadv(fd, [into[done:want]], at + done)
             if got == 0:
                 raise SnapshotCorrupt(self.id, f"truncated in chunk {index}")
             done += got
         return want
 
     def close(self) -> None:
+        self.cache.close()
         os.close(self.fd)
         if self.direct_fd is not None:
             os.close(self.direct_fd)

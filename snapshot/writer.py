@@ -3,10 +3,12 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 from ember.snapshot.format import CHUNK_SIZE, Header, layout
@@ -14,25 +16,21 @@ from ember.snapshot.format import CHUNK_SIZE, Header, layout
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
-class ChunkHasher:
-    """sha256 of each fixed-size chunk of a byte stream fed in arbitrary pieces."""
+def digest_chunks(path: str | os.PathLike, header: Header, threads: int = min(16, os.cpu_count() or 1)) -> Header:
+    """Fills in both digests of every chunk, hashing chunks in parallel from the just-written (cached) file."""
+    fd = os.open(path, os.O_RDONLY)
 
-    def __init__(self, chunk_size: int):
-        self.chunk_size, self.filled, self.current, self.digests = chunk_size, 0, hashlib.sha256(), []
+    def digest(index: int) -> tuple[str, str]:
+        start, end = header.chunk_span(index)
+        data = os.pread(fd, end - start, header.data_offset + start)
+        return hashlib.sha256(data).hexdigest(), xxhash.xxh3_128_hexdigest(data)
 
-    def feed(self, data: memoryview) -> None:
-        while len(data):
-            take = min(len(data), self.chunk_size - self.filled)
-            self.current.update(data[:take])
-            self.filled += take
-            data = data[take:]
-            if self.filled == self.chunk_size:
-                self.finish()
-
-    def finish(self) -> None:
-        if self.filled:
-            self.digests.append(self.current.hexdigest())
-            self.current, self.filled = hashlib.sha256(), 0
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="snapshot-digest") as pool:
+            pairs = list(pool.map(digest, range(len(header.chunks))))
+    finally:
+        os.close(fd)
+    return replace(header, chunks=tuple(p[0] for p in pairs), xxh3=tuple(p[1] for p in pairs))
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
@@ -44,29 +42,18 @@ def write(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors: Iterat
           chunk_size: int = CHUNK_SIZE, progress: Progress | None = None) -> Header:
     """Streams `tensors` (in the order of `specs`) into a snapshot at `path`; returns its header."""
     header = layout(specs, chunk_size)
-    hasher, zeros = ChunkHasher(chunk_size), memoryview(bytes(chunk_size))
     with open(path, "wb") as out:
-        out.write(bytes(header.data_offset))  # the header is written last, once the hashes are known
-        at = 0
-
-        def emit(data: memoryview) -> None:
-            nonlocal at
-            out.write(data)
-            hasher.feed(data)
-            at += len(data)
-
         for entry, tensor in zip(header.tensors, tensors, strict=True):
             if tuple(tensor.shape) != entry.shape:
                 raise ValueError(f"tensor {entry.name!r} has shape {tuple(tensor.shape)}, expected {entry.shape}")
-            while at < entry.offset:
-                emit(zeros[:entry.offset - at])
-            emit(raw_bytes(tensor))
+            out.seek(header.data_offset + entry.offset)  # gaps read back as zeros
+            out.write(raw_bytes(tensor))
             if progress:
-                progress(at, header.data_size)
-        while at < header.data_size:
-            emit(zeros[:header.data_size - at])
-        hasher.finish()
-        header = replace(header, chunks=tuple(hasher.digests))
+                progress(entry.offset + entry.nbytes, header.data_size)
+        out.truncate(header.file_size)
+    # the header is written last, once the digests are known
+    header = digest_chunks(path, header)
+    with open(path, "r+b") as out:
         preamble = header.preamble()
         assert len(preamble) <= header.data_offset, "header outgrew its reserved space"
         out.seek(0)
