@@ -59,6 +59,7 @@ class Target:
     path: str
     tls: bool
     key: str | None
+    pid: int  # the process whose CPU time is this row's own cost: the replica (direct) or the proxy in front of it
 
     @property
     def url(self) -> str:
@@ -73,6 +74,12 @@ class Target:
 # ---------------------------------------------------------------- open-loop client
 
 now = time.perf_counter  # not loop.time(): uvloop's clock ticks in whole milliseconds
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 class Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection carrying one request at a time; parses just enough of a response
@@ -129,6 +136,7 @@ class RateResult:
     p99_ms: float | None
     max_ms: float | None
     send_lag_p99_ms: float  # how late the client itself sent (timer granularity, its own CPU)
+    cpu_ms_per_request: float | None  # CPU time of the row's own process per completed request
     statuses: dict = field(default_factory=dict)
 
     @property
@@ -210,6 +218,7 @@ class OpenLoop:
         while self.opened < PREOPEN:
             self.idle.append(await self._open())
         count = max(1, int(rate * duration))
+        cpu_before = cpu_seconds(self.target.pid)
         t0 = now() + 0.01
         for i in range(count):
             due = t0 + i / rate
@@ -219,9 +228,9 @@ class OpenLoop:
         deadline = now() + DRAIN_S
         while (self.inflight or self.backlog or len(self.samples) < count) and now() < deadline:
             await asyncio.sleep(0.005)
-        return self._summarize(rate, duration, count, t0)
+        return self._summarize(rate, duration, count, t0, cpu_seconds(self.target.pid) - cpu_before)
 
-    def _summarize(self, rate: float, duration: float, count: int, t0: float) -> RateResult:
+    def _summarize(self, rate: float, duration: float, count: int, t0: float, cpu: float) -> RateResult:
         statuses: dict[str, int] = {}
         for *_, status in self.samples:
             statuses[str(status)] = statuses.get(str(status), 0) + 1
@@ -235,7 +244,7 @@ class OpenLoop:
         return RateResult(
             self.target.name, rate, count, len(good), count - len(good), round(len(good) / window, 1),
             rounded(percentile(latencies, 0.50)), rounded(percentile(latencies, 0.99)), rounded(max(latencies, default=None)),
-            round(percentile(lags, 0.99) or 0.0, 3), statuses,
+            round(percentile(lags, 0.99) or 0.0, 3), round(1000 * cpu / len(good), 3) if good else None, statuses,
         )
 
     def close(self) -> None:
@@ -266,6 +275,7 @@ class Saturation:
     p99_ms: float | None
     non_2xx: int
     socket_errors: int
+    cpu_ms_per_request: float
 
 
 WRK_SCRIPT = """wrk.method = "POST"
@@ -285,8 +295,11 @@ def saturate(target: Target, workdir: Path, connections: int, duration: float, c
     auth = f'wrk.headers["Authorization"] = "Bearer {target.key}"' if target.key else ""
     script.write_text(WRK_SCRIPT.format(body=json.dumps(BODY.decode()), auth=auth))
     command = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--latency", "-s", str(script), target.url]
+    cpu_before = cpu_seconds(target.pid)
     out = subprocess.run(_pinned(command, cpus), capture_output=True, text=True, timeout=duration + 30).stdout
+    cpu = cpu_seconds(target.pid) - cpu_before
     rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    total = re.search(r"(\d+) requests in", out)
     p50, p99 = re.search(r"\n\s+50%\s+(\S+)", out), re.search(r"\n\s+99%\s+(\S+)", out)
     non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
@@ -294,7 +307,7 @@ def saturate(target: Target, workdir: Path, connections: int, duration: float, c
         raise RuntimeError(f"wrk printed no Requests/sec for {target.name}:\n{out}")
     return Saturation(target.name, connections, float(rps.group(1)), _wrk_ms(p50.group(1)) if p50 else None,
                       _wrk_ms(p99.group(1)) if p99 else None, int(non_2xx.group(1)) if non_2xx else 0,
-                      sum(map(int, sock.groups())) if sock else 0)
+                      sum(map(int, sock.groups())) if sock else 0, round(1000 * cpu / max(1, int(total.group(1))), 3))
 
 
 # ---------------------------------------------------------------- the servers
@@ -370,9 +383,12 @@ def start_ember(procs: Processes, home: Path, cpus: str | None) -> tuple[Target,
 
     port = _wait_for("the upstream replica", log, process, replica_port)
     gateway_port = int(url.rsplit(":", 1)[1])
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    if len(children) != 1:
+        raise RuntimeError(f"expected ember serve (pid {process.pid}) to have one child, the replica; it has {children}")
     path = "/v1/chat/completions"
-    return (Target("ember", "127.0.0.1", gateway_port, "/upstream" + path, True, key),
-            Target("direct", "127.0.0.1", port, path, False, None), ca)
+    return (Target("ember", "127.0.0.1", gateway_port, "/upstream" + path, True, key, process.pid),
+            Target("direct", "127.0.0.1", port, path, False, None, int(children[0])), ca)
 
 
 LITELLM_CONFIG = """model_list:
@@ -406,7 +422,7 @@ def start_litellm(procs: Processes, workdir: Path, upstream_port: int, cert_dir:
                        "--num_workers", "1", "--ssl_certfile_path", str(cert_dir / "server.pem"),
                        "--ssl_keyfile_path", str(cert_dir / "server-key.pem")], cpus)
     process, log = procs.start("litellm", command, env)
-    target = Target("litellm", "127.0.0.1", port, "/v1/chat/completions", True, master_key)
+    target = Target("litellm", "127.0.0.1", port, "/v1/chat/completions", True, master_key, process.pid)
     _wait_for("litellm", log, process, lambda: httpx.get(f"https://127.0.0.1:{port}/health/liveliness",
                                                          verify=str(cert_dir / "ca.pem"), timeout=5).status_code == 200)
     return target
@@ -500,7 +516,7 @@ def run(args) -> dict:
 def _rate_line(r: RateResult) -> str:
     fmt = lambda v: "   -  " if v is None else f"{v:6.2f}"  # noqa: E731
     return (f"{r.offered:6.0f} req/s {r.target:8s} achieved {r.achieved:7.1f}  p50 {fmt(r.p50_ms)} ms  p99 {fmt(r.p99_ms)} ms  "
-            f"errors {r.errors:5d}  {'ok' if r.sustainable else 'UNSUSTAINABLE'}")
+            f"errors {r.errors:5d}  cpu {fmt(r.cpu_ms_per_request)} ms/req  {'ok' if r.sustainable else 'UNSUSTAINABLE'}")
 
 
 # ---------------------------------------------------------------- the report
@@ -543,19 +559,19 @@ def markdown(data: dict) -> str:
         "",
         "## Fixed rates (open loop)",
         "",
-        "| offered req/s | target | achieved req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | errors | sustainable |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| offered req/s | target | achieved req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | errors | CPU ms/req | sustainable |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in data["fixed_rate"]:
         base = direct.get(r["offered"], {})
         lines.append(f"| {r['offered']:g} | {r['target']} | {r['achieved']:.0f} | {ms(r['p50_ms'])} | {ms(r['p99_ms'])} | "
-                     f"{plus(r['p50_ms'], base.get('p50_ms'))} | {plus(r['p99_ms'], base.get('p99_ms'))} | {r['errors']} | "
+                     f"{plus(r['p50_ms'], base.get('p50_ms'))} | {plus(r['p99_ms'], base.get('p99_ms'))} | {r['errors']} | {ms(r['cpu_ms_per_request'])} | "
                      f"{'yes' if r['sustainable'] else 'no'} |")
     lines += ["", f"## Saturation (closed loop, wrk -t1 -c{s['wrk_connections']})", "",
-              "| target | req/s | p50 ms | p99 ms | non-2xx | socket errors | highest sustainable fixed rate |", "|---|---:|---:|---:|---:|---:|---:|"]
+              "| target | req/s | p50 ms | p99 ms | non-2xx | socket errors | CPU ms/req | highest sustainable fixed rate |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for x in data["saturation"]:
         lines.append(f"| {x['target']} | {x['requests_per_s']:.0f} | {ms(x['p50_ms'])} | {ms(x['p99_ms'])} | {x['non_2xx']} | "
-                     f"{x['socket_errors']} | {sustainable_rate(data['fixed_rate'], x['target']):g} |")
+                     f"{x['socket_errors']} | {ms(x['cpu_ms_per_request'])} | {sustainable_rate(data['fixed_rate'], x['target']):g} |")
     lines += ["", "## Goals (issue 5)", "", "| goal | measured | met |", "|---|---|---|"]
     for goal, value, met in goals(data):
         lines.append(f"| {goal} | {value} | {'-' if met is None else 'yes' if met else 'no'} |")
