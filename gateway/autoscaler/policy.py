@@ -209,7 +209,9 @@ def decide(
     parked = [r for r in replicas if r.state == PARKED]
 
     panic_avg = mean_concurrency(window(history, now, s.panic_window))
-    demand = max(panic_avg, burst(s, hot, starting, history[-1]) if history else 0.0)
+    now_burst = burst(s, hot, starting, history[-1]) if history else 0.0
+    # at zero only requests waiting now ask for a replica: past demand was served or timed out
+    demand = max(panic_avg, now_burst) if hot or starting else now_burst
     want_panic = replicas_for(demand, s.target_concurrency)
 
     over_threshold = want_panic >= s.panic_threshold * max(len(hot), 1) and want_panic > len(hot)

@@ -55,7 +55,7 @@ def spike(duration: float, rng: random.Random, base: float = 0.1, peak: float = 
     return poisson(lambda t: peak if start <= t < start + width else base, peak, duration, rng)
 
 
-def sessions(duration: float, rng: random.Random, rate: float = 0.05, turns: tuple[int, int] = (3, 12), think: tuple[float, float] = (2.0, 12.0)) -> list[Request]:
+def sessions(duration: float, rng: random.Random, rate: float = 0.5, turns: tuple[int, int] = (3, 12), think: tuple[float, float] = (2.0, 12.0)) -> list[Request]:
     """Many short chat sessions: each sends a few turns separated by a think time."""
     out = []
     for begin in poisson(lambda t: rate, rate, duration, rng):

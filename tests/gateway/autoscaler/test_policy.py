@@ -160,3 +160,9 @@ def test_parked_replicas_beyond_max_parked_are_evicted_oldest_first():
     parked = [ReplicaView(f"p{i}", "parked", 0, 100.0 + i) for i in range(3)]
     actions, _ = run(s, parked, load(0, 200), 200.0)
     assert [(type(a), a.replica_id) for a in actions] == [(Evict, "p0"), (Evict, "p1")]
+
+
+def test_at_zero_past_demand_starts_nothing():
+    # a caller queued and got its 503 (say the replica crashed in enter): no one is waiting now
+    history = load(0, 20) + [Sample(21.0, 1, 0, 1), Sample(22.0, 0, 0, 0)]
+    assert run(PARKING, [], history, 22.0)[0] == []
