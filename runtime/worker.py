@@ -133,11 +133,21 @@ def _serve(app, sock: socket.socket) -> None:
     asyncio.run(ReplicaServer(config).serve(sockets=[sock]))
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this replica if its gateway dies without stopping it (no orphaned replicas)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ember.runtime.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--package", required=True, help="path of the .pkg file")
     parser.add_argument("--target", required=True, help="function or class name inside the app")
     args = parser.parse_args(argv)
+    _die_with_parent()
     control = ControlChannel()
     timings = {}
     phase = "import"

@@ -5,7 +5,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from ember.client import RemoteError
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hello.py"
+
+
+def _load_hello(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+    hello = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hello)
+    return hello
+
+
+def test_hello_remote(serve, monkeypatch):
+    served = serve(EXAMPLE)
+    monkeypatch.setenv("EMBER_URL", served.url)
+    monkeypatch.setenv("EMBER_KEY", served.key())
+    monkeypatch.setenv("EMBER_CA", str(served.ca))
+    hello = _load_hello("hello_remote")
+    assert hello.square.remote(5) == 25
+    assert hello.Greeter().greet.remote("Ada", lang="de")["greeting"] == "Hallo, Ada!"
+    monkeypatch.setenv("EMBER_KEY", "ek_0_wrong")
+    with pytest.raises(RemoteError) as error:
+        hello.square.remote(x=5)
+    assert error.value.status == 401
 
 
 def test_hello_served(serve):
@@ -30,9 +55,7 @@ def test_hello_run_once(tmp_path):
 
 
 def test_hello_local():
-    spec = importlib.util.spec_from_file_location("hello_local", EXAMPLE)
-    hello = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hello)
+    hello = _load_hello("hello_local")
     assert hello.square.local(3) == 9
     greeter = hello.Greeter()
     assert greeter.greet.local("Ada")["pid"] == os.getpid()
