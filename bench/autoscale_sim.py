@@ -131,8 +131,9 @@ NOTES = """## How to read this
 - Ember's savings come from the ladder: spare capacity parks 5 s after the demand that needed
   it is gone and wakes in 0.3 s, so a burst after a pause starts from parked replicas, where
   KPA-like has scaled to zero and starts node-warm or node-cold.
-- On steady and diurnal load Ember spends a few percent more than KPA-like: it sizes for the
-  peak 6 s average of the last 5 s where KPA-like sizes for the 60 s average.
+- On steady and diurnal load Ember and KPA-like spend within 2% of each other: Ember sizes
+  for the peak 6 s average of the last 5 s, with a 10% tolerance over target, where KPA-like
+  sizes for the 60 s average.
 - On many short sessions (about 15 open at a time) Ember spends 2-5% less than KPA-like at
   the same p99 TTFT. With sparse sessions (0.05/s) it parks between turns: 14% less, and the
   first turn after a pause waits a 0.3 s wake (p99 TTFT 0.39 s against 0.20 s).

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 STARTING, HOT, PARKED = "starting", "hot", "parked"
+TOLERANCE = 0.1  # demand within 10% over target adds no replica, as in Kubernetes' HPA
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,9 @@ def decide(
     if not panicking:
         panic_since = None
 
+    have = len(hot) + len(starting)
+    if not panicking and have and demand <= have * s.target_concurrency * (1 + TOLERANCE):
+        want_panic = min(want_panic, have)  # a few percent over target on a steady load is noise
     lead = s.wake_latency if parked else s.start_latency
     rising = prewarm_concurrency(s, history, now, lead)
     want = max(want_panic, replicas_for(rising, s.target_concurrency))
@@ -229,7 +233,6 @@ def decide(
     want = min(max(want + s.buffer_replicas, s.min_replicas), s.max_replicas)
 
     actions: list[Action] = []
-    have = len(hot) + len(starting)
     if want > have:
         why = f"{demand:.1f} concurrent over {s.panic_window:g}s needs {want} replicas, have {have}"
         if panicking:

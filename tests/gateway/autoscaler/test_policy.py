@@ -166,3 +166,10 @@ def test_at_zero_past_demand_starts_nothing():
     # a caller queued and got its 503 (say the replica crashed in enter): no one is waiting now
     history = load(0, 20) + [Sample(21.0, 1, 0, 1), Sample(22.0, 0, 0, 0)]
     assert run(PARKING, [], history, 22.0)[0] == []
+
+
+def test_demand_just_over_target_is_tolerated_but_not_more():
+    three = hot(3, in_flight=10)
+    assert run(PARKING, three, load(32, 100), 100.0)[0] == []  # 32 <= 3 x 10 x 1.1
+    actions, _ = run(PARKING, three, load(34, 100), 100.0)
+    assert actions == [Start(1, actions[0].reason)]
