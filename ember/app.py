@@ -1,6 +1,7 @@
 """App, Function and Cls: the declarative SDK. Decorator kwargs are the whole configuration."""
 import inspect
 import re
+import time
 from typing import Any, Callable
 
 from ember import hooks
@@ -104,8 +105,6 @@ class Cls:
 
     def start(self, on_hook: Callable[[str, float], None] | None = None) -> Any:
         """Create the instance and run its enter hooks (snap=True first)."""
-        import time
-
         obj = self.user_cls()
         for name in self.enter_hooks:
             began = time.monotonic()

@@ -18,6 +18,7 @@ from ember.gateway.deployment import Deployment
 from ember.gateway.errors import ApiError
 from ember.gateway.keys import KeyStore
 from ember.gateway.metrics import Metrics
+from ember.gateway.queue import Lease
 from ember.gateway.routing import Call, route
 from ember.gateway.scaler import Scaler
 from ember.home import Home
@@ -135,7 +136,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     return app
 
 
-def _stamp(response: Response, lease) -> Response:
+def _stamp(response: Response, lease: Lease) -> Response:
     """Every reply names its replica; one that waited for a start names the tier, time and breakdown."""
     extra = {"x-ember-replica": lease.replica.id}
     if lease.cold_start:

@@ -22,7 +22,7 @@ def test_server_cert_chains_to_the_ca_with_local_names(tmp_path):
     c = client.wrap_bio(client_in, client_out, server_hostname="localhost")
     s = server.wrap_bio(server_in, server_out, server_side=True)
     for _ in range(10):
-        for side, inbox, outbox, peer_in in ((c, client_in, client_out, server_in), (s, server_in, server_out, client_in)):
+        for side, outbox, peer_in in ((c, client_out, server_in), (s, server_out, client_in)):
             try:
                 side.do_handshake()
             except ssl.SSLWantReadError:
