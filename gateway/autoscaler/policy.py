@@ -2,14 +2,18 @@
 replicas to actions on the cold-start ladder.
 
 Arithmetic in the spirit of Knative's KPA: concurrency (queued + in flight) is
-averaged over a stable and a panic window; a burst that needs `panic_threshold`
-times the hot replicas enters panic, which scales up on the panic window and
-forbids any scale-down until a stable window passes without a new burst.
+averaged over a panic window; a burst that needs `panic_threshold` times the hot
+replicas enters panic, which never lowers its count and forbids any scale-down
+until `stable_window` passes without a new burst.
 
-What differs from KPA is the way down. Scaling up takes the short window because
-waking a parked replica costs ~0.3 s; scaling down parks (T1, frees the GPU,
-keeps the process) once a replica's capacity has been unused for `park_after`
-seconds, and evicts (T2, stops the process) only after `scaledown_window`.
+What differs from KPA follows from the ladder. Waking a parked replica costs ~0.3 s,
+so the policy scales up on the short window, on the latest sample when it is a
+burst, and ahead of arrivals that are clearly rising; parked replicas wake before
+new ones start. Scaling down parks (T1: frees the GPU, keeps the process) the least
+loaded replicas once the peak demand of the last `park_after` seconds fits without
+them, and evicts (T2: stops the process) a replica parked for `scaledown_window`.
+Without `park_after`, spare replicas are evicted once `scaledown_window` of demand
+fits without them. Every action carries the reason shown in `ember status`.
 """
 
 from __future__ import annotations
@@ -176,8 +180,10 @@ def prewarm_concurrency(settings: ScalingSettings, history: Sequence[Sample], no
 def burst(settings: ScalingSettings, hot: Sequence[ReplicaView], starting: Sequence[ReplicaView], latest: Sample) -> float:
     """The latest sample's concurrency when it is a burst the averages would dilute, else 0.
 
-    A burst is a panic-sized load (or any load at zero); requests already queued for
-    slots on the replicas starting or free on the hot ones do not ask for more.
+    A burst is a panic-sized load (or any load at zero). Queued requests that fit in
+    the free slots of hot and starting replicas ask for no more: that backlog built up
+    during a start and drains when the start ends; the panic average catches any
+    lasting demand it stands for on the next calls.
     """
     capacity = len(hot) * settings.target_concurrency
     if hot or starting:

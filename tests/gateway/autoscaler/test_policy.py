@@ -173,3 +173,13 @@ def test_demand_just_over_target_is_tolerated_but_not_more():
     assert run(PARKING, three, load(32, 100), 100.0)[0] == []  # 32 <= 3 x 10 x 1.1
     actions, _ = run(PARKING, three, load(34, 100), 100.0)
     assert actions == [Start(1, actions[0].reason)]
+
+
+def test_a_burst_in_the_latest_sample_is_not_diluted_by_the_average():
+    history = load(5, 29) + [Sample(30.0, 44, 16, 50)]  # the 6 s average is 13: alone it asks for 2
+    full = hot(1, in_flight=16)
+    actions, memo = run(PARKING, full, history, 30.0)
+    assert actions == [Start(5, actions[0].reason)] and memo.panic_since == 30.0
+    # two replicas already starting have 32 free slots for the 44 queued: only 12 ask for more
+    starting = [ReplicaView(f"s{i}", "starting", 0, None) for i in range(2)]
+    assert run(PARKING, full + starting, history, 30.0)[0] == []
