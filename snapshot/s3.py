@@ -97,10 +97,12 @@ class S3Store:
 
     def put(self, path: str | os.PathLike, name: str | None = None) -> SnapshotRef:
         """Uploads a written snapshot file (multipart, parallel parts), names it, then deletes the local file."""
+        if name:
+            check_name(name)
         header = read_header(path)
         self.s3.upload_file(str(path), self.bucket, self._object(header.id), Config=self.transfer)
         if name:
-            self.s3.put_object(Bucket=self.bucket, Key=self._key("refs", check_name(name)), Body=header.id.encode())
+            self.s3.put_object(Bucket=self.bucket, Key=self._key("refs", name), Body=header.id.encode())
         os.remove(path)
         return self._ref(header.id)
 

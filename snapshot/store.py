@@ -177,10 +177,12 @@ class LocalStore:
 
     def put(self, path: str | os.PathLike, name: str | None = None) -> SnapshotRef:
         """Takes ownership of a written snapshot file and files it under its id (and `name`)."""
+        if name:
+            check_name(name)
         header = read_header(Path(path))
         shutil.move(path, self._object(header.id))
         if name:
-            ref = self.refs / check_name(name)
+            ref = self.refs / name
             tmp = ref.with_name(f".{name}.{uuid.uuid4().hex}")
             tmp.write_text(header.id)
             os.replace(tmp, ref)

@@ -1,0 +1,62 @@
+"""`ember snapshot build|ls|rm` end to end: real files, real stores, real output."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ember.snapshot import LocalStore, load
+from ember.snapshot.cli import main
+
+from .conftest import assert_same, tiny_qwen3
+
+
+def test_build_from_a_safetensors_file_then_ls_and_rm(tmp_path, mixed_state, capsys):
+    src = tmp_path / "weights.safetensors"
+    state = {k: v for k, v in mixed_state.items() if k != "empty"}
+    save_file(state, src)
+    assert main(["build", str(src)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("built weights ") and "build weights" in err  # the progress bar went to stderr
+    assert_same(load(LocalStore().open("weights"))[0], state)
+
+    assert main(["ls", "--json"]) == 0
+    [listed] = json.loads(capsys.readouterr().out)
+    assert listed["names"] == ["weights"] and listed["tensors"] == len(state)
+    assert main(["ls"]) == 0
+    assert "weights" in capsys.readouterr().out
+    assert main(["rm", "weights"]) == 0 and "removed" in capsys.readouterr().out
+    assert LocalStore().ls() == []
+
+
+def test_build_from_a_hugging_face_model_dir(tmp_path, capsys):
+    model = tiny_qwen3()
+    model.save_pretrained(tmp_path / "qwen3-tiny")
+    assert main(["build", str(tmp_path / "qwen3-tiny"), "--name", "qwen"]) == 0
+    loaded, _ = load(LocalStore().open("qwen"))
+    for name, t in model.state_dict().items():
+        if name in loaded:
+            assert torch.equal(loaded[name], t), name
+    assert "model.embed_tokens.weight" in loaded
+
+
+def test_build_to_s3_and_list_there(tmp_path, s3_env, capsys):
+    import boto3
+    boto3.client("s3").create_bucket(Bucket="cli-bucket")
+    src = tmp_path / "w.safetensors"
+    save_file({"w": torch.arange(10.0)}, src)
+    assert main(["build", str(src), "--store", "s3://cli-bucket/snaps"]) == 0
+    assert "s3://cli-bucket/snaps" in capsys.readouterr().out
+    assert main(["ls", "--json", "--store", "s3://cli-bucket/snaps"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["names"] == ["w"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["build", "/no/such/dir"], "does not exist"),
+    (["rm", "nothing-here"], "ember snapshot build"),
+    (["ls", "--store", "ftp://x"], "unknown store"),
+])
+def test_errors_name_the_fix_and_exit_nonzero(argv, message, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "Traceback" not in err
