@@ -45,7 +45,8 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
                                   code="invalid_json")
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = ".".join(loc) or None
-        message = f"Invalid '{param}': {first['msg']}" if param else f"Invalid request body: {first['msg']}"
+        reason = first["msg"].removeprefix("Value error, ")
+        message = f"Invalid '{param}': {reason}" if param else f"Invalid request body: {reason}"
         return error_response(400, message, param=param, code="invalid_value")
 
     @app.exception_handler(HTTPException)

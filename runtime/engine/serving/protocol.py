@@ -1,12 +1,13 @@
 """OpenAI request bodies (plus vLLM's sampling extras) and their translation to SamplingParams.
 
 Unknown fields are accepted and ignored, as vLLM does, so newer clients keep working;
-known fields are range-checked here so a bad value is a 400 that names the field.
+known fields are range-checked here so a bad value is a 400 that names the field, and
+OpenAI features this server lacks are refused rather than silently dropped.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ember.runtime.engine.sampling import SamplingParams
 
@@ -39,6 +40,12 @@ class SamplingRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        return _unsupported("logit_bias", value, bool(value))
 
     @property
     def stop_strings(self) -> list[str]:
@@ -89,6 +96,24 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value):
+        return _unsupported("tools (function calling)", value, bool(value))
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value):
+        return _unsupported("tool_choice", value, value not in (None, "none"))
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        return _unsupported("response_format other than text", value, bool(value) and value.get("type") != "text")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -101,6 +126,24 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value):
+        return _unsupported("suffix", value, bool(value))
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info: ValidationInfo):
+        return _unsupported("best_of other than n", value, value is not None and value != (info.data.get("n") or 1))
+
+    @field_validator("echo")
+    @classmethod
+    def _no_prompt_logprobs(cls, value, info: ValidationInfo):
+        prompt_logprobs = value and info.data.get("logprobs") is not None
+        return _unsupported("echo with logprobs (prompt logprobs)", value, prompt_logprobs)
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
@@ -115,3 +158,9 @@ class CompletionRequest(SamplingRequest):
 
 def _default(value, default):
     return default if value is None else value
+
+
+def _unsupported(feature: str, value, refused: bool):
+    if refused:
+        raise ValueError(f"{feature} is not supported by this server; remove it from the request")
+    return value

@@ -181,6 +181,14 @@ def test_repeated_prompt_hits_the_prefix_cache(call):
     ("/v1/completions", {"model": MODEL, "prompt": [5, 99999]}, 400, None, None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids", None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo", "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools",
+     "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "response_format": {"type": "json_object"}}, 400,
+     "response_format", "invalid_value"),
 ])
 def test_bad_requests_get_openai_shaped_errors(call, path, body, status, param, code):
     response = call("POST", path, json=body)
@@ -188,6 +196,18 @@ def test_bad_requests_get_openai_shaped_errors(call, path, body, status, param, 
     error = response.json()["error"]
     assert error["message"] and error["type"] in ("invalid_request_error", "not_found_error")
     assert (error["param"], error["code"]) == (param, code)
+    assert "Value error" not in error["message"]
+
+
+def test_neutral_values_of_unsupported_features_are_accepted(call):
+    accepted = [
+        ("/v1/chat/completions", {"messages": HELLO, "tools": [], "tool_choice": "none", "logit_bias": {},
+                                  "response_format": {"type": "text"}}),
+        ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 2, "suffix": "", "echo": True}),
+    ]
+    for path, body in accepted:
+        response = call("POST", path, json={"model": MODEL, "max_tokens": 2, **body})
+        assert response.status_code == 200, response.text
 
 
 def test_malformed_json_and_unknown_routes_are_json_errors(call):
