@@ -1,8 +1,10 @@
 """Weight snapshots: a file format, two stores and a loader that runs at device speed.
 
-Format (format.py): a JSON header (tensor names, dtypes, shapes, offsets, one sha256 per
-16 MiB chunk) and tensor data aligned to 4 KiB for O_DIRECT. A snapshot's id is the
-sha256 of its header, so ids address content.
+Format (format.py): a JSON header (tensor names, dtypes, shapes, offsets, and per 8 MiB
+chunk a sha256 and an xxh3-128) and tensor data aligned to 4 KiB for O_DIRECT. A
+snapshot's id is the sha256 of its header, so ids address content. Loads check every
+chunk's xxh3 (sha256 is too slow for 25 GB/s on the GPU host's CPUs); ``audit(source)`` /
+``ember snapshot verify`` check the sha256s.
 
 Stores (store.py, s3.py), one interface: ``put(path, name) -> SnapshotRef`` (takes the
 written file), ``resolve(key) -> id``, ``open(key) -> source``, ``ls()``, ``rm(key)``,
@@ -11,10 +13,10 @@ the local store lives in ``$EMBER_HOME/snapshots`` (objects/, refs/, quarantine/
 store uploads multipart and loads with parallel ranged GETs, no temporary file.
 
 Loading (loader.py): ``load(source, targets=None, device="cpu", threads=None,
-progress=None) -> (tensors, LoadReport)`` reads chunks with several threads into a ring
-of pinned buffers, verifies each chunk's sha256, and copies it to the GPU on CUDA streams
-while the next chunks are read. ``LoadReport`` has ``bytes``, ``seconds``, ``gbps`` and
-``phases`` (allocate / pin / stream wall seconds; read / verify / copy thread seconds).
+progress=None) -> (tensors, LoadReport)`` reads chunks with several threads (page cache
+when it holds a chunk, else O_DIRECT; ranged GETs from S3) into a ring of pinned buffers,
+checks each chunk, and copies it to the GPU on CUDA streams while the next chunks are read. ``LoadReport`` has ``bytes``, ``seconds``, ``gbps`` and
+``phases`` (allocate / stream wall seconds; pin / read / verify / copy thread seconds).
 
 Replica wiring (weights.py), for a function declared with ``snapshot=True``::
 
@@ -32,7 +34,8 @@ the module is partly overwritten and must not serve: boot from scratch. Loads of
 or more show a tqdm bar on stderr unless a ``progress(done, total)`` callback is given.
 
 CLI (cli.py): ``ember snapshot build SRC [--name N] [--store local|s3://b/p]``,
-``ember snapshot ls [--json]``, ``ember snapshot rm ID|NAME``; ``main(argv) -> int``.
+``ember snapshot ls [--json]``, ``ember snapshot rm ID|NAME``, ``ember snapshot verify ID|NAME``
+(full sha256 check; quarantines on failure); ``main(argv) -> int``.
 """
 from ember.snapshot.errors import SnapshotCorrupt, SnapshotError, SnapshotMismatch, SnapshotNotFound
 from ember.snapshot.loader import LoadReport, load

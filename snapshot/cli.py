@@ -1,4 +1,4 @@
-"""`ember snapshot build|ls|rm`: the ember CLI forwards `ember snapshot ...` to main()."""
+"""`ember snapshot build|ls|rm|verify`: the ember CLI forwards `ember snapshot ...` to main()."""
 import argparse
 import json
 import os
@@ -6,7 +6,8 @@ import sys
 import time
 from pathlib import Path
 
-from ember.snapshot.errors import SnapshotError
+from ember.snapshot.errors import SnapshotCorrupt, SnapshotError
+from ember.snapshot.loader import audit
 from ember.snapshot.store import open_store, staging_path
 from ember.snapshot.weights import bar
 from ember.snapshot.writer import safetensors_files, write_safetensors
@@ -18,10 +19,13 @@ def parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build", help="write a snapshot from a .safetensors file or a Hugging Face model dir")
     build.add_argument("src")
     build.add_argument("--name", help="name to file it under (default: the source's name)")
-    for cmd in (build, sub.add_parser("ls", help="list snapshots"), sub.add_parser("rm", help="remove a snapshot")):
+    commands = (build, sub.add_parser("ls", help="list snapshots"), sub.add_parser("rm", help="remove a snapshot"),
+                sub.add_parser("verify", help="check every chunk's sha256; quarantine the snapshot if one fails"))
+    for cmd in commands:
         cmd.add_argument("--store", default="local", help="'local' ($EMBER_HOME/snapshots) or s3://bucket/prefix")
     sub.choices["ls"].add_argument("--json", action="store_true", help="print JSON instead of a table")
     sub.choices["rm"].add_argument("key", metavar="ID|NAME")
+    sub.choices["verify"].add_argument("key", metavar="ID|NAME")
     return p
 
 
@@ -64,10 +68,23 @@ def rm(args) -> int:
     return 0
 
 
+def verify(args) -> int:
+    store = open_store(args.store)
+    try:
+        source = store.open(args.key)
+        audit(source)
+    except SnapshotCorrupt as err:
+        store.quarantine(err.snapshot_id, err.reason)
+        raise
+    source.close()
+    print(f"ok {source.id[:12]}: {len(source.header.chunks)} chunks match their sha256")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return {"build": build, "ls": ls, "rm": rm}[args.command](args)
+        return {"build": build, "ls": ls, "rm": rm, "verify": verify}[args.command](args)
     except (SnapshotError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

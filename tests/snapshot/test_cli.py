@@ -51,6 +51,19 @@ def test_build_to_s3_and_list_there(tmp_path, s3_env, capsys):
     assert json.loads(capsys.readouterr().out)[0]["names"] == ["w"]
 
 
+def test_verify_checks_sha256_and_quarantines_a_corrupt_snapshot(tmp_path, capsys):
+    src = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(5000)}, src)
+    assert main(["build", str(src)]) == 0
+    assert main(["verify", "w"]) == 0 and "match their sha256" in capsys.readouterr().out
+    [path] = LocalStore().objects.glob("*.ember")
+    with open(path, "r+b") as f:
+        f.seek(-100, 2)
+        f.write(b"x")
+    assert main(["verify", "w"]) == 1
+    assert "quarantined" in capsys.readouterr().err and LocalStore().ls() == []
+
+
 @pytest.mark.parametrize("argv,message", [
     (["build", "/no/such/dir"], "does not exist"),
     (["rm", "nothing-here"], "ember snapshot build"),
