@@ -36,7 +36,7 @@ def _cli_key(gateway: Gateway) -> None:
     path.write_text(secret + "\n")
 
 
-EXAMPLE_VALUES = {"int": 3, "float": 3.0, "str": "world", "bool": True, "list": [], "dict": {}}
+EXAMPLE_VALUES = {"int": 3, "float": 3.0, "str": "world", "bool": True, "list": ["hello world"], "dict": {}}
 
 
 def _example_call(package) -> tuple[str, str]:
@@ -61,7 +61,10 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another with --port, or --port 0 for any free one") from None
     sock.listen(2048)
     port = sock.getsockname()[1]
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
