@@ -113,187 +113,211 @@ def simulate(
     queue: Queue = Queue(),
     tick: float = 1.0,
     slo_ttft: float = 2.0,
-    history_seconds: float = 120.0,
     until: float | None = None,
     trace_name: str = "",
 ) -> Report:
     """Run `trace` under `policy` until `until` (default: the last arrival) and every request is settled."""
-    events: list[tuple[float, int, str, Any]] = []
-    seq = 0
+    run = Simulation(trace, policy, model, queue, tick)
+    run.run(until if until is not None else trace[-1].t if trace else 0.0)
+    return run.report(slo_ttft, trace_name)
 
-    def push(t: float, kind: str, data: Any) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, data))
 
-    for i, r in enumerate(trace):
-        push(r.t, "arrive", i)
-    push(0.0, "tick", None)
+class Simulation:
+    """One trace under one policy: an event loop over arrivals, replica starts, request
+    completions and policy ticks, with the GPU and host-RAM bill kept as time passes."""
 
-    replicas: dict[str, Replica] = {}
-    warm_nodes: set[int] = set(range(model.warm_nodes))
-    snapshot = model.snapshot_built
-    waiting: deque[int] = deque()
-    outcome: list[tuple[float, float] | None] = [None] * len(trace)  # (queue wait, ttft); None = 503
-    settled = [0] * len(trace)
-    memo = policy.memo
-    history: list[Sample] = []
-    arrivals = 0
-    gpu = parked_gb = 0.0
-    last = 0.0
-    starts: Counter[str] = Counter()
-    actions: Counter[str] = Counter()
-    peak = violations = 0
-    ids = 0
+    HISTORY = 120.0  # seconds of samples kept: every policy here looks back at most 60 s
 
-    def new_replica(now: float) -> None:
-        # the lowest free GPU, so nodes that already hold the snapshot are reused first
-        nonlocal ids, snapshot
-        taken = {r.gpu for r in replicas.values()}
-        gpu = next(g for g in range(len(taken) + 1) if g not in taken)
-        if gpu // model.gpus_per_node in warm_nodes:
-            tier = "node-warm"
-        else:
-            tier = "node-cold" if snapshot else "full-boot"
-            snapshot = True
-        ids += 1
-        start(Replica(f"r{ids}", STARTING, gpu), now, tier)
+    def __init__(self, trace: Sequence[Request], policy: Policy, model: ReplicaModel, queue: Queue, tick: float):
+        self.trace, self.policy, self.model, self.queue, self.tick = trace, policy, model, queue, tick
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.seq = 0
+        self.replicas: dict[str, Replica] = {}
+        self.warm_nodes = set(range(model.warm_nodes))
+        self.snapshot = model.snapshot_built
+        self.waiting: deque[int] = deque()
+        self.outcome: list[tuple[float, float] | None] = [None] * len(trace)  # (queue wait, TTFT); None: a 503
+        self.settled = [0] * len(trace)
+        self.memo = policy.memo
+        self.history: list[Sample] = []
+        self.arrivals = 0
+        self.gpu_seconds = self.parked_gb_seconds = self.clock = 0.0
+        self.starts: Counter[str] = Counter()
+        self.actions: Counter[str] = Counter()
+        self.peak = self.violations = self.ids = 0
+        for i in range(policy.initial_hot):
+            self.replicas[f"a{i}"] = Replica(f"a{i}", HOT, i, idle_since=0.0)
+            self.warm_nodes.add(i // model.gpus_per_node)
 
-    def start(rep: Replica, now: float, tier: str) -> None:
-        rep.state, rep.idle_since, rep.ready_at = STARTING, None, now + model.start_latency(tier)
-        replicas[rep.id] = rep
-        starts[tier] += 1
-        push(rep.ready_at, "ready", rep.id)
+    def push(self, t: float, kind: str, data: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, data))
 
-    def dispatch(now: float) -> None:
-        while waiting:
-            free = [r for r in replicas.values() if r.state == HOT and not r.drain_to and r.in_flight < model.max_concurrency]
+    def run(self, duration: float) -> None:
+        for i, r in enumerate(self.trace):
+            self.push(r.t, "arrive", i)
+        self.push(0.0, "tick", None)
+        while self.events:
+            now, _, kind, data = heapq.heappop(self.events)
+            self.bill(now)
+            if kind == "arrive":
+                self.arrive(data, now)
+            elif kind == "ready":
+                self.ready(data, now)
+            elif kind == "done":
+                self.done(*data, now)
+            else:
+                while self.waiting and expired(now - self.trace[self.waiting[0]].t, self.queue.timeout):
+                    self.reject(self.waiting.popleft())
+                self.decide(now)
+                if now < duration or self.waiting or any(r.in_flight for r in self.replicas.values()):
+                    self.push(now + self.tick, "tick", None)
+        if any(n != 1 for n in self.settled):
+            raise AssertionError(f"{self.policy.name}: requests settled {Counter(self.settled)} times, want once each")
+
+    def bill(self, now: float) -> None:
+        """A replica holds a GPU while starting or hot; a parked one holds only pinned host RAM."""
+        dt, self.clock = now - self.clock, now
+        self.gpu_seconds += dt * sum(r.state in (HOT, STARTING) for r in self.replicas.values())
+        self.parked_gb_seconds += dt * self.model.host_gb * sum(r.state == PARKED for r in self.replicas.values())
+
+    def live(self) -> int:
+        return sum(r.state in (HOT, STARTING) and not r.drain_to for r in self.replicas.values())
+
+    def arrive(self, i: int, now: float) -> None:
+        self.arrivals += 1
+        self.waiting.append(i)
+        self.dispatch(now)
+        if not self.waiting or self.waiting[-1] != i:
+            return
+        eta = min((r.ready_at - now for r in self.replicas.values() if r.state == STARTING), default=self.model.node_warm)
+        oldest = now - self.trace[self.waiting[0]].t
+        if not isinstance(admit(len(self.waiting) - 1, self.queue.bound, oldest, self.queue.timeout, eta), Admit):
+            self.reject(self.waiting.pop())
+        elif not self.live():
+            self.decide(now)  # a request at zero asks for a decision now, as Knative's activator does
+
+    def ready(self, rid: str, now: float) -> None:
+        rep = self.replicas.get(rid)
+        if rep is not None and rep.state == STARTING and rep.ready_at == now:
+            rep.state, rep.idle_since = HOT, now
+            self.warm_nodes.add(rep.gpu // self.model.gpus_per_node)
+            self.dispatch(now)
+
+    def done(self, rid: str, i: int, now: float) -> None:
+        rep = self.replicas[rid]
+        rep.in_flight -= 1
+        if rep.in_flight == 0:
+            rep.idle_since = now
+            self.settle(rep, now)
+        self.dispatch(now)
+
+    def dispatch(self, now: float) -> None:
+        """Hand queued requests to the least loaded hot replicas with a free slot."""
+        while self.waiting:
+            free = [r for r in self.replicas.values()
+                    if r.state == HOT and not r.drain_to and r.in_flight < self.model.max_concurrency]
             if not free:
                 return
             rep = min(free, key=lambda r: (r.in_flight, r.id))
-            i = waiting.popleft()
-            req = trace[i]
+            i = self.waiting.popleft()
+            req = self.trace[i]
             rep.in_flight += 1
             rep.idle_since = None
-            outcome[i] = (now - req.t, now - req.t + model.prefill(req) + 1 / model.decode_tokens_per_s)
-            settled[i] += 1
-            push(now + model.service(req), "done", (rep.id, i))
+            wait = now - req.t
+            self.outcome[i] = (wait, wait + self.model.prefill(req) + 1 / self.model.decode_tokens_per_s)
+            self.settled[i] += 1
+            self.push(now + self.model.service(req), "done", (rep.id, i))
 
-    def reject(i: int) -> None:
-        outcome[i] = None
-        settled[i] += 1
+    def reject(self, i: int) -> None:
+        self.outcome[i] = None
+        self.settled[i] += 1
 
-    def apply(action: Action, now: float) -> None:
-        actions[type(action).__name__] += 1
+    def decide(self, now: float) -> None:
+        self.history.append(Sample(now, len(self.waiting), sum(r.in_flight for r in self.replicas.values()), self.arrivals))
+        self.arrivals = 0
+        if self.history[0].t < now - self.HISTORY:
+            self.history = [x for x in self.history if x.t >= now - self.HISTORY]
+        actions, self.memo = self.policy.decide([r.view() for r in self.replicas.values()], self.history, now, self.memo)
+        for action in actions:
+            self.apply(action, now)
+        live = self.live()
+        self.peak = max(self.peak, live)
+        self.violations += not self.policy.min_replicas <= live <= self.policy.max_replicas
+        self.dispatch(now)
+
+    def apply(self, action: Action, now: float) -> None:
+        """Carry out an action as the gateway would; an action the gateway could not carry out is a policy bug."""
+        self.actions[type(action).__name__] += 1
         if isinstance(action, Start):
             for _ in range(action.count):
-                new_replica(now)
+                self.new_replica(now)
             return
-        rep = replicas.get(action.replica_id)
+        rep = self.replicas.get(action.replica_id)
+        name = type(action).__name__
         if rep is None:
-            raise ValueError(f"{policy.name}: {action} names no replica")
+            raise ValueError(f"{self.policy.name}: {action} names no replica")
         if isinstance(action, Wake):
             if rep.state == HOT and rep.drain_to:
                 rep.drain_to = None
             elif rep.state == PARKED:
-                start(rep, now, "parked")
+                self.start(rep, now, "parked")
             else:
-                raise ValueError(f"{policy.name}: wake of a {rep.state} replica that is not draining")
+                raise ValueError(f"{self.policy.name}: wake of a {rep.state} replica that is not draining")
         elif rep.state == STARTING or (isinstance(action, Park) and rep.state != HOT) or rep.drain_to:
-            raise ValueError(f"{policy.name}: {type(action).__name__} of a {rep.state} replica (draining: {rep.drain_to})")
+            raise ValueError(f"{self.policy.name}: {name} of a {rep.state} replica (draining: {rep.drain_to})")
         else:
             rep.drain_to = type(action)
-            settle(rep, now)
+            self.settle(rep, now)
 
-    def settle(rep: Replica, now: float) -> None:
+    def settle(self, rep: Replica, now: float) -> None:
         """Finish a drain once the replica has nothing in flight."""
         if rep.drain_to is None or rep.in_flight:
             return
         if rep.drain_to is Park:
             rep.state, rep.idle_since = PARKED, now
         else:
-            del replicas[rep.id]
+            del self.replicas[rep.id]
         rep.drain_to = None
 
-    def decide_now(now: float) -> None:
-        nonlocal arrivals, history, memo, peak, violations
-        in_flight = sum(r.in_flight for r in replicas.values())
-        history.append(Sample(now, len(waiting), in_flight, arrivals))
-        arrivals = 0
-        if history[0].t < now - history_seconds:
-            history = [x for x in history if x.t >= now - history_seconds]
-        decided, memo = policy.decide([r.view() for r in replicas.values()], history, now, memo)
-        for action in decided:
-            apply(action, now)
-        live = sum(r.state in (HOT, STARTING) and not r.drain_to for r in replicas.values())
-        peak = max(peak, live)
-        violations += not policy.min_replicas <= live <= policy.max_replicas
-        dispatch(now)
-
-    for i in range(policy.initial_hot):
-        replicas[f"a{i}"] = Replica(f"a{i}", HOT, i, idle_since=0.0)
-        warm_nodes.add(i // model.gpus_per_node)
-
-    duration = until if until is not None else trace[-1].t if trace else 0.0
-    while events:
-        now, _, kind, data = heapq.heappop(events)
-        live = sum(r.state in (HOT, STARTING) for r in replicas.values())
-        gpu += (now - last) * live
-        parked_gb += (now - last) * model.host_gb * sum(r.state == PARKED for r in replicas.values())
-        last = now
-        if kind == "arrive":
-            arrivals += 1
-            waiting.append(data)
-            dispatch(now)
-            if waiting and waiting[-1] == data:
-                eta = min((r.ready_at - now for r in replicas.values() if r.state == STARTING), default=model.node_warm)
-                oldest = now - trace[waiting[0]].t
-                if not isinstance(admit(len(waiting) - 1, queue.bound, oldest, queue.timeout, eta), Admit):
-                    reject(waiting.pop())
-                elif not any(r.state in (HOT, STARTING) and not r.drain_to for r in replicas.values()):
-                    decide_now(now)  # a request at zero asks for a decision now, as Knative's activator does
-        elif kind == "ready":
-            rep = replicas.get(data)
-            if rep is not None and rep.state == STARTING and rep.ready_at == now:
-                rep.state, rep.idle_since = HOT, now
-                warm_nodes.add(rep.gpu // model.gpus_per_node)
-                dispatch(now)
-        elif kind == "done":
-            rid, i = data
-            rep = replicas[rid]
-            rep.in_flight -= 1
-            if rep.in_flight == 0:
-                rep.idle_since = now
-                settle(rep, now)
-            dispatch(now)
+    def new_replica(self, now: float) -> None:
+        # the lowest free GPU, so nodes that already hold the snapshot are reused first
+        taken = {r.gpu for r in self.replicas.values()}
+        gpu = next(g for g in range(len(taken) + 1) if g not in taken)
+        if gpu // self.model.gpus_per_node in self.warm_nodes:
+            tier = "node-warm"
         else:
-            while waiting and expired(now - trace[waiting[0]].t, queue.timeout):
-                reject(waiting.popleft())
-            decide_now(now)
-            if now < duration or waiting or any(r.in_flight for r in replicas.values()):
-                push(now + tick, "tick", None)
+            tier = "node-cold" if self.snapshot else "full-boot"
+            self.snapshot = True
+        self.ids += 1
+        self.start(Replica(f"r{self.ids}", STARTING, gpu), now, tier)
 
-    if any(n != 1 for n in settled):
-        raise AssertionError(f"{policy.name}: requests settled {Counter(settled)} times, want exactly once each")
-    served = [o for o in outcome if o is not None]
-    waits = sorted(o[0] for o in served)
-    ttfts = sorted(o[1] for o in served)
-    return Report(
-        trace=trace_name,
-        policy=policy.name,
-        requests=len(trace),
-        served=len(served),
-        rejected=len(trace) - len(served),
-        gpu_seconds=gpu,
-        parked_host_gb_seconds=parked_gb,
-        cold_starts={t: starts[t] for t in TIERS},
-        queue_wait_p50=percentile(waits, 0.5),
-        queue_wait_p99=percentile(waits, 0.99),
-        ttft_p50=percentile(ttfts, 0.5),
-        ttft_p99=percentile(ttfts, 0.99),
-        slo_ttft=slo_ttft,
-        slo_attainment=sum(t <= slo_ttft for t in ttfts) / len(trace) if trace else 1.0,
-        peak_replicas=peak,
-        bound_violations=violations,
-        actions=dict(actions),
-    )
+    def start(self, rep: Replica, now: float, tier: str) -> None:
+        rep.state, rep.idle_since, rep.ready_at = STARTING, None, now + self.model.start_latency(tier)
+        self.replicas[rep.id] = rep
+        self.starts[tier] += 1
+        self.push(rep.ready_at, "ready", rep.id)
+
+    def report(self, slo_ttft: float, trace_name: str) -> Report:
+        served = [o for o in self.outcome if o is not None]
+        waits = sorted(o[0] for o in served)
+        ttfts = sorted(o[1] for o in served)
+        return Report(
+            trace=trace_name,
+            policy=self.policy.name,
+            requests=len(self.trace),
+            served=len(served),
+            rejected=len(self.trace) - len(served),
+            gpu_seconds=self.gpu_seconds,
+            parked_host_gb_seconds=self.parked_gb_seconds,
+            cold_starts={t: self.starts[t] for t in TIERS},
+            queue_wait_p50=percentile(waits, 0.5),
+            queue_wait_p99=percentile(waits, 0.99),
+            ttft_p50=percentile(ttfts, 0.5),
+            ttft_p99=percentile(ttfts, 0.99),
+            slo_ttft=slo_ttft,
+            slo_attainment=sum(t <= slo_ttft for t in ttfts) / len(self.trace) if self.trace else 1.0,
+            peak_replicas=self.peak,
+            bound_violations=self.violations,
+            actions=dict(self.actions),
+        )
