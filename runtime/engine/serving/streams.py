@@ -53,11 +53,12 @@ async def merge(streams: list[AsyncIterator[Completion]]) -> AsyncIterator[Compl
 
     async def pump(stream):
         try:
-            async for c in stream:
-                await outputs.put(c)
-            await outputs.put(done)
+            async with aclosing(stream):
+                async for c in stream:
+                    outputs.put_nowait(c)
+            outputs.put_nowait(done)
         except Exception as e:  # noqa: BLE001 - handed to the reader, which re-raises it
-            await outputs.put(e)
+            outputs.put_nowait(e)
 
     tasks = [asyncio.ensure_future(pump(s)) for s in streams]
     try:

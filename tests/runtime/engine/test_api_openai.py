@@ -122,3 +122,15 @@ def test_logprobs_and_streamed_completions_parse_in_the_client(client):
     whole = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, seed=2)
     parts = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, seed=2, stream=True)
     assert "".join(c.choices[0].text for c in parts) == whole.choices[0].text
+
+
+def test_disconnecting_from_a_batched_stream_aborts_every_prompt(server, client):
+    engine = server[0].state.llm.engine
+    aborted = engine.stats.request_success["abort"]
+    stream = client.completions.create(model=MODEL, prompt=["Once upon a time", "Hello"], n=2, max_tokens=1000,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(4), stream):
+        pass
+    stream.close()
+    wait_until_idle(engine)
+    assert engine.stats.request_success["abort"] == aborted + 4
