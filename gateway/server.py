@@ -1,5 +1,5 @@
 """The gateway's HTTP surface. The request path reads top to bottom in `invoke`:
-auth -> route -> queue -> proxy."""
+auth -> route (resolve) -> queue -> proxy (call, or forward to an ASGI endpoint)."""
 import asyncio
 import contextlib
 import json
@@ -14,12 +14,12 @@ from ember.gateway import errors, proxy
 from ember.gateway.admin import admin_router
 from ember.gateway.auth import authenticate
 from ember.gateway.backend import LocalBackend
-from ember.gateway.deployment import Deployment
+from ember.gateway.deployment import Deployment, Unit
 from ember.gateway.errors import ApiError
 from ember.gateway.keys import KeyStore
 from ember.gateway.metrics import Metrics
 from ember.gateway.queue import Lease
-from ember.gateway.routing import Call, route
+from ember.gateway.routing import Call, Forward, route
 from ember.gateway.scaler import Scaler
 from ember.home import Home
 
@@ -70,6 +70,39 @@ async def read_kwargs(request: Request) -> bytes:
     return body or b"{}"
 
 
+def resolve(deployments: dict[str, Deployment], app_name: str, rest: str) -> tuple[Unit, Call | Forward]:
+    deployment = deployments.get(app_name)
+    if deployment is None:
+        raise ApiError(404, "not_found", f"no app named {app_name!r}; deployed: {sorted(deployments)}")
+    target = route(deployment.units, rest)
+    if target is None:
+        names = [f"{u.name}.{m}" if u.kind == "class" else m for u in deployment.units.values() for m in u.methods]
+        raise ApiError(404, "not_found", f"app {app_name!r} has no function {rest!r}; it serves {names}")
+    return deployment.units[target.unit], target
+
+
+async def call(request: Request, unit: Unit, target: Call) -> tuple[Response, Lease]:
+    if request.method != "POST":
+        raise ApiError(405, "method_not_allowed", f"call {target.method!r} with POST and a JSON object of keyword arguments")
+    body = await read_kwargs(request)
+    lease = await unit.queue.acquire()
+    try:
+        return await proxy.call(request.app.state.client, lease.replica, target.method, body, unit.spec.timeout), lease
+    finally:
+        unit.queue.release(lease.replica)
+
+
+async def forward(request: Request, unit: Unit, target: Forward) -> tuple[Response, Lease]:
+    """To the app's ASGI endpoint; the replica slot is held until the streamed response ends."""
+    lease = await unit.queue.acquire()
+    try:
+        upstream = await proxy.open_stream(request.app.state.client, lease.replica, request, target.path)
+    except BaseException:
+        unit.queue.release(lease.replica)
+        raise
+    return proxy.Relay(upstream, lambda: unit.queue.release(lease.replica)), lease
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -105,31 +138,11 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.api_route("/{app_name}/{rest:path}", methods=METHODS)
     async def invoke(request: Request, app_name: str, rest: str) -> Response:
         authenticate(gateway.keys, request)
-        deployment = gateway.deployments.get(app_name)
-        if deployment is None:
-            raise ApiError(404, "not_found", f"no app named {app_name!r}; deployed: {sorted(gateway.deployments)}")
-        target = route(deployment.units, rest)
-        if target is None:
-            callable_names = [f"{u.name}.{m}" if u.kind == "class" else m for u in deployment.units.values() for m in u.methods]
-            raise ApiError(404, "not_found", f"app {app_name!r} has no function {rest!r}; it serves {callable_names}")
-        unit = deployment.units[target.unit]
+        unit, target = resolve(gateway.deployments, app_name, rest)
         if isinstance(target, Call):
-            if request.method != "POST":
-                raise ApiError(405, "method_not_allowed", f"call {rest!r} with POST and a JSON object of keyword arguments")
-            body = await read_kwargs(request)
-            lease = await unit.queue.acquire()
-            try:
-                response = await proxy.call(request.app.state.client, lease.replica, target.method, body, unit.spec.timeout)
-            finally:
-                unit.queue.release(lease.replica)
+            response, lease = await call(request, unit, target)
         else:
-            lease = await unit.queue.acquire()
-            try:
-                upstream = await proxy.open_stream(request.app.state.client, lease.replica, request, target.path)
-            except BaseException:
-                unit.queue.release(lease.replica)
-                raise
-            response = proxy.Relay(upstream, lambda: unit.queue.release(lease.replica))
+            response, lease = await forward(request, unit, target)
         gateway.metrics.observe(app_name, unit.name, response.status_code, lease.cold_start)
         return _stamp(response, lease)
 
