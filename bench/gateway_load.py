@@ -491,15 +491,18 @@ def run(args) -> dict:
                     print(_rate_line(result), flush=True)
                     if not result.sustainable:
                         alive.remove(target)
-        saturation = []
-        for target in targets:
-            saturation.append(saturate(target, workdir, args.connections, args.duration, client_cpus))
-            print(f"saturation {target.name:8s} {saturation[-1].requests_per_s:8.0f} req/s  (wrk, {args.connections} connections)", flush=True)
+            saturation = []
+            for target in targets:
+                # A proxy idle since its last rate holds keep-alive connections the upstream has closed since.
+                runner.run(fixed_rate(target, context, 100, 0.5))
+                saturation.append(saturate(target, workdir, args.connections, args.duration, client_cpus))
+                print(f"saturation {target.name:8s} {saturation[-1].requests_per_s:8.0f} req/s  (wrk, {args.connections} connections)", flush=True)
     finally:
         procs.stop()
         if client_cpus:
             os.sched_setaffinity(0, set(range(os.cpu_count())))
-    shutil.rmtree(workdir, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
     return {
         "machine": described,
         "settings": {"duration_s": args.duration, "rates": args.rates, "wrk_connections": args.connections,
@@ -585,6 +588,7 @@ def main() -> int:
                         help=f"offered rates, req/s, comma-separated (default {','.join(map(str, RATES))})")
     parser.add_argument("--connections", type=int, default=32, help="wrk connections for the saturation run (default 32)")
     parser.add_argument("--pin", action="store_true", help="pin the client and wrk to cpu 0 and the servers to cpu 1")
+    parser.add_argument("--keep", action="store_true", help="keep the servers' logs and configs (their folder is printed at the start)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave bench/results alone")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
