@@ -34,6 +34,11 @@ class Home:
         return self._dir("snapshots")
 
     @property
+    def secrets(self) -> Path:
+        """One NAME.env file (KEY=VALUE lines) per secret a function lists in `secrets=[...]`."""
+        return self._dir("secrets")
+
+    @property
     def logs(self) -> Path:
         return self._dir("logs")
 

@@ -133,6 +133,22 @@ def _serve(app, sock: socket.socket) -> None:
     asyncio.run(ReplicaServer(config).serve(sockets=[sock]))
 
 
+def read_secrets(names: list[str]) -> dict[str, str]:
+    """The KEY=VALUE lines of EMBER_HOME/secrets/NAME.env for each secret the function lists."""
+    from ember.home import Home
+
+    values = {}
+    for name in names:
+        path = Home().secrets / f"{name}.env"
+        if not path.is_file():
+            raise FileNotFoundError(f"secret {name!r} not found: create {path} with KEY=VALUE lines")
+        for line in path.read_text().splitlines():
+            key, sep, value = line.partition("=")
+            if sep and not line.lstrip().startswith("#"):
+                values[key.strip()] = value.strip()
+    return values
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGTERM this replica if its gateway dies without stopping it (no orphaned replicas)."""
     import ctypes
@@ -157,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         app = unpack(args.package)
         unit = app.units[args.target]
         os.environ.update(unit.spec.env)
+        os.environ.update(read_secrets(unit.spec.secrets))
         timings["import_ms"] = round((time.monotonic() - STARTED) * 1000)
         phase = "enter"
         began = time.monotonic()

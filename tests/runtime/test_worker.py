@@ -45,6 +45,12 @@ class Counter:
         print("EXIT HOOK n=%d" % self.n, flush=True)
 
 
+@app.function(secrets=["db"], env={"MODE": "test"})
+def settings() -> dict:
+    import os
+    return {"password": os.environ.get("DB_PASSWORD"), "mode": os.environ.get("MODE")}
+
+
 @app.cls()
 class Broken:
     @ember.enter()
@@ -64,9 +70,9 @@ def package(tmp_path_factory):
     return build(load_app(folder / "w.py"), Home(folder / "home"))
 
 
-def start(package, target: str, log):
+def start(package, target: str, log, env=None):
     process = subprocess.Popen([sys.executable, "-m", "ember.runtime.worker", "--package", str(package), "--target", target],
-                               stdout=subprocess.PIPE, stderr=log, text=True)
+                               stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     return process, json.loads(process.stdout.readline())
 
 
@@ -106,3 +112,19 @@ def test_crash_in_enter_is_reported_on_the_control_line(package, tmp_path):
         assert process.wait(15) == 1
     assert message == {"event": "failed", "phase": "enter", "error": "RuntimeError: no weights"}
     assert 'raise RuntimeError("no weights")' in (tmp_path / "log").read_text()
+
+
+def test_env_and_secrets(package, tmp_path):
+    env = os.environ | {"EMBER_HOME": str(tmp_path)}
+    with open(tmp_path / "log", "w") as log:
+        process, message = start(package, "settings", log, env)
+        assert process.wait(15) == 1
+        assert message["error"].startswith("FileNotFoundError: secret 'db' not found: create ")
+        (tmp_path / "secrets" / "db.env").write_text("# the test database\nDB_PASSWORD=hunter2\n")
+        process, ready = start(package, "settings", log, env)
+        try:
+            reply = httpx.post(f"http://127.0.0.1:{ready['port']}/__ember__/call/settings", json={})
+            assert reply.json()["result"] == {"password": "hunter2", "mode": "test"}
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(15)
