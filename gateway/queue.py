@@ -67,6 +67,7 @@ class FunctionQueue:
             raise ApiError(503, "overloaded", f"{decision.reason}; retry later", {"Retry-After": str(decision.retry_after)})
         waiter = Waiter(asyncio.get_running_loop().create_future(), now)
         self.waiters.append(waiter)
+        self._dispatch()  # a slot may have opened without a release (a park or drain undone)
         self.on_demand()
         try:
             replica = await asyncio.wait_for(asyncio.shield(waiter.future), self.wait_timeout)
