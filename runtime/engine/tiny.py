@@ -6,6 +6,7 @@ the transformers model class), a byte-level BPE tokenizer trained on the built-i
 below, ChatML special tokens and chat template, and eos in config and generation_config.
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -83,22 +84,22 @@ def build_tiny_model(path, family: str = "qwen3", seed: int = 0, **overrides) ->
     key = _content_key(family, seed, overrides)
     if _built_with(path) == key:
         return path
-    if path.exists() and _built_with(path) is None and any(path.iterdir()):
-        raise FileExistsError(f"{path} exists and is not a tiny model directory: pass an empty or new path")
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        _write(staging, family, seed, overrides)
-        (staging / MARKER).write_text(json.dumps({"key": key, "family": family, "seed": seed}))
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(staging, path)
-    except OSError:
-        # Another process finished the same build first: keep theirs if it matches.
-        shutil.rmtree(staging, ignore_errors=True)
-        if _built_with(path) != key:
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # Replicas starting together on one EMBER_HOME build once; the others wait, then reuse it.
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _built_with(path) == key:
+            return path
+        if path.exists() and _built_with(path) is None and any(path.iterdir()):
+            raise FileExistsError(f"{path} exists and is not a tiny model directory: pass an empty or new path")
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        try:
+            _write(staging, family, seed, overrides)
+            (staging / MARKER).write_text(json.dumps({"key": key, "family": family, "seed": seed}))
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(staging, path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return path
 
 

@@ -69,3 +69,13 @@ def test_refuses_to_overwrite_a_directory_it_did_not_build(tmp_path):
 def test_unknown_family_names_the_choices(tmp_path):
     with pytest.raises(ValueError, match="llama"):
         build_tiny_model(tmp_path / "m", family="gpt2")
+
+
+def test_concurrent_builds_of_one_path_build_once(tmp_path):
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: build_tiny_model(tmp_path / "shared", seed=4), range(3)))
+    assert paths == [tmp_path / "shared"] * 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".shared.lock", "shared"]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "shared")
