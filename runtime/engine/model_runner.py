@@ -79,7 +79,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> tuple[list[int | None], list[dict | None]]:
         """Compute the batch's new tokens; sample for every sequence whose tokens are now all in the cache."""
-        start = time.perf_counter()
+        began = time.perf_counter()
         input_ids, positions, slot_blocks, slot_offsets = [], [], [], []
         sample_index, rows = [], []
         end = 0
@@ -101,7 +101,7 @@ class ModelRunner:
             slot_blocks=torch.cat(slot_blocks).to(self.device),
             slot_offsets=torch.cat(slot_offsets).to(self.device))
         self.attention.plan(attn)
-        self.prepare_seconds = time.perf_counter() - start   # host work before the forward pass is queued
+        self.prepare_seconds = time.perf_counter() - began   # host work before the forward pass is queued
         hidden = self.model(torch.cat(input_ids).to(self.device), torch.cat(positions).to(self.device),
                             self.attention, self.kv_caches)
         tokens: list[int | None] = [None] * len(batch.seqs)
