@@ -18,8 +18,9 @@ HELLO = [{"role": "user", "content": "Tell me a story."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3")
-    app = create_app(EngineConfig(model=str(path), max_model_len=1024), served_model_name=MODEL)
+    # A long context, so the disconnect tests' requests cannot finish before the client leaves.
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", max_position_embeddings=8192)
+    app = create_app(EngineConfig(model=str(path), max_num_seqs=8), served_model_name=MODEL)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -83,7 +84,7 @@ def test_errors_map_to_the_clients_exception_types(client):
         client.chat.completions.create(model="gpt-4o", messages=HELLO)
     assert missing.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as too_long:
-        client.completions.create(model=MODEL, prompt="word " * 1100)
+        client.completions.create(model=MODEL, prompt="word " * 9000)
     assert too_long.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=MODEL, messages=HELLO, top_p=1.5)
@@ -93,7 +94,7 @@ def test_errors_map_to_the_clients_exception_types(client):
 def test_disconnecting_mid_stream_aborts_and_frees_kv_blocks(server, client):
     engine = server[0].state.llm.engine
     aborted = engine.stats.request_success["abort"]
-    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1000, stream=True,
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8000, stream=True,
                                             extra_body={"ignore_eos": True})
     for _, _chunk in zip(range(3), stream):
         pass
@@ -107,7 +108,7 @@ def test_disconnecting_before_a_non_streaming_reply_aborts_it(server):
     app, base_url = server
     engine = app.state.llm.engine
     aborted = engine.stats.request_success["abort"]
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/completions", json=body, timeout=httpx.Timeout(0.3, connect=5))
     wait_until_idle(engine)
@@ -127,7 +128,7 @@ def test_logprobs_and_streamed_completions_parse_in_the_client(client):
 def test_disconnecting_from_a_batched_stream_aborts_every_prompt(server, client):
     engine = server[0].state.llm.engine
     aborted = engine.stats.request_success["abort"]
-    stream = client.completions.create(model=MODEL, prompt=["Once upon a time", "Hello"], n=2, max_tokens=1000,
+    stream = client.completions.create(model=MODEL, prompt=["Once upon a time", "Hello"], n=2, max_tokens=8000,
                                        stream=True, extra_body={"ignore_eos": True})
     for _, _chunk in zip(range(4), stream):
         pass
