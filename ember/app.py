@@ -74,7 +74,8 @@ class Function:
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         from ember.client import Client
 
-        return Client.from_env().call(self.app.name, self.name, _as_kwargs(self.fn, args, kwargs))
+        with Client.from_env() as client:
+            return client.call(self.app.name, self.name, _as_kwargs(self.fn, args, kwargs))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -151,7 +152,8 @@ class BoundMethod:
 
         cls = self.instance._cls
         fn = getattr(cls.user_cls, self.name)
-        return Client.from_env().call(cls.app.name, f"{cls.name}.{self.name}", _as_kwargs(fn, args, kwargs, bound=True))
+        with Client.from_env() as client:
+            return client.call(cls.app.name, f"{cls.name}.{self.name}", _as_kwargs(fn, args, kwargs, bound=True))
 
 
 def _required_params(fn: Callable, bound: bool = False) -> dict[str, str | None]:

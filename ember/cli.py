@@ -30,7 +30,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from ember.package import build, load_app
 
     package = build(load_app(args.app), Home())
-    reply = _admin_client().request("POST", "/admin/deploy", json={"package": str(package)}).json()
+    with _admin_client() as client:
+        reply = client.request("POST", "/admin/deploy", json={"package": str(package)}).json()
     print(f"deployed app {reply['app']!r} ({', '.join(reply['functions'])}) from {package}")
     return 0
 
@@ -117,7 +118,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = _admin_client().request("GET", "/admin/status").json()
+    with _admin_client() as client:
+        status = client.request("GET", "/admin/status").json()
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -139,7 +141,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     params = {"lines": args.lines} | ({"replica": args.replica} if args.replica else {})
-    sys.stdout.write(_admin_client().request("GET", "/admin/logs", params=params).text)
+    with _admin_client() as client:
+        sys.stdout.write(client.request("GET", "/admin/logs", params=params).text)
     return 0
 
 

@@ -34,6 +34,12 @@ class Client:
             raise RuntimeError("no Ember gateway found: run `ember serve APP.py`, or set EMBER_URL and EMBER_KEY")
         return cls(url, key, os.environ.get("EMBER_CA") or home.ca)
 
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.http.close()
+
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.key}"} | kwargs.pop("headers", {})
         response = self.http.request(method, f"{self.url}{path}", headers=headers, **kwargs)

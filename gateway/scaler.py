@@ -106,9 +106,15 @@ class Scaler:
         unit.last_failure = None
         unit.queue.ready(replica)
         code = await self.backend.wait(replica)
-        if replica.state != STOPPING:
-            replica.state, replica.error = FAILED, f"worker exited with code {code} while serving"
-            self._failed(unit, replica)
+        if replica.state == STOPPING:
+            return
+        if code == 0:  # it was asked to stop by someone else (Ctrl-C reaches the whole process group)
+            log.info("replica %s stopped", replica.id)
+            replica.state = STOPPING
+            unit.queue.remove(replica)
+            return
+        replica.state, replica.error = FAILED, f"worker exited with code {code} while serving"
+        self._failed(unit, replica)
 
     def _failed(self, unit: Unit, replica: Replica) -> None:
         tail = "".join(replica.log_path.read_text(errors="replace").splitlines(keepends=True)[-15:]) if replica.log_path.exists() else ""

@@ -14,6 +14,7 @@ from ember.home import Home
 from ember.package import build, load_app, read_manifest
 
 CLI_KEY_NAME = "ember-cli"
+GRACE = 5
 
 
 def _logging(home: Home) -> None:
@@ -82,7 +83,9 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
     else:
         print("Create an API key with: ember keys create --name NAME", flush=True)
 
-    config = uvicorn.Config(create_app(gateway), ssl_certfile=str(cert), ssl_keyfile=str(key), log_level="warning")
+    # On stop, in-flight calls get GRACE seconds; idle TLS keep-alive clients would otherwise hold it for 30 s.
+    config = uvicorn.Config(create_app(gateway), ssl_certfile=str(cert), ssl_keyfile=str(key), log_level="warning",
+                            timeout_graceful_shutdown=GRACE)
     try:
         asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
     finally:

@@ -44,7 +44,8 @@ def test_scale_from_zero_to_zero_and_back(serve):
         assert again.headers["x-ember-replica"] != replica
         assert again.json()["result"]["pid"] != first.json()["result"]["pid"]
 
-    metrics = served.client(None).get("/metrics").text
+    with served.client(None) as anonymous:
+        metrics = anonymous.get("/metrics").text
     assert 'ember_cold_starts_total{app="quick",function="add",tier="node-warm"} 2' in metrics
 
 
