@@ -19,6 +19,7 @@ from ember.gateway.errors import ApiError
 from ember.gateway.keys import KeyStore
 from ember.gateway.metrics import Metrics
 from ember.gateway.queue import Lease
+from ember.gateway.replica import STOPPING
 from ember.gateway.routing import Call, Forward, route
 from ember.gateway.scaler import Scaler
 from ember.home import Home
@@ -48,8 +49,13 @@ class Gateway:
 
     async def deploy(self, package: Path) -> Deployment:
         deployment, previous = self.register(package)
-        if previous is not None:  # the new version takes new calls; the old one's replicas drain and stop
-            replicas = [r for u in previous.units.values() for r in u.queue.replicas.values()]
+        if previous is not None:  # the new version takes new calls; the old one's replicas finish theirs and stop
+            replicas = []
+            for unit in previous.units.values():
+                unit.queue.fail_waiters(f"app {deployment.name!r} was redeployed while this call waited; retry it")
+                replicas += unit.queue.replicas.values()
+            for replica in replicas:
+                replica.state = STOPPING
             await asyncio.gather(*(self.backend.stop(r) for r in replicas))
         return deployment
 

@@ -76,6 +76,11 @@ def test_deploy_a_second_app_to_the_running_gateway(serve):
     assert "deployed app 'quick'" in deployed.stdout
     assert set(served.status()["apps"]) == {"hello", "quick"}
     with served.client(served.key()) as http:
-        assert http.post("/quick/add", json={"a": 1, "b": 2}).json()["result"]["sum"] == 3
+        first = http.post("/quick/add", json={"a": 1, "b": 2})
+        assert first.json()["result"]["sum"] == 3
+        served.cli("deploy", str(other))  # a new version replaces the old one and stops its replicas
+        second = http.post("/quick/add", json={"a": 1, "b": 2})
+        assert second.headers["x-ember-cold-start"].startswith("node-warm")
+        assert second.headers["x-ember-replica"] != first.headers["x-ember-replica"]
     aws = served.cli("deploy", str(other), "--target", "aws", check=False)
     assert aws.returncode == 2 and "--target local" in aws.stderr
