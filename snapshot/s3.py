@@ -35,6 +35,8 @@ class S3Source:
         self.s3, self.bucket, self.key, self.id = s3, bucket, key, snapshot_id
         self.url = f"s3://{bucket}/{key}"
         size = s3.head_object(Bucket=bucket, Key=key)["ContentLength"]
+        if size < PREAMBLE:
+            raise SnapshotCorrupt(snapshot_id, f"truncated: {size} bytes")
         head = self._get(0, min(size, HEAD_GUESS))
         length = parse_preamble(head, snapshot_id)
         if PREAMBLE + length > size:
@@ -46,25 +48,34 @@ class S3Source:
             raise SnapshotCorrupt(snapshot_id, f"truncated: {size} of {self.header.file_size} bytes")
 
     def _get(self, start: int, end: int) -> bytes:
-        return self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}")["Body"].read()
+        into = bytearray(end - start)
+        self._ranged(start, end, memoryview(into))
+        return bytes(into)
 
-    def read_chunk(self, index: int, into: memoryview) -> int:
-        start, end = self.header.chunk_span(index)
-        start, end = start + self.header.data_offset, end + self.header.data_offset
+    def _ranged(self, start: int, end: int, into: memoryview) -> None:
+        """GETs bytes [start, end) straight into `into`, retrying a dropped, short or stalled stream."""
         for attempt in range(ATTEMPTS):
             try:
                 body = self.s3.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}")["Body"]
                 at = 0
                 for piece in body.iter_chunks(1 << 20):
+                    if at + len(piece) > end - start:
+                        break
                     into[at:at + len(piece)] = piece
                     at += len(piece)
-                if at != end - start:
-                    raise SnapshotCorrupt(self.id, f"chunk {index}: got {at} of {end - start} bytes")
-                return at
-            except (BotoCoreError, ConnectionError) as err:  # dropped connection, short body, timeout
-                if attempt == ATTEMPTS - 1:
-                    raise SnapshotError(f"{self.url}: chunk {index} unreadable after {ATTEMPTS} tries: {err}") from err
-                time.sleep(0.2 * 2 ** attempt)
+                if at == end - start:
+                    return
+                problem: object = f"got {at} bytes, expected {end - start}"
+            except (BotoCoreError, ConnectionError) as err:  # dropped connection, cut-off body, timeout
+                problem = err
+            if attempt == ATTEMPTS - 1:
+                raise SnapshotError(f"{self.url}: bytes {start}-{end - 1} unreadable after {ATTEMPTS} tries: {problem}")
+            time.sleep(0.2 * 2 ** attempt)
+
+    def read_chunk(self, index: int, into: memoryview) -> int:
+        start, end = self.header.chunk_span(index)
+        self._ranged(start + self.header.data_offset, end + self.header.data_offset, into[:end - start])
+        return end - start
 
     def close(self) -> None:
         pass

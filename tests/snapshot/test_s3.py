@@ -94,3 +94,65 @@ def test_truncated_object_is_caught_before_loading(bucket):
     with pytest.raises(SnapshotCorrupt, match="truncated"):
         restore_into({k: torch.empty_like(v) for k, v in big_state().items()}, store, "m")
     assert store.ls() == []
+
+
+class DroppingProxy:
+    """An HTTP proxy to the emulator that cuts off the body of the first `drops` ranged GETs mid-stream."""
+
+    def __init__(self, upstream: str, drops: int):
+        import socketserver
+        import threading
+        from http.client import HTTPConnection
+        from urllib.parse import urlparse
+
+        host, port = urlparse(upstream).hostname, urlparse(upstream).port
+        proxy = self
+        self.drops, self.dropped = drops, 0
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                head = b""
+                while not head.endswith(b"\r\n\r\n"):
+                    line = self.rfile.readline()
+                    if not line:
+                        return
+                    head += line
+                method, path, _ = head.split(b"\r\n", 1)[0].decode().split(" ")
+                headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:] if ": " in line)
+                up = HTTPConnection(host, port)
+                up.request(method, path, headers=headers)
+                reply = up.getresponse()
+                body = reply.read()
+                cut = "Range" in headers and proxy.dropped < proxy.drops
+                out = f"HTTP/1.1 {reply.status} {reply.reason}\r\n"
+                for k, v in reply.getheaders():
+                    if k.lower() not in ("connection", "transfer-encoding", "content-length"):
+                        out += f"{k}: {v}\r\n"
+                length = reply.getheader("Content-Length") if method == "HEAD" else len(body)
+                out += f"Content-Length: {length}\r\nConnection: close\r\n\r\n"
+                self.wfile.write(out.encode() + (body[: len(body) // 2] if cut else body))
+                if cut:
+                    proxy.dropped += 1
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_connection_dropped_mid_chunk_is_retried(bucket, s3_endpoint):
+    state = big_state()
+    ref = capture(state, S3Store(bucket, "r", part_size=PART), "m", chunk_size=1 << 20)
+    proxy = DroppingProxy(s3_endpoint, drops=3)
+    try:
+        store = S3Store(bucket, "r", s3=boto3.client("s3", endpoint_url=proxy.url))
+        source = store.open(ref.id)
+        tensors, _ = load(source, threads=2)
+    finally:
+        proxy.close()
+    assert proxy.dropped == 3
+    assert_same(tensors, state)
