@@ -7,10 +7,12 @@ PYTHON=${PYTHON:-python3}
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
   || { echo "Ember needs Python >= 3.11 (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
 
-if ! command -v redis-server >/dev/null; then  # the rate-limit tests start a real redis-server
-  echo "== installing redis-server"
+# The rate-limit tests start a real redis-server; the quickstart test runs the curl it prints.
+MISSING=$(for tool in redis-server curl; do command -v "$tool" >/dev/null || echo "$tool"; done)
+if [ -n "$MISSING" ]; then
+  echo "== installing" $MISSING
   SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq $MISSING
 fi
 
 # CPU torch first, so installing Ember does not pull the multi-GB CUDA build.
