@@ -74,6 +74,7 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
 
     print(f"Ember is serving app {deployment.name!r} at {url}", flush=True)
     print(f"CA certificate: {home.ca}", flush=True)
+    print(f"Logs: {home.logs} (ember logs; ember status for replicas)", flush=True)
     path, body = _example_call(package)
     if new_key:
         _, secret = gateway.keys.create(new_key)

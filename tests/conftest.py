@@ -93,7 +93,7 @@ def serve(tmp_path):
                 url = line.split(" at ")[-1].strip()
             assert time.monotonic() < deadline, "ember serve printed no URL:\n" + "".join(lines)
         served = Served(url, home / "tls" / "ca.pem", home, process, lines)
-        lines += [process.stdout.readline() for _ in range(4 if "--new-key" in args else 1)]
+        lines += [process.stdout.readline() for _ in range(5 if "--new-key" in args else 2)]
         # Keep draining its output (gateway log lines) so a full pipe never blocks the server.
         threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
         while True:
