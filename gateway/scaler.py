@@ -31,7 +31,10 @@ class Scaler:
             self._poke.clear()
             for deployment in list(self.deployments.values()):
                 for unit in deployment.units.values():
-                    self.tick(deployment, unit, time.monotonic())
+                    try:
+                        self.tick(deployment, unit, time.monotonic())
+                    except Exception:  # one function's bad tick must not stop scaling for every other one
+                        log.exception("autoscaler tick failed for %s/%s", unit.app, unit.name)
 
     def tick(self, deployment: Deployment, unit: Unit, now: float) -> None:
         queue = unit.queue
