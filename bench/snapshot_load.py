@@ -10,7 +10,6 @@ config.json, then built into a snapshot with the code `ember snapshot build` run
 Writes bench/results/snapshot_load.{json,md} (after every measurement, so a cut-short run keeps its numbers).
 """
 import argparse
-import ctypes
 import json
 import mmap
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ember.snapshot.format import ALIGN
-from ember.snapshot.loader import load
+from ember.snapshot.loader import LoadReport, load
 from ember.snapshot.store import LocalStore, staging_path
 from ember.snapshot.writer import write_safetensors
 
@@ -223,7 +222,7 @@ def run(args) -> None:
         targets = {e.name: torch.empty(e.shape, dtype=torch.bfloat16, device=device)
                    for e in store.open(ref.id).header.tensors}
 
-        def ember(verify: bool = True) -> float:
+        def ember(verify: bool = True) -> LoadReport:
             release(device)
             source = store.open(ref.id)
             _, report = load(source, targets, verify=verify)
@@ -248,7 +247,7 @@ def run(args) -> None:
                 record("mmap_register_s", register_s)
             except Exception as err:  # an experiment: its failure is a result, not the end of the run
                 record("mmap_register_error", repr(err))
-        del targets
+        targets.clear()
         release(device)
 
         from safetensors.torch import load_file

@@ -26,7 +26,7 @@ import xxhash
 from ember.snapshot.errors import SnapshotCorrupt, SnapshotMismatch
 from ember.snapshot.format import ALIGN, DTYPES, Header
 
-Progress = Callable[[int, int], None]
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 @dataclass

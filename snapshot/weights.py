@@ -25,7 +25,8 @@ BAR_FROM = 1 << 30  # loads of a GiB or more show a progress bar unless a callba
 def bar(total: int, desc: str) -> tuple[Progress, tqdm]:
     shown = tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False)
 
-    def update(done: int, _total: int) -> None:
+    def update(done: int, total_now: int) -> None:
+        shown.total = total_now  # a build learns the aligned size only once it starts writing
         shown.update(done - shown.n)
 
     return update, shown

@@ -2,7 +2,7 @@
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -12,8 +12,7 @@ import xxhash
 from safetensors import safe_open
 
 from ember.snapshot.format import CHUNK_SIZE, Header, layout
-
-Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+from ember.snapshot.loader import Progress
 
 
 def digest_chunks(path: str | os.PathLike, header: Header, threads: int = min(16, os.cpu_count() or 1)) -> Header:
