@@ -18,7 +18,13 @@ when it holds a chunk, else O_DIRECT; ranged GETs from S3) into a ring of pinned
 checks each chunk, and copies it to the GPU on CUDA streams while the next chunks are read. ``LoadReport`` has ``bytes``, ``seconds``, ``gbps`` and
 ``phases`` (allocate / stream wall seconds; pin / read / verify / copy thread seconds).
 
-Replica wiring (weights.py), for a function declared with ``snapshot=True``::
+Replica wiring (weights.py), for a function declared with ``snapshot=True``, in one call::
+
+    model, start = restore_or_boot(make_model, load_weights, open_store(), key)
+    # start.source: "snapshot" | "full"; start.load: LoadReport; start.captured: SnapshotRef
+
+``make_model()`` builds the model on its device without loading weights; ``load_weights(model)``
+is the full boot. The same, step by step::
 
     store = open_store()                       # or open_store("s3://bucket/prefix")
     try:
@@ -40,7 +46,7 @@ CLI (cli.py): ``ember snapshot build SRC [--name N] [--store local|s3://b/p]``,
 from ember.snapshot.errors import SnapshotCorrupt, SnapshotError, SnapshotMismatch, SnapshotNotFound
 from ember.snapshot.loader import LoadReport, load
 from ember.snapshot.store import LocalStore, SnapshotRef, open_store
-from ember.snapshot.weights import capture, restore_into
+from ember.snapshot.weights import WeightsStart, capture, restore_into, restore_or_boot
 
 __all__ = ["LoadReport", "LocalStore", "SnapshotCorrupt", "SnapshotError", "SnapshotMismatch", "SnapshotNotFound",
-           "SnapshotRef", "capture", "load", "open_store", "restore_into"]
+           "SnapshotRef", "WeightsStart", "capture", "load", "open_store", "restore_into", "restore_or_boot"]

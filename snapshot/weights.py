@@ -1,5 +1,9 @@
 """What a replica calls for `snapshot=True`: restore weights from a snapshot, or capture one after a full boot.
 
+    model, start = restore_or_boot(make_model, load_weights, store, key)
+
+or, step by step:
+
     report = restore_into(model, store, key, device)   # None: no snapshot yet
     ...full boot when it returned None or raised SnapshotError...
     capture(model, store, key)                          # after the first full boot
@@ -7,12 +11,14 @@
 import logging
 import os
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from ember.snapshot.errors import SnapshotCorrupt, SnapshotNotFound
+from ember.snapshot.errors import SnapshotCorrupt, SnapshotError, SnapshotNotFound
 from ember.snapshot.format import CHUNK_SIZE
 from ember.snapshot.loader import LoadReport, Progress, load
 from ember.snapshot.store import SnapshotRef, staging_path
@@ -89,3 +95,38 @@ def restore_into(module: torch.nn.Module | Mapping[str, torch.Tensor], store, ke
             shown.close()
     log.info("restored %s: %s", key, report)
     return report
+
+
+@dataclass
+class WeightsStart:
+    """How a replica got its weights: `snapshot` (with the load's report) or `full` (and what it captured)."""
+    source: str
+    seconds: float
+    load: LoadReport | None = None
+    captured: SnapshotRef | None = None
+    fallback_reason: str | None = None
+
+
+def restore_or_boot(make_model: Callable[[], torch.nn.Module], load_weights: Callable[[torch.nn.Module], None],
+                    store, key: str, progress: Progress | None = None) -> tuple[torch.nn.Module, WeightsStart]:
+    """Weights from snapshot `key` when it is there and sound, else a full boot that then writes the snapshot.
+
+    `make_model()` builds the model on its device with weights not yet loaded; `load_weights(model)`
+    is the full boot. A failed restore leaves a half-written model, so it is dropped and built again.
+    """
+    began = time.perf_counter()
+    model, reason = make_model(), None
+    try:
+        report = restore_into(model, store, key, progress=progress)
+    except SnapshotError as err:
+        report, reason = None, str(err)
+        model = make_model()
+    if report is not None:
+        return model, WeightsStart("snapshot", time.perf_counter() - began, load=report)
+    load_weights(model)
+    try:
+        captured = capture(model, store, key, progress=progress)
+    except (OSError, SnapshotError) as err:  # a full disk or an unreachable store must not fail the start
+        log.warning("could not write snapshot %s: %s", key, err)
+        captured = None
+    return model, WeightsStart("full", time.perf_counter() - began, captured=captured, fallback_reason=reason)

@@ -4,7 +4,7 @@ import logging
 import pytest
 import torch
 
-from ember.snapshot import LocalStore, SnapshotCorrupt, SnapshotMismatch, capture, restore_into
+from ember.snapshot import LocalStore, SnapshotCorrupt, SnapshotMismatch, capture, restore_into, restore_or_boot
 
 from .conftest import tiny_qwen3
 
@@ -72,3 +72,43 @@ def test_restore_refuses_a_module_on_another_device():
     capture(boot(0), store, "qwen3")
     with pytest.raises(ValueError, match="move the module first"):
         restore_into(boot(1), store, "qwen3", device="cuda")
+
+
+def test_restore_or_boot_boots_fully_once_then_starts_from_the_snapshot():
+    store = LocalStore()
+    reference = boot(0)
+    full_boots = []
+
+    def load_weights(model):
+        full_boots.append(1)
+        model.load_state_dict(reference.state_dict())
+
+    model, start = restore_or_boot(lambda: boot(1), load_weights, store, "qwen3")
+    assert start.source == "full" and start.captured.names == ("qwen3",) and start.fallback_reason is None
+    model, start = restore_or_boot(lambda: boot(1), load_weights, store, "qwen3")
+    assert start.source == "snapshot" and start.load.bytes > 0 and len(full_boots) == 1
+    for name, t in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+
+
+def test_restore_or_boot_falls_back_on_a_corrupt_snapshot_with_a_fresh_model_and_rewrites_it():
+    store = LocalStore()
+    reference = boot(0)
+    bad = capture(reference, store, "qwen3", chunk_size=64 << 10)
+    path = store.objects / f"{bad.id}.ember"
+    with open(path, "r+b") as f:
+        f.seek(-3000, 2)
+        f.write(b"\xff\xff")
+    built = []
+
+    def make_model():
+        built.append(boot(1))
+        return built[-1]
+
+    model, start = restore_or_boot(make_model, lambda m: m.load_state_dict(reference.state_dict()), store, "qwen3")
+    assert start.source == "full" and "corrupt" in start.fallback_reason
+    assert len(built) == 2 and model is built[1]  # the half-restored model is dropped
+    assert not path.exists() and list(store.quarantined.glob(f"{bad.id}.*.ember"))
+    assert store.resolve("qwen3") == start.captured.id  # the name now points at a sound snapshot
+    _, again = restore_or_boot(lambda: boot(1), lambda m: None, store, "qwen3")
+    assert again.source == "snapshot"
