@@ -27,7 +27,8 @@ def test_openai_client_against_ember_serve(serve, monkeypatch):
         assert [m.id for m in client.models.list()] == [MODEL]
         first = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=24, seed=1)
         assert first.choices[0].message.role == "assistant"
-        assert first.usage.completion_tokens == 24 and first.choices[0].finish_reason == "length"
+        # A random model may sample EOS early: whichever way it ended, usage must agree with it.
+        assert (first.usage.completion_tokens == 24) == (first.choices[0].finish_reason == "length")
         text = first.choices[0].message.content
         assert client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=24, seed=1) \
             .choices[0].message.content == text
@@ -39,7 +40,7 @@ def test_openai_client_against_ember_serve(serve, monkeypatch):
                                                 stream_options={"include_usage": True})
         chunks = list(stream)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == first.usage.completion_tokens
 
         # A stop string ends the answer before it, in both modes.
         stop = text[len(text) // 2:len(text) // 2 + 2]

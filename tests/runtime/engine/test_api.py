@@ -57,7 +57,7 @@ def test_models_lists_the_served_model(call):
 
 
 def test_chat_completion_shape_usage_and_greedy_determinism(app, call):
-    first = chat(call, max_tokens=8, temperature=0)
+    first = chat(call, max_tokens=8, temperature=0, ignore_eos=True)
     assert first.status_code == 200
     body = first.json()
     assert body["object"] == "chat.completion" and body["model"] == MODEL
@@ -68,7 +68,7 @@ def test_chat_completion_shape_usage_and_greedy_determinism(app, call):
     assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(prompt, add_special_tokens=False))
     assert body["usage"]["completion_tokens"] == 8
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 8
-    assert chat(call, max_tokens=8, temperature=0).json()["choices"][0]["message"] == choice["message"]
+    assert chat(call, max_tokens=8, temperature=0, ignore_eos=True).json()["choices"][0]["message"] == choice["message"]
 
 
 def test_max_completion_tokens_wins_over_max_tokens(call):
@@ -77,8 +77,8 @@ def test_max_completion_tokens_wins_over_max_tokens(call):
 
 
 def test_streaming_chat_matches_non_streaming_and_ends_with_usage(call):
-    expected = chat(call, max_tokens=10, seed=4).json()["choices"][0]["message"]["content"]
-    chunks = events(chat(call, max_tokens=10, seed=4, stream=True, stream_options={"include_usage": True}))
+    expected = chat(call, max_tokens=10, seed=4, ignore_eos=True).json()["choices"][0]["message"]["content"]
+    chunks = events(chat(call, max_tokens=10, seed=4, ignore_eos=True, stream=True, stream_options={"include_usage": True}))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
