@@ -13,8 +13,8 @@ at once) is reached three ways with the same OpenAI-style request:
 Fixed rates are open loop: request i is due at t0 + i/rate whether or not earlier ones
 returned, and its latency runs from that due time, so queueing counts (no coordinated
 omission). Saturation is closed loop with wrk (N keep-alive connections, as fast as the
-server answers). A target stops being offered higher rates after its first unsustainable
-one. Sustainable: achieved >= 99% of offered and p99 <= 50 ms (SUSTAIN_* below).
+server answers). A target stops being offered higher rates once it falls behind (OVERLOAD_*).
+Added latency is a row's percentile minus the direct row's at the same rate. Sustainable: achieved >= 99% of offered and p99 <= 50 ms (SUSTAIN_* below).
 """
 import argparse
 import asyncio
@@ -42,6 +42,8 @@ RESULTS = ROOT / "results"
 RATES = [100, 250, 500, 750, 1000, 1500, 2000]
 SUSTAIN_ACHIEVED = 0.99  # fraction of the offered rate that must come back 200
 SUSTAIN_P99_MS = 50.0
+# A target is offered no higher rate after a point this far behind: its queue only grows from there.
+OVERLOAD_ACHIEVED, OVERLOAD_P99_MS = 0.95, 1000.0
 GOAL_RATE, GOAL_P50_MS, GOAL_P99_MS, GOAL_VS_LITELLM = 500, 1.0, 5.0, 2.0
 PREOPEN = 32  # keep-alive connections opened (and TLS-handshaken) before a fixed-rate run starts
 MAX_CONNECTIONS = 256  # more concurrent requests than this wait in the client's own queue (latency still counts)
@@ -143,6 +145,10 @@ class RateResult:
     def sustainable(self) -> bool:
         return self.achieved >= SUSTAIN_ACHIEVED * self.offered and self.p99_ms is not None and self.p99_ms <= SUSTAIN_P99_MS
 
+    @property
+    def overloaded(self) -> bool:
+        return self.achieved < OVERLOAD_ACHIEVED * self.offered or self.p99_ms is None or self.p99_ms > OVERLOAD_P99_MS
+
 
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
@@ -228,9 +234,9 @@ class OpenLoop:
         deadline = now() + DRAIN_S
         while (self.inflight or self.backlog or len(self.samples) < count) and now() < deadline:
             await asyncio.sleep(0.005)
-        return self._summarize(rate, duration, count, t0, cpu_seconds(self.target.pid) - cpu_before)
+        return self._summarize(rate, count, cpu_seconds(self.target.pid) - cpu_before)
 
-    def _summarize(self, rate: float, duration: float, count: int, t0: float, cpu: float) -> RateResult:
+    def _summarize(self, rate: float, count: int, cpu: float) -> RateResult:
         statuses: dict[str, int] = {}
         for *_, status in self.samples:
             statuses[str(status)] = statuses.get(str(status), 0) + 1
@@ -239,10 +245,12 @@ class OpenLoop:
         good = [(due, sent, done) for due, sent, done, status in self.samples if status == 200]
         latencies = [(done - due) * 1000 for due, _, done in good]
         lags = [(sent - due) * 1000 for due, sent, _ in good]
-        window = max(duration, max((done for *_, done in good), default=t0) - t0)
+        finished = sorted(done for *_, done in good)
+        # Successes over the span they arrived in (at least the sending span): a fixed latency does not lower it, falling behind does.
+        achieved = len(finished) / max(count / rate, finished[-1] - finished[0] if finished else 0.0)
         rounded = lambda v: None if v is None else round(v, 3)  # noqa: E731
         return RateResult(
-            self.target.name, rate, count, len(good), count - len(good), round(len(good) / window, 1),
+            self.target.name, rate, count, len(good), count - len(good), round(achieved, 1),
             rounded(percentile(latencies, 0.50)), rounded(percentile(latencies, 0.99)), rounded(max(latencies, default=None)),
             round(percentile(lags, 0.99) or 0.0, 3), round(1000 * cpu / len(good), 3) if good else None, statuses,
         )
@@ -460,6 +468,14 @@ def machine() -> dict:
     }
 
 
+def commit() -> str:
+    """The git commit measured, marked dirty when the gateway or the runtime differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "gateway", "runtime", "ember"], cwd=ROOT.parent,
+                           capture_output=True, text=True).stdout.strip()
+    return f"{head or 'unknown'}{' (gateway/runtime/ember modified)' if dirty else ''}"
+
+
 def run(args) -> dict:
     import uvloop
 
@@ -489,7 +505,7 @@ def run(args) -> dict:
                     result = runner.run(fixed_rate(target, context, rate, args.duration))
                     results.append(result)
                     print(_rate_line(result), flush=True)
-                    if not result.sustainable:
+                    if result.overloaded:
                         alive.remove(target)
             saturation = []
             for target in targets:
@@ -508,6 +524,8 @@ def run(args) -> dict:
         "settings": {"duration_s": args.duration, "rates": args.rates, "wrk_connections": args.connections,
                      "pinning": "client and wrk on cpu 0, servers on cpu 1" if args.pin else "none",
                      "sustainable": f"achieved >= {SUSTAIN_ACHIEVED:.0%} of offered and p99 <= {SUSTAIN_P99_MS:g} ms",
+                     "overloaded": f"achieved < {OVERLOAD_ACHIEVED:.0%} of offered or p99 > {OVERLOAD_P99_MS:g} ms",
+                     "commit": commit(),
                      "ember_rate_limit_enforced": rate_limited,
                      "tls": {"direct": False, "ember": True, "litellm": True},
                      "auth": {"direct": "none", "ember": "API key (Bearer)", "litellm": "master key (Bearer)"}},
@@ -519,7 +537,7 @@ def run(args) -> dict:
 def _rate_line(r: RateResult) -> str:
     fmt = lambda v: "   -  " if v is None else f"{v:6.2f}"  # noqa: E731
     return (f"{r.offered:6.0f} req/s {r.target:8s} achieved {r.achieved:7.1f}  p50 {fmt(r.p50_ms)} ms  p99 {fmt(r.p99_ms)} ms  "
-            f"errors {r.errors:5d}  cpu {fmt(r.cpu_ms_per_request)} ms/req  {'ok' if r.sustainable else 'UNSUSTAINABLE'}")
+            f"errors {r.errors:5d}  cpu {fmt(r.cpu_ms_per_request)} ms/req  {'sustainable' if r.sustainable else 'unsustainable'}")
 
 
 # ---------------------------------------------------------------- the report
@@ -558,7 +576,9 @@ def markdown(data: dict) -> str:
         f"{'enforces a per-key limit (x-ratelimit-* headers seen)' if s['ember_rate_limit_enforced'] else 'sent no x-ratelimit-* headers: rate limiting is not wired into the gateway in this build'}; "
         f"LiteLLM has an rpm limit of 1e8 on the model deployment with pre-call checks (its per-key limits need its Postgres-backed virtual keys). "
         f"Pinning: {s['pinning']}. Open loop, {s['duration_s']:g} s per point; latency from each request's due time. "
-        f"Sustainable: {s['sustainable']}; a target is not offered rates above its first unsustainable one.",
+        f"Sustainable: {s['sustainable']}. Added latency: a row's percentile minus direct's at the same rate. "
+        f"A target is offered no higher rate after one where it {s['overloaded']}. CPU ms/req: CPU time of the row's own "
+        f"process (direct: the replica; ember: the gateway; litellm: the proxy) per completed request. Measured tree: {s['commit']}.",
         "",
         "## Fixed rates (open loop)",
         "",
@@ -570,6 +590,14 @@ def markdown(data: dict) -> str:
         lines.append(f"| {r['offered']:g} | {r['target']} | {r['achieved']:.0f} | {ms(r['p50_ms'])} | {ms(r['p99_ms'])} | "
                      f"{plus(r['p50_ms'], base.get('p50_ms'))} | {plus(r['p99_ms'], base.get('p99_ms'))} | {r['errors']} | {ms(r['cpu_ms_per_request'])} | "
                      f"{'yes' if r['sustainable'] else 'no'} |")
+    rates = sorted({r["offered"] for r in data["fixed_rate"]})
+    lines += ["", "Added latency vs direct, p50 / p99 ms, by offered rate (- where the target was not offered that rate):", "",
+              "| target | " + " | ".join(f"{x:g} req/s" for x in rates) + " |", "|---|" + "---:|" * len(rates)]
+    for name in ("ember", "litellm"):
+        row = {r["offered"]: r for r in data["fixed_rate"] if r["target"] == name}
+        cells = [f"{plus(row[x]['p50_ms'], direct.get(x, {}).get('p50_ms'))} / {plus(row[x]['p99_ms'], direct.get(x, {}).get('p99_ms'))}"
+                 if x in row else "-" for x in rates]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"## Saturation (closed loop, wrk -t1 -c{s['wrk_connections']})", "",
               "| target | req/s | p50 ms | p99 ms | non-2xx | socket errors | CPU ms/req | highest sustainable fixed rate |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for x in data["saturation"]:
