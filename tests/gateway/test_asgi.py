@@ -32,3 +32,14 @@ def test_asgi_forwarding_and_sse_cancellation(serve):
         assert http.get("/streaming/v1/nowhere").status_code == 404
         status = served.status()["apps"]["streaming"]["functions"]["Web"]
         assert status["in_flight"] == 0  # slots of finished and abandoned streams were returned
+
+
+def test_a_slow_reader_holds_back_the_producer(serve):
+    served = serve(APPS / "streaming.py")
+    with served.client(served.key()) as http, served.client(served.key()) as probe:
+        with http.stream("GET", "/streaming/v1/big", params={"chunks": 256}) as big:
+            chunks = big.iter_raw()
+            next(chunks)
+            time.sleep(1.5)
+            produced = probe.get("/streaming/v1/produced").json()["produced"]
+        assert produced < 128, f"{produced} MiB produced for a reader that took 1: no backpressure"

@@ -11,6 +11,7 @@ class Web:
     @ember.enter()
     def start(self):
         self.cancelled = 0
+        self.produced = 0
 
     @ember.method()
     def ping(self) -> str:
@@ -41,6 +42,19 @@ class Web:
                         self.cancelled += 1
 
             return StreamingResponse(events(), media_type="text/event-stream")
+
+        @api.get("/v1/big")
+        async def big(chunks: int = 256):
+            async def megabytes():
+                for _ in range(chunks):
+                    self.produced += 1
+                    yield b"x" * (1 << 20)
+
+            return StreamingResponse(megabytes(), media_type="application/octet-stream")
+
+        @api.get("/v1/produced")
+        async def produced() -> dict:
+            return {"produced": self.produced}
 
         @api.get("/v1/cancelled")
         async def cancelled() -> dict:
