@@ -73,11 +73,15 @@ class BlockManager:
             self.blocks[block_id].ref_count = 1
             seq.block_table.append(block_id)
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that became full (and computed) so later requests can reuse them."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the blocks full within the first `num_tokens` tokens so later requests can reuse them.
+
+        Called when those tokens are scheduled: a request admitted later in the same step may already share
+        them, since every layer writes the step's K/V before any attention reads it.
+        """
         if not self.enable_prefix_caching:
             return
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+        for i in range(len(seq.block_hashes), num_tokens // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
             seq.block_hashes.append(h)

@@ -108,7 +108,6 @@ class LLMEngine:
                 self.stats.prefix_cache_hits += seq.num_cached_tokens
                 self.stats.prompt_tokens += seq.num_prompt_tokens
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
             if token is None:   # a prefill chunk that did not reach the end of the prompt
                 continue
             seq.token_ids.append(token)

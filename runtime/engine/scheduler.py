@@ -53,7 +53,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self.block_manager.allocate(seq, n)
+                self._allocate(seq, n)
                 batch.add(seq, n)
                 budget -= n
                 i += 1
@@ -70,7 +70,7 @@ class Scheduler:
                 break
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
-            self.block_manager.allocate(seq, n)
+            self._allocate(seq, n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -86,6 +86,10 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _allocate(self, seq: Sequence, n: int) -> None:
+        self.block_manager.allocate(seq, n)
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop the sequence's KV and queue it first; its tokens (prompt + outputs so far) are recomputed."""

@@ -13,8 +13,8 @@ def computed(bm: BlockManager, tokens: list[int], name: str = "s") -> Sequence:
     n = seq.num_uncomputed_tokens
     assert bm.can_allocate(seq, n)
     bm.allocate(seq, n)
+    bm.cache_full_blocks(seq, len(seq))
     seq.num_computed_tokens += n
-    bm.cache_full_blocks(seq)
     return seq
 
 

@@ -81,6 +81,22 @@ def test_prefix_cache_hits(family):
     assert eng.stats.prefix_cache_hits == 96
 
 
+def test_prefix_shared_by_requests_of_the_same_step(family):
+    model_dir, reference = family
+    eng = engine(model_dir)
+    prompt = random_prompts([37], seed=13)[0]
+    for i in range(3):   # as an API request with n=3 would arrive
+        eng.add_request(str(i), prompt, GREEDY)
+    outputs: dict[str, list[int]] = {}
+    cached = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+    assert outputs == {str(i): reference(prompt) for i in range(3)}
+    assert cached == {"0": 0, "1": 32, "2": 32}
+
+
 def test_chunked_prefill(family):
     model_dir, reference = family
     eng = engine(model_dir, max_num_batched_tokens=8, max_num_seqs=4)

@@ -72,7 +72,6 @@ def test_every_request_finishes_once_within_budget(w):
         check_block_accounting(bm, scheduler.running)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            bm.cache_full_blocks(seq)
             if seq.num_computed_tokens == len(seq):
                 seq.token_ids.append(len(seq) % 7)
                 if seq.num_output_tokens >= seq.params.max_tokens:
