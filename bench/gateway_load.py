@@ -168,6 +168,7 @@ class OpenLoop:
         self.opened = 0
         self.backlog: list[float] = []
         self.inflight: dict[Connection, tuple[float, float]] = {}
+        self.closed = False
 
     async def _open(self) -> Connection:
         self.opened += 1
@@ -203,6 +204,9 @@ class OpenLoop:
             conn = await self._open()
         except OSError:
             self.samples.append((due, due, now(), 0))
+            return
+        if self.closed:  # connected only after the run gave up waiting
+            conn.transport.close()
             return
         self._send(conn, due)
 
@@ -256,6 +260,7 @@ class OpenLoop:
         )
 
     def close(self) -> None:
+        self.closed = True
         for conn in self.idle + list(self.inflight):
             conn.busy = False
             conn.transport.close()
