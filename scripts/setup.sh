@@ -15,10 +15,11 @@ if [ -n "$MISSING" ]; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq $MISSING
 fi
 
-# CPU torch first, so installing Ember does not pull the multi-GB CUDA build.
+# CPU torch first, so installing Ember does not pull the multi-GB CUDA build (2.13.0 is the
+# CPU wheel this machine keeps on disk; a plain "torch" requirement would fetch CUDA).
 if ! "$PYTHON" -c 'import torch, sys; sys.exit(not torch.__version__.startswith("2.13.0"))' 2>/dev/null; then
   echo "== installing torch 2.13.0 (CPU build)"
-  "$PYTHON" -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+  "$PYTHON" -m pip install -q torch==2.13.0
 fi
 
 echo "== installing ember (editable, with dev extras)"
