@@ -10,7 +10,6 @@ Hugging Face directory; every request has a random prompt of 128-512 tokens and 
 import argparse
 import json
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Owns the device: the model weights, the KV cache tensors, the attention backend; runs one scheduled batch."""
+import importlib.util
 import logging
 import time
 
@@ -69,10 +70,13 @@ class ModelRunner:
         name = self.config.attention_backend
         args = (hf.num_attention_heads, self.num_kv_heads, head_dim, self.block_size, head_dim ** -0.5)
         if name == "auto":
-            name = "flashinfer" if self.device.type == "cuda" and _flashinfer_importable() else "sdpa"
+            # flashinfer's paged kernels take half precision only.
+            usable = self.device.type == "cuda" and self.dtype != torch.float32
+            name = "flashinfer" if usable and importlib.util.find_spec("flashinfer") is not None else "sdpa"
         if name == "flashinfer":
-            if self.device.type != "cuda":
-                raise ValueError("attention_backend='flashinfer' needs a CUDA device: use 'sdpa' on CPU")
+            if self.device.type != "cuda" or self.dtype == torch.float32:
+                raise ValueError("attention_backend='flashinfer' needs a CUDA device and bf16/fp16: use 'sdpa' "
+                                 "on CPU or in float32")
             return FlashInferBackend(*args, dtype=self.dtype, device=self.device)
         return SdpaBackend(*args)
 
@@ -125,10 +129,3 @@ class ModelRunner:
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
-
-def _flashinfer_importable() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -6,7 +6,7 @@ from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.sampling import SamplingParams
 
-from .hf_models import EOS, FAMILIES, build, random_prompts, reference_greedy
+from .hf_models import FAMILIES, build, random_prompts, reference_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -244,3 +244,20 @@ def test_stats_after_a_run(llama):
     assert s.request_success == {"length": 2}
     assert (s.num_running, s.num_waiting, s.kv_cache_usage) == (0, 0, 0.0)
     assert s.step_host_time.count == s.step_time.count > 0
+
+
+def test_configuration_errors_name_the_fix(llama, tmp_path):
+    model_dir = llama[0]
+    with pytest.raises(ValueError, match="use 'sdpa'"):
+        engine(model_dir, attention_backend="flashinfer", device="cpu")
+    with pytest.raises(ValueError, match="raise num_kv_blocks or lower max_model_len"):
+        engine(model_dir, num_kv_blocks=4, max_model_len=128)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine(model_dir, max_model_len=10_000)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(model=model_dir, dtype="int8")
+    with pytest.raises(ValueError, match="no config.json"):
+        engine(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        engine(str(tmp_path))
