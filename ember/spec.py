@@ -22,9 +22,11 @@ class FunctionSpec(BaseModel):
     max_replicas: int = Field(10, ge=1)
     buffer_replicas: int = Field(0, ge=0)
     scaledown_window: float = Field(60.0, gt=0, description="idle seconds before a replica is stopped")
+    park_after: float | None = Field(None, gt=0, description="idle seconds before a replica parks (GPU freed, process kept)")
     target_concurrency: float = Field(1.0, gt=0)
     max_concurrency: int = Field(1, ge=1)
     timeout: float = Field(300.0, gt=0, description="seconds one call may run")
+    queue_bound: int = Field(256, ge=1, description="calls that may wait for a replica before 503 + Retry-After")
     snapshot: bool = False
     secrets: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
@@ -40,6 +42,11 @@ class FunctionSpec(BaseModel):
     def _ranges(self) -> "FunctionSpec":
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
+        if self.park_after is not None and self.park_after >= self.scaledown_window:
+            raise ValueError(
+                f"park_after ({self.park_after:g}) must be < scaledown_window ({self.scaledown_window:g}): "
+                "a replica parks first and is stopped when the window ends"
+            )
         if self.target_concurrency > self.max_concurrency:
             raise ValueError(
                 f"target_concurrency ({self.target_concurrency}) must be <= max_concurrency ({self.max_concurrency})"

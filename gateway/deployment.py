@@ -9,7 +9,6 @@ from ember.gateway.queue import FunctionQueue
 from ember.package import read_manifest
 from ember.spec import FunctionSpec
 
-QUEUE_BOUND = 256  # calls one function may buffer while its replicas start
 QUEUE_WAIT = 300.0  # seconds a call may wait for a replica: long enough for a model load in enter
 
 
@@ -23,6 +22,7 @@ def scaling_settings(spec: FunctionSpec) -> ScalingSettings:
         target_concurrency=spec.target_concurrency,
         max_concurrency=spec.max_concurrency,
         scaledown_window=spec.scaledown_window,
+        park_after=spec.park_after,
         panic_window=panic_window,
         stable_window=max(panic_window, min(60.0, 10 * spec.scaledown_window)),
     )
@@ -60,6 +60,6 @@ class Deployment:
         units = {}
         for name, info in manifest["units"].items():
             spec = FunctionSpec(**info["spec"])
-            queue = FunctionQueue(spec.max_concurrency, wait_timeout=QUEUE_WAIT, bound=QUEUE_BOUND, on_demand=on_demand)
+            queue = FunctionQueue(spec.max_concurrency, wait_timeout=QUEUE_WAIT, bound=spec.queue_bound, on_demand=on_demand)
             units[name] = Unit(manifest["app"], name, info["kind"], info["methods"], info["asgi"], spec, queue, scaling_settings(spec))
         return cls(manifest["app"], package, units)

@@ -4,7 +4,7 @@ import logging
 import time
 
 from ember.gateway.autoscaler.policy import Evict, Park, ReplicaView, Sample, Start, Wake, decide
-from ember.gateway.backend import LocalBackend
+from ember.gateway.backends.local import LocalBackend, parked_over_budget
 from ember.gateway.deployment import Deployment, Unit
 from ember.gateway.replica import FAILED, HOT, PARKED, STARTING, STOPPING, Replica
 
@@ -65,8 +65,11 @@ class Scaler:
         if replica is None:
             return
         if isinstance(action, Wake):
+            parked = replica.state == PARKED
             unit.queue.wake(replica)
             unit.queue.ready(replica)
+            if parked:
+                self._spawn(self._wake(replica))
             return
         replica.draining = "park" if isinstance(action, Park) else "evict"
         log.info("replica %s: %s (%s)", replica.id, replica.draining, action.reason)
@@ -75,13 +78,46 @@ class Scaler:
 
     def _finish(self, unit: Unit, replica: Replica) -> None:
         """Carry out a drained replica's park or evict."""
-        if replica.draining == "park":
-            # CPU-only local backend: no GPU memory to release, so parking just marks the live process parked.
-            replica.state, replica.draining = PARKED, None
+        if replica.draining == "park" and self.backend.can_park:
+            # Parked at once for routing: a call that comes during the park wakes it (the worker serialises the two).
+            replica.state, replica.draining, replica.parked_at = PARKED, None, time.monotonic()
+            self._spawn(self._park(unit, replica))
             return
+        self._evict(unit, replica)
+
+    def _evict(self, unit: Unit, replica: Replica) -> None:
         replica.state, replica.draining = STOPPING, None
         unit.queue.remove(replica)
         self._spawn(self.backend.stop(replica))
+
+    async def _park(self, unit: Unit, replica: Replica) -> None:
+        """Release the replica's GPU memory; then, if parked replicas hold more host RAM than the budget, evict the oldest."""
+        try:
+            parked = await self.backend.park(replica)
+        except Exception as exc:  # a replica that cannot park is stopped instead: its GPU memory must be freed
+            log.warning("replica %s could not park (%s: %s); stopping it", replica.id, type(exc).__name__, exc)
+            if replica.state == PARKED:
+                self._evict(unit, replica)
+            return
+        replica.parked_bytes = parked["host_bytes"]
+        log.info("replica %s parked in %s ms (%s bytes of host RAM)", replica.id, parked["ms"], parked["host_bytes"])
+        owners = {r.id: (u, r) for d in self.deployments.values() for u in d.units.values()
+                  for r in u.queue.replicas.values() if r.state == PARKED and r.parked_at is not None}
+        held = sum(r.parked_bytes for _, r in owners.values())
+        for victim in parked_over_budget([(r.id, r.parked_bytes, r.parked_at) for _, r in owners.values()], self.backend.parked_ram):
+            owner, evicted = owners[victim]
+            reason = f"parked replicas hold {held} bytes of host RAM > budget {self.backend.parked_ram}: oldest parked goes"
+            owner.decisions.append({"t": time.time(), "action": "evict", "reason": reason, "replica": victim, "count": None})
+            log.info("replica %s: evict (%s)", victim, reason)
+            self._evict(owner, evicted)
+
+    async def _wake(self, replica: Replica) -> None:
+        try:
+            woke = await self.backend.wake(replica)
+        except Exception as exc:  # the next call wakes it anyway, or fails over to another replica
+            log.warning("replica %s wake failed: %s: %s", replica.id, type(exc).__name__, exc)
+            return
+        replica.timings["wake_ms"] = woke["ms"]
 
     @staticmethod
     def _held(unit: Unit) -> bool:
@@ -99,7 +135,7 @@ class Scaler:
     async def _start(self, deployment: Deployment, unit: Unit, replica: Replica) -> None:
         log.info("starting replica %s of %s/%s", replica.id, unit.app, unit.name)
         try:
-            await self.backend.start(replica, deployment.package)
+            await self.backend.start(replica, deployment.package, unit.spec)
         except Exception as exc:  # a spawn error is a failed start, reported like a crash in enter
             replica.state, replica.error = FAILED, f"start failed: {type(exc).__name__}: {exc}"
         if replica.state == FAILED:

@@ -48,6 +48,7 @@ class Replica:
     def __init__(self, unit: Any, obj: Any):
         self.unit, self.obj = unit, obj
         self.timeout = unit.spec.timeout
+        self.parking = Parking(obj)
 
     def target(self, method: str) -> Callable | None:
         if self.obj is None:
@@ -60,6 +61,8 @@ class Replica:
         return getattr(self.obj, self.unit.asgi)() if self.unit.asgi else None
 
     async def call(self, request):
+        if self.parking.parked:  # the gateway routes a call to a parked replica as its wake
+            await self.parking.wake()
         fn = self.target(request.path_params["method"])
         if fn is None:
             return _error_response(404, "not_found", f"{self.unit.name} has no method {request.path_params['method']!r}")
@@ -92,6 +95,70 @@ class Replica:
         return Response(body, media_type="application/json")
 
 
+class Parking:
+    """Park (T1): release the GPU memory of the instance's torch modules, keeping them in pinned host RAM; wake: copy back.
+
+    A class may define `__ember_park__` / `__ember_wake__` (internal, not SDK) to release and restore other state.
+    On a CPU-only replica there is no device memory to release, so parking only runs those hooks.
+    """
+
+    def __init__(self, obj: Any):
+        self.obj, self.parked = obj, False
+        self.lock = asyncio.Lock()
+        self.devices: dict[Any, Any] = {}  # tensor -> the CUDA device it came from
+
+    def _tensors(self):
+        torch = sys.modules.get("torch")
+        if torch is None or self.obj is None:
+            return
+        for value in vars(self.obj).values():
+            if isinstance(value, torch.nn.Module):
+                yield from value.parameters()
+                yield from value.buffers()
+
+    def _park(self) -> None:
+        if hasattr(self.obj, "__ember_park__"):
+            self.obj.__ember_park__()
+        for t in self._tensors():
+            if t.is_cuda:
+                self.devices[t] = t.device
+                t.data = t.data.to("cpu").pin_memory()
+        if self.devices:
+            sys.modules["torch"].cuda.empty_cache()
+
+    def _wake(self) -> None:
+        for t, device in self.devices.items():
+            t.data = t.data.to(device, non_blocking=True)
+        if self.devices:
+            sys.modules["torch"].cuda.synchronize()
+        self.devices.clear()
+        if hasattr(self.obj, "__ember_wake__"):
+            self.obj.__ember_wake__()
+
+    async def park(self) -> dict:
+        async with self.lock:
+            began = time.monotonic()
+            if not self.parked:
+                await asyncio.to_thread(self._park)
+                self.parked = True
+            return {"parked": True, "ms": round((time.monotonic() - began) * 1000), "host_bytes": rss_bytes(),
+                    "device_bytes_released": sum(t.numel() * t.element_size() for t in self.devices)}
+
+    async def wake(self) -> dict:
+        async with self.lock:
+            began = time.monotonic()
+            if self.parked:
+                await asyncio.to_thread(self._wake)
+                self.parked = False
+            return {"parked": False, "ms": round((time.monotonic() - began) * 1000)}
+
+
+def rss_bytes() -> int:
+    """Host RAM this process holds (what a parked replica costs the node)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def build_asgi(replica: Replica):
     """Internal routes under /__ember__/; every other path goes to the user's ASGI app, if any."""
     from starlette.applications import Starlette
@@ -99,11 +166,19 @@ def build_asgi(replica: Replica):
     from starlette.routing import Route
 
     async def health(request):
-        return JSONResponse({"ok": True})
+        return JSONResponse({"ok": True, "parked": replica.parking.parked})
+
+    async def park(request):
+        return JSONResponse(await replica.parking.park())
+
+    async def wake(request):
+        return JSONResponse(await replica.parking.wake())
 
     internal = Starlette(routes=[
         Route("/__ember__/call/{method}", replica.call, methods=["POST"]),
         Route("/__ember__/health", health),
+        Route("/__ember__/park", park, methods=["POST"]),
+        Route("/__ember__/wake", wake, methods=["POST"]),
     ])
     user_app = replica.asgi()
 
@@ -113,6 +188,8 @@ def build_asgi(replica: Replica):
         elif scope["path"].startswith("/__ember__/") or user_app is None:
             await internal(scope, receive, send)
         else:
+            if replica.parking.parked:
+                await replica.parking.wake()
             await user_app(scope, receive, send)
 
     return root
