@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ember.gateway import errors, proxy
 from ember.gateway.admin import admin_router
 from ember.gateway.auth import authenticate
-from ember.gateway.backend import LocalBackend
+from ember.gateway.backends.local import LocalBackend
 from ember.gateway.deployment import Deployment, Unit
 from ember.gateway.errors import ApiError
 from ember.gateway.keys import KeyStore
@@ -31,11 +31,11 @@ METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 class Gateway:
     """Everything one `ember serve` runs: keys, deployed apps, the local backend and the autoscaler."""
 
-    def __init__(self, home: Home):
+    def __init__(self, home: Home, backend: LocalBackend | None = None):
         self.home = home
         self.keys = KeyStore(home.db)
         self.deployments: dict[str, Deployment] = {}
-        self.backend = LocalBackend(home.logs)
+        self.backend = backend or LocalBackend(home.logs)
         self.scaler = Scaler(self.backend, self.deployments)
         self.metrics = Metrics()
         self.started = time.monotonic()
