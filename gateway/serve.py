@@ -8,6 +8,7 @@ import socket
 
 import uvicorn
 
+from ember.gateway.backends import backend_for
 from ember.gateway.server import Gateway, create_app
 from ember.gateway.tls import issue_server_cert
 from ember.home import Home
@@ -50,12 +51,13 @@ def _example_call(package) -> tuple[str, str]:
     return "", "{}"
 
 
-def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str | None = None) -> int:
+def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str | None = None,
+          backend: str = "local", parked_ram: str | None = None) -> int:
     home = Home()
     _logging(home)
     app = load_app(app_path)
     package = build(app, home)
-    gateway = Gateway(home)
+    gateway = Gateway(home, backend_for(backend, home.logs, parked_ram))
     deployment, _ = gateway.register(package)
     cert, key = issue_server_cert(home.tls, host)
     _cli_key(gateway)
