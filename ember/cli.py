@@ -20,7 +20,7 @@ def _admin_client():
 def cmd_serve(args: argparse.Namespace) -> int:
     from ember.gateway.serve import serve
 
-    return serve(args.app, args.host, args.port, args.new_key)
+    return serve(args.app, args.host, args.port, args.new_key, args.backend, args.parked_ram)
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -46,7 +46,7 @@ def _parse_value(text: str):
 def cmd_run(args: argparse.Namespace) -> int:
     import httpx
 
-    from ember.gateway.backend import LocalBackend
+    from ember.gateway.backends.local import LocalBackend
     from ember.package import build, load_app
 
     path, sep, target = args.target.partition("::")
@@ -71,7 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def once() -> int:
         backend = LocalBackend(home.logs)
         replica = backend.new_replica(app.name, unit_name)
-        await backend.start(replica, package)
+        await backend.start(replica, package, app.units[unit_name].spec)
         if replica.error:
             print(f"error: {replica.error}\nlog: {replica.log_path}", file=sys.stderr)
             return 1
@@ -156,6 +156,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8443, help="port to listen on; 0 picks a free one (default 8443)")
     p.add_argument("--new-key", metavar="NAME", help="also create an API key NAME and print a ready-to-paste curl")
+    p.add_argument("--backend", choices=["local", "aws"], default="local",
+                   help="where replicas run: local processes, or the AWS Auto Scaling Group named by EMBER_AWS_ASG (default local)")
+    p.add_argument("--parked-ram", metavar="SIZE", help="host RAM parked replicas may hold, e.g. 8GiB (default a quarter of RAM)")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("deploy", help="package APP.py and deploy it to the running gateway",
