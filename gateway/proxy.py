@@ -23,7 +23,7 @@ async def call(client: httpx.AsyncClient, replica: Replica, method: str, body: b
     """A function call: the replica's JSON reply (result or error) passed through with its status."""
     try:
         reply = await client.post(
-            f"http://127.0.0.1:{replica.port}/__ember__/call/{method}", content=body,
+            f"http://{replica.address}/__ember__/call/{method}", content=body,
             headers={"content-type": "application/json"}, timeout=timeout + 5,
         )
     except httpx.TimeoutException:
@@ -37,7 +37,7 @@ async def open_stream(client: httpx.AsyncClient, replica: Replica, request: Requ
     """Start forwarding `request` to the replica's ASGI app at `path`; the body streams both ways."""
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
     upstream = client.build_request(
-        request.method, f"http://127.0.0.1:{replica.port}{path}", params=request.url.query or None,
+        request.method, f"http://{replica.address}{path}", params=request.url.query or None,
         headers=headers, content=request.stream(), timeout=httpx.Timeout(None, connect=5),
     )
     try:
