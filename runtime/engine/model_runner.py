@@ -84,30 +84,27 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> tuple[list[int | None], list[dict | None]]:
         """Compute the batch's new tokens; sample for every sequence whose tokens are now all in the cache."""
         began = time.perf_counter()
-        input_ids, positions, slot_blocks, slot_offsets = [], [], [], []
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []   # slot = block * block_size + offset, for each new token
         sample_index, rows = [], []
-        end = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            pos = torch.arange(start, start + n)
-            input_ids.append(torch.tensor(seq.token_ids[start:start + n]))
-            positions.append(pos)
-            slot_blocks.append(torch.tensor(seq.block_table)[pos // self.block_size])
-            slot_offsets.append(pos % self.block_size)
-            end += n
+            start, table = seq.num_computed_tokens, seq.block_table
+            input_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             if start + n == len(seq):
-                sample_index.append(end - 1)
+                sample_index.append(len(input_ids) - 1)
                 rows.append(self._sampling_row(seq, eos_token_ids))
+        input_ids, positions, slots = torch.tensor([input_ids, positions, slots]).to(self.device)
         attn = AttentionBatch(
             query_lens=list(batch.num_new_tokens),
             context_lens=[s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)],
             block_tables=[s.block_table for s in batch.seqs],
-            slot_blocks=torch.cat(slot_blocks).to(self.device),
-            slot_offsets=torch.cat(slot_offsets).to(self.device))
+            slot_blocks=slots // bs,
+            slot_offsets=slots % bs)
         self.attention.plan(attn)
         self.prepare_seconds = time.perf_counter() - began   # host work before the forward pass is queued
-        hidden = self.model(torch.cat(input_ids).to(self.device), torch.cat(positions).to(self.device),
-                            self.attention, self.kv_caches)
+        hidden = self.model(input_ids, positions, self.attention, self.kv_caches)
         tokens: list[int | None] = [None] * len(batch.seqs)
         logprobs: list[dict | None] = [None] * len(batch.seqs)
         if rows:
@@ -124,6 +121,8 @@ class ModelRunner:
         banned = []
         if seq.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
+        if not p.has_penalties:   # the token lists are only read by penalties; skip copying them
+            return SamplingRow(p, [], [], seq.generator, banned)
         return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator, banned)
 
     def make_generator(self, seed: int) -> torch.Generator:
