@@ -6,6 +6,8 @@ import sys
 import time
 from datetime import datetime
 
+import httpx
+
 from ember.home import Home
 
 EPILOG = "EMBER_HOME (default ~/.ember) holds the key database, TLS material, packages and logs."
@@ -20,7 +22,7 @@ def _admin_client():
 def cmd_serve(args: argparse.Namespace) -> int:
     from ember.gateway.serve import serve
 
-    return serve(args.app, args.host, args.port, args.new_key, args.backend, args.parked_ram)
+    return serve(args.app, args.host, args.port, args.new_key, args.backend, args.parked_ram, args.redis, args.routing)
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -90,30 +92,100 @@ def cmd_run(args: argparse.Namespace) -> int:
     return asyncio.run(once())
 
 
-def cmd_keys(args: argparse.Namespace) -> int:
-    from ember.gateway.keys import KeyStore
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
-    keys = KeyStore(Home().db)
+
+def _seconds(text: str) -> float:
+    """'90s', '15m', '12h', '30d' -> seconds."""
+    try:
+        value, unit = float(text[:-1]), DURATION_UNITS[text[-1]]
+    except (ValueError, KeyError, IndexError):
+        raise ValueError(f"--expires {text!r}: write a number and a unit, e.g. 90s, 15m, 12h or 30d") from None
+    if value <= 0:
+        raise ValueError(f"--expires {text!r} must be positive")
+    return value * unit
+
+
+def _key_api():
+    """The running gateway's admin API when there is one, so its caches change at once; else None."""
+    from ember.client import Client
+
+    home = Home()
+    if not home.gateway_file.exists():
+        return None
+    try:
+        client = Client.from_env()
+        client.request("GET", "/healthz")
+        return client
+    except (RuntimeError, httpx.TransportError):
+        return None
+
+
+def _when(ts: float | None) -> str:
+    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M") if ts else "-"
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    api = _key_api()
     if args.keys_command == "create":
-        key, secret = keys.create(args.name, admin=args.admin)
+        request = {"name": args.name, "scopes": args.scope + (["admin"] if args.admin else []),
+                   "expires_in": _seconds(args.expires) if args.expires else None,
+                   "rpm": args.rpm, "tpm": args.tpm, "concurrency": args.concurrency}
+        if api is not None:
+            with api:
+                key = api.request("POST", "/admin/keys", json=request).json()
+            secret = key["secret"]
+        else:
+            from ember.gateway.keys import KeyStore
+            from ember.gateway.ratelimit import Limits
+
+            expires = time.time() + request["expires_in"] if request["expires_in"] else None
+            record, secret = KeyStore(Home().db).create(args.name, scopes=request["scopes"], expires=expires,
+                                                        limits=Limits(args.rpm, args.tpm, args.concurrency))
+            key = record.describe()
         if args.quiet:
             print(secret)
         else:
-            print(f"created {'admin ' if key.admin else ''}key {key.id} ({key.name}); it is shown only this once:\n{secret}")
-    elif args.keys_command == "list":
-        rows = keys.all()
+            scopes = ", ".join(key["scopes"]) or "every app"
+            print(f"created key {key['id']} ({key['name']}; {scopes}); it is shown only this once:\n{secret}")
+        return 0
+    if args.keys_command == "list":
+        if api is not None:
+            with api:
+                rows = api.request("GET", "/admin/keys").json()
+        else:
+            from ember.gateway.keys import KeyStore
+
+            rows = [k.describe() for k in KeyStore(Home().db).all()]
         if args.json:
-            print(json.dumps([vars(k) for k in rows], indent=2))
-        for key in [] if args.json else rows:
-            state = f"revoked {datetime.fromtimestamp(key.revoked):%Y-%m-%d %H:%M}" if key.revoked else "live"
-            print(f"{key.id}  {key.name:<20} {'admin' if key.admin else 'user ':<6} created {datetime.fromtimestamp(key.created):%Y-%m-%d %H:%M}  {state}")
+            print(json.dumps(rows, indent=2))
+            return 0
+        now = time.time()
+        for key in rows:
+            state = f"revoked {_when(key['revoked'])}" if key["revoked"] else "expired" if key["expires"] and key["expires"] <= now else "live"
+            limits = " ".join(f"{n}={key[n]}" for n in ("rpm", "tpm", "concurrency") if key[n])
+            print(f"{key['id']}  {key['name']:<20} {','.join(key['scopes']) or '*':<24} created {_when(key['created'])}  "
+                  f"expires {_when(key['expires'])}  {state}  {limits}")
+        return 0
+    if api is not None:
+        from ember.client import RemoteError
+
+        try:
+            with api:
+                revoked = api.request("DELETE", f"/admin/keys/{args.key}").json()
+        except RemoteError as exc:
+            if exc.status != 404:
+                raise
+            revoked = []
     else:
-        revoked = keys.revoke(args.key)
-        if not revoked:
-            print(f"error: no live key with id or name {args.key!r}; see `ember keys list`", file=sys.stderr)
-            return 1
-        for key in revoked:
-            print(f"revoked key {key.id} ({key.name})")
+        from ember.gateway.keys import KeyStore
+
+        revoked = [k.describe() for k in KeyStore(Home().db).revoke(args.key)]
+    if not revoked:
+        print(f"error: no live key with id or name {args.key!r}; see `ember keys list`", file=sys.stderr)
+        return 1
+    for key in revoked:
+        print(f"revoked key {key['id']} ({key['name']})")
     return 0
 
 
@@ -159,6 +231,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["local", "aws"], default="local",
                    help="where replicas run: local processes, or the AWS Auto Scaling Group named by EMBER_AWS_ASG (default local)")
     p.add_argument("--parked-ram", metavar="SIZE", help="host RAM parked replicas may hold, e.g. 8GiB (default a quarter of RAM)")
+    p.add_argument("--redis", metavar="URL", help="share rate-limit state with other gateways in this Redis (default EMBER_REDIS_URL; "
+                                                   "else kept in this process)")
+    p.add_argument("--routing", choices=["affinity", "round-robin", "least-loaded"], default="affinity",
+                   help="how a replica is chosen: X-Session-ID or prompt prefix by bounded-load hashing, else least loaded "
+                        "(affinity, the default); in turn; or least loaded")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("deploy", help="package APP.py and deploy it to the running gateway",
@@ -175,12 +252,20 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_run)
 
     p = sub.add_parser("keys", help="create, list or revoke API keys",
-                       description="Manage API keys in EMBER_HOME's database directly; works with or without a running gateway, "
-                                   "which checks every request against the database, so revocation is immediate.")
+                       description="Manage API keys through the running gateway's admin API (so a revocation applies to "
+                                   "its next request), or in EMBER_HOME's database when no gateway runs. Scopes: 'app:APP' "
+                                   "(every function of APP), 'fn:APP/FUNCTION', 'admin'; a key without app: or fn: scopes "
+                                   "may call every app.")
     keys = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     k = keys.add_parser("create", help="create a key and print it once")
     k.add_argument("--name", required=True, help="a label for the key")
-    k.add_argument("--admin", action="store_true", help="allow the /admin API")
+    k.add_argument("--admin", action="store_true", help="allow the /admin API (same as --scope admin)")
+    k.add_argument("--scope", action="append", default=[], metavar="SCOPE",
+                   help="app:APP or fn:APP/FUNCTION (repeatable); without one the key may call every app")
+    k.add_argument("--expires", metavar="DURATION", help="stop working after e.g. 90s, 15m, 12h or 30d (default never)")
+    k.add_argument("--rpm", type=int, help="requests per minute for this key")
+    k.add_argument("--tpm", type=int, help="LLM tokens (prompt + completion) per minute for this key")
+    k.add_argument("--concurrency", type=int, help="requests in flight at once for this key")
     k.add_argument("--quiet", "-q", action="store_true", help="print only the key")
     k = keys.add_parser("list", help="list keys (never their secrets)")
     k.add_argument("--json", action="store_true", help="machine-readable output")
@@ -212,8 +297,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return snapshot_main(argv[1:])
     args = parser().parse_args(argv)
-    import httpx
-
     from ember.client import RemoteError
 
     try:

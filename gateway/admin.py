@@ -1,11 +1,15 @@
-"""The admin API (admin keys only): status, logs and deploys, which the `ember` CLI calls."""
+"""The admin API (admin keys only): status, logs, deploys, API keys and per-app limits, which the `ember` CLI calls."""
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+from ember.gateway.keys import check_scopes
+from ember.gateway.ratelimit import Limits
+from ember.gateway.routing import APP_NAME
 
 from ember.gateway.auth import authenticate
 from ember.gateway.errors import ApiError
@@ -16,6 +20,22 @@ if TYPE_CHECKING:
 
 class DeployRequest(BaseModel):
     package: str  # path of a .pkg under EMBER_HOME/packages on this machine
+
+
+class LimitsBody(BaseModel):
+    rpm: int | None = Field(None, ge=1, le=10**9, description="requests per minute")
+    tpm: int | None = Field(None, ge=1, le=10**12, description="LLM tokens (prompt + completion) per minute")
+    concurrency: int | None = Field(None, ge=1, le=10**6, description="requests in flight at once")
+
+    def limits(self) -> Limits:
+        return Limits(self.rpm, self.tpm, self.concurrency)
+
+
+class KeyRequest(LimitsBody):
+    name: str = Field(min_length=1, max_length=100)
+    scopes: list[str] = Field(default_factory=list, max_length=100,
+                              description="'admin', 'app:APP' or 'fn:APP/FUNCTION'; none means every app")
+    expires_in: float | None = Field(None, gt=0, le=10 * 365 * 86400, description="seconds until the key stops working")
 
 
 def tail(path: Path, lines: int) -> str:
@@ -41,7 +61,7 @@ def admin_router(gateway: "Gateway") -> APIRouter:
                     "kind": unit.kind,
                     "methods": unit.methods,
                     "asgi": unit.asgi,
-                    "replicas": [r.describe(now) for r in unit.queue.replicas.values()],
+                    "replicas": [r.describe(now) | {"pid": r.process.pid if r.process else None} for r in unit.queue.replicas.values()],
                     "queue_depth": unit.queue.depth,
                     "in_flight": unit.queue.in_flight,
                     "failed": list(unit.failures),
@@ -68,4 +88,41 @@ def admin_router(gateway: "Gateway") -> APIRouter:
         deployment = await gateway.deploy(package)
         return {"app": deployment.name, "package": str(package), "functions": sorted(deployment.units)}
 
+    @router.post("/keys", status_code=201)
+    async def create_key(body: KeyRequest) -> dict:
+        try:
+            scopes = check_scopes(body.scopes)
+        except ValueError as exc:
+            raise ApiError(422, "invalid_scope", str(exc)) from None
+        expires = time.time() + body.expires_in if body.expires_in else None
+        key, secret = gateway.keys.create(body.name, scopes=scopes, expires=expires, limits=body.limits())
+        return key.describe() | {"secret": secret}
+
+    @router.get("/keys")
+    async def list_keys() -> list[dict]:
+        return [k.describe() for k in gateway.keys.all()]
+
+    @router.delete("/keys/{key}")
+    async def revoke_key(key: str) -> list[dict]:
+        revoked = gateway.keys.revoke(key)
+        if not revoked:
+            raise ApiError(404, "not_found", f"no live key with id or name {key[:100]!r}; GET /admin/keys lists them")
+        return [k.describe() for k in revoked]
+
+    @router.get("/apps/{app}/limits")
+    async def app_limits(app: str) -> dict:
+        limits = gateway.app_limits.get(_app_name(app))
+        return {"app": app, "rpm": limits.requests_per_minute, "tpm": limits.tokens_per_minute, "concurrency": limits.max_concurrent}
+
+    @router.put("/apps/{app}/limits")
+    async def set_app_limits(app: str, body: LimitsBody) -> dict:
+        gateway.app_limits.set(_app_name(app), body.limits())
+        return {"app": app} | body.model_dump()
+
     return router
+
+
+def _app_name(app: str) -> str:
+    if not APP_NAME.fullmatch(app):
+        raise ApiError(400, "invalid_name", f"app names match {APP_NAME.pattern}; got {app[:80]!r}")
+    return app

@@ -1,4 +1,4 @@
-"""API-key authentication: `Authorization: Bearer ek_...` checked against the hashed keys in SQLite."""
+"""API-key authentication and authorisation, decided on the route the gateway resolved and before any body is read."""
 from fastapi import Request
 
 from ember.gateway.errors import ApiError
@@ -13,7 +13,13 @@ def authenticate(keys: KeyStore, request: Request, admin: bool = False) -> ApiKe
                        {"WWW-Authenticate": "Bearer"})
     key = keys.verify(secret.strip())
     if key is None:
-        raise ApiError(401, "unauthorized", "invalid or revoked API key", {"WWW-Authenticate": "Bearer"})
+        raise ApiError(401, "unauthorized", "invalid, expired or revoked API key", {"WWW-Authenticate": "Bearer"})
     if admin and not key.admin:
         raise ApiError(403, "forbidden", "this endpoint needs an admin key (`ember keys create --name NAME --admin`)")
     return key
+
+
+def authorize(key: ApiKey, app: str, unit: str) -> None:
+    if not key.allows(app, unit):
+        raise ApiError(403, "forbidden", f"key {key.id} ({key.name}) may not call {app}/{unit}; its scopes are {list(key.scopes)} "
+                                         f"(create one with --scope app:{app} or --scope fn:{app}/{unit})")

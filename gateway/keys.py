@@ -1,11 +1,23 @@
-"""API keys: random `ek_` secrets shown once, stored as sha256 hashes in SQLite."""
+"""API keys: random `ek_` secrets shown once, stored as sha256 hashes in SQLite, with scopes, expiry and limits.
+
+Scopes say what a key may call:
+    "app:chat"          every function of app `chat`
+    "fn:hello/greet"    one function (or class: "fn:shop/Cart") of one app
+    "admin"             the /admin API, and every app
+A key with no app: or fn: scope may call every app (but not /admin). The secret has 256
+random bits, so a plain sha256 is a sound hash (no password stretching needed).
+"""
 import hashlib
 import hmac
+import json
+import re
 import secrets
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from ember.gateway.ratelimit import Limits
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -17,6 +29,18 @@ CREATE TABLE IF NOT EXISTS api_keys (
     revoked REAL
 )
 """
+# Added after the first release: databases from it gain these columns on open.
+NEW_COLUMNS = [("scopes", "TEXT NOT NULL DEFAULT '[]'"), ("expires", "REAL"), ("rpm", "INTEGER"), ("tpm", "INTEGER"), ("concurrency", "INTEGER")]
+NAME = r"[a-z0-9][a-z0-9_-]{0,62}"
+SCOPE = re.compile(rf"admin|app:{NAME}|fn:{NAME}/[A-Za-z_][A-Za-z0-9_]{{0,62}}")
+CACHE_TTL = 1.0  # seconds another gateway's revocation may take to reach this one; this one's own are immediate
+
+
+def check_scopes(scopes: list[str]) -> list[str]:
+    for scope in scopes:
+        if not isinstance(scope, str) or not SCOPE.fullmatch(scope):
+            raise ValueError(f"scope {scope!r} is not one of 'admin', 'app:APP', 'fn:APP/FUNCTION' (lower-case app names)")
+    return sorted(set(scopes))
 
 
 @dataclass(frozen=True)
@@ -26,6 +50,24 @@ class ApiKey:
     admin: bool
     created: float
     revoked: float | None
+    scopes: tuple[str, ...] = ()
+    expires: float | None = None
+    limits: Limits = field(default_factory=Limits)
+
+    def live(self, now: float) -> bool:
+        return self.revoked is None and (self.expires is None or now < self.expires)
+
+    def allows(self, app: str, unit: str) -> bool:
+        """May this key call `unit` of `app`? Decided on the route the gateway resolved, nothing the client sent."""
+        if self.admin:
+            return True
+        grants = [s for s in self.scopes if s.startswith(("app:", "fn:"))]
+        return not grants or f"app:{app}" in grants or f"fn:{app}/{unit}" in grants
+
+    def describe(self) -> dict:
+        return {"id": self.id, "name": self.name, "admin": self.admin, "scopes": list(self.scopes), "created": self.created,
+                "expires": self.expires, "revoked": self.revoked, "rpm": self.limits.requests_per_minute,
+                "tpm": self.limits.tokens_per_minute, "concurrency": self.limits.max_concurrent}
 
 
 def _hash(secret: str) -> str:
@@ -35,21 +77,33 @@ def _hash(secret: str) -> str:
 class KeyStore:
     def __init__(self, db: Path):
         self.db = db
+        self.cache: dict[str, tuple[float, ApiKey]] = {}  # hash -> (when read, key): no SQLite read per request
         with self._connect() as conn:
             conn.execute(SCHEMA)
+            have = {row["name"] for row in conn.execute("PRAGMA table_info(api_keys)")}
+            for column, kind in NEW_COLUMNS:
+                if column not in have:
+                    conn.execute(f"ALTER TABLE api_keys ADD COLUMN {column} {kind}")
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.db, timeout=10)
         conn.row_factory = sqlite3.Row
         return conn
 
-    def create(self, name: str, admin: bool = False) -> tuple[ApiKey, str]:
+    def create(self, name: str, admin: bool = False, scopes: list[str] = (), expires: float | None = None,
+               limits: Limits = Limits()) -> tuple[ApiKey, str]:
         """Returns the key record and its secret; the secret is not stored and cannot be shown again."""
+        scopes = check_scopes(list(scopes) + (["admin"] if admin else []))
+        if not name or len(name) > 100:
+            raise ValueError("a key's name must be 1-100 characters")
         key_id = secrets.token_hex(4)
         secret = f"ek_{key_id}_{secrets.token_urlsafe(32)}"
-        key = ApiKey(key_id, name, admin, time.time(), None)
+        key = ApiKey(key_id, name, "admin" in scopes, time.time(), None, tuple(scopes), expires, limits)
         with self._connect() as conn:
-            conn.execute("INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, NULL)", (key_id, name, _hash(secret), int(admin), key.created))
+            conn.execute("INSERT INTO api_keys (id, name, hash, admin, created, revoked, scopes, expires, rpm, tpm, concurrency) "
+                         "VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
+                         (key_id, name, _hash(secret), int(key.admin), key.created, json.dumps(scopes), expires,
+                          limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent))
         return key, secret
 
     def verify(self, secret: str) -> ApiKey | None:
@@ -57,26 +111,37 @@ class KeyStore:
         parts = secret.split("_", 2)
         if len(parts) != 3 or parts[0] != "ek":
             return None
-        with self._connect() as conn:
-            row = conn.execute("SELECT * FROM api_keys WHERE id = ? AND revoked IS NULL", (parts[1],)).fetchone()
-        if row is None or not hmac.compare_digest(row["hash"], _hash(secret)):
-            return None
-        return self._key(row)
+        digest = _hash(secret)
+        now = time.time()
+        cached = self.cache.get(digest)
+        if cached is not None and now - cached[0] < CACHE_TTL:
+            key = cached[1]
+        else:
+            with self._connect() as conn:
+                row = conn.execute("SELECT * FROM api_keys WHERE id = ?", (parts[1],)).fetchone()
+            if row is None or not hmac.compare_digest(row["hash"], digest):
+                return None
+            key = self._key(row)
+            self.cache[digest] = (now, key)
+        return key if key.live(now) else None
 
     def all(self) -> list[ApiKey]:
         with self._connect() as conn:
             return [self._key(r) for r in conn.execute("SELECT * FROM api_keys ORDER BY created")]
 
     def revoke(self, key_id_or_name: str) -> list[ApiKey]:
-        """Revoke by id, or every live key with that name; returns what was revoked."""
+        """Revoke by id, or every live key with that name; returns what was revoked. Takes effect at once here."""
         with self._connect() as conn:
             rows = conn.execute(
                 "SELECT * FROM api_keys WHERE (id = ? OR name = ?) AND revoked IS NULL", (key_id_or_name, key_id_or_name)
             ).fetchall()
             now = time.time()
             conn.executemany("UPDATE api_keys SET revoked = ? WHERE id = ?", [(now, r["id"]) for r in rows])
-        return [ApiKey(r["id"], r["name"], bool(r["admin"]), r["created"], now) for r in rows]
+        self.cache.clear()
+        return [replace(self._key(r), revoked=now) for r in rows]
 
     @staticmethod
     def _key(row: sqlite3.Row) -> ApiKey:
-        return ApiKey(row["id"], row["name"], bool(row["admin"]), row["created"], row["revoked"])
+        limits = Limits(row["rpm"], row["tpm"], row["concurrency"])
+        return ApiKey(row["id"], row["name"], bool(row["admin"]), row["created"], row["revoked"],
+                      tuple(json.loads(row["scopes"])), row["expires"], limits)

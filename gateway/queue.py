@@ -5,9 +5,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from ember.gateway.affinity import ReplicaLoad
 from ember.gateway.autoscaler.admission import Reject, admit
 from ember.gateway.errors import ApiError
 from ember.gateway.replica import HOT, PARKED, STARTING, Replica
+from ember.gateway.routing import choose
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,7 @@ class Lease:
 class Waiter:
     future: asyncio.Future
     since: float
+    key: str | None  # affinity key: session id or prompt prefix
 
 
 class FunctionQueue:
@@ -29,6 +32,8 @@ class FunctionQueue:
         self.replicas: dict[str, Replica] = {}
         self.waiters: deque[Waiter] = deque()
         self.arrivals = 0
+        self.routing = "affinity"  # or "round-robin" / "least-loaded": see routing.choose
+        self.turn = 0
 
     @property
     def depth(self) -> int:
@@ -38,11 +43,15 @@ class FunctionQueue:
     def in_flight(self) -> int:
         return sum(r.in_flight for r in self.replicas.values())
 
-    def _free(self) -> Replica | None:
-        """Least-loaded hot replica with a free slot; else a parked one, woken (on the local CPU backend waking is free)."""
-        hot = [r for r in self.replicas.values() if r.state == HOT and not r.draining and r.in_flight < self.max_concurrency]
+    def _free(self, key: str | None = None, avoid: frozenset[str] = frozenset()) -> Replica | None:
+        """A hot replica with a free slot, chosen by the routing mode; else a parked one, woken (on the local CPU
+        backend waking is free)."""
+        hot = [r for r in self.replicas.values()
+               if r.state == HOT and not r.draining and r.in_flight < self.max_concurrency and r.id not in avoid]
         if hot:
-            return min(hot, key=lambda r: r.in_flight)
+            self.turn += 1
+            chosen = choose(self.routing, key, [ReplicaLoad(r.id, r.in_flight) for r in hot], self.turn)
+            return self.replicas[chosen]
         parked = [r for r in self.replicas.values() if r.state == PARKED]
         if parked:
             self.wake(parked[0])
@@ -53,10 +62,10 @@ class FunctionQueue:
         replica.in_flight += 1
         replica.idle_since = None
 
-    async def acquire(self) -> Lease:
+    async def acquire(self, key: str | None = None) -> Lease:
         self.arrivals += 1
         now = time.monotonic()
-        if not self.waiters and (replica := self._free()) is not None:
+        if not self.waiters and (replica := self._free(key)) is not None:
             cold = self._cold_start(replica, now, now)
             self._take(replica)
             return Lease(replica, cold)
@@ -65,7 +74,7 @@ class FunctionQueue:
         decision = admit(len(self.waiters), self.bound, oldest, self.wait_timeout, 1.5 if starting else 3.0)
         if isinstance(decision, Reject):
             raise ApiError(503, "overloaded", f"{decision.reason}; retry later", {"Retry-After": str(decision.retry_after)})
-        waiter = Waiter(asyncio.get_running_loop().create_future(), now)
+        waiter = Waiter(asyncio.get_running_loop().create_future(), now, key)
         self.waiters.append(waiter)
         self._dispatch()  # a slot may have opened without a release (a park or drain undone)
         self.on_demand()
@@ -78,6 +87,14 @@ class FunctionQueue:
             self._abandon(waiter)
             raise
         return Lease(replica, self._cold_start(replica, waiter.since, time.monotonic()))
+
+    def try_acquire(self, key: str | None, avoid: frozenset[str]) -> Lease | None:
+        """A slot on a replica other than `avoid`, now or never: the one retry after a replica failed."""
+        replica = self._free(key, avoid)
+        if replica is None:
+            return None
+        self._take(replica)
+        return Lease(replica, None)
 
     def _abandon(self, waiter: Waiter) -> None:
         if waiter in self.waiters:
@@ -92,7 +109,7 @@ class FunctionQueue:
         return f"{replica.tier}; ms={round((now - since) * 1000)}"
 
     def _dispatch(self) -> None:
-        while self.waiters and (replica := self._free()) is not None:
+        while self.waiters and (replica := self._free(self.waiters[0].key)) is not None:
             waiter = self.waiters.popleft()
             self._take(replica)
             waiter.future.set_result(replica)

@@ -1,7 +1,15 @@
 """Which unit a path under /{app}/ reaches: a declared function or method, else the app's ASGI endpoint."""
+import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ember.gateway.deployment import Unit
+from ember.gateway.affinity import ReplicaLoad, pick
+
+if TYPE_CHECKING:
+    from ember.gateway.deployment import Unit
+
+
+APP_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")  # checked at deploy and on every request
 
 
 @dataclass(frozen=True)
@@ -16,7 +24,7 @@ class Forward:
     path: str  # what the ASGI app sees: /{rest}
 
 
-def route(units: dict[str, Unit], rest: str) -> Call | Forward | None:
+def route(units: "dict[str, Unit]", rest: str) -> Call | Forward | None:
     first, _, tail = rest.partition("/")
     unit_name, dot, method = first.partition(".")
     unit = units.get(unit_name)
@@ -27,3 +35,16 @@ def route(units: dict[str, Unit], rest: str) -> Call | Forward | None:
             return Call(unit_name, method)
     asgi = next((u.name for u in units.values() if u.asgi), None)
     return Forward(asgi, f"/{rest}") if asgi else None
+
+
+ROUTING_MODES = ("affinity", "round-robin", "least-loaded")
+
+
+def choose(mode: str, key: str | None, loads: list[ReplicaLoad], turn: int) -> str:
+    """Which of the replicas with a free slot takes a request. Affinity: the key's bounded-load rendezvous
+    choice (session id or prompt prefix), least loaded without a key; round robin: in turn."""
+    if mode == "round-robin":
+        return sorted(r.id for r in loads)[turn % len(loads)]
+    if mode == "affinity" and key:
+        return pick(key, loads)
+    return min(loads, key=lambda r: r.load).id

@@ -9,6 +9,7 @@ import socket
 import uvicorn
 
 from ember.gateway.backends import backend_for
+from ember.gateway.ratelimit import MemoryLimiter, RedisLimiter
 from ember.gateway.server import Gateway, create_app
 from ember.gateway.tls import issue_server_cert
 from ember.home import Home
@@ -38,6 +39,16 @@ def _cli_key(gateway: Gateway) -> None:
     path.write_text(secret + "\n")
 
 
+def _limiter(redis_url: str | None):
+    """Rate-limit state in Redis when gateways share it (--redis or EMBER_REDIS_URL), else in this process."""
+    redis_url = redis_url or os.environ.get("EMBER_REDIS_URL")
+    if not redis_url:
+        return MemoryLimiter()
+    import redis.asyncio
+
+    return RedisLimiter(redis.asyncio.Redis.from_url(redis_url))
+
+
 EXAMPLE_VALUES = {"int": 3, "float": 3.0, "str": "world", "bool": True, "list": ["hello world"], "dict": {}}
 
 
@@ -52,12 +63,12 @@ def _example_call(package) -> tuple[str, str]:
 
 
 def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str | None = None,
-          backend: str = "local", parked_ram: str | None = None) -> int:
+          backend: str = "local", parked_ram: str | None = None, redis_url: str | None = None, routing: str = "affinity") -> int:
     home = Home()
     _logging(home)
     app = load_app(app_path)
     package = build(app, home)
-    gateway = Gateway(home, backend_for(backend, home.logs, parked_ram))
+    gateway = Gateway(home, backend_for(backend, home.logs, parked_ram), _limiter(redis_url), routing)
     deployment, _ = gateway.register(package)
     cert, key = issue_server_cert(home.tls, host)
     _cli_key(gateway)

@@ -1,8 +1,11 @@
 """The gateway's HTTP surface. The request path reads top to bottom in `invoke`:
-auth -> route (resolve) -> queue -> proxy (call, or forward to an ASGI endpoint)."""
+auth -> resolve -> authorise -> read body (calls and LLM requests only) -> rate limit -> queue -> proxy
+(call, or forward to an ASGI endpoint) -> settle the rate limit when the response ends."""
 import asyncio
 import contextlib
 import json
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -12,37 +15,52 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ember.gateway import errors, proxy
 from ember.gateway.admin import admin_router
-from ember.gateway.auth import authenticate
+from ember.gateway.affinity import prefix_key, prompt_text
+from ember.gateway.app_limits import AppLimitStore
+from ember.gateway.auth import authenticate, authorize
 from ember.gateway.backends.local import LocalBackend
 from ember.gateway.deployment import Deployment, Unit
 from ember.gateway.errors import ApiError
-from ember.gateway.keys import KeyStore
+from ember.gateway.header_limit import HeaderLimit
+from ember.gateway.keys import ApiKey, KeyStore
 from ember.gateway.metrics import Metrics
 from ember.gateway.queue import Lease
+from ember.gateway.ratelimit import ERROR_TYPE, Admission, Limits, MemoryLimiter, Scope, denial_message, headers
 from ember.gateway.replica import STOPPING
-from ember.gateway.routing import Call, Forward, route
+from ember.gateway.routing import APP_NAME, Call, Forward, route
 from ember.gateway.scaler import Scaler
+from ember.gateway.usage import OPENAI_PATHS, UsageMeter, estimate, max_tokens
 from ember.home import Home
+
+log = logging.getLogger("ember.gateway")
 
 MAX_BODY = 16 * 1024 * 1024
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: it only feeds a hash
 
 
 class Gateway:
     """Everything one `ember serve` runs: keys, deployed apps, the local backend and the autoscaler."""
 
-    def __init__(self, home: Home, backend: LocalBackend | None = None):
+    def __init__(self, home: Home, backend: LocalBackend | None = None, limiter=None, routing: str = "affinity"):
         self.home = home
         self.keys = KeyStore(home.db)
         self.deployments: dict[str, Deployment] = {}
         self.backend = backend or LocalBackend(home.logs)
         self.scaler = Scaler(self.backend, self.deployments)
         self.metrics = Metrics()
+        self.app_limits = AppLimitStore(home.db)
+        self.limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits
+        self.routing = routing
         self.started = time.monotonic()
         self.ready = False
 
     def register(self, package: Path) -> tuple[Deployment, Deployment | None]:
         deployment = Deployment.from_package(package, self.scaler.poke)
+        if not APP_NAME.fullmatch(deployment.name):
+            raise ValueError(f"app name {deployment.name!r} must match {APP_NAME.pattern} (lower-case letters, digits, - and _)")
+        for unit in deployment.units.values():
+            unit.queue.routing = self.routing
         previous = self.deployments.get(deployment.name)
         self.deployments[deployment.name] = deployment
         return deployment, previous
@@ -59,54 +77,145 @@ class Gateway:
             await asyncio.gather(*(self.backend.stop(r) for r in replicas))
         return deployment
 
+    async def admit(self, key: ApiKey, app: str, tokens: int) -> Admission | None:
+        """Charge the key's and the app's limits, or answer 429; None when neither has any."""
+        scopes = [s for s in (Scope(f"key:{key.id}", key.limits), Scope(f"app:{app}", self.app_limits.get(app))) if s.limits != Limits()]
+        if not scopes:
+            return None
+        try:
+            admission = await self.limiter.admit(scopes, tokens=tokens)
+        except Exception as exc:  # Redis down or unreachable: fail closed, limits are a promise to the operator
+            log.error("rate limiter unavailable: %s: %s", type(exc).__name__, exc)
+            raise ApiError(503, "rate_limiter_unavailable", "the rate-limit store (Redis) is not answering; retry shortly",
+                           {"Retry-After": "1"}) from None
+        if not admission.allowed:
+            raise ApiError(429, ERROR_TYPE, denial_message(admission), headers(admission))
+        return admission
+
+
+class Settlement:
+    """Frees the rate-limit charge once, when the response has ended, with the tokens it really used."""
+
+    def __init__(self, gateway: Gateway, admission: Admission | None, meter: UsageMeter | None):
+        self.gateway, self.admission, self.meter = gateway, admission, meter
+
+    async def __call__(self) -> None:
+        admission, self.admission = self.admission, None
+        if admission is None:
+            return
+        try:
+            await self.gateway.limiter.release(admission.ticket, used_tokens=self.meter.total() if self.meter else None)
+        except Exception as exc:  # the lease expires by itself; the reply already went out
+            log.error("rate limiter release failed: %s: %s", type(exc).__name__, exc)
+
+
+async def read_body(request: Request) -> bytes:
+    """The whole body, counted as it arrives: Content-Length alone is not trusted."""
+    try:
+        declared = int(request.headers.get("content-length") or 0)
+    except ValueError:
+        raise ApiError(400, "invalid_request", "Content-Length is not a number") from None
+    if declared > MAX_BODY:
+        raise ApiError(413, "body_too_large", f"request body is over {MAX_BODY} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ApiError(413, "body_too_large", f"request body is over {MAX_BODY} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
 
 async def read_kwargs(request: Request) -> bytes:
     """The call's body, checked to be a JSON object of keyword arguments."""
-    if int(request.headers.get("content-length") or 0) > MAX_BODY:
-        raise ApiError(413, "body_too_large", f"request body is over {MAX_BODY} bytes")
-    body = await request.body()
-    if len(body) > MAX_BODY:
-        raise ApiError(413, "body_too_large", f"request body is over {MAX_BODY} bytes")
+    body = await read_body(request) or b"{}"
     try:
-        kwargs = json.loads(body or b"{}")
+        kwargs = json.loads(body)
     except ValueError as exc:
         raise ApiError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
     if not isinstance(kwargs, dict):
         raise ApiError(422, "invalid_arguments", f"request body must be a JSON object of keyword arguments, got {type(kwargs).__name__}")
-    return body or b"{}"
+    return body
+
+
+def session_id(request: Request) -> str | None:
+    value = request.headers.get("x-session-id")
+    if value is not None and not SESSION_ID.fullmatch(value):
+        raise ApiError(400, "invalid_session_id", "X-Session-ID must be 1-256 printable ASCII characters without spaces")
+    return value
+
+
+async def read_llm(request: Request, target: Forward, session: str | None) -> tuple[bytes | None, int, UsageMeter | None, str | None]:
+    """For an OpenAI completion POST: its bytes (forwarded as read), token estimate, usage meter and routing key."""
+    if request.method != "POST" or target.path not in OPENAI_PATHS:
+        return None, 0, None, session
+    body = await read_body(request)
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):  # the engine answers it with its own 400
+        return body, 0, None, session
+    tokens = estimate(parsed)
+    return body, tokens, UsageMeter(tokens - max_tokens(parsed)), session or prefix_key(prompt_text(parsed))
 
 
 def resolve(deployments: dict[str, Deployment], app_name: str, rest: str) -> tuple[Unit, Call | Forward]:
+    if not APP_NAME.fullmatch(app_name):
+        raise ApiError(400, "invalid_name", f"app names match {APP_NAME.pattern}; got {app_name[:80]!r}")
     deployment = deployments.get(app_name)
     if deployment is None:
         raise ApiError(404, "not_found", f"no app named {app_name!r}; deployed: {sorted(deployments)}")
     target = route(deployment.units, rest)
     if target is None:
         names = [f"{u.name}.{m}" if u.kind == "class" else m for u in deployment.units.values() for m in u.methods]
-        raise ApiError(404, "not_found", f"app {app_name!r} has no function {rest!r}; it serves {names}")
+        raise ApiError(404, "not_found", f"app {app_name!r} has no function {rest[:200]!r}; it serves {names}")
     return deployment.units[target.unit], target
 
 
-async def call(request: Request, unit: Unit, target: Call) -> tuple[Response, Lease]:
-    if request.method != "POST":
-        raise ApiError(405, "method_not_allowed", f"call {target.method!r} with POST and a JSON object of keyword arguments")
-    body = await read_kwargs(request)
-    lease = await unit.queue.acquire()
-    try:
-        return await proxy.call(request.app.state.client, lease.replica, target.method, body, unit.spec.timeout), lease
-    finally:
-        unit.queue.release(lease.replica)
+async def send_with_retry(unit: Unit, lease: Lease, key: str | None, retryable: bool, send) -> tuple:
+    """`send(replica)`; a replica that fails before its first response byte is retried once on another hot one.
+    The lease's slot is released on failure; on success the caller owns it."""
+    for attempt in (1, 2):
+        try:
+            return await send(lease.replica), lease
+        except proxy.Unreachable as exc:
+            unit.queue.release(lease.replica)
+            retry = unit.queue.try_acquire(key, frozenset({lease.replica.id})) if retryable and attempt == 1 else None
+            if retry is None:
+                raise exc.error from None
+            log.warning("replica %s failed before answering (%s); retrying on %s", lease.replica.id, exc.error.message, retry.replica.id)
+            lease = Lease(retry.replica, lease.cold_start)
+        except BaseException:
+            unit.queue.release(lease.replica)
+            raise
 
 
-async def forward(request: Request, unit: Unit, target: Forward) -> tuple[Response, Lease]:
-    """To the app's ASGI endpoint; the replica slot is held until the streamed response ends."""
-    lease = await unit.queue.acquire()
-    try:
-        upstream = await proxy.open_stream(request.app.state.client, lease.replica, request, target.path)
-    except BaseException:
+async def call(request: Request, unit: Unit, target: Call, body: bytes, key: str | None) -> tuple[Response, Lease]:
+    client = request.app.state.client
+    lease = await unit.queue.acquire(key)
+    response, lease = await send_with_retry(
+        unit, lease, key, True, lambda replica: proxy.call(client, replica, target.method, body, unit.spec.timeout))
+    unit.queue.release(lease.replica)
+    return response, lease
+
+
+async def forward(request: Request, unit: Unit, target: Forward, body: bytes | None, key: str | None,
+                  meter: UsageMeter | None, settle: Settlement) -> tuple[Response, Lease]:
+    """To the app's ASGI endpoint; the replica slot and rate-limit charge are held until the streamed response ends.
+    Only a body the gateway holds (read for an LLM request, or none for GET/HEAD) can be sent twice."""
+    client = request.app.state.client
+    held = body is not None or request.method in ("GET", "HEAD", "OPTIONS", "DELETE")
+    lease = await unit.queue.acquire(key)
+    upstream, lease = await send_with_retry(
+        unit, lease, key, held,
+        lambda replica: proxy.open_stream(client, replica, request, target.path, body, unit.spec.timeout, MAX_BODY))
+
+    async def close() -> None:
         unit.queue.release(lease.replica)
-        raise
-    return proxy.Relay(upstream, lambda: unit.queue.release(lease.replica)), lease
+        await settle()
+
+    return proxy.Relay(upstream, close, meter), lease
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -123,7 +232,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                 scaler.cancel()
                 await gateway.scaler.stop_all()
 
-    app = FastAPI(title="Ember gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Ember gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
     app.include_router(admin_router(gateway))
 
@@ -141,23 +250,69 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(gateway.metrics.render(gateway.deployments), media_type="text/plain; version=0.0.4")
 
-    @app.api_route("/{app_name}/{rest:path}", methods=METHODS)
-    async def invoke(request: Request, app_name: str, rest: str) -> Response:
-        authenticate(gateway.keys, request)
-        unit, target = resolve(gateway.deployments, app_name, rest)
-        if isinstance(target, Call):
-            response, lease = await call(request, unit, target)
-        else:
-            response, lease = await forward(request, unit, target)
-        gateway.metrics.observe(app_name, unit.name, response.status_code, lease.cold_start)
-        return _stamp(response, lease)
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(spec(app))
 
+    @app.api_route("/{app_name}/{rest:path}", methods=METHODS, summary="Call a function, or reach an app's ASGI endpoint",
+                   responses=ERROR_RESPONSES)
+    async def invoke(request: Request, app_name: str, rest: str) -> Response:
+        key = authenticate(gateway.keys, request)  # before anything reads the body
+        unit, target = resolve(gateway.deployments, app_name, rest)
+        authorize(key, app_name, unit.name)
+        session = session_id(request)
+        if isinstance(target, Call):
+            if request.method != "POST":
+                raise ApiError(405, "method_not_allowed", f"call {target.method!r} with POST and a JSON object of keyword arguments")
+            body, tokens, meter, affinity = await read_kwargs(request), 0, None, session
+        else:
+            body, tokens, meter, affinity = await read_llm(request, target, session)
+        admission = await gateway.admit(key, app_name, tokens)
+        settle = Settlement(gateway, admission, meter)
+        try:
+            if isinstance(target, Call):
+                response, lease = await call(request, unit, target, body, affinity)
+                await settle()
+            else:
+                response, lease = await forward(request, unit, target, body, affinity, meter, settle)
+        except BaseException:
+            await settle()
+            raise
+        gateway.metrics.observe(app_name, unit.name, response.status_code, lease.cold_start)
+        return _stamp(response, lease, headers(admission) if admission else {})
+
+    app.add_middleware(HeaderLimit)
     return app
 
 
-def _stamp(response: Response, lease: Lease) -> Response:
+ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+ERROR_RESPONSES = {code: {"description": what} | ERROR for code, what in [
+    (400, "bad request"), (401, "missing or invalid key"), (403, "key lacks the scope"), (404, "no such app or function"),
+    (413, "body too large"), (429, "rate limited"), (503, "no replica available"), (504, "upstream timed out")]}
+
+
+def spec(app: FastAPI) -> dict:
+    """The OpenAPI document of the public surface, with bearer auth and the shared error shape."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = document.setdefault("components", {})
+        components.setdefault("schemas", {})["Error"] = {
+            "type": "object", "required": ["error"],
+            "properties": {"error": {"type": "object", "required": ["type", "message"],
+                                     "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+        for path in ("/healthz", "/readyz", "/metrics"):
+            document["paths"][path]["get"]["security"] = []
+        app.openapi_schema = document
+    return app.openapi_schema
+
+
+def _stamp(response: Response, lease: Lease, limits: dict[str, str]) -> Response:
     """Every reply names its replica; one that waited for a start names the tier, time and breakdown."""
-    extra = {"x-ember-replica": lease.replica.id}
+    extra = {"x-ember-replica": lease.replica.id} | {k.lower(): v for k, v in limits.items()}
     if lease.cold_start:
         extra["x-ember-cold-start"] = lease.cold_start
         if lease.replica.timings and lease.replica.tier != "parked":

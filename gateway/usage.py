@@ -1,0 +1,68 @@
+"""LLM token accounting for rate limits: an estimate at admission, the real count when the response ends.
+
+    tokens = estimate(body)          # prompt (~4 characters a token) + max_tokens
+    meter = UsageMeter(tokens - max_tokens)
+    for chunk in response: meter.feed(chunk)   # SSE or JSON, never buffered whole
+    used = meter.total()             # the reply's `usage` when it had one, else prompt + counted content chunks
+"""
+import json
+
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
+DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens is charged until its usage is known
+CHARS_PER_TOKEN = 4
+JSON_TAIL = 1 << 20  # a non-streamed reply's usage sits at its end; keep at most this much of it
+
+
+def max_tokens(body: dict) -> int:
+    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    count = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULT_MAX_TOKENS
+    return count * max(body.get("n") if isinstance(body.get("n"), int) else 1, 1)
+
+
+def prompt_tokens(body: dict) -> int:
+    messages, prompt = body.get("messages"), body.get("prompt")
+    text = json.dumps(messages if messages is not None else prompt)
+    return len(text) // CHARS_PER_TOKEN + 1
+
+
+def estimate(body: dict) -> int:
+    return prompt_tokens(body) + max_tokens(body)
+
+
+class UsageMeter:
+    """Fed the response bytes as they pass; parses only the SSE lines that carry `usage`."""
+
+    def __init__(self, prompt_estimate: int):
+        self.prompt_estimate = prompt_estimate
+        self.partial = b""
+        self.chunks = 0
+        self.usage: int | None = None
+        self.tail = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        if len(self.tail) < JSON_TAIL:
+            self.tail += data[: JSON_TAIL - len(self.tail)]
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
+                continue
+            if b'"usage"' in line and b'"total_tokens"' in line:
+                self._read_usage(line[5:])
+            else:
+                self.chunks += 1
+
+    def _read_usage(self, text: bytes) -> None:
+        try:
+            usage = json.loads(text).get("usage") or {}
+        except (ValueError, AttributeError):
+            return
+        if isinstance(usage.get("total_tokens"), int):
+            self.usage = usage["total_tokens"]
+
+    def total(self) -> int:
+        if self.usage is None and self.chunks == 0 and self.tail.startswith(b"{"):
+            self._read_usage(bytes(self.tail))  # a plain JSON reply
+        if self.usage is not None:
+            return self.usage
+        return self.prompt_estimate + self.chunks
