@@ -13,8 +13,8 @@ QUEUE_WAIT = 300.0  # seconds a call may wait for a replica: long enough for a m
 
 
 def scaling_settings(spec: FunctionSpec) -> ScalingSettings:
-    # A demand window longer than the idle window would hold idle replicas past their scaledown_window.
-    panic_window = min(6.0, spec.scaledown_window)
+    # A demand window longer than the idle window would hold idle replicas past their park_after or scaledown_window.
+    panic_window = min(6.0, spec.park_after or spec.scaledown_window)
     return ScalingSettings(
         min_replicas=spec.min_replicas,
         max_replicas=spec.max_replicas,

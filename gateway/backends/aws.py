@@ -1,0 +1,200 @@
+"""The AWS backend: replicas run on the instances of an Auto Scaling Group, whose node agents pull their work.
+
+The gateway writes an assignment (a row of the replicas table, state "pending") and sizes the group to
+ceil(replicas / replicas-per-node); a node agent (ember.runtime.node_agent) claims it with a conditional
+write, pulls the package from S3, starts the worker and writes back its address. Scale-in removes only
+idle instances, each marked draining first so its agent claims nothing more.
+"""
+import asyncio
+import hashlib
+import logging
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+from boto3.dynamodb.conditions import Attr
+
+from ember.gateway.replica import FAILED, HOT, Replica
+from ember.spec import FunctionSpec
+
+log = logging.getLogger("ember.gateway")
+POLL = 0.2
+START_TIMEOUT = 600.0  # seconds an assignment may take: instance boot, package pull, enter hooks
+HEARTBEAT_TIMEOUT = 15.0  # a node silent this long is gone, and so are its replicas
+ACTIVE = ("pending", "claimed", "ready")  # assignment states that hold a slot on a node
+
+
+@dataclass(frozen=True)
+class AwsSettings:
+    group: str  # the Auto Scaling Group's name
+    bucket: str  # packages live under packages/<sha256>.pkg
+    tables: str = "ember-"  # prefix of the nodes and replicas tables
+    replicas_per_node: int = 1
+
+    @classmethod
+    def from_env(cls) -> "AwsSettings":
+        missing = [v for v in ("EMBER_AWS_ASG", "EMBER_AWS_BUCKET") if not os.environ.get(v)]
+        if missing:
+            raise RuntimeError(f"--backend aws needs {' and '.join(missing)} set (the Auto Scaling Group and bucket "
+                               "that terraform/examples/basic outputs)")
+        return cls(os.environ["EMBER_AWS_ASG"], os.environ["EMBER_AWS_BUCKET"], os.environ.get("EMBER_AWS_TABLES", "ember-"),
+                   int(os.environ.get("EMBER_AWS_REPLICAS_PER_NODE", "1")))
+
+
+def clients():
+    """boto3 clients and tables; AWS_ENDPOINT_URL (an emulator, in tests) is honoured by boto3 itself."""
+    return boto3.client("autoscaling"), boto3.client("s3"), boto3.resource("dynamodb")
+
+
+def nodes_needed(active: int, per_node: int, busy_nodes: int) -> int:
+    """Instances the group should have: enough slots for every replica, and never fewer than the nodes running some."""
+    return max(math.ceil(active / per_node), busy_nodes)
+
+
+def create_tables(dynamodb, prefix: str) -> None:
+    """The two tables (terraform creates them in a real account; tests and `ember` dev setups call this)."""
+    for name, key in ((f"{prefix}nodes", "node_id"), (f"{prefix}replicas", "replica_id")):
+        dynamodb.create_table(TableName=name, KeySchema=[{"AttributeName": key, "KeyType": "HASH"}],
+                              AttributeDefinitions=[{"AttributeName": key, "AttributeType": "S"}], BillingMode="PAY_PER_REQUEST")
+
+
+def scan(table, **kwargs) -> list[dict]:
+    items, start = [], {}
+    while True:
+        page = table.scan(**kwargs, **start)
+        items += page["Items"]
+        if "LastEvaluatedKey" not in page:
+            return items
+        start = {"ExclusiveStartKey": page["LastEvaluatedKey"]}
+
+
+class AwsBackend:
+    tier = "node-cold"  # a fresh instance pulls the package from the object store
+    can_park = False  # nodes stop idle replicas; parking across the network is not built yet
+    parked_ram = 0
+
+    def __init__(self, logs: Path, settings: AwsSettings):
+        self.logs, self.settings = logs, settings
+        self.autoscaling, self.s3, dynamodb = clients()
+        self.nodes = dynamodb.Table(f"{settings.tables}nodes")
+        self.replicas = dynamodb.Table(f"{settings.tables}replicas")
+        self.uploaded: dict[Path, tuple[str, str]] = {}  # package -> (S3 key, sha256)
+        self._sizing = asyncio.Lock()
+
+    @classmethod
+    def from_env(cls, logs: Path) -> "AwsBackend":
+        return cls(logs, AwsSettings.from_env())
+
+    def new_replica(self, app: str, unit: str) -> Replica:
+        replica_id = f"{unit.lower().replace('.', '-')}-{uuid.uuid4().hex[:8]}"
+        return Replica(replica_id, app, unit, self.logs / f"{app}.{replica_id}.log", tier=self.tier)
+
+    def _upload(self, package: Path) -> tuple[str, str]:
+        if package not in self.uploaded:
+            data = package.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+            key = f"packages/{digest}.pkg"
+            self.s3.put_object(Bucket=self.settings.bucket, Key=key, Body=data)
+            self.uploaded[package] = (key, digest)
+        return self.uploaded[package]
+
+    async def start(self, replica: Replica, package: Path, spec: FunctionSpec) -> None:
+        began = time.monotonic()
+        key, digest = await asyncio.to_thread(self._upload, package)
+        await asyncio.to_thread(self.replicas.put_item, Item={
+            "replica_id": replica.id, "app": replica.app, "unit": replica.unit, "package": key, "sha256": digest,
+            "gpus": str(spec.gpu or ""), "state": "pending", "created": str(time.time()),
+        })
+        await self.resize()
+        deadline = began + START_TIMEOUT
+        while True:
+            item = await self._item(replica)
+            state = item.get("state") if item else "stopped"
+            if state == "ready":
+                break
+            if state in ("failed", "stopped") or time.monotonic() > deadline:
+                replica.state = FAILED
+                replica.error = item.get("error") if item and state == "failed" else await self._why_not_started(replica, state)
+                await self._forget(replica)
+                return
+            replica.note = f"assignment {state}" + (f" on node {item['node_id']}" if item.get("node_id") else ": waiting for a node")
+            await asyncio.sleep(POLL)
+        now = time.monotonic()
+        replica.host, replica.port, replica.note = item["host"], int(item["port"]), None
+        replica.timings = {"claim_ms": int(item.get("claim_ms", 0)), "pull_ms": int(item.get("pull_ms", 0)),
+                           "boot_ms": int(item.get("boot_ms", 0)), "total_ms": round((now - began) * 1000)}
+        replica.state, replica.ready_at, replica.idle_since = HOT, now, now
+
+    async def _why_not_started(self, replica: Replica, state: str) -> str:
+        group = await asyncio.to_thread(self._group)
+        nodes = [n for n in await asyncio.to_thread(scan, self.nodes) if time.time() - float(n.get("heartbeat", 0)) < HEARTBEAT_TIMEOUT]
+        return (f"start failed: assignment {replica.id} still {state} after {START_TIMEOUT:g} s; group {self.settings.group} "
+                f"wants {group['DesiredCapacity']} instances (max {group['MaxSize']}), {len(nodes)} node agents alive: "
+                "check the instances boot and run `python -m ember.runtime.node_agent` (its log is on the instance)")
+
+    async def _item(self, replica: Replica) -> dict | None:
+        reply = await asyncio.to_thread(self.replicas.get_item, Key={"replica_id": replica.id}, ConsistentRead=True)
+        return reply.get("Item")
+
+    async def wait(self, replica: Replica) -> int:
+        """Until the replica ends: 0 when it was stopped, 1 when it failed or its node went silent."""
+        while True:
+            item = await self._item(replica)
+            if item is None or item["state"] == "stopped":
+                return 0
+            if item["state"] == "failed":
+                replica.error = item.get("error")
+                await self._forget(replica)
+                return 1
+            node = (await asyncio.to_thread(self.nodes.get_item, Key={"node_id": item["node_id"]})).get("Item")
+            if node is None or time.time() - float(node.get("heartbeat", 0)) > HEARTBEAT_TIMEOUT:
+                await self._forget(replica)
+                return 1
+            await asyncio.sleep(1.0)
+
+    async def stop(self, replica: Replica, grace: float = 10.0) -> None:
+        """Ask its node agent to stop it; once stopped (or after `grace`), forget it and shrink the group."""
+        await asyncio.to_thread(self.replicas.update_item, Key={"replica_id": replica.id}, UpdateExpression="SET #s = :stop",
+                                ExpressionAttributeNames={"#s": "state"}, ExpressionAttributeValues={":stop": "stop"})
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            item = await self._item(replica)
+            if item is None or item["state"] in ("stopped", "failed") or not item.get("node_id"):
+                break
+            await asyncio.sleep(POLL)
+        await self._forget(replica)
+
+    async def _forget(self, replica: Replica) -> None:
+        await asyncio.to_thread(self.replicas.delete_item, Key={"replica_id": replica.id})
+        await self.resize()
+
+    def _group(self) -> dict:
+        return self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[self.settings.group])["AutoScalingGroups"][0]
+
+    async def resize(self) -> None:
+        async with self._sizing:
+            await asyncio.to_thread(self._resize)
+
+    def _resize(self) -> None:
+        """Desired capacity = nodes the active assignments need; the surplus leaves as idle instances only."""
+        active = [r for r in scan(self.replicas) if r["state"] in ACTIVE + ("stop",)]
+        busy = {r["node_id"] for r in active if r.get("node_id")}
+        want = nodes_needed(len(active), self.settings.replicas_per_node, len(busy))
+        group = self._group()
+        instances = [i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] in ("Pending", "InService")]
+        if want > group["DesiredCapacity"]:
+            log.info("group %s: desired %d -> %d for %d replicas", self.settings.group, group["DesiredCapacity"], want, len(active))
+            self.autoscaling.set_desired_capacity(AutoScalingGroupName=self.settings.group, DesiredCapacity=want, HonorCooldown=False)
+            return
+        for instance in [i for i in instances if i not in busy][: max(len(instances) - want, 0)]:
+            # draining first: its agent claims no new assignment between this and its termination
+            self.nodes.update_item(Key={"node_id": instance}, UpdateExpression="SET #s = :d",
+                                   ExpressionAttributeNames={"#s": "state"}, ExpressionAttributeValues={":d": "draining"})
+            if any(r.get("node_id") == instance for r in scan(self.replicas, FilterExpression=Attr("node_id").eq(instance))):
+                continue  # it claimed one just before the mark: keep it
+            log.info("group %s: terminating idle instance %s", self.settings.group, instance)
+            self.autoscaling.terminate_instance_in_auto_scaling_group(InstanceId=instance, ShouldDecrementDesiredCapacity=True)

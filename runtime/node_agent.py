@@ -1,0 +1,182 @@
+"""The node agent: runs on each instance of the Auto Scaling Group and runs the replicas assigned to it.
+
+    python -m ember.runtime.node_agent --instance-id ID --address HOST [--gpus N] [--slots N] [--work DIR]
+
+It registers the instance (address, GPUs, heartbeat) in the nodes table, claims pending assignments
+from the replicas table with a conditional write, pulls each package from S3 (its sha256 checked),
+starts the worker with the local backend's process code, and writes back the replica's address and
+state. A replica whose assignment turns to "stop" is stopped. Once its instance is marked draining and
+runs nothing, the agent exits: the gateway is about to terminate the instance.
+Reads EMBER_AWS_BUCKET, EMBER_AWS_TABLES (default "ember-") and AWS_ENDPOINT_URL like the gateway.
+"""
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import boto3
+from botocore.exceptions import ClientError
+
+from ember.gateway.backends.aws import scan
+from ember.gateway.backends.local import LocalBackend
+from ember.gateway.replica import FAILED, STOPPING, Replica
+from ember.package import read_manifest
+from ember.spec import FunctionSpec
+
+log = logging.getLogger("ember.node_agent")
+POLL = 0.2
+
+
+class NodeAgent:
+    def __init__(self, instance_id: str, address: str, gpus: int, slots: int, work: Path, bucket: str, tables: str):
+        self.instance_id, self.address, self.slots, self.work, self.bucket = instance_id, address, slots, work, bucket
+        (work / "logs").mkdir(parents=True, exist_ok=True)
+        (work / "packages").mkdir(parents=True, exist_ok=True)
+        self.backend = LocalBackend(work / "logs", parked_ram=0, gpus=[str(i) for i in range(gpus)])
+        self.gpus = gpus
+        self.s3 = boto3.client("s3")
+        dynamodb = boto3.resource("dynamodb")
+        self.nodes, self.replicas = dynamodb.Table(f"{tables}nodes"), dynamodb.Table(f"{tables}replicas")
+        self.running: dict[str, Replica] = {}
+        self.tasks: set[asyncio.Task] = set()
+
+    def heartbeat(self) -> str:
+        """Register or refresh this node; returns its state ("ready", or "draining" once the gateway marked it)."""
+        reply = self.nodes.update_item(
+            Key={"node_id": self.instance_id}, ReturnValues="ALL_NEW",
+            UpdateExpression="SET address = :a, gpus = :g, slots = :n, heartbeat = :t, #s = if_not_exists(#s, :ready)",
+            ExpressionAttributeNames={"#s": "state"},
+            ExpressionAttributeValues={":a": self.address, ":g": self.gpus, ":n": self.slots, ":t": str(time.time()), ":ready": "ready"},
+        )
+        return reply["Attributes"]["state"]
+
+    async def run(self) -> None:
+        while True:
+            state = self.heartbeat()
+            if state == "draining" and not self.running:
+                log.info("node %s is draining and idle: exiting", self.instance_id)
+                return
+            for item in scan(self.replicas):
+                if item["state"] == "pending" and state == "ready" and len(self.running) < self.slots:
+                    self._claim(item)
+                elif item.get("node_id") == self.instance_id and item["state"] == "stop" and item["replica_id"] in self.running:
+                    self._spawn(self._stop(self.running[item["replica_id"]]))
+            await asyncio.sleep(POLL)
+
+    def _claim(self, item: dict) -> None:
+        """Take a pending assignment; the condition makes exactly one node win it."""
+        try:
+            self.replicas.update_item(
+                Key={"replica_id": item["replica_id"]}, ConditionExpression="#s = :pending",
+                UpdateExpression="SET #s = :claimed, node_id = :me, claim_ms = :ms",
+                ExpressionAttributeNames={"#s": "state"},
+                ExpressionAttributeValues={":pending": "pending", ":claimed": "claimed", ":me": self.instance_id,
+                                           ":ms": round((time.time() - float(item["created"])) * 1000)},
+            )
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] == "ConditionalCheckFailedException":
+                return  # another node won it
+            raise
+        replica = Replica(item["replica_id"], item["app"], item["unit"], self.work / "logs" / f"{item['app']}.{item['replica_id']}.log",
+                          host=self.address, tier="node-cold")
+        self.running[replica.id] = replica
+        log.info("claimed %s (%s/%s)", replica.id, replica.app, replica.unit)
+        self._spawn(self._serve(replica, item))
+
+    def _pull(self, key: str, digest: str) -> Path:
+        path = self.work / "packages" / f"{digest}.pkg"
+        if not path.exists():
+            data = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise ValueError(f"package s3://{self.bucket}/{key} does not match its sha256 {digest}: redeploy the app")
+            path.with_suffix(".part").write_bytes(data)
+            path.with_suffix(".part").rename(path)
+        return path
+
+    def _set(self, replica: Replica, **values) -> None:
+        names = {f"#{k}": k for k in values}
+        self.replicas.update_item(Key={"replica_id": replica.id}, UpdateExpression="SET " + ", ".join(f"#{k} = :{k}" for k in values),
+                                  ExpressionAttributeNames=names, ExpressionAttributeValues={f":{k}": v for k, v in values.items()},
+                                  ConditionExpression="attribute_exists(replica_id)")
+
+    async def _serve(self, replica: Replica, item: dict) -> None:
+        try:
+            began = time.monotonic()
+            package = await asyncio.to_thread(self._pull, item["package"], item["sha256"])
+            pulled = time.monotonic()
+            spec = FunctionSpec(**read_manifest(package)["units"][replica.unit]["spec"])
+            await self.backend.start(replica, package, spec)
+            if replica.state == FAILED:
+                self._set(replica, state="failed", error=replica.error)
+                return
+            self._set(replica, state="ready", host=self.address, port=replica.port, pull_ms=round((pulled - began) * 1000),
+                      boot_ms=round((time.monotonic() - pulled) * 1000))
+            log.info("replica %s ready on %s", replica.id, replica.address)
+            code = await self.backend.wait(replica)
+            if replica.state != STOPPING:
+                self._set(replica, state="failed", error=f"worker exited with code {code} while serving (log on node {self.instance_id}: {replica.log_path})")
+        except ClientError as exc:  # the gateway forgot the assignment (it gave up or was stopped): stop serving it
+            log.info("replica %s: assignment gone (%s); stopping", replica.id, exc.response["Error"]["Code"])
+            await self.backend.stop(replica)
+        except Exception as exc:  # a failed pull or a bad package is this assignment's failure, not the agent's
+            log.exception("replica %s failed", replica.id)
+            with contextlib.suppress(ClientError):
+                self._set(replica, state="failed", error=f"start failed on node {self.instance_id}: {type(exc).__name__}: {exc}")
+            await self.backend.stop(replica)
+        finally:
+            self.running.pop(replica.id, None)
+
+    async def _stop(self, replica: Replica) -> None:
+        replica.state = STOPPING
+        await self.backend.stop(replica)
+        with contextlib.suppress(ClientError):  # the gateway may already have forgotten it
+            self._set(replica, state="stopped")
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self.backend.stop(r) for r in list(self.running.values())))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ember.runtime.node_agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--instance-id", required=True, help="this instance's EC2 id (from the instance metadata)")
+    parser.add_argument("--address", required=True, help="the address the gateway reaches this instance at")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs on this instance (default 0)")
+    parser.add_argument("--slots", type=int, default=1, help="replicas this instance runs at once (default 1)")
+    parser.add_argument("--work", type=Path, default=Path(os.environ.get("EMBER_HOME", "/var/lib/ember")),
+                        help="where packages and replica logs go")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    bucket = os.environ.get("EMBER_AWS_BUCKET")
+    if not bucket:
+        print("error: set EMBER_AWS_BUCKET to the bucket the gateway uploads packages to", file=sys.stderr)
+        return 2
+    agent = NodeAgent(args.instance_id, args.address, args.gpus, args.slots, args.work, bucket, os.environ.get("EMBER_AWS_TABLES", "ember-"))
+
+    async def run() -> None:
+        task = asyncio.current_task()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # stop the replicas (their exit hooks run) before leaving
+            asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
+        try:
+            await agent.run()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await agent.stop_all()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""A test app that parks when idle: a class whose park and wake are counted."""
+import os
+
+import ember
+
+app = ember.App("parking")
+
+
+@app.cls(park_after=0.5, scaledown_window=4)
+class Model:
+    @ember.enter()
+    def load(self):
+        self.parks = self.wakes = 0
+
+    def __ember_park__(self):
+        self.parks += 1
+
+    def __ember_wake__(self):
+        self.wakes += 1
+
+    @ember.method()
+    def predict(self) -> dict:
+        return {"pid": os.getpid(), "parks": self.parks, "wakes": self.wakes}

@@ -1,0 +1,111 @@
+"""The AWS backend against moto_server: a call at zero raises the group's desired capacity, a node agent (a local
+process standing in for the instance) claims the assignment and serves it, and the idle instance goes after the window."""
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+
+from ember.gateway.backends.aws import create_tables, nodes_needed
+from tests.aws_emulator import aws_env, moto_server
+
+APPS = Path(__file__).parent / "apps"
+GROUP, BUCKET = "ember-gpu", "ember-packages"
+
+
+def test_nodes_needed_fit_replicas_and_keep_busy_nodes():
+    assert nodes_needed(0, 2, 0) == 0
+    assert nodes_needed(3, 2, 0) == 2
+    assert nodes_needed(1, 2, 2) == 2  # scale-in never takes a node that runs a replica
+
+
+class FakeInstances:
+    """Plays EC2: a node agent process for every instance the group launches, gone when the group drops it."""
+
+    def __init__(self, autoscaling, work: Path):
+        self.autoscaling, self.work = autoscaling, work
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.launched: list[str] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.2):
+            group = self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[GROUP])["AutoScalingGroups"][0]
+            live = {i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] in ("Pending", "InService")}
+            for instance in sorted(live - set(self.agents)):
+                log = open(self.work / f"{instance}.log", "w")
+                self.agents[instance] = subprocess.Popen(
+                    [sys.executable, "-m", "ember.runtime.node_agent", "--instance-id", instance, "--address", "127.0.0.1",
+                     "--work", str(self.work / instance)], stdout=log, stderr=subprocess.STDOUT)
+                self.launched.append(instance)
+            for instance in set(self.agents) - live:  # terminated by the group
+                self.agents[instance].terminate()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+        for process in self.agents.values():
+            process.terminate()
+        for process in self.agents.values():
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def aws(tmp_path, monkeypatch):
+    with moto_server() as endpoint:
+        env = aws_env(endpoint) | {"EMBER_AWS_ASG": GROUP, "EMBER_AWS_BUCKET": BUCKET}
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("AWS_PROFILE", raising=False)
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        create_tables(boto3.resource("dynamodb"), "ember-")
+        ec2, autoscaling = boto3.client("ec2"), boto3.client("autoscaling")
+        image = ec2.describe_images()["Images"][0]["ImageId"]
+        ec2.create_launch_template(LaunchTemplateName="ember-node", LaunchTemplateData={"ImageId": image, "InstanceType": "g5.xlarge"})
+        autoscaling.create_auto_scaling_group(
+            AutoScalingGroupName=GROUP, LaunchTemplate={"LaunchTemplateName": "ember-node"}, MinSize=0, MaxSize=3,
+            DesiredCapacity=0, AvailabilityZones=["us-east-1a"])
+        instances = FakeInstances(autoscaling, tmp_path)
+        try:
+            yield autoscaling, instances
+        finally:
+            instances.stop()
+
+
+def desired(autoscaling) -> int:
+    return autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[GROUP])["AutoScalingGroups"][0]["DesiredCapacity"]
+
+
+def test_call_at_zero_scales_the_group_out_and_back_in(aws, serve):
+    autoscaling, instances = aws
+    served = serve(APPS / "quick.py", "--backend", "aws")
+    assert desired(autoscaling) == 0
+    with served.client(served.key()) as http:
+        reply = http.post("/quick/add", json={"a": 2, "b": 3})
+        assert desired(autoscaling) == 1  # read while the replica is still up
+    assert reply.status_code == 200 and reply.json()["result"]["sum"] == 5
+    assert reply.headers["x-ember-cold-start"].startswith("node-cold; ms=")
+    [instance] = instances.launched
+    assert reply.json()["result"]["pid"] != os.getpid()
+    [replica] = served.status()["apps"]["quick"]["functions"]["add"]["replicas"]
+    assert replica["address"].startswith("127.0.0.1:") and replica["start"]["tier"] == "node-cold"
+
+    deadline = time.monotonic() + 20
+    while desired(autoscaling) != 0:  # scaledown_window 1.5 s, then the idle instance is terminated
+        assert time.monotonic() < deadline, "the group never scaled back to zero"
+        time.sleep(0.3)
+    instances.agents[instance].wait(10)
+    assert f"node {instance} is draining and idle: exiting" in (instances.work / f"{instance}.log").read_text()
+    nodes = boto3.resource("dynamodb").Table("ember-nodes").get_item(Key={"node_id": instance})["Item"]
+    assert nodes["state"] == "draining"
+    assert boto3.resource("dynamodb").Table("ember-replicas").scan()["Items"] == []

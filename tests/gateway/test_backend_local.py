@@ -1,0 +1,102 @@
+"""The local backend: GPUs handed out by CUDA_VISIBLE_DEVICES, a CPU fallback, parking with a host-RAM budget."""
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ember.gateway.backends.local import parked_over_budget, parse_size
+from ember.spec import FunctionSpec, SpecError, build_spec
+
+APPS = Path(__file__).parent / "apps"
+
+
+def wait_for(check, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def test_sizes_and_budget_pick_the_oldest_parked():
+    assert parse_size("8GiB") == 8 * 2**30 and parse_size("512M") == 512 * 2**20 and parse_size("1000") == 1000
+    with pytest.raises(ValueError, match="write it like 8GiB"):
+        parse_size("eight gigs")
+    parked = [("new", 100, 3.0), ("old", 100, 1.0), ("mid", 100, 2.0)]
+    assert parked_over_budget(parked, 300) == []
+    assert parked_over_budget(parked, 250) == ["old"]
+    assert parked_over_budget(parked, 0) == ["old", "mid", "new"]
+
+
+def test_park_after_is_checked_against_the_window():
+    assert FunctionSpec(park_after=2, scaledown_window=10).park_after == 2
+    with pytest.raises(SpecError, match=r"park_after \(10\) must be < scaledown_window \(10\)"):
+        build_spec("@app.function", {"park_after": 10, "scaledown_window": 10})
+    with pytest.raises(SpecError, match="park_after: Input should be greater than 0"):
+        build_spec("@app.function", {"park_after": 0})
+
+
+def test_each_gpu_replica_gets_its_own_device_and_a_third_waits(serve, monkeypatch):
+    monkeypatch.setenv("EMBER_GPUS", "0,1")
+    served = serve(APPS / "gpus.py")
+    with served.client(served.key()) as http, ThreadPoolExecutor(4) as pool:
+        assert http.post("/gpus/cpu", json={}).json()["result"] == ""  # no gpu= -> no GPU
+        calls = [pool.submit(http.post, "/gpus/devices", json={"seconds": 3.0}) for _ in range(3)]
+
+        def waiting():
+            replicas = served.status()["apps"]["gpus"]["functions"]["devices"]["replicas"]
+            return [r for r in replicas if r["note"] and "waiting for 1 free GPU(s): 0 of 2 free" in r["note"]]
+
+        wait_for(waiting, 20, "a third replica to wait for a GPU")
+        replies = [c.result() for c in calls]
+    assert all(r.status_code == 200 for r in replies)
+    assert sorted(r.json()["result"] for r in replies[:3]) in (["0", "0", "1"], ["0", "1", "1"])
+    replicas = served.status()["apps"]["gpus"]["functions"]["devices"]["replicas"]
+    assert sorted(g for r in replicas for g in r["gpus"]) == ["0", "1"]  # never the same GPU twice
+
+
+def test_gpu_function_runs_on_a_cpu_machine_with_a_warning(serve, monkeypatch):
+    monkeypatch.setenv("EMBER_GPUS", "")
+    served = serve(APPS / "gpus.py")
+    with served.client(served.key()) as http:
+        assert http.post("/gpus/devices", json={}).json()["result"] == ""
+    [replica] = served.status()["apps"]["gpus"]["functions"]["devices"]["replicas"]
+    assert "this machine has no GPU: running on CPU" in replica["note"]
+
+
+def test_required_gpu_on_a_cpu_machine_fails_the_start_with_the_fix(serve, monkeypatch):
+    monkeypatch.setenv("EMBER_GPUS", "")
+    monkeypatch.setenv("EMBER_REQUIRE_GPU", "1")
+    served = serve(APPS / "gpus.py")
+    with served.client(served.key()) as http:
+        reply = http.post("/gpus/devices", json={})
+    assert reply.status_code == 503 and reply.headers["retry-after"]
+    assert "has no GPU (EMBER_REQUIRE_GPU=1); unset it to run on CPU" in reply.json()["error"]["message"]
+
+
+def test_idle_replica_parks_wakes_on_a_call_and_is_evicted_after_the_window(serve):
+    served = serve(APPS / "parking.py")
+    model = lambda: served.status()["apps"]["parking"]["functions"]["Model"]  # noqa: E731
+    with served.client(served.key()) as http:
+        first = http.post("/parking/Model.predict", json={})
+        assert first.json()["result"]["parks"] == 0
+        [parked] = wait_for(lambda: [r for r in model()["replicas"] if r["state"] == "parked" and r["parked_bytes"]], 10, "a park")
+        assert parked["parked_bytes"] > 10 * 2**20  # the worker's resident host RAM, what parking it costs the node
+        second = http.post("/parking/Model.predict", json={})
+    assert second.headers["x-ember-replica"] == first.headers["x-ember-replica"] == parked["id"]
+    assert second.headers["x-ember-cold-start"].startswith("parked; ms=")
+    assert second.json()["result"] == {"pid": first.json()["result"]["pid"], "parks": 1, "wakes": 1}
+    assert any(d["action"] == "park" for d in model()["decisions"])
+    wait_for(lambda: model()["replicas"] == [], 15, "eviction after scaledown_window")
+    assert any(d["action"] == "evict" and "scaledown_window" in d["reason"] for d in model()["decisions"])
+
+
+def test_a_park_over_the_host_ram_budget_evicts_instead(serve):
+    served = serve(APPS / "parking.py", "--parked-ram", "1MiB")
+    model = lambda: served.status()["apps"]["parking"]["functions"]["Model"]  # noqa: E731
+    with served.client(served.key()) as http:
+        assert http.post("/parking/Model.predict", json={}).status_code == 200
+    wait_for(lambda: model()["replicas"] == [], 10, "the over-budget park to evict")
+    [evict] = [d for d in model()["decisions"] if d["action"] == "evict"]
+    assert "> budget 1048576: oldest parked goes" in evict["reason"]
