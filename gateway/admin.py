@@ -62,6 +62,8 @@ def admin_router(gateway: "Gateway") -> APIRouter:
                     "methods": unit.methods,
                     "asgi": unit.asgi,
                     "replicas": [r.describe(now) | {"pid": r.process.pid if r.process else None} for r in unit.queue.replicas.values()],
+                    "replicas_by_state": {state: sum(r.state == state for r in unit.queue.replicas.values())
+                                          for state in ("starting", "hot", "parked")} | {"failed": len(unit.failures)},
                     "queue_depth": unit.queue.depth,
                     "in_flight": unit.queue.in_flight,
                     "failed": list(unit.failures),
