@@ -199,15 +199,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     for app, info in status["apps"].items():
         print(f"app {app}  (package {info['package']})")
         for name, unit in info["functions"].items():
-            print(f"  {name}: {len(unit['replicas'])} replicas, queue depth {unit['queue_depth']}, in flight {unit['in_flight']}")
+            states = ", ".join(f"{n} {state}" for state, n in unit["replicas_by_state"].items())
+            print(f"  {name}: replicas {states}; queue depth {unit['queue_depth']}, in flight {unit['in_flight']}")
             for r in unit["replicas"]:
                 start = r["start"]
                 breakdown = ", ".join(f"{k}={v}" for k, v in start.items() if k != "tier")
                 print(f"    {r['id']:<24} {r['state']:<9} in_flight={r['in_flight']} age={r['age_s']}s  start: {start['tier']} {breakdown}")
+                if r.get("note"):
+                    print(f"      note: {r['note']}")
             for f in unit["failed"]:
                 print(f"    FAILED {f['id']} {now - f['at']:.0f}s ago: {f['error']}  (log: {f['log']})")
-            for d in unit["decisions"][-3:]:
-                print(f"    decision {now - d['t']:.0f}s ago: {d['action']} {d['replica'] or d['count']}: {d['reason']}")
+            for d in unit["decisions"][-5:]:
+                print(f"    decision at {datetime.fromtimestamp(d['t']):%H:%M:%S} ({now - d['t']:.0f}s ago): "
+                      f"{d['action']} {d['replica'] or d['count']}: {d['reason']}")
     return 0
 
 
