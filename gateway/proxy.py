@@ -86,6 +86,7 @@ class Relay(Response):
 
     def __init__(self, upstream: httpx.Response, on_close: Callable[[], Awaitable[None]], meter: UsageMeter | None = None):
         self.upstream, self.on_close, self.meter = upstream, on_close, meter
+        self.closed = False
         self.status_code = upstream.status_code
         self.background = None
         passed = [(k, v) for k, v in upstream.headers.multi_items() if k.lower() not in HOP_BY_HOP]
@@ -106,6 +107,7 @@ class Relay(Response):
                     raise
                 error = {"error": {"type": "replica_failed", "message": f"the replica failed mid-stream ({type(exc).__name__}); retry the request"}}
                 await send({"type": "http.response.body", "body": f"event: error\ndata: {json.dumps(error)}\n\n".encode(), "more_body": True})
+            await self.close()  # before the client sees the end, so its next request finds the slot and tokens settled
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def watch_disconnect() -> None:
@@ -123,5 +125,10 @@ class Relay(Response):
         except OSError:
             pass  # the client went away mid-send
         finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
             await self.upstream.aclose()
             await self.on_close()

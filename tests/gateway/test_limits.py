@@ -1,0 +1,65 @@
+"""Rate limits over a real HTTPS socket: per key and per app, tokens settled from the reply's usage, and two
+gateway processes sharing one real redis-server enforcing one limit together."""
+import concurrent.futures
+from pathlib import Path
+
+from tests.redis_server import redis_url  # noqa: F401  (pytest fixture)
+
+APPS = Path(__file__).parent / "apps"
+
+
+def test_requests_per_minute_per_key_and_per_app(serve):
+    served = serve(APPS / "quick.py")
+    key = served.cli("keys", "create", "--quiet", "--name", "slow", "--rpm", "3").stdout.strip()
+    with served.client(key) as http:
+        replies = [http.post("/quick/add", json={"a": 1, "b": 1}) for _ in range(4)]
+    assert [r.status_code for r in replies] == [200, 200, 200, 429]
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in replies[:3]] == ["2", "1", "0"]
+    assert replies[0].headers["x-ratelimit-limit-requests"] == "3"
+    denied = replies[3]
+    assert denied.json()["error"]["type"] == "rate_limit_exceeded" and "requests per minute" in denied.json()["error"]["message"]
+    assert 1 <= int(denied.headers["retry-after"]) <= 20
+
+    with served.client(served.key("root", admin=True)) as admin:
+        put = admin.put("/admin/apps/quick/limits", json={"rpm": 2})
+        assert put.status_code == 200, put.text
+        assert admin.get("/admin/apps/quick/limits").json()["rpm"] == 2
+        assert admin.put("/admin/apps/Bad..Name/limits", json={"rpm": 2}).status_code == 400
+    with served.client(served.key("unlimited")) as http:  # the app's limit binds a key that has none
+        assert [http.post("/quick/add", json={"a": 1, "b": 1}).status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_concurrency_and_tokens_are_settled_when_the_response_ends(serve):
+    served = serve(APPS / "fleet.py")
+    key = served.cli("keys", "create", "--quiet", "--name", "llm", "--tpm", "1000", "--concurrency", "1").stdout.strip()
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600, "words": 5}
+    with served.client(key) as http, served.client(key) as other:
+        first = http.post("/fleet/v1/chat/completions", json=chat)
+        assert first.status_code == 200, first.text
+        assert int(first.headers["x-ratelimit-remaining-tokens"]) < 400  # ~610 reserved at admission ...
+        after_first = http.post("/fleet/v1/chat/completions", json=chat | {"max_tokens": 1})
+        assert int(after_first.headers["x-ratelimit-remaining-tokens"]) > 950  # ... settled to the reply's usage, 12
+        stream = chat | {"stream": True, "words": 20, "delay": 0.05, "stream_options": {"include_usage": True}}
+        with http.stream("POST", "/fleet/v1/chat/completions", json=stream) as events:
+            lines = events.iter_lines()
+            assert next(lines).startswith("data:")
+            busy = other.post("/fleet/v1/chat/completions", json=chat)  # the stream holds the one slot
+            assert busy.status_code == 429 and "concurrent requests" in busy.json()["error"]["message"]
+            assert any('"usage"' in line for line in lines)
+        after_stream = other.post("/fleet/v1/chat/completions", json=chat | {"max_tokens": 1})
+        assert after_stream.status_code == 200
+        # The stream's usage (27) and one small request, not the stream's 610-token reservation.
+        assert int(after_stream.headers["x-ratelimit-remaining-tokens"]) > 900
+
+
+def test_two_gateways_sharing_redis_admit_exactly_the_limit_together(serve, redis_url):  # noqa: F811
+    first = serve(APPS / "quick.py", "--redis", redis_url)
+    second = serve(APPS / "quick.py", "--redis", redis_url)  # same EMBER_HOME: same key database
+    for served in (first, second):  # start each gateway's replica with a key that has no limit
+        with served.client(first.key("warm")) as http:
+            assert http.post("/quick/add", json={"a": 0, "b": 0}).status_code == 200
+    key = first.cli("keys", "create", "--quiet", "--name", "shared", "--rpm", "10").stdout.strip()
+    with first.client(key) as a, second.client(key) as b:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda i: (a if i % 2 else b).post("/quick/add", json={"a": i, "b": 0}).status_code, range(24)))
+    assert codes.count(200) == 10 and codes.count(429) == 14, codes
