@@ -1,0 +1,94 @@
+"""Which replica serves, over a real HTTPS socket: X-Session-ID and prompt-prefix affinity against round robin,
+and what a client sees when its replica is kill -9'd before or during the reply."""
+import concurrent.futures
+import os
+import signal
+import time
+from pathlib import Path
+
+APPS = Path(__file__).parent / "apps"
+SYSTEM = "You are a careful assistant. " * 20  # a shared prefix well over one routing block
+
+
+def _hot(served, unit: str, n: int) -> list[dict]:
+    deadline = time.monotonic() + 60
+    while True:
+        replicas = [r for r in served.status()["apps"]["fleet"]["functions"][unit]["replicas"] if r["state"] == "hot"]
+        if len(replicas) >= n:
+            return replicas
+        assert time.monotonic() < deadline, f"{unit} never had {n} hot replicas"
+        time.sleep(0.3)
+
+
+def _replicas_by_session(http, sessions: int, turns: int) -> dict[str, set[str]]:
+    seen: dict[str, set[str]] = {}
+    for turn in range(turns):
+        for s in range(sessions):
+            reply = http.post("/fleet/where", json={}, headers={"X-Session-ID": f"user-{s}"})
+            assert reply.status_code == 200, reply.text
+            seen.setdefault(f"user-{s}", set()).add(reply.headers["x-ember-replica"])
+    return seen
+
+
+def _prefix_pids(http, n: int) -> set[int]:
+    chat = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}], "max_tokens": 2}
+    return {http.post("/fleet/v1/chat/completions", json=chat).json()["pid"] for _ in range(n)}
+
+
+def test_sessions_and_prefixes_stick_to_a_replica_under_affinity_but_not_round_robin(serve):
+    affinity = serve(APPS / "fleet.py")
+    _hot(affinity, "where", 3), _hot(affinity, "Llm", 2)
+    with affinity.client(affinity.key()) as http:
+        seen = _replicas_by_session(http, sessions=12, turns=3)
+        assert all(len(replicas) == 1 for replicas in seen.values()), seen
+        assert len(set().union(*seen.values())) >= 2  # sessions spread over the replicas
+        assert len(_prefix_pids(http, 6)) == 1
+        bad = http.post("/fleet/where", json={}, headers={"X-Session-ID": "x" * 300})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_session_id"
+    _stop(affinity)
+
+    round_robin = serve(APPS / "fleet.py", "--routing", "round-robin")
+    _hot(round_robin, "where", 3), _hot(round_robin, "Llm", 2)
+    with round_robin.client(round_robin.key()) as http:
+        seen = _replicas_by_session(http, sessions=4, turns=3)
+        assert all(len(replicas) == 3 for replicas in seen.values()), seen
+        assert len(_prefix_pids(http, 6)) == 2
+
+
+def _stop(served) -> None:
+    os.killpg(served.process.pid, signal.SIGTERM)
+    served.process.wait(20)
+
+
+def test_a_replica_killed_mid_call_is_retried_on_another(serve):
+    served = serve(APPS / "fleet.py")
+    _hot(served, "where", 3)
+    with served.client(served.key(), timeout=30) as http, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        began = time.monotonic()
+        pending = pool.submit(http.post, "/fleet/where", json={"seconds": 2.0})
+        deadline = time.monotonic() + 10
+        while not (busy := [r for r in _hot(served, "where", 1) if r["in_flight"]]):
+            assert time.monotonic() < deadline, "the call never reached a replica"
+            time.sleep(0.05)
+        os.kill(busy[0]["pid"], signal.SIGKILL)
+        reply = pending.result(timeout=20)
+    assert time.monotonic() - began < 15
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["result"] != busy[0]["pid"] and reply.headers["x-ember-replica"] != busy[0]["id"]
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_event(serve):
+    served = serve(APPS / "fleet.py")
+    replicas = {r["id"]: r["pid"] for r in _hot(served, "Llm", 2)}
+    stream = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True, "delay": 0.05}
+    with served.client(served.key(), timeout=30) as http:
+        began = time.monotonic()
+        with http.stream("POST", "/fleet/v1/chat/completions", json=stream) as events:
+            lines = events.iter_lines()
+            assert next(lines).startswith("data:")
+            os.kill(replicas[events.headers["x-ember-replica"]], signal.SIGKILL)
+            rest = list(lines)
+    assert time.monotonic() - began < 10
+    assert "event: error" in rest
+    error = next(line for line in rest if line.startswith("data:") and "replica_failed" in line)
+    assert '"type": "replica_failed"' in error
