@@ -1,5 +1,6 @@
 """Engine configuration: the one dataclass that says which model runs where and how big the batches are."""
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "flashinfer", "sdpa")
@@ -20,6 +21,9 @@ class EngineConfig:
     attention_backend: str = "auto"    # "flashinfer" on CUDA when importable, else "sdpa"
     enforce_eager: bool = False        # True disables CUDA graphs
     log_token_ids: bool = False        # log prompt/output token ids per request
+    # Weight snapshots: "local" ($EMBER_HOME/snapshots) or "s3://bucket/prefix"; None boots from safetensors
+    # every time. A replica of a snapshot=True function gets EMBER_SNAPSHOT_STORE from its worker.
+    snapshot_store: str | None = field(default_factory=lambda: os.environ.get("EMBER_SNAPSHOT_STORE") or None)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -32,5 +36,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: use at least 1, or None to size it automatically")
+        if self.snapshot_store not in (None, "local") and not self.snapshot_store.startswith("s3://"):
+            raise ValueError(f"snapshot_store={self.snapshot_store!r} (EMBER_SNAPSHOT_STORE): use 'local', "
+                             "'s3://bucket/prefix', or None for no snapshots")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: use a fraction in (0, 1]")

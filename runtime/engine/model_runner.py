@@ -25,7 +25,9 @@ class ModelRunner:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = _DTYPES[config.dtype]
-        self.model, self.hf_config = load_model(config.model, self.dtype, self.device)
+        # weights_start: where the weights came from (snapshot or full boot), how long, how fast
+        self.model, self.hf_config, self.weights_start = load_model(config.model, self.dtype, self.device,
+                                                                    config.snapshot_store)
         hf = self.hf_config
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or hf.max_position_embeddings

@@ -1,17 +1,49 @@
-"""Build a model from a Hugging Face directory: config.json picks the architecture, safetensors fill the weights."""
+"""Build a model from a Hugging Face directory: config.json picks the architecture, safetensors fill the weights.
+
+With a snapshot store (EngineConfig.snapshot_store), the weights come from the snapshot of this
+model in this dtype when the store holds a sound one, restored straight into the preallocated
+parameters; otherwise from the safetensors, after which the snapshot is written for the next start.
+A corrupt snapshot is quarantined by the snapshot library and the model is built again from scratch.
+
+The snapshot's name is a content identity, so it means the same weights on every node:
+sha256 over the engine's tensor layout version, the dtype and, per weight file, its name, size,
+safetensors header (every tensor's name, dtype, shape and offsets) and an xxh3 of SAMPLES
+windows spread over its data. The samples keep the key cheap on a 100 GB model (a few MiB read
+per file); they catch a retrained or re-converted checkpoint, since those change every window,
+but not an edit confined to bytes between windows. Paths and mtimes are left out on purpose:
+a copy of the same model elsewhere restores the same snapshot. The directory's name (the name the
+engine serves the model under) prefixes the digest so that `ember snapshot ls` is readable.
+"""
+import hashlib
+import logging
+import os
+import re
+import struct
+import time
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 from transformers import AutoConfig
+
+from ember.snapshot import WeightsStart, open_store, restore_or_boot
 
 from .llama import LlamaForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
+logger = logging.getLogger(__name__)
+
 ARCHITECTURES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+LAYOUT_VERSION = 1  # bump when the model classes change parameter names, shapes or fusing
+SAMPLES, WINDOW = 16, 256 << 10
+
+last_start: WeightsStart | None = None  # this process's latest load; the worker adds it to the start breakdown
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device):
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapshot_store: str | None = None):
+    """(model, hf_config, WeightsStart); with `snapshot_store`, restore from or write a snapshot."""
+    global last_start
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ValueError(f"{model_dir!r} has no config.json: pass a Hugging Face model directory")
@@ -22,11 +54,43 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device):
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir!r} has no *.safetensors weights")
+
+    def make_model():
+        return empty_model(cls, config, dtype, device)
+
+    def load_weights(model):
+        load_safetensors(model, files, model_dir, config.tie_word_embeddings)
+
+    began = time.perf_counter()
+    if snapshot_store is None:
+        model = make_model()
+        load_weights(model)
+        start = WeightsStart("full", time.perf_counter() - began)
+    else:
+        key = snapshot_key(path, files, dtype)
+        model, start = restore_or_boot(make_model, load_weights, open_store(snapshot_store), key)
+    log_start(path.name, model, start, snapshot_store)
+    last_start = start
+    return model.eval(), config, start
+
+
+def empty_model(cls, config, dtype: torch.dtype, device: torch.device):
+    """The model with its parameters allocated on `device` in `dtype`, uninitialised."""
     with torch.device("meta"):
         model = cls(config)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+        # The head is the embedding's tensor: a snapshot holds it once and restores into the shared tensor.
+        model.register_state_dict_post_hook(without_tied_head)
+    return model
+
+
+def without_tied_head(module, state, prefix, local_metadata) -> None:
+    del state[prefix + "lm_head.weight"]
+
+
+def load_safetensors(model, files: list[Path], model_dir: str, tied: bool) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     missing = set(params)
     for file in files:
@@ -36,8 +100,44 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device):
                     continue
                 params[name].data.copy_(f.get_tensor(name))
                 missing.discard(name)
-    if config.tie_word_embeddings:
+    if tied:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"weights missing from {model_dir!r}: {sorted(missing)[:5]}")
-    return model.eval(), config
+
+
+def snapshot_key(model_dir: Path, files: list[Path], dtype: torch.dtype) -> str:
+    """`<model dir name>.<dtype>.<content digest>`: a valid snapshot name, readable in `ember snapshot ls`."""
+    digest = hashlib.sha256(f"layout={LAYOUT_VERSION} dtype={dtype}".encode())
+    for file in files:
+        digest.update(file_identity(file))
+    dtype_name = str(dtype).removeprefix("torch.")
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", model_dir.resolve().name)[:64].lstrip(".-_") or "model"
+    return f"{name}.{dtype_name}.{digest.hexdigest()[:32]}"
+
+
+def file_identity(file: Path) -> bytes:
+    """Name, size, safetensors header and an xxh3 of SAMPLES windows of the data, of one weight file."""
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = f.read(header_len)
+        data_start = 8 + header_len
+        data_len = size - data_start
+        sampled = xxhash.xxh3_128()
+        if data_len <= SAMPLES * WINDOW:
+            sampled.update(f.read())
+        else:
+            for i in range(SAMPLES):
+                sampled.update(os.pread(f.fileno(), WINDOW, data_start + i * (data_len - WINDOW) // (SAMPLES - 1)))
+    return b"\0".join((file.name.encode(), str(size).encode(), hashlib.sha256(header).digest(), sampled.digest()))
+
+
+def log_start(name: str, model, start: WeightsStart, store: str | None) -> None:
+    if start.fallback_reason:
+        logger.warning("snapshot of %s unusable, booted from the full weights instead: %s", name, start.fallback_reason)
+    nbytes = sum(p.nbytes for p in model.parameters())
+    gbps = start.load.gbps if start.load else nbytes / start.seconds / 1e9 if start.seconds else 0.0
+    wrote = f", wrote snapshot {start.captured.id[:12]} to {start.captured.store}" if start.captured else ""
+    logger.info("weights of %s (%.3f GB) from %s in %.3f s = %.2f GB/s (snapshot store: %s%s)", name, nbytes / 1e9,
+                start.source, start.seconds, gbps, store or "none", wrote)
