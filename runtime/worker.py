@@ -249,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
 
         app = unpack(args.package)
         unit = app.units[args.target]
+        # snapshot=True: the LLM engine restores its weights from (or, after a full boot, writes) this store;
+        # `EMBER_SNAPSHOT_STORE=s3://bucket/prefix ember serve` overrides the default.
+        if unit.spec.snapshot:
+            os.environ.setdefault("EMBER_SNAPSHOT_STORE", "local")
+        else:
+            os.environ.pop("EMBER_SNAPSHOT_STORE", None)
         os.environ.update(unit.spec.env)
         os.environ.update(read_secrets(unit.spec.secrets))
         timings["import_ms"] = round((time.monotonic() - STARTED) * 1000)
@@ -256,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         began = time.monotonic()
         obj = unit.start() if hasattr(unit, "user_cls") else None
         timings["enter_ms"] = round((time.monotonic() - began) * 1000)
+        weights = getattr(sys.modules.get("ember.runtime.engine.models.loader"), "last_start", None)
+        if weights is not None:  # an engine loaded weights in the enter hooks: from a snapshot or a full boot
+            timings.update(weights=weights.source, weights_ms=round(weights.seconds * 1000))
         phase = "serve"
         asgi = build_asgi(Replica(unit, obj))
         sock = socket.socket()
