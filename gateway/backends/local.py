@@ -165,6 +165,7 @@ class LocalBackend:
             "spawn_ms": round((message["started"] - began) * 1000),
             "import_ms": timings["import_ms"],
             "enter_ms": timings["enter_ms"],
+            **{k: timings[k] for k in ("weights", "weights_ms") if k in timings},  # snapshot or full, from the engine
             "total_ms": round((now - began) * 1000),
         }
         replica.port, replica.state, replica.ready_at, replica.idle_since = message["port"], HOT, now, now
