@@ -93,6 +93,7 @@ def test_errors_map_to_the_clients_exception_types(client):
 
 def test_disconnecting_mid_stream_aborts_and_frees_kv_blocks(server, client):
     engine = server[0].state.llm.engine
+    wait_until_idle(engine)  # an earlier stop-string request's abort may still be in flight
     aborted = engine.stats.request_success["abort"]
     stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8000, stream=True,
                                             extra_body={"ignore_eos": True})
@@ -107,6 +108,7 @@ def test_disconnecting_mid_stream_aborts_and_frees_kv_blocks(server, client):
 def test_disconnecting_before_a_non_streaming_reply_aborts_it(server):
     app, base_url = server
     engine = app.state.llm.engine
+    wait_until_idle(engine)  # an earlier stop-string request's abort may still be in flight
     aborted = engine.stats.request_success["abort"]
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
@@ -127,6 +129,7 @@ def test_logprobs_and_streamed_completions_parse_in_the_client(client):
 
 def test_disconnecting_from_a_batched_stream_aborts_every_prompt(server, client):
     engine = server[0].state.llm.engine
+    wait_until_idle(engine)  # an earlier stop-string request's abort may still be in flight
     aborted = engine.stats.request_success["abort"]
     stream = client.completions.create(model=MODEL, prompt=["Once upon a time", "Hello"], n=2, max_tokens=8000,
                                        stream=True, extra_body={"ignore_eos": True})

@@ -1,0 +1,88 @@
+"""The OpenAI-compatible app over the engine on a CUDA GPU (bf16), through a real uvicorn socket.
+
+Run on the GPU machine:
+    python -m pytest tests/runtime/engine/test_api_gpu.py -m gpu -s
+"""
+import json
+import math
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from ember.runtime.engine.api import create_app
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.tiny import build_tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+MODEL = "tiny-gpu"
+HELLO = [{"role": "user", "content": "Tell me a story about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import uvicorn
+
+    # head_dim 64: a size every attention backend takes.
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", hidden_size=128, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=64)
+    app = create_app(EngineConfig(model=str(path), max_model_len=1024), served_model_name=MODEL)
+    assert app.state.llm.engine.runner.device.type == "cuda"
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "uvicorn failed to start"
+        time.sleep(0.01)
+    yield app, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def wait_until_idle(engine, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests() or engine.block_manager.usage > 0:
+        assert time.monotonic() < deadline, "the engine still holds requests or KV blocks"
+        time.sleep(0.01)
+
+
+def chat(base, **body):
+    return httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": HELLO, **body}, timeout=60)
+
+
+def test_streaming_matches_non_streaming_and_stop_strings_hold(server):
+    _, base = server
+    whole = chat(base, max_tokens=32, seed=3, logprobs=True, top_logprobs=2).json()["choices"][0]
+    text = whole["message"]["content"]
+    assert all(math.isfinite(t["logprob"]) and len(t["top_logprobs"]) == 2 for t in whole["logprobs"]["content"])
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": HELLO, "max_tokens": 32, "seed": 3, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = chat(base, max_tokens=32, seed=3, stop=[stop]).json()["choices"][0]
+    assert (cut["message"]["content"], cut["finish_reason"]) == (text[:text.find(stop)], "stop")
+
+
+def test_disconnect_frees_gpu_kv_blocks(server):
+    app, base = server
+    engine = app.state.llm.engine
+    wait_until_idle(engine)  # earlier stop-string requests end in an abort that may still be in flight
+    aborted = engine.stats.request_success["abort"]
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": HELLO, "max_tokens": 1000, "stream": True,
+                            "ignore_eos": True}) as r:
+        for _, _line in zip(range(3), r.iter_lines()):
+            pass
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() or engine.block_manager.usage > 0:
+        assert time.monotonic() < deadline, "the engine still holds requests or KV blocks"
+        time.sleep(0.01)
+    assert engine.stats.request_success["abort"] == aborted + 1
