@@ -23,7 +23,6 @@ from ember.spec import FunctionSpec
 
 log = logging.getLogger("ember.gateway")
 POLL = 0.2
-START_TIMEOUT = 600.0  # seconds an assignment may take: instance boot, package pull, enter hooks
 HEARTBEAT_TIMEOUT = 15.0  # a node silent this long is gone, and so are its replicas
 ACTIVE = ("pending", "claimed", "ready")  # assignment states that hold a slot on a node
 
@@ -34,6 +33,7 @@ class AwsSettings:
     bucket: str  # packages live under packages/<sha256>.pkg
     tables: str = "ember-"  # prefix of the nodes and replicas tables
     replicas_per_node: int = 1
+    start_timeout: float = 600.0  # seconds an assignment may take: instance boot, package pull, enter hooks
 
     @classmethod
     def from_env(cls) -> "AwsSettings":
@@ -42,7 +42,7 @@ class AwsSettings:
             raise RuntimeError(f"--backend aws needs {' and '.join(missing)} set (the Auto Scaling Group and bucket "
                                "that terraform/examples/basic outputs)")
         return cls(os.environ["EMBER_AWS_ASG"], os.environ["EMBER_AWS_BUCKET"], os.environ.get("EMBER_AWS_TABLES", "ember-"),
-                   int(os.environ.get("EMBER_AWS_REPLICAS_PER_NODE", "1")))
+                   int(os.environ.get("EMBER_AWS_REPLICAS_PER_NODE", "1")), float(os.environ.get("EMBER_AWS_START_TIMEOUT", "600")))
 
 
 def clients():
@@ -110,7 +110,7 @@ class AwsBackend:
             "gpus": str(spec.gpu or ""), "state": "pending", "created": str(time.time()),
         })
         await self.resize()
-        deadline = began + START_TIMEOUT
+        deadline = began + self.settings.start_timeout
         while True:
             item = await self._item(replica)
             state = item.get("state") if item else "stopped"
@@ -132,8 +132,9 @@ class AwsBackend:
     async def _why_not_started(self, replica: Replica, state: str) -> str:
         group = await asyncio.to_thread(self._group)
         nodes = [n for n in await asyncio.to_thread(scan, self.nodes) if time.time() - float(n.get("heartbeat", 0)) < HEARTBEAT_TIMEOUT]
-        return (f"start failed: assignment {replica.id} still {state} after {START_TIMEOUT:g} s; group {self.settings.group} "
-                f"wants {group['DesiredCapacity']} instances (max {group['MaxSize']}), {len(nodes)} node agents alive: "
+        full = " (at its MaxSize: raise max_size)" if group["DesiredCapacity"] >= group["MaxSize"] else ""
+        return (f"start failed: assignment {replica.id} still {state} after {self.settings.start_timeout:g} s; group "
+                f"{self.settings.group} wants {group['DesiredCapacity']} instances{full}, {len(nodes)} node agents alive: "
                 "check the instances boot and run `python -m ember.runtime.node_agent` (its log is on the instance)")
 
     async def _item(self, replica: Replica) -> dict | None:
@@ -183,8 +184,8 @@ class AwsBackend:
         """Desired capacity = nodes the active assignments need; the surplus leaves as idle instances only."""
         active = [r for r in scan(self.replicas) if r["state"] in ACTIVE + ("stop",)]
         busy = {r["node_id"] for r in active if r.get("node_id")}
-        want = nodes_needed(len(active), self.settings.replicas_per_node, len(busy))
         group = self._group()
+        want = min(nodes_needed(len(active), self.settings.replicas_per_node, len(busy)), group["MaxSize"])
         instances = [i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] in ("Pending", "InService")]
         if want > group["DesiredCapacity"]:
             log.info("group %s: desired %d -> %d for %d replicas", self.settings.group, group["DesiredCapacity"], want, len(active))

@@ -109,3 +109,16 @@ def test_call_at_zero_scales_the_group_out_and_back_in(aws, serve):
     nodes = boto3.resource("dynamodb").Table("ember-nodes").get_item(Key={"node_id": instance})["Item"]
     assert nodes["state"] == "draining"
     assert boto3.resource("dynamodb").Table("ember-replicas").scan()["Items"] == []
+
+
+def test_a_start_no_node_takes_fails_with_the_reason(aws, serve, monkeypatch):
+    autoscaling, instances = aws
+    autoscaling.update_auto_scaling_group(AutoScalingGroupName=GROUP, MaxSize=0)
+    monkeypatch.setenv("EMBER_AWS_START_TIMEOUT", "2")
+    served = serve(APPS / "quick.py", "--backend", "aws")
+    with served.client(served.key()) as http:
+        reply = http.post("/quick/add", json={"a": 2, "b": 3})
+    assert reply.status_code == 503 and reply.headers["retry-after"]
+    message = reply.json()["error"]["message"]
+    assert "still pending after 2 s; group ember-gpu wants 0 instances (at its MaxSize: raise max_size), 0 node agents alive" in message
+    assert instances.launched == [] and boto3.resource("dynamodb").Table("ember-replicas").scan()["Items"] == []

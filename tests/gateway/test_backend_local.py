@@ -100,3 +100,34 @@ def test_a_park_over_the_host_ram_budget_evicts_instead(serve):
     wait_for(lambda: model()["replicas"] == [], 10, "the over-budget park to evict")
     [evict] = [d for d in model()["decisions"] if d["action"] == "evict"]
     assert "> budget 1048576: oldest parked goes" in evict["reason"]
+
+
+@pytest.mark.gpu
+def test_worker_park_releases_cuda_memory_and_wake_restores_the_weights():
+    import asyncio
+
+    import torch
+
+    from ember.runtime.worker import Parking
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+    class Model:
+        def __init__(self):
+            self.net = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 8)).cuda()
+
+    model = Model()
+    before = [p.detach().clone() for p in model.net.parameters()]
+    x = torch.randn(2, 4096, device="cuda")
+    expected = model.net(x)
+    held = torch.cuda.memory_allocated()
+    parking = Parking(model)
+    parked = asyncio.run(parking.park())
+    assert parked["device_bytes_released"] == sum(p.numel() * 4 for p in before) > 64 * 2**20
+    assert torch.cuda.memory_allocated() <= held - parked["device_bytes_released"]
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.net.parameters())
+    woke = asyncio.run(parking.wake())
+    assert woke["ms"] >= 0 and all(p.is_cuda for p in model.net.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.net.parameters(), before))
+    assert torch.equal(model.net(x), expected)
