@@ -35,6 +35,7 @@ class Scaler:
                         self.tick(deployment, unit, time.monotonic())
                     except Exception:  # one function's bad tick must not stop scaling for every other one
                         log.exception("autoscaler tick failed for %s/%s", unit.app, unit.name)
+            self._free_gpus()
 
     def tick(self, deployment: Deployment, unit: Unit, now: float) -> None:
         queue = unit.queue
@@ -84,6 +85,20 @@ class Scaler:
             self._spawn(self._park(unit, replica))
             return
         self._evict(unit, replica)
+
+    def _free_gpus(self) -> None:
+        """A start waits for a GPU that a parked replica holds: evict the longest parked holder (T1 -> T2)."""
+        pool = getattr(self.backend, "gpus", None)
+        if pool is None or not pool.waiting:
+            return
+        holders = [(u, r) for d in self.deployments.values() for u in d.units.values()
+                   for r in u.queue.replicas.values() if r.state == PARKED and r.gpus]
+        if holders:
+            unit, replica = min(holders, key=lambda h: h[1].parked_at or 0.0)
+            reason = f"a start waits for a GPU: parked replica frees GPU {','.join(replica.gpus)}"
+            unit.decisions.append({"t": time.time(), "action": "evict", "reason": reason, "replica": replica.id, "count": None})
+            log.info("replica %s: evict (%s)", replica.id, reason)
+            self._evict(unit, replica)
 
     def _evict(self, unit: Unit, replica: Replica) -> None:
         replica.state, replica.draining = STOPPING, None

@@ -75,6 +75,7 @@ class GpuPool:
     def __init__(self, gpus: list[str]):
         self.gpus = gpus
         self.holders: dict[str, str] = {}  # gpu -> replica id
+        self.waiting = 0  # starts waiting for a GPU: the autoscaler evicts a parked holder for them
         self._released = asyncio.Condition()
 
     def free(self) -> list[str]:
@@ -85,7 +86,11 @@ class GpuPool:
             while len(self.free()) < count:
                 replica.note = (f"waiting for {count} free GPU(s): {len(self.free())} of {len(self.gpus)} free, "
                                 f"held by {sorted(set(self.holders.values()))}")
-                await self._released.wait()
+                self.waiting += 1
+                try:
+                    await self._released.wait()
+                finally:
+                    self.waiting -= 1
             replica.note = None
             taken = self.free()[:count]
             self.holders.update(dict.fromkeys(taken, replica.id))

@@ -56,6 +56,18 @@ def test_each_gpu_replica_gets_its_own_device_and_a_third_waits(serve, monkeypat
     assert sorted(g for r in replicas for g in r["gpus"]) == ["0", "1"]  # never the same GPU twice
 
 
+def test_a_start_waiting_for_a_gpu_evicts_the_parked_replica_holding_it(serve, monkeypatch):
+    monkeypatch.setenv("EMBER_GPUS", "0")
+    served = serve(APPS / "gpus.py")
+    functions = lambda: served.status()["apps"]["gpus"]["functions"]  # noqa: E731
+    with served.client(served.key()) as http:
+        assert http.post("/gpus/parks", json={}).json()["result"] == "0"
+        wait_for(lambda: [r for r in functions()["parks"]["replicas"] if r["state"] == "parked"], 10, "a park")
+        assert http.post("/gpus/devices", json={}).json()["result"] == "0"  # the only GPU, freed for it
+    [evict] = [d for d in functions()["parks"]["decisions"] if d["action"] == "evict"]
+    assert evict["reason"] == "a start waits for a GPU: parked replica frees GPU 0"
+
+
 def test_gpu_function_runs_on_a_cpu_machine_with_a_warning(serve, monkeypatch):
     monkeypatch.setenv("EMBER_GPUS", "")
     served = serve(APPS / "gpus.py")

@@ -16,3 +16,8 @@ def devices(seconds: float = 0.0) -> str:
 @app.function(scaledown_window=30)
 def cpu() -> str:
     return os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+@app.function(gpu="H200", park_after=0.5, scaledown_window=30)
+def parks() -> str:
+    return os.environ["CUDA_VISIBLE_DEVICES"]
