@@ -3,7 +3,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
@@ -74,7 +74,7 @@ def admin_router(gateway: "Gateway") -> APIRouter:
         return {"uptime_s": round(now - gateway.started, 1), "apps": apps}
 
     @router.get("/logs", response_class=PlainTextResponse)
-    async def logs(replica: str | None = None, lines: int = 200) -> str:
+    async def logs(replica: str | None = Query(None, pattern=r"^[A-Za-z0-9_.-]{1,100}$"), lines: int = Query(200, ge=1, le=100_000)) -> str:
         if replica is None:
             return tail(gateway.home.logs / "gateway.log", lines)
         matches = sorted(gateway.home.logs.glob(f"*.{replica}.log"))

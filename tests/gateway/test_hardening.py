@@ -1,0 +1,141 @@
+"""Hardening over a real HTTPS socket: size limits, timeouts, name checks, JSON errors everywhere, and the
+OpenAPI spec of the public surface fuzzed by schemathesis."""
+import json
+from pathlib import Path
+
+import hypothesis
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ember.gateway.server import MAX_BODY
+
+APPS = Path(__file__).parent / "apps"
+
+
+def test_size_limits_timeouts_and_names_answer_json(serve):
+    served = serve(APPS / "quick.py")
+    with served.client(served.key(), timeout=30) as http:
+        declared = http.post("/quick/add", content=b"{" + b" " * MAX_BODY + b"}", headers={"content-type": "application/json"})
+        assert declared.status_code == 413 and declared.json()["error"]["type"] == "body_too_large"
+        # No Content-Length (chunked): counted as it arrives.
+        chunked = http.post("/quick/add", content=iter([b" " * (1 << 20)] * 17))
+        assert chunked.status_code == 413 and chunked.json()["error"]["type"] == "body_too_large"
+
+        big = http.post("/quick/add", json={"a": 1, "b": 2}, headers={"x-filler": "y" * 40_000})
+        assert big.status_code == 431 and big.json()["error"]["type"] == "headers_too_large"
+        many = http.post("/quick/add", json={"a": 1, "b": 2}, headers={f"x-h{i}": "1" for i in range(120)})
+        assert many.status_code == 431
+
+        slow = http.post("/quick/sleepy", json={"seconds": 10})  # its timeout is 1 s
+        assert slow.status_code == 504 and slow.json()["error"]["type"] == "timeout"
+
+        for path in ["/Quick/add", "/qu%20ick/add", "/-quick/add", "/" + "a" * 70 + "/add"]:
+            reply = http.post(path, json={})
+            assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_name", path
+        assert http.post("/quick/nothing", json={}).json()["error"]["type"] == "not_found"
+        assert http.get("/quick/add").status_code == 405
+        assert http.post("/quick/add", content=b"[1]").status_code == 422
+        assert http.post("/quick/add", content=b"{nope").json()["error"]["type"] == "invalid_json"
+
+    spec = served.client(None).get("/openapi.json").json()
+    assert {"/admin/keys", "/admin/keys/{key}", "/admin/apps/{app}/limits", "/{app_name}/{rest}", "/healthz"} <= set(spec["paths"])
+    assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+
+
+def test_schemathesis_finds_no_server_error_and_every_error_is_json(serve):
+    served = serve(APPS / "quick.py")
+    session = requests.Session()
+    session.trust_env = False  # a REQUESTS_CA_BUNDLE in the environment would override the dev CA
+    session.verify = str(served.ca)
+    session.headers["Authorization"] = f"Bearer {served.key('fuzzer-admin-0a1b2c3d', admin=True)}"
+    spec = session.get(f"{served.url}/openapi.json").json()
+    schema = schemathesis.openapi.from_dict(spec)
+    checked = 0
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+                  phases=[hypothesis.Phase.generate])
+        def fuzz(case):
+            if case.path == "/admin/keys/{key}" and case.method == "DELETE":
+                case.path_parameters = {"key": case.path_parameters["key"] + "-unknown"}  # keep the fuzzer's own key
+            response = case.call(base_url=served.url, session=session, verify=str(served.ca))
+            assert response.status_code < 500, f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:300]}"
+            if response.status_code >= 400 and case.method != "HEAD":  # a HEAD reply has no body by definition
+                assert "application/json" in str(response.headers.get("content-type")), f"{case.method} {case.formatted_path}: {response.text[:300]}"
+                error = response.json()["error"]
+                assert isinstance(error["type"], str) and isinstance(error["message"], str)
+
+        fuzz()
+        checked += 1
+    assert checked >= 15
+
+
+NAMES = st.text(alphabet=st.characters(codec="ascii"), min_size=0, max_size=80)
+
+
+@given(name=NAMES)
+def test_app_names_are_lower_case_words_of_at_most_63_characters(name):
+    from ember.gateway.routing import APP_NAME
+
+    ok = bool(APP_NAME.fullmatch(name))
+    expected = 1 <= len(name) <= 63 and name[0] in "abcdefghijklmnopqrstuvwxyz0123456789" and all(
+        c in "abcdefghijklmnopqrstuvwxyz0123456789_-" for c in name)
+    assert ok == expected
+
+
+@given(scope=st.text(max_size=40) | st.sampled_from(["admin", "app:chat", "fn:chat/Chat", "app:../x", "fn:a/b/c", "app:"]))
+def test_scopes_are_checked_against_the_grammar(scope):
+    from ember.gateway.keys import check_scopes
+
+    valid = scope == "admin" or scope.startswith(("app:", "fn:"))
+    try:
+        assert check_scopes([scope]) == [scope]
+    except ValueError as exc:
+        assert "app:APP" in str(exc)
+    else:
+        assert valid and "/" not in scope.removeprefix("fn:").split("/", 1)[-1] and ".." not in scope
+
+
+@given(chunks=st.lists(st.binary(max_size=64), max_size=20), usage=st.integers(0, 10**6) | st.none())
+def test_usage_meter_reads_usage_wherever_the_chunks_split(chunks, usage):
+    from ember.gateway.usage import UsageMeter
+
+    body = b"".join(f"data: {json.dumps({'choices': [{'delta': {'content': 'x'}}]})}\n\n".encode() for _ in range(3))
+    if usage is not None:
+        body += f"data: {json.dumps({'choices': [], 'usage': {'total_tokens': usage}})}\n\n".encode()
+    body += b"data: [DONE]\n\n"
+    meter = UsageMeter(prompt_estimate=10)
+    cuts = sorted({min(len(c), len(body)) for c in chunks} | {0, len(body)})  # arbitrary split points
+    for start, end in zip(cuts, cuts[1:]):
+        meter.feed(body[start:end])
+    meter.feed(b"")
+    assert meter.total() == (usage if usage is not None else 10 + 3)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=40)
+@given(size=st.integers(0, 70_000), count=st.integers(0, 150))
+def test_header_limit(size, count):
+    import asyncio
+
+    from ember.gateway.header_limit import MAX_HEADER_BYTES, MAX_HEADERS, HeaderLimit
+
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(True)
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"x-big", b"y" * size)] + [(f"x-{i}".encode(), b"1") for i in range(count)]
+    asyncio.run(HeaderLimit(app)({"type": "http", "headers": headers, "raw_path": b"/a/b"}, None, send))
+    too_big = sum(len(k) + len(v) + 4 for k, v in headers) + 4 > MAX_HEADER_BYTES or len(headers) > MAX_HEADERS
+    assert bool(reached) != too_big
+    if too_big:
+        assert sent[0]["status"] == 431 and json.loads(sent[1]["body"])["error"]["type"] == "headers_too_large"
