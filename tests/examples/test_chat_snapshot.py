@@ -1,0 +1,39 @@
+"""An LLM app with snapshot=True under `ember serve`: the first cold start writes the weight snapshot, the next restores it."""
+import json
+import time
+from pathlib import Path
+
+APP = Path(__file__).resolve().parent / "apps" / "chat_snapshot.py"
+REQUEST = {"model": "tiny-qwen3", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+
+
+def breakdown(response) -> dict[str, str]:
+    assert "x-ember-cold-start" in response.headers, "the call did not wait for a cold start"
+    return dict(part.split("=", 1) for part in response.headers["x-ember-start-breakdown"].split(", "))
+
+
+def replicas(served) -> list[dict]:
+    return [r for fn in served.status()["apps"]["chatsnap"]["functions"].values() for r in fn["replicas"]]
+
+
+def test_second_cold_start_restores_the_snapshot_the_first_wrote(serve):
+    served = serve(APP, timeout=120)
+    with served.client(served.key(), timeout=120) as http:
+        first = http.post("/chatsnap/v1/completions", json=REQUEST)
+        assert first.status_code == 200, first.text
+        assert breakdown(first)["weights"] == "full"
+        (snapshot,) = json.loads(served.cli("snapshot", "ls", "--json").stdout)
+        assert snapshot["names"][0].startswith("tiny-qwen3.float32.") and snapshot["tensors"] > 0
+
+        deadline = time.monotonic() + 30  # 1 s scale-down window, then the replica stops
+        while replicas(served):
+            assert time.monotonic() < deadline, f"the replica never scaled down: {replicas(served)}"
+            time.sleep(0.2)
+
+        second = http.post("/chatsnap/v1/completions", json=REQUEST)
+        assert second.status_code == 200, second.text
+        assert second.headers["x-ember-replica"] != first.headers["x-ember-replica"]
+        start = breakdown(second)
+        assert start["weights"] == "snapshot" and int(start["weights_ms"]) < int(start["enter_ms"])
+        assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        assert [s["id"] for s in json.loads(served.cli("snapshot", "ls", "--json").stdout)] == [snapshot["id"]]
