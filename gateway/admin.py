@@ -84,10 +84,17 @@ def admin_router(gateway: "Gateway") -> APIRouter:
 
     @router.post("/deploy")
     async def deploy(body: DeployRequest) -> dict:
-        package = Path(body.package).resolve()
-        if package.parent != gateway.home.packages or not package.is_file():
-            raise ApiError(422, "invalid_package", f"{package} is not a package in {gateway.home.packages}")
-        deployment = await gateway.deploy(package)
+        try:
+            package = Path(body.package).resolve()
+            found = package.parent == gateway.home.packages and package.is_file()
+        except (ValueError, OSError):  # a NUL byte, a name too long
+            found = False
+        if not found:
+            raise ApiError(422, "invalid_package", f"{body.package[:200]!r} is not a package in {gateway.home.packages}")
+        try:
+            deployment = await gateway.deploy(package)
+        except ValueError as exc:  # an app name the gateway cannot route
+            raise ApiError(422, "invalid_name", str(exc)) from None
         return {"app": deployment.name, "package": str(package), "functions": sorted(deployment.units)}
 
     @router.post("/keys", status_code=201)
