@@ -3,6 +3,10 @@ import json
 import time
 from pathlib import Path
 
+import boto3
+
+from tests.snapshot.conftest import s3_endpoint, s3_env  # noqa: F401  (moto_server fixtures)
+
 APP = Path(__file__).resolve().parent / "apps" / "chat_snapshot.py"
 REQUEST = {"model": "tiny-qwen3", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
 
@@ -37,3 +41,16 @@ def test_second_cold_start_restores_the_snapshot_the_first_wrote(serve):
         assert start["weights"] == "snapshot" and int(start["weights_ms"]) < int(start["enter_ms"])
         assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
         assert [s["id"] for s in json.loads(served.cli("snapshot", "ls", "--json").stdout)] == [snapshot["id"]]
+
+
+def test_the_gateway_environment_picks_the_store(serve, s3_env, monkeypatch):  # noqa: F811
+    boto3.client("s3").create_bucket(Bucket="fleet")
+    monkeypatch.setenv("EMBER_SNAPSHOT_STORE", "s3://fleet/snapshots")
+    served = serve(APP, timeout=120)
+    with served.client(served.key(), timeout=120) as http:
+        reply = http.post("/chatsnap/v1/completions", json=REQUEST)
+        assert reply.status_code == 200, reply.text
+        assert breakdown(reply)["weights"] == "full"
+    (snapshot,) = json.loads(served.cli("snapshot", "ls", "--json", "--store", "s3://fleet/snapshots").stdout)
+    assert snapshot["names"][0].startswith("tiny-qwen3.float32.")
+    assert json.loads(served.cli("snapshot", "ls", "--json").stdout) == []  # nothing in the local store
