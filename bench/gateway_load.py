@@ -469,7 +469,7 @@ def machine() -> dict:
         "cpu": model.group(1).strip() if model else platform.processor(), "cores": os.cpu_count(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "kernel": platform.release(),
         "python": platform.python_version(), "uvicorn": version("uvicorn"), "uvloop": version("uvloop"),
-        "httpx": version("httpx"), "litellm": version("litellm"), "wrk": (wrk.stdout + wrk.stderr).split("\n")[0].strip(),
+        "httpx": version("httpx"), "litellm": version("litellm"), "wrk": (wrk.stdout + wrk.stderr).split("\n")[0].split(" Copyright")[0].strip(),
     }
 
 
