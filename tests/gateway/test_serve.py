@@ -24,13 +24,13 @@ def test_scale_from_zero_to_zero_and_back(serve):
         assert "spawn_ms=" in first.headers["x-ember-start-breakdown"]
 
         warm = http.post("/quick/add", json={"a": 1, "b": 1})
+        idle_from = time.monotonic()  # the replica went idle just before this reply arrived
         assert warm.headers["x-ember-replica"] == replica
         assert "x-ember-cold-start" not in warm.headers
 
         live = _live(served.status(), "add")
         assert [r["id"] for r in live] == [replica] and live[0]["state"] == "hot"
 
-        idle_from = time.monotonic()
         while _live(served.status(), "add"):
             assert time.monotonic() - idle_from < 20, "replica never scaled down"
             time.sleep(0.3)
