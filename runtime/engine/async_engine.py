@@ -105,16 +105,16 @@ class AsyncLLM:
                     stop_reason = out.new_token_ids[-1]
                 if finish is not None:
                     running.discard(i)
-                    if not out.finished:
-                        self.abort(ids[i])
+                    if not out.finished:  # a stop string matched in the text: the engine did not see it
+                        self.abort(ids[i], reason="stop")
                 yield Completion(i, text, out.new_token_ids, out.new_logprobs, finish, stop_reason,
                                  out.num_prompt_tokens, out.num_cached_tokens)
         finally:
             for i in running:
                 self.abort(ids[i])
 
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self._send(("abort", request_id, reason))
 
     def shutdown(self) -> None:
         self._closed = True
@@ -159,7 +159,7 @@ class AsyncLLM:
                 return
             if command[0] == "abort":
                 self._routes.pop(command[1], None)
-                self.engine.abort_request(command[1])
+                self.engine.abort_request(command[1], command[2])
                 continue
             _, request_id, prompt_token_ids, params, route, done = command
             try:

@@ -61,12 +61,15 @@ class LLMEngine:
         if self.config.log_token_ids:
             logger.info("request %s prompt_token_ids=%s", request_id, prompt_token_ids)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> None:
+        """Ends a request early and frees its blocks. `reason="stop"` is the API layer matching a stop string."""
         seq = self.seqs.pop(request_id, None)
         if seq is None or seq.status is SequenceStatus.FINISHED:
             return
-        self.scheduler.finish(seq, "abort")
-        self.stats.request_success["abort"] += 1
+        self.scheduler.finish(seq, reason)
+        self.stats.request_success[reason] += 1
+        if reason != "abort":
+            self.stats.e2e_request_latency.observe(time.monotonic() - seq.arrival_time)
         self._aborted.append(self._output(seq, [], None))
 
     def has_unfinished_requests(self) -> bool:

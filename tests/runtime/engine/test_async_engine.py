@@ -64,10 +64,14 @@ def test_stop_string_ends_the_request_and_frees_its_blocks(llm):
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=5)
     full = "".join(c.text for c in asyncio.run(collect(llm.generate(prompt(llm), params))))
     stop = full[len(full) // 2:len(full) // 2 + 3]
+    success = dict(llm.engine.stats.request_success)
     chunks = asyncio.run(collect(llm.generate(prompt(llm), params, stop=[stop])))
     assert "".join(c.text for c in chunks) == full[:full.find(stop)]
     assert (chunks[-1].finish_reason, chunks[-1].stop_reason) == ("stop", stop)
     wait_until_idle(llm.engine)
+    # The engine's metrics count it as stopped, not aborted.
+    assert llm.engine.stats.request_success["stop"] == success.get("stop", 0) + 1
+    assert llm.engine.stats.request_success["abort"] == success.get("abort", 0)
 
 
 def test_closing_the_stream_aborts_the_request_and_frees_kv_blocks(llm):
