@@ -2,11 +2,15 @@
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from ember.gateway.autoscaler.policy import Evict, Park, ReplicaView, Sample, Start, Wake, decide
 from ember.gateway.backends.local import LocalBackend, parked_over_budget
 from ember.gateway.deployment import Deployment, Unit
 from ember.gateway.replica import FAILED, HOT, PARKED, STARTING, STOPPING, Replica
+
+if TYPE_CHECKING:
+    from ember.gateway.backends.aws import AwsBackend
 
 log = logging.getLogger("ember.gateway")
 INTERVAL = 0.5
@@ -14,7 +18,7 @@ RETRY_AFTER_FAILURE = 30.0  # seconds before a failed unit is started again with
 
 
 class Scaler:
-    def __init__(self, backend: LocalBackend, deployments: dict[str, Deployment]):
+    def __init__(self, backend: "LocalBackend | AwsBackend", deployments: dict[str, Deployment]):
         self.backend, self.deployments = backend, deployments
         self._poke = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -155,6 +159,8 @@ class Scaler:
             replica.state, replica.error = FAILED, f"start failed: {type(exc).__name__}: {exc}"
         if replica.state == FAILED:
             self._failed(unit, replica)
+            return
+        if replica.state == STOPPING:
             return
         log.info("replica %s ready on port %s (%s)", replica.id, replica.port, replica.timings)
         unit.last_failure = None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from ember.gateway.replica import FAILED, HOT, Replica
+from ember.gateway.replica import FAILED, HOT, STOPPING, Replica
 from ember.spec import FunctionSpec
 
 log = logging.getLogger("ember.gateway")
@@ -146,6 +146,9 @@ class LocalBackend:
         if devices is None:
             replica.state = FAILED
             return
+        if replica.state == STOPPING:  # stopped (redeploy, shutdown) while it waited for a GPU
+            await self.gpus.release(replica)
+            return
         with open(replica.log_path, "ab") as log_file:
             replica.process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "ember.runtime.worker", "--package", str(package), "--target", replica.unit,
@@ -163,6 +166,9 @@ class LocalBackend:
             await self.gpus.release(replica)
             error = message.get("error") or f"worker exited with code {code} before it was ready"
             replica.state, replica.error = FAILED, f"{message.get('phase', 'start')} failed: {error}"
+            return
+        if replica.state == STOPPING:  # stopped while it started: it must not outlive its stop
+            await self.stop(replica)
             return
         now = time.monotonic()
         timings = message["timings"]

@@ -143,3 +143,27 @@ def test_worker_park_releases_cuda_memory_and_wake_restores_the_weights():
         assert asyncio.run(parking.wake())["parked"] is False
         assert all(torch.equal(p.cpu(), b) for p, b in zip(model.net.parameters(), before))
         assert torch.equal(model.net(x), expected)
+
+
+def test_a_start_stopped_while_it_waits_for_a_gpu_never_spawns(tmp_path):
+    import asyncio
+
+    from ember.gateway.backends.local import LocalBackend
+    from ember.gateway.replica import STOPPING
+
+    async def scenario():
+        backend = LocalBackend(tmp_path, gpus=["0"])
+        holder, waiter = backend.new_replica("a", "f"), backend.new_replica("a", "f")
+        await backend.gpus.acquire(holder, 1)
+        start = asyncio.create_task(backend.start(waiter, tmp_path / "unused.pkg", FunctionSpec(gpu="H200")))
+        while not backend.gpus.waiting:
+            await asyncio.sleep(0.01)
+        assert "waiting for 1 free GPU(s): 0 of 1 free" in waiter.note
+        waiter.state = STOPPING
+        await backend.stop(waiter)  # nothing to signal yet
+        await backend.gpus.release(holder)
+        await asyncio.wait_for(start, 5)
+        return waiter, backend
+
+    waiter, backend = asyncio.run(scenario())
+    assert waiter.process is None and backend.gpus.holders == {}
