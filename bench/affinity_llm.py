@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -97,7 +98,7 @@ def measure(mode: str, home: Path, replicas: int, conversations: int, turns: int
     try:
         from ember.gateway.keys import KeyStore
 
-        verify = str(home / "tls" / "ca.pem")
+        verify = ssl.create_default_context(cafile=str(home / "tls" / "ca.pem"))
         admin_key = (home / "cli.key").read_text().strip()
         user_key = KeyStore(home / "ember.db").create(f"bench-{mode}")[1]
         with httpx.Client(base_url=url, verify=verify, headers={"Authorization": f"Bearer {admin_key}"}, timeout=60) as admin:
