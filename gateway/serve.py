@@ -1,5 +1,4 @@
 """`ember serve`: gateway, autoscaler and local backend for one app, in the foreground, over HTTPS."""
-import asyncio
 import contextlib
 import json
 import logging
@@ -73,7 +72,8 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
     cert, key = issue_server_cert(home.tls, host)
     _cli_key(gateway)
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP, so asyncio sets TCP_NODELAY (Nagle with delayed ACK adds ~40 ms to split writes).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -101,7 +101,7 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
     config = uvicorn.Config(create_app(gateway), ssl_certfile=str(cert), ssl_keyfile=str(key), log_level="warning",
                             timeout_graceful_shutdown=GRACE)
     try:
-        asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+        uvicorn.Server(config).run(sockets=[sock])  # uvicorn's loop factory: uvloop where installed
     finally:
         with contextlib.suppress(FileNotFoundError, ValueError):
             if json.loads(home.gateway_file.read_text()).get("pid") == os.getpid():

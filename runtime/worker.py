@@ -207,7 +207,7 @@ def _serve(app, sock: socket.socket) -> None:
             yield
 
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="auto")
-    asyncio.run(ReplicaServer(config).serve(sockets=[sock]))
+    ReplicaServer(config).run(sockets=[sock])  # uvicorn's loop factory: uvloop where installed
 
 
 def read_secrets(names: list[str]) -> dict[str, str]:
@@ -267,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             timings.update(weights=weights.source, weights_ms=round(weights.seconds * 1000))
         phase = "serve"
         asgi = build_asgi(Replica(unit, obj))
-        sock = socket.socket()
+        # IPPROTO_TCP, so asyncio sets TCP_NODELAY: headers and body go out in two sends, and Nagle
+        # with delayed ACK would hold every reply ~40 ms.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         sock.listen(128)
