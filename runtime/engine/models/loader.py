@@ -68,9 +68,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapsho
         load_weights(model)
         start = WeightsStart("full", time.perf_counter() - began)
     else:
-        key = snapshot_key(path, files, dtype)
+        key = snapshot_key(path, dtype)
         model, start = restore_or_boot(make_model, load_weights, open_store(snapshot_store), key)
-    log_start(path.name, model, start, snapshot_store)
+    log_start(path.name, model, start, snapshot_store and f"{snapshot_store} {key}")
     last_start = start
     return model.eval(), config, start
 
@@ -123,13 +123,18 @@ def load_safetensors(model, files: list[Path], model_dir: str, tied: bool) -> No
         raise ValueError(f"weights missing from {model_dir!r}: {sorted(missing)[:5]}")
 
 
-def snapshot_key(model_dir: Path, files: list[Path], dtype: torch.dtype) -> str:
-    """`<model dir name>.<dtype>.<content digest>`: a valid snapshot name, readable in `ember snapshot ls`."""
+def snapshot_key(model_dir: str | Path, dtype: torch.dtype) -> str:
+    """`<model dir name>.<dtype>.<content digest>`: the snapshot name the engine restores from and writes.
+
+    `ember snapshot build MODEL_DIR --name <this>` prepares one ahead of the first start, when the
+    safetensors already hold the engine's dtype.
+    """
+    model_dir = Path(model_dir).resolve()
     digest = hashlib.sha256(f"layout={LAYOUT_VERSION} dtype={dtype}".encode())
-    for file in files:
+    for file in sorted(model_dir.glob("*.safetensors")):
         digest.update(file_identity(file))
     dtype_name = str(dtype).removeprefix("torch.")
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", model_dir.resolve().name)[:64].lstrip(".-_") or "model"
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", model_dir.name)[:64].lstrip(".-_") or "model"
     return f"{name}.{dtype_name}.{digest.hexdigest()[:32]}"
 
 
@@ -156,5 +161,5 @@ def log_start(name: str, model, start: WeightsStart, store: str | None) -> None:
     nbytes = sum(p.nbytes for p in model.parameters())
     gbps = start.load.gbps if start.load else nbytes / start.seconds / 1e9 if start.seconds else 0.0
     wrote = f", wrote snapshot {start.captured.id[:12]} to {start.captured.store}" if start.captured else ""
-    logger.info("weights of %s (%.3f GB) from %s in %.3f s = %.2f GB/s (snapshot store: %s%s)", name, nbytes / 1e9,
+    logger.info("weights of %s (%.3f GB) from %s in %.3f s = %.2f GB/s (snapshot: %s%s)", name, nbytes / 1e9,
                 start.source, start.seconds, gbps, store or "none", wrote)

@@ -13,6 +13,7 @@ from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.models import loader
 from ember.runtime.engine.sampling import SamplingParams
 from ember.snapshot import LocalStore
+from ember.snapshot.cli import main as snapshot_cli
 from ember.snapshot.store import read_header
 from tests.snapshot.conftest import s3_endpoint, s3_env  # noqa: F401  (moto_server fixtures)
 
@@ -133,6 +134,14 @@ def test_a_changed_dtype_or_model_never_restores_the_old_snapshot(model_dir, tmp
     # as on another node's disk, restores.
     copy = shutil.copytree(model_dir, tmp_path / "node2" / Path(model_dir).name, copy_function=shutil.copy)
     assert boot(str(copy), snapshot_store="local").runner.weights_start.source == "snapshot"
+
+
+def test_a_snapshot_built_ahead_with_the_cli_serves_the_first_start(model_dir, reference):
+    key = loader.snapshot_key(model_dir, torch.float32)
+    assert snapshot_cli(["build", model_dir, "--name", key]) == 0
+    engine = boot(model_dir, snapshot_store="local")
+    assert engine.runner.weights_start.source == "snapshot"
+    assert engine.generate(PROMPTS, GREEDY) == reference
 
 
 def test_snapshot_store_setting_is_checked():
