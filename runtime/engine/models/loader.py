@@ -66,11 +66,12 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapsho
     if snapshot_store is None:
         model = make_model()
         load_weights(model)
-        start = WeightsStart("full", time.perf_counter() - began)
+        start, snapshot = WeightsStart("full", time.perf_counter() - began), "none"
     else:
         key = snapshot_key(path, dtype)
         model, start = restore_or_boot(make_model, load_weights, open_store(snapshot_store), key)
-    log_start(path.name, model, start, snapshot_store and f"{snapshot_store} {key}")
+        snapshot = f"{key} in {snapshot_store}"
+    log_start(path.name, model, start, snapshot)
     last_start = start
     return model.eval(), config, start
 
@@ -155,11 +156,11 @@ def file_identity(file: Path) -> bytes:
     return b"\0".join((file.name.encode(), str(size).encode(), hashlib.sha256(header).digest(), sampled.digest()))
 
 
-def log_start(name: str, model, start: WeightsStart, store: str | None) -> None:
+def log_start(name: str, model, start: WeightsStart, snapshot: str) -> None:
     if start.fallback_reason:
         logger.warning("snapshot of %s unusable, booted from the full weights instead: %s", name, start.fallback_reason)
     nbytes = sum(p.nbytes for p in model.parameters())
     gbps = start.load.gbps if start.load else nbytes / start.seconds / 1e9 if start.seconds else 0.0
     wrote = f", wrote snapshot {start.captured.id[:12]} to {start.captured.store}" if start.captured else ""
     logger.info("weights of %s (%.3f GB) from %s in %.3f s = %.2f GB/s (snapshot: %s%s)", name, nbytes / 1e9,
-                start.source, start.seconds, gbps, store or "none", wrote)
+                start.source, start.seconds, gbps, snapshot, wrote)
