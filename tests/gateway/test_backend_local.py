@@ -42,7 +42,7 @@ def test_each_gpu_replica_gets_its_own_device_and_a_third_waits(serve, monkeypat
     served = serve(APPS / "gpus.py")
     with served.client(served.key()) as http, ThreadPoolExecutor(4) as pool:
         assert http.post("/gpus/cpu", json={}).json()["result"] == ""  # no gpu= -> no GPU
-        calls = [pool.submit(http.post, "/gpus/devices", json={"seconds": 3.0}) for _ in range(3)]
+        calls = [pool.submit(http.post, "/gpus/devices", json={"seconds": 2.0}) for _ in range(3)]
 
         def waiting():
             replicas = served.status()["apps"]["gpus"]["functions"]["devices"]["replicas"]
