@@ -75,6 +75,7 @@ def test_gpu_function_runs_on_a_cpu_machine_with_a_warning(serve, monkeypatch):
         assert http.post("/gpus/devices", json={}).json()["result"] == ""
     [replica] = served.status()["apps"]["gpus"]["functions"]["devices"]["replicas"]
     assert "this machine has no GPU: running on CPU" in replica["note"]
+    assert "note: gpu='H200' asked for, but this machine has no GPU: running on CPU" in served.cli("status").stdout
 
 
 def test_required_gpu_on_a_cpu_machine_fails_the_start_with_the_fix(serve, monkeypatch):
