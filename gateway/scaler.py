@@ -100,11 +100,13 @@ class Scaler:
         if holders:
             unit, replica = min(holders, key=lambda h: h[1].parked_at or 0.0)
             reason = f"a start waits for a GPU: parked replica frees GPU {','.join(replica.gpus)}"
+            self._evict(unit, replica, reason)
+
+    def _evict(self, unit: Unit, replica: Replica, reason: str | None = None) -> None:
+        """Stop the replica; a `reason` marks an eviction the backend asked for, recorded beside the policy's decisions."""
+        if reason:
             unit.decisions.append({"t": time.time(), "action": "evict", "reason": reason, "replica": replica.id, "count": None})
             log.info("replica %s: evict (%s)", replica.id, reason)
-            self._evict(unit, replica)
-
-    def _evict(self, unit: Unit, replica: Replica) -> None:
         replica.state, replica.draining = STOPPING, None
         unit.queue.remove(replica)
         self._spawn(self.backend.stop(replica))
@@ -126,9 +128,7 @@ class Scaler:
         for victim in parked_over_budget([(r.id, r.parked_bytes, r.parked_at) for _, r in owners.values()], self.backend.parked_ram):
             owner, evicted = owners[victim]
             reason = f"parked replicas hold {held} bytes of host RAM > budget {self.backend.parked_ram}: oldest parked goes"
-            owner.decisions.append({"t": time.time(), "action": "evict", "reason": reason, "replica": victim, "count": None})
-            log.info("replica %s: evict (%s)", victim, reason)
-            self._evict(owner, evicted)
+            self._evict(owner, evicted, reason)
 
     async def _wake(self, replica: Replica) -> None:
         try:
