@@ -4,8 +4,8 @@
 
 It registers the instance (address, GPUs, heartbeat) in the nodes table, claims pending assignments
 from the replicas table with a conditional write, pulls each package from S3 (its sha256 checked),
-starts the worker with the local backend's process code, and writes back the replica's address and
-state. A replica whose assignment turns to "stop" is stopped. Once its instance is marked draining and
+starts the worker with the local backend's process code, publishes it on the instance's address, and
+writes back the replica's address and state. A replica whose assignment turns to "stop" is stopped. Once its instance is marked draining and
 runs nothing, the agent exits: the gateway is about to terminate the instance.
 Reads EMBER_AWS_BUCKET, EMBER_AWS_TABLES (default "ember-") and AWS_ENDPOINT_URL like the gateway.
 """
@@ -31,6 +31,29 @@ from ember.spec import FunctionSpec
 
 log = logging.getLogger("ember.node_agent")
 POLL = 0.2
+
+
+async def publish(address: str, port: int) -> asyncio.Server:
+    """Relay connections to the node's address on a fresh port to a worker on 127.0.0.1:`port`.
+
+    Workers listen on loopback only; the agent decides what the gateway can reach.
+    """
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            upstream = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pipe(reader, upstream[1]), pipe(upstream[0], writer))
+
+    return await asyncio.start_server(connect, address, 0)
 
 
 class NodeAgent:
@@ -115,10 +138,13 @@ class NodeAgent:
             if replica.state == FAILED:
                 self._set(replica, state="failed", error=replica.error)
                 return
-            self._set(replica, state="ready", host=self.address, port=replica.port, pull_ms=round((pulled - began) * 1000),
+            relay = await publish(self.address, replica.port)
+            public = relay.sockets[0].getsockname()[1]
+            self._set(replica, state="ready", host=self.address, port=public, pull_ms=round((pulled - began) * 1000),
                       boot_ms=round((time.monotonic() - pulled) * 1000))
-            log.info("replica %s ready on %s", replica.id, replica.address)
-            code = await self.backend.wait(replica)
+            log.info("replica %s ready on %s:%s (worker on 127.0.0.1:%s)", replica.id, self.address, public, replica.port)
+            async with relay:
+                code = await self.backend.wait(replica)
             if replica.state != STOPPING:
                 self._set(replica, state="failed", error=f"worker exited with code {code} while serving (log on node {self.instance_id}: {replica.log_path})")
         except ClientError as exc:  # the gateway forgot the assignment (it gave up or was stopped): stop serving it
