@@ -1,6 +1,7 @@
 """Rate limits over a real HTTPS socket: per key and per app, tokens settled from the reply's usage, and two
 gateway processes sharing one real redis-server enforcing one limit together."""
 import concurrent.futures
+import time
 from pathlib import Path
 
 from tests.redis_server import redis_url  # noqa: F401  (pytest fixture)
@@ -45,7 +46,8 @@ def test_concurrency_and_tokens_are_settled_when_the_response_ends(serve):
             assert next(lines).startswith("data:")
             busy = other.post("/fleet/v1/chat/completions", json=chat)  # the stream holds the one slot
             assert busy.status_code == 429 and "concurrent requests" in busy.json()["error"]["message"]
-            assert any('"usage"' in line for line in lines)
+            rest = list(lines)  # to the end: the slot is freed before the client sees it
+            assert any('"usage"' in line for line in rest) and "data: [DONE]" in rest
         after_stream = other.post("/fleet/v1/chat/completions", json=chat | {"max_tokens": 1})
         assert after_stream.status_code == 200
         # The stream's usage (27) and one small request, not the stream's 610-token reservation.
@@ -63,3 +65,11 @@ def test_two_gateways_sharing_redis_admit_exactly_the_limit_together(serve, redi
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(lambda i: (a if i % 2 else b).post("/quick/add", json={"a": i, "b": 0}).status_code, range(24)))
     assert codes.count(200) == 10 and codes.count(429) == 14, codes
+
+    # A revocation through one gateway reaches the other within its key-cache TTL (1 s).
+    other = first.key("other")
+    with first.client(first.key("root", admin=True)) as admin, second.client(other) as b:
+        assert b.post("/quick/add", json={"a": 0, "b": 0}).status_code == 200
+        assert admin.delete("/admin/keys/other").status_code == 200
+        time.sleep(1.05)
+        assert b.post("/quick/add", json={"a": 0, "b": 0}).status_code == 401
