@@ -36,6 +36,7 @@ log = logging.getLogger("ember.gateway")
 
 MAX_BODY = 16 * 1024 * 1024
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+UNLIMITED = Limits()
 SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: it only feeds a hash
 
 
@@ -79,7 +80,7 @@ class Gateway:
 
     async def admit(self, key: ApiKey, app: str, tokens: int) -> Admission | None:
         """Charge the key's and the app's limits, or answer 429; None when neither has any."""
-        scopes = [s for s in (Scope(f"key:{key.id}", key.limits), Scope(f"app:{app}", self.app_limits.get(app))) if s.limits != Limits()]
+        scopes = [s for s in (Scope(f"key:{key.id}", key.limits), Scope(f"app:{app}", self.app_limits.get(app))) if s.limits != UNLIMITED]
         if not scopes:
             return None
         try:

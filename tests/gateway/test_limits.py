@@ -1,6 +1,7 @@
 """Rate limits over a real HTTPS socket: per key and per app, tokens settled from the reply's usage, and two
 gateway processes sharing one real redis-server enforcing one limit together."""
 import concurrent.futures
+import socket
 import time
 from pathlib import Path
 
@@ -52,6 +53,19 @@ def test_concurrency_and_tokens_are_settled_when_the_response_ends(serve):
         assert after_stream.status_code == 200
         # The stream's usage (27) and one small request, not the stream's 610-token reservation.
         assert int(after_stream.headers["x-ratelimit-remaining-tokens"]) > 900
+
+
+def test_a_redis_that_does_not_answer_fails_limited_requests_closed(serve):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    served = serve(APPS / "quick.py", "--redis", f"redis://127.0.0.1:{port}/0")
+    with served.client(served.cli("keys", "create", "--quiet", "--name", "l", "--rpm", "5").stdout.strip()) as http:
+        reply = http.post("/quick/add", json={"a": 1, "b": 1})
+    assert reply.status_code == 503 and reply.json()["error"]["type"] == "rate_limiter_unavailable"
+    assert reply.headers["retry-after"] == "1"
+    with served.client(served.key("free")) as http:  # a request no limit applies to needs no Redis
+        assert http.post("/quick/add", json={"a": 1, "b": 1}).status_code == 200
 
 
 def test_two_gateways_sharing_redis_admit_exactly_the_limit_together(serve, redis_url):  # noqa: F811

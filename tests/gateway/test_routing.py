@@ -23,3 +23,15 @@ def test_routes():
     assert route(with_asgi, "square") == Call("square", "square")
     assert route(with_asgi, "square/extra") == Forward("Engine", "/square/extra")
     assert route(with_asgi, "") == Forward("Engine", "/")
+
+
+def test_choose_by_mode():
+    from ember.gateway.affinity import ReplicaLoad, pick
+    from ember.gateway.routing import choose
+
+    loads = [ReplicaLoad("a", 2), ReplicaLoad("b", 0), ReplicaLoad("c", 1)]
+    assert [choose("round-robin", "s1", loads, turn) for turn in range(4)] == ["a", "b", "c", "a"]
+    assert choose("least-loaded", "s1", loads, 0) == "b"
+    assert choose("affinity", None, loads, 0) == "b"  # no key: least loaded
+    sticky = {choose("affinity", "session-7", loads, turn) for turn in range(5)}
+    assert sticky == {pick("session-7", loads)}
