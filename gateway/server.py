@@ -95,15 +95,29 @@ class Gateway:
 
 
 class Settlement:
-    """Frees the rate-limit charge once, when the response has ended, with the tokens it really used."""
+    """Frees the rate-limit charge once, when the response has ended, with the tokens it really used; a stream
+    that holds a concurrency slot renews it meanwhile, so it outlives the limiter's lease TTL."""
 
     def __init__(self, gateway: Gateway, admission: Admission | None, meter: UsageMeter | None):
         self.gateway, self.admission, self.meter = gateway, admission, meter
+        self.renewal: asyncio.Task | None = None
+
+    def hold(self) -> None:
+        if self.admission is not None and any(s.limits.max_concurrent for s in self.admission.ticket.scopes):
+            self.renewal = asyncio.create_task(self._renew(self.admission))
+
+    async def _renew(self, admission: Admission) -> None:
+        while True:
+            await asyncio.sleep(self.gateway.limiter.lease_ttl / 3)
+            with contextlib.suppress(Exception):  # a missed renewal costs nothing until the lease would expire
+                await self.gateway.limiter.renew(admission.ticket)
 
     async def __call__(self) -> None:
         admission, self.admission = self.admission, None
         if admission is None:
             return
+        if self.renewal is not None:
+            self.renewal.cancel()
         try:
             await self.gateway.limiter.release(admission.ticket, used_tokens=self.meter.total() if self.meter else None)
         except Exception as exc:  # the lease expires by itself; the reply already went out
@@ -216,6 +230,7 @@ async def forward(request: Request, unit: Unit, target: Forward, body: bytes | N
         unit.queue.release(lease.replica)
         await settle()
 
+    settle.hold()
     return proxy.Relay(upstream, close, meter), lease
 
 
