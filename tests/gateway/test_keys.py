@@ -17,3 +17,35 @@ def test_create_verify_revoke(tmp_path):
     assert [k.id for k in keys.revoke("ci")] == [key.id, other.id]
     assert keys.verify(secret) is None and keys.verify(other_secret) is None
     assert all(k.revoked for k in KeyStore(tmp_path / "ember.db").all())
+
+
+def test_scopes_expiry_limits_and_an_old_database(tmp_path):
+    import time
+
+    import pytest
+
+    from ember.gateway.ratelimit import Limits
+
+    db = tmp_path / "ember.db"
+    old = sqlite3.connect(db)  # a database from before scopes existed
+    old.execute("CREATE TABLE api_keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, hash TEXT NOT NULL, admin INTEGER NOT NULL, "
+                "created REAL NOT NULL, revoked REAL)")
+    old.commit()
+    old.close()
+    keys = KeyStore(db)
+    key, secret = keys.create("svc", scopes=["fn:shop/Cart", "app:chat"], expires=time.time() + 60, limits=Limits(10, 1000, 2))
+    again = KeyStore(db).verify(secret)
+    assert again.scopes == ("app:chat", "fn:shop/Cart") and again.limits == Limits(10, 1000, 2) and not again.admin
+    assert again.allows("chat", "Chat") and again.allows("shop", "Cart")
+    assert not again.allows("shop", "Admin") and not again.allows("chatter", "Chat")
+    assert KeyStore(db).create("any")[0].allows("whatever", "fn")  # no app/fn scope: every app
+    assert keys.create("root", scopes=["admin"])[0].admin
+
+    _, expired = keys.create("gone", expires=time.time() - 1)
+    assert keys.verify(expired) is None
+    with pytest.raises(ValueError, match="app:APP"):
+        keys.create("bad", scopes=["app:Chat"])
+
+    assert keys.verify(secret) is not None  # now cached ...
+    keys.revoke(key.id)
+    assert keys.verify(secret) is None  # ... and the revoke dropped it at once
