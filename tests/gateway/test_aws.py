@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import boto3
+import httpx
 import pytest
 
 from ember.gateway.backends.aws import create_tables, nodes_needed
@@ -62,27 +63,33 @@ class FakeInstances:
                 process.wait()
 
 
-@pytest.fixture
-def aws(tmp_path, monkeypatch, request):
-    slots = getattr(request, "param", 1)  # replicas per node
+@pytest.fixture(scope="module")
+def emulator():
     with moto_server() as endpoint:
-        env = aws_env(endpoint) | {"EMBER_AWS_ASG": GROUP, "EMBER_AWS_BUCKET": BUCKET, "EMBER_AWS_REPLICAS_PER_NODE": str(slots)}
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.delenv("AWS_PROFILE", raising=False)
-        boto3.client("s3").create_bucket(Bucket=BUCKET)
-        create_tables(boto3.resource("dynamodb"), "ember-")
-        ec2, autoscaling = boto3.client("ec2"), boto3.client("autoscaling")
-        image = ec2.describe_images()["Images"][0]["ImageId"]
-        ec2.create_launch_template(LaunchTemplateName="ember-node", LaunchTemplateData={"ImageId": image, "InstanceType": "g5.xlarge"})
-        autoscaling.create_auto_scaling_group(
-            AutoScalingGroupName=GROUP, LaunchTemplate={"LaunchTemplateName": "ember-node"}, MinSize=0, MaxSize=3,
-            DesiredCapacity=0, AvailabilityZones=["us-east-1a"])
-        instances = FakeInstances(autoscaling, tmp_path, slots)
-        try:
-            yield autoscaling, instances
-        finally:
-            instances.stop()
+        yield endpoint
+
+
+@pytest.fixture
+def aws(emulator, tmp_path, monkeypatch, request):
+    slots = getattr(request, "param", 1)  # replicas per node
+    httpx.post(f"{emulator}/moto-api/reset").raise_for_status()  # a fresh account for each test
+    env = aws_env(emulator) | {"EMBER_AWS_ASG": GROUP, "EMBER_AWS_BUCKET": BUCKET, "EMBER_AWS_REPLICAS_PER_NODE": str(slots)}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    create_tables(boto3.resource("dynamodb"), "ember-")
+    ec2, autoscaling = boto3.client("ec2"), boto3.client("autoscaling")
+    image = ec2.describe_images()["Images"][0]["ImageId"]
+    ec2.create_launch_template(LaunchTemplateName="ember-node", LaunchTemplateData={"ImageId": image, "InstanceType": "g5.xlarge"})
+    autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName=GROUP, LaunchTemplate={"LaunchTemplateName": "ember-node"}, MinSize=0, MaxSize=3,
+        DesiredCapacity=0, AvailabilityZones=["us-east-1a"])
+    instances = FakeInstances(autoscaling, tmp_path, slots)
+    try:
+        yield autoscaling, instances
+    finally:
+        instances.stop()
 
 
 def desired(autoscaling) -> int:

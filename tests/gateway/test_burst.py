@@ -24,7 +24,7 @@ def test_burst_at_zero_scales_out_then_back_to_zero_and_a_full_queue_gets_503(se
         assert "work: replicas 0 starting, " in text and "decision at " in text
 
         deadline = time.monotonic() + 20
-        while functions()["work"]["replicas"]:  # scaledown_window=1 s, after the burst has been over a stable window (10 s)
+        while functions()["work"]["replicas"]:  # scaledown_window=0.5 s, once the burst has been over a stable window (5 s)
             assert time.monotonic() < deadline, "the burst's replicas never went back to zero"
             time.sleep(0.3)
         assert [d["action"] for d in functions()["work"]["decisions"]].count("evict") == len(replicas)

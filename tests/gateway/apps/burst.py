@@ -7,7 +7,7 @@ import ember
 app = ember.App("burst")
 
 
-@app.function(max_replicas=3, target_concurrency=1, max_concurrency=1, scaledown_window=1)
+@app.function(max_replicas=3, target_concurrency=1, max_concurrency=1, scaledown_window=0.5)
 def work(seconds: float) -> int:
     time.sleep(seconds)
     return os.getpid()

@@ -6,7 +6,7 @@ import ember
 app = ember.App("parking")
 
 
-@app.cls(park_after=0.5, scaledown_window=4)
+@app.cls(park_after=0.5, scaledown_window=6)
 class Model:
     @ember.enter()
     def load(self):
