@@ -113,12 +113,13 @@ def _key_api():
     home = Home()
     if not home.gateway_file.exists():
         return None
+    client = Client.from_env()
     try:
-        client = Client.from_env()
         client.request("GET", "/healthz")
-        return client
-    except (RuntimeError, httpx.TransportError):
+    except httpx.TransportError:  # a gateway.json left by one that is gone
+        client.http.close()
         return None
+    return client
 
 
 def _when(ts: float | None) -> str:
