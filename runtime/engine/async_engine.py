@@ -190,7 +190,9 @@ class AsyncLLM:
             batches.setdefault(route.loop, []).append((route.outputs, (route.index, out)))
         for loop, batch in batches.items():
             if not _post(loop, _put_all, batch):
-                # The caller's event loop is gone: nobody will read these, so stop them.
+                # The caller's event loop is gone: nobody will read these, so stop them; an abort the
+                # caller queued before it went (a matched stop string) goes first and keeps its reason.
+                self._drain_commands()
                 for _, (_, out) in batch:
                     self._routes.pop(out.request_id, None)
                     self.engine.abort_request(out.request_id)
