@@ -173,7 +173,8 @@ class Scaler:
             replica.state = STOPPING
             unit.queue.remove(replica)
             return
-        replica.state, replica.error = FAILED, f"worker exited with code {code} while serving"
+        # the backend may know better than the exit code (the AWS backend: a node gone silent)
+        replica.state, replica.error = FAILED, replica.error or f"worker exited with code {code} while serving"
         self._failed(unit, replica)
 
     def _failed(self, unit: Unit, replica: Replica) -> None:

@@ -23,7 +23,6 @@ from ember.spec import FunctionSpec
 
 log = logging.getLogger("ember.gateway")
 POLL = 0.2
-HEARTBEAT_TIMEOUT = 15.0  # a node silent this long is gone, and so are its replicas
 ACTIVE = ("pending", "claimed", "ready")  # assignment states that hold a slot on a node
 
 
@@ -34,6 +33,7 @@ class AwsSettings:
     tables: str = "ember-"  # prefix of the nodes and replicas tables
     replicas_per_node: int = 1
     start_timeout: float = 600.0  # seconds an assignment may take: instance boot, package pull, enter hooks
+    heartbeat_timeout: float = 15.0  # a node silent this long is gone, and so are its replicas
 
     @classmethod
     def from_env(cls) -> "AwsSettings":
@@ -42,7 +42,8 @@ class AwsSettings:
             raise RuntimeError(f"--backend aws needs {' and '.join(missing)} set (the Auto Scaling Group and bucket "
                                "that terraform/examples/basic outputs)")
         return cls(os.environ["EMBER_AWS_ASG"], os.environ["EMBER_AWS_BUCKET"], os.environ.get("EMBER_AWS_TABLES", "ember-"),
-                   int(os.environ.get("EMBER_AWS_REPLICAS_PER_NODE", "1")), float(os.environ.get("EMBER_AWS_START_TIMEOUT", "600")))
+                   int(os.environ.get("EMBER_AWS_REPLICAS_PER_NODE", "1")), float(os.environ.get("EMBER_AWS_START_TIMEOUT", "600")),
+                   float(os.environ.get("EMBER_AWS_HEARTBEAT_TIMEOUT", "15")))
 
 
 def clients():
@@ -131,7 +132,7 @@ class AwsBackend:
 
     async def _why_not_started(self, replica: Replica, state: str) -> str:
         group = await asyncio.to_thread(self._group)
-        nodes = [n for n in await asyncio.to_thread(scan, self.nodes) if time.time() - float(n.get("heartbeat", 0)) < HEARTBEAT_TIMEOUT]
+        nodes = [n for n in await asyncio.to_thread(scan, self.nodes) if time.time() - float(n.get("heartbeat", 0)) < self.settings.heartbeat_timeout]
         full = " (at its MaxSize: raise max_size)" if group["DesiredCapacity"] >= group["MaxSize"] else ""
         return (f"start failed: assignment {replica.id} still {state} after {self.settings.start_timeout:g} s; group "
                 f"{self.settings.group} wants {group['DesiredCapacity']} instances{full}, {len(nodes)} node agents alive: "
@@ -152,10 +153,13 @@ class AwsBackend:
                 await self._forget(replica)
                 return 1
             node = (await asyncio.to_thread(self.nodes.get_item, Key={"node_id": item["node_id"]})).get("Item")
-            if node is None or time.time() - float(node.get("heartbeat", 0)) > HEARTBEAT_TIMEOUT:
+            silent = time.time() - float(node.get("heartbeat", 0)) if node else math.inf
+            if silent > self.settings.heartbeat_timeout:
+                replica.error = (f"node {item['node_id']} sent no heartbeat for {silent:.0f} s "
+                                 f"(> {self.settings.heartbeat_timeout:g} s): the instance or its node agent is gone")
                 await self._forget(replica)
                 return 1
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(min(1.0, self.settings.heartbeat_timeout / 4))
 
     async def stop(self, replica: Replica, grace: float = 10.0) -> None:
         """Ask its node agent to stop it; once stopped (or after `grace`), forget it and shrink the group."""

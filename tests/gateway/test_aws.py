@@ -147,3 +147,22 @@ def test_a_start_no_node_takes_fails_with_the_reason(aws, serve, monkeypatch):
     message = reply.json()["error"]["message"]
     assert "still pending after 2 s; group ember-gpu wants 0 instances (at its MaxSize: raise max_size), 0 node agents alive" in message
     assert instances.launched == [] and boto3.resource("dynamodb").Table("ember-replicas").scan()["Items"] == []
+
+
+def test_a_node_that_goes_silent_fails_its_replica_and_leaves_the_group(aws, serve, monkeypatch):
+    autoscaling, instances = aws
+    monkeypatch.setenv("EMBER_AWS_HEARTBEAT_TIMEOUT", "2")
+    served = serve(APPS / "quick.py", "--backend", "aws")
+    with served.client(served.key()) as http:
+        assert http.post("/quick/sleepy", json={"seconds": 0}).status_code == 200  # scaledown_window 30 s: it stays up
+    [instance] = instances.launched
+    instances.agents[instance].kill()  # the instance dies without a word
+    deadline = time.monotonic() + 20
+    while not (failed := served.status()["apps"]["quick"]["functions"]["sleepy"]["failed"]):
+        assert time.monotonic() < deadline, "the silent node's replica was never failed"
+        time.sleep(0.3)
+    assert f"node {instance} sent no heartbeat for" in failed[0]["error"] and "the instance or its node agent is gone" in failed[0]["error"]
+    while desired(autoscaling) != 0 or instance in [i["InstanceId"] for i in autoscaling.describe_auto_scaling_groups(
+            AutoScalingGroupNames=[GROUP])["AutoScalingGroups"][0]["Instances"]]:
+        assert time.monotonic() < deadline, "the dead instance was never terminated"
+        time.sleep(0.3)
