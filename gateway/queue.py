@@ -9,7 +9,7 @@ from ember.gateway.affinity import ReplicaLoad
 from ember.gateway.autoscaler.admission import Reject, admit
 from ember.gateway.errors import ApiError
 from ember.gateway.replica import HOT, PARKED, STARTING, Replica
-from ember.gateway.routing import choose
+from ember.gateway.routing import SESSION, SessionTable, choose
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class FunctionQueue:
         self.arrivals = 0
         self.routing = "affinity"  # or "round-robin" / "least-loaded": see routing.choose
         self.turn = 0
+        self.sessions = SessionTable()
 
     @property
     def depth(self) -> int:
@@ -50,7 +51,14 @@ class FunctionQueue:
                if r.state == HOT and not r.draining and r.in_flight < self.max_concurrency and r.id not in avoid]
         if hot:
             self.turn += 1
-            chosen = choose(self.routing, key, [ReplicaLoad(r.id, r.in_flight) for r in hot], self.turn)
+            session = self.routing == "affinity" and key is not None and key.startswith(SESSION)
+            if session:
+                loads = self.sessions.loads(key, [r.id for r in hot])
+            else:
+                loads = [ReplicaLoad(r.id, r.in_flight) for r in hot]
+            chosen = choose(self.routing, key, loads, self.turn)
+            if session:
+                self.sessions.record(key, chosen)
             return self.replicas[chosen]
         parked = [r for r in self.replicas.values() if r.state == PARKED]
         if parked:

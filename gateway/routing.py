@@ -1,5 +1,6 @@
 """Which unit a path under /{app}/ reaches: a declared function or method, else the app's ASGI endpoint."""
 import re
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,33 @@ def route(units: "dict[str, Unit]", rest: str) -> Call | Forward | None:
 
 
 ROUTING_MODES = ("affinity", "round-robin", "least-loaded")
+SESSION = "session:"  # routing keys from X-Session-ID; prompt-prefix keys start "prefix:"
+MAX_SESSIONS = 100_000  # sessions remembered per function; the least recently seen are forgotten first
+
+
+class SessionTable:
+    """The replica each recent session was last routed to, so session affinity balances live sessions per
+    replica (the load `pick` bounds) rather than calls in flight, which a chat between turns has none of."""
+
+    def __init__(self, capacity: int = MAX_SESSIONS):
+        self.capacity = capacity
+        self.replica_of: OrderedDict[str, str] = OrderedDict()
+        self.count: Counter[str] = Counter()
+
+    def loads(self, key: str, replica_ids: list[str]) -> list[ReplicaLoad]:
+        """Sessions per replica, not counting `key` itself: returning to its replica adds nothing."""
+        own = self.replica_of.get(key)
+        return [ReplicaLoad(r, self.count[r] - (r == own)) for r in replica_ids]
+
+    def record(self, key: str, replica_id: str) -> None:
+        old = self.replica_of.pop(key, None)
+        if old is not None:
+            self.count[old] -= 1
+        self.replica_of[key] = replica_id
+        self.count[replica_id] += 1
+        if len(self.replica_of) > self.capacity:
+            _, forgotten = self.replica_of.popitem(last=False)
+            self.count[forgotten] -= 1
 
 
 def choose(mode: str, key: str | None, loads: list[ReplicaLoad], turn: int) -> str:

@@ -27,7 +27,7 @@ from ember.gateway.metrics import Metrics
 from ember.gateway.queue import Lease
 from ember.gateway.ratelimit import ERROR_TYPE, Admission, Limits, MemoryLimiter, Scope, denial_message, headers
 from ember.gateway.replica import STOPPING
-from ember.gateway.routing import APP_NAME, Call, Forward, route
+from ember.gateway.routing import APP_NAME, SESSION, Call, Forward, route
 from ember.gateway.scaler import Scaler
 from ember.gateway.usage import OPENAI_PATHS, UsageMeter, estimate, max_tokens
 from ember.home import Home
@@ -154,10 +154,13 @@ async def read_kwargs(request: Request) -> bytes:
 
 
 def session_id(request: Request) -> str | None:
+    """The routing key of X-Session-ID, if the request has one."""
     value = request.headers.get("x-session-id")
-    if value is not None and not SESSION_ID.fullmatch(value):
+    if value is None:
+        return None
+    if not SESSION_ID.fullmatch(value):
         raise ApiError(400, "invalid_session_id", "X-Session-ID must be 1-256 printable ASCII characters without spaces")
-    return value
+    return SESSION + value
 
 
 async def read_llm(request: Request, target: Forward, session: str | None) -> tuple[bytes | None, int, UsageMeter | None, str | None]:

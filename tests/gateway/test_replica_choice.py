@@ -1,19 +1,22 @@
 """Which replica serves, over a real HTTPS socket: X-Session-ID and prompt-prefix affinity against round robin,
 and what a client sees when its replica is kill -9'd before or during the reply."""
 import concurrent.futures
+import math
 import os
 import signal
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 APPS = Path(__file__).parent / "apps"
 SYSTEM = "You are a careful assistant. " * 20  # a shared prefix well over one routing block
 
 
-def _hot(served, unit: str, n: int) -> list[dict]:
+def _hot(served, unit: str, n: int, app: str = "fleet") -> list[dict]:
     deadline = time.monotonic() + 60
     while True:
-        replicas = [r for r in served.status()["apps"]["fleet"]["functions"][unit]["replicas"] if r["state"] == "hot"]
+        replicas = [r for r in served.status()["apps"][app]["functions"][unit]["replicas"] if r["state"] == "hot"]
         if len(replicas) >= n:
             return replicas
         assert time.monotonic() < deadline, f"{unit} never had {n} hot replicas"
@@ -53,6 +56,48 @@ def test_sessions_and_prefixes_stick_to_a_replica_under_affinity_but_not_round_r
         seen = _replicas_by_session(http, sessions=4, turns=3)
         assert all(len(replicas) == 3 for replicas in seen.values()), seen
         assert len(_prefix_pids(http, 6)) == 2
+
+
+def _place_sessions(http, n: int) -> dict[str, str]:
+    placed = {}
+    for s in range(n):
+        reply = http.post("/sessions/hold", json={}, headers={"X-Session-ID": f"s{s}"})
+        assert reply.status_code == 200, reply.text
+        placed[f"s{s}"] = reply.headers["x-ember-replica"]
+    return placed
+
+
+def test_1000_sessions_over_4_replicas_stay_bounded_and_a_fifth_takes_about_a_fifth(serve):
+    served = serve(APPS / "sessions.py")
+    assert len(_hot(served, "hold", 4, app="sessions")) == 4
+    with served.client(served.key(), timeout=60) as http:
+        four = _place_sessions(http, 1000)
+        assert len(set(four.values())) == 4
+        assert max(Counter(four.values()).values()) <= math.ceil(1.25 * 1000 / 4)
+        again = _place_sessions(http, 1000)
+        # Sessions return to their replica; the few the bound spilled while the first ones were placed go back home.
+        assert sum(again[s] == four[s] for s in four) >= 990
+        four = again
+
+        busy = threading.Event()
+        busy.set()
+
+        def load() -> None:  # more calls than four replicas take, until the autoscaler adds the fifth
+            while busy.is_set():
+                assert http.post("/sessions/hold", json={"seconds": 0.3}).status_code == 200
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            loaders = [pool.submit(load) for _ in range(8)]
+            try:
+                assert len(_hot(served, "hold", 5, app="sessions")) == 5
+            finally:
+                busy.clear()
+            [f.result() for f in loaders]
+        five = _place_sessions(http, 1000)
+    assert len(set(five.values())) == 5
+    assert max(Counter(five.values()).values()) <= math.ceil(1.25 * 1000 / 5)
+    moved = sum(four[s] != five[s] for s in four)
+    assert 120 <= moved <= 300, moved  # ideally 1/5: only what the new replica must take, plus a few the tighter bound pushes
 
 
 def _stop(served) -> None:
