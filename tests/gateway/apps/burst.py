@@ -7,7 +7,8 @@ import ember
 app = ember.App("burst")
 
 
-@app.function(max_replicas=3, target_concurrency=1, max_concurrency=1, scaledown_window=0.5)
+# The window outlasts a call under CI load, so replicas (and AWS nodes) are not stopped mid-burst.
+@app.function(max_replicas=3, target_concurrency=1, max_concurrency=1, scaledown_window=2)
 def work(seconds: float) -> int:
     time.sleep(seconds)
     return os.getpid()
