@@ -174,25 +174,3 @@ def test_flashinfer_and_sdpa_agree(family):
           f"{divergences}/{len(batch)} continuations diverge, each at a near-tie; "
           f"position-wise agreement {positionwise(fi_out, sd_out):.4f}")
     assert worst < 0.1
-
-
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
-def test_free_running_greedy_agrees_on_peaked_weights(name, tmp_path):
-    """Both sides generate on their own, compared token by token, on weights whose next-token
-    distributions are peaked like a trained model's (an lm_head 6x the init scale), so bf16 near-ties
-    are rare and a divergence would point at the engine rather than at flat random logits."""
-    config_cls, model_cls, extra = _families()[name]
-    torch.manual_seed(0)
-    reference = model_cls(config_cls(**{**_COMMON, **extra}))
-    with torch.no_grad():
-        reference.get_output_embeddings().weight.mul_(6.0)
-    reference.save_pretrained(tmp_path)
-    model = model_cls.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda").eval()
-    batch, n = prompts(256, seed=4), 32
-    ours, _ = run(engine(str(tmp_path)), batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    theirs = hf_generate(model, batch, n)
-    agreement = positionwise(ours, theirs)
-    identical = sum(o == t for o, t in zip(ours, theirs))
-    print(f"\n[{name}] peaked weights, 256 prompts x {n} free-running greedy tokens: position-wise agreement "
-          f"{agreement:.4f}; {identical}/256 continuations identical")
-    assert agreement >= 0.95
