@@ -1,4 +1,5 @@
-"""Which unit a path under /{app}/ reaches: a declared function or method, else the app's ASGI endpoint."""
+"""Where a request goes: which unit a path under /{app}/ reaches (a declared function or method, else the
+app's ASGI endpoint), and which of that unit's replicas serves it (`choose`, by the --routing mode)."""
 import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
