@@ -278,7 +278,16 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def invoke(request: Request, app_name: str, rest: str) -> Response:
         key = authenticate(gateway.keys, request)  # before anything reads the body
         unit, target = resolve(gateway.deployments, app_name, rest)
-        authorize(key, app_name, unit.name)
+        try:
+            response, lease, admission = await answer(request, key, unit, target)
+        except ApiError as exc:  # refusals (403, 413, 429, 503, ...) show in /metrics next to answers
+            gateway.metrics.observe(app_name, unit.name, exc.status, None)
+            raise
+        gateway.metrics.observe(app_name, unit.name, response.status_code, lease.cold_start)
+        return _stamp(response, lease, headers(admission) if admission else {})
+
+    async def answer(request: Request, key: ApiKey, unit: Unit, target: Call | Forward) -> tuple[Response, Lease, Admission | None]:
+        authorize(key, unit.app, unit.name)
         session = session_id(request)
         if isinstance(target, Call):
             if request.method != "POST":
@@ -286,7 +295,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             body, tokens, meter, affinity = await read_kwargs(request), 0, None, session
         else:
             body, tokens, meter, affinity = await read_llm(request, target, session)
-        admission = await gateway.admit(key, app_name, tokens)
+        admission = await gateway.admit(key, unit.app, tokens)
         settle = Settlement(gateway, admission, meter)
         try:
             if isinstance(target, Call):
@@ -297,8 +306,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         except BaseException:
             await settle()
             raise
-        gateway.metrics.observe(app_name, unit.name, response.status_code, lease.cold_start)
-        return _stamp(response, lease, headers(admission) if admission else {})
+        return response, lease, admission
 
     app.add_middleware(HeaderLimit)
     return app

@@ -21,6 +21,8 @@ def test_requests_per_minute_per_key_and_per_app(serve):
     denied = replies[3]
     assert denied.json()["error"]["type"] == "rate_limit_exceeded" and "requests per minute" in denied.json()["error"]["message"]
     assert 1 <= int(denied.headers["retry-after"]) <= 20
+    metrics = served.client(None).get("/metrics").text
+    assert 'ember_requests_total{app="quick",function="add",code="429"} 1' in metrics
 
     with served.client(served.key("root", admin=True)) as admin:
         put = admin.put("/admin/apps/quick/limits", json={"rpm": 2})
