@@ -39,7 +39,6 @@ def route(units: "dict[str, Unit]", rest: str) -> Call | Forward | None:
     return Forward(asgi, f"/{rest}") if asgi else None
 
 
-ROUTING_MODES = ("affinity", "round-robin", "least-loaded")
 SESSION = "session:"  # routing keys from X-Session-ID; prompt-prefix keys start "prefix:"
 MAX_SESSIONS = 100_000  # sessions remembered per function; the least recently seen are forgotten first
 
