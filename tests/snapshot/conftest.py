@@ -1,10 +1,8 @@
 """Fixtures for snapshot tests: an EMBER_HOME per test, small models, a moto_server process for S3."""
-import socket
-import subprocess
-import time
-
 import pytest
 import torch
+
+from tests.aws_emulator import aws_env, moto_server
 
 
 @pytest.fixture(autouse=True)
@@ -49,44 +47,17 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).contiguous().view(torch.uint8)), name
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto_server process (the AWS API emulator) on a free port, for the whole session."""
-    port = free_port()
-    proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
+    with moto_server() as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture
 def s3_env(s3_endpoint, monkeypatch):
     """Dummy credentials and the emulator's endpoint, as boto3 reads them from the environment."""
-    for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL": s3_endpoint}.items():
+    for key, value in aws_env(s3_endpoint).items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     return s3_endpoint

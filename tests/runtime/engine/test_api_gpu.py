@@ -5,8 +5,6 @@ Run on the GPU machine:
 """
 import json
 import math
-import socket
-import threading
 import time
 
 import httpx
@@ -16,6 +14,7 @@ import torch
 from ember.runtime.engine.api import create_app
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.tiny import build_tiny_model
+from tests.runtime.engine.helpers import uvicorn_thread, wait_until_idle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,32 +24,13 @@ HELLO = [{"role": "user", "content": "Tell me a story about the sea."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import uvicorn
-
     # head_dim 64: a size every attention backend takes.
     path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", hidden_size=128, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=64)
     app = create_app(EngineConfig(model=str(path), max_model_len=1024), served_model_name=MODEL)
     assert app.state.llm.engine.runner.device.type == "cuda"
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "uvicorn failed to start"
-        time.sleep(0.01)
-    yield app, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
-
-
-def wait_until_idle(engine, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while engine.has_unfinished_requests() or engine.block_manager.usage > 0:
-        assert time.monotonic() < deadline, "the engine still holds requests or KV blocks"
-        time.sleep(0.01)
+    with uvicorn_thread(app) as url:
+        yield app, url
 
 
 def chat(base, **body):

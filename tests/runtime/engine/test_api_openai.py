@@ -1,16 +1,13 @@
 """The app behind a real uvicorn socket, driven by the official `openai` client."""
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from ember.runtime.engine.api import create_app
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.tiny import build_tiny_model
+from tests.runtime.engine.helpers import uvicorn_thread, wait_until_idle
 
 MODEL = "tiny-chat"
 HELLO = [{"role": "user", "content": "Tell me a story."}]
@@ -21,31 +18,14 @@ def server(tmp_path_factory):
     # A long context, so the disconnect tests' requests cannot finish before the client leaves.
     path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", max_position_embeddings=8192)
     app = create_app(EngineConfig(model=str(path), max_num_seqs=8), served_model_name=MODEL)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "uvicorn failed to start"
-        time.sleep(0.01)
-    yield app, f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with uvicorn_thread(app) as url:
+        yield app, f"{url}/v1"
 
 
 @pytest.fixture
 def client(server):
     with openai.OpenAI(base_url=server[1], api_key="unused", max_retries=0) as client:
         yield client
-
-
-def wait_until_idle(engine, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while engine.has_unfinished_requests() or engine.block_manager.usage > 0:
-        assert time.monotonic() < deadline, "the engine still holds requests or KV blocks"
-        time.sleep(0.01)
 
 
 def test_models_and_chat(client):

@@ -1,5 +1,4 @@
 import asyncio
-import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -9,6 +8,7 @@ from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.sampling import SamplingParams
 from ember.runtime.engine.tiny import build_tiny_model
+from tests.runtime.engine.helpers import wait_until_idle
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +25,6 @@ def prompt(llm, text="The capital of France is"):
 
 async def collect(stream):
     return [c async for c in stream]
-
-
-def wait_until_idle(engine, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while engine.has_unfinished_requests() or engine.block_manager.usage > 0:
-        assert time.monotonic() < deadline, "the engine still holds requests or KV blocks"
-        time.sleep(0.01)
 
 
 def test_streams_tokens_and_text_that_match_offline_generate(llm):

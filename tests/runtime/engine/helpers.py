@@ -1,0 +1,34 @@
+"""Shared by the engine's API tests: the app behind a real uvicorn socket, and waiting for an idle engine."""
+import contextlib
+import socket
+import threading
+import time
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def uvicorn_thread(app) -> Iterator[str]:
+    """Serves `app` on a free loopback port in a thread; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "uvicorn failed to start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def wait_until_idle(engine, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests() or engine.block_manager.usage > 0:
+        assert time.monotonic() < deadline, "the engine still holds requests or KV blocks"
+        time.sleep(0.01)
