@@ -1,17 +1,19 @@
 """Sends a call or a forwarded request to a replica over loopback HTTP.
 
 The upstream URL is always http://{replica address}{path}: nothing the client sends chooses the host or port."""
+import asyncio
 import json
 import logging
 from typing import AsyncIterator, Awaitable, Callable
 
+import aiohttp
 import anyio
-import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+from yarl import URL
 
-from ember.gateway.errors import ApiError
+from ember.gateway.errors import ApiError, error_response
 from ember.gateway.replica import Replica
 from ember.gateway.usage import UsageMeter
 
@@ -20,6 +22,18 @@ log = logging.getLogger("ember.gateway")
 # Connection-level headers that must not cross a proxy (RFC 9110 7.6.1), plus the caller's credentials.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "host", "authorization", "content-length"}
+# From a reply: hop-by-hop headers, and date/server, which uvicorn writes itself. Content-Length stays: the body
+# passes unchanged, so the client gets it whole rather than chunked.
+REPLY_DROP = {k.encode() for k in HOP_BY_HOP - {"content-length"} | {"date", "server"}}
+WHOLE_BODY = 256 * 1024  # a non-SSE reply up to this size (by its Content-Length) is read whole, then sent in one piece
+CALL_HEADERS = {"content-type": "application/json"}
+
+
+def session() -> aiohttp.ClientSession:
+    """The gateway's one upstream client. Replicas' uvicorn closes idle connections after 5 s: closing ours after 4 s
+    means a pooled connection is never reused just as the replica closes it."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False)
 
 
 class Unreachable(Exception):
@@ -34,74 +48,90 @@ def _timeout(timeout: float) -> ApiError:
     return ApiError(504, "timeout", f"the replica did not answer within the function's timeout of {timeout:g} s")
 
 
-def _url(replica: Replica, path: str) -> httpx.URL:
-    return httpx.URL(scheme="http", host=replica.host, port=replica.port, path=path)
+def _url(replica: Replica, path: str, query: str = "") -> URL:
+    return URL.build(scheme="http", host=replica.host, port=replica.port, path=path, query_string=query)
 
 
-async def call(client: httpx.AsyncClient, replica: Replica, method: str, body: bytes, timeout: float) -> Response:
+async def call(client: aiohttp.ClientSession, replica: Replica, method: str, body: bytes, timeout: float) -> Response:
     """A function call: the replica's JSON reply (result or error) passed through with its status."""
+    limit = aiohttp.ClientTimeout(total=None, sock_connect=timeout + 5, sock_read=timeout + 5)
     try:
-        reply = await client.post(
-            _url(replica, f"/__ember__/call/{method}"), content=body,
-            headers={"content-type": "application/json"}, timeout=timeout + 5,
-        )
-    except httpx.TimeoutException:
+        async with client.post(_url(replica, f"/__ember__/call/{method}"), data=body, headers=CALL_HEADERS,
+                               timeout=limit, allow_redirects=False) as reply:
+            return Response(await reply.read(), status_code=reply.status, media_type="application/json")
+    except asyncio.TimeoutError:
         raise _timeout(timeout) from None
-    except httpx.TransportError as exc:
+    except aiohttp.ClientError as exc:
         raise Unreachable(replica, exc) from None
-    return Response(reply.content, status_code=reply.status_code, media_type="application/json")
 
 
-async def _counted(stream: AsyncIterator[bytes], limit: int) -> AsyncIterator[bytes]:
-    size = 0
-    async for chunk in stream:
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "body_too_large", f"request body is over {limit} bytes")
-        yield chunk
+class CountedBody:
+    """The client's body streamed through, counted as it passes: over `limit` bytes ends the upload with a 413."""
+
+    def __init__(self, request: Request, limit: int):
+        self.request, self.limit, self.over = request, limit, False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        size = 0
+        async for chunk in self.request.stream():
+            size += len(chunk)
+            if size > self.limit:
+                self.over = True
+                raise ApiError(413, "body_too_large", f"request body is over {self.limit} bytes")
+            yield chunk
 
 
-async def open_stream(client: httpx.AsyncClient, replica: Replica, request: Request, path: str, body: bytes | None,
-                      timeout: float, max_body: int) -> httpx.Response:
+async def open_stream(client: aiohttp.ClientSession, replica: Replica, request: Request, path: str, body: bytes | None,
+                      timeout: float, max_body: int) -> aiohttp.ClientResponse:
     """Start forwarding `request` to the replica's ASGI app at `path`: `body` when the gateway read it, else the
-    client's body streamed through. `timeout` bounds the wait for each response chunk."""
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
-    upstream = client.build_request(
-        request.method, _url(replica, path), params=request.url.query or None, headers=headers,
-        content=body if body is not None else _counted(request.stream(), max_body),
-        timeout=httpx.Timeout(timeout, connect=5),
-    )
+    client's body streamed through (none when it declared none). `timeout` bounds the wait for each response chunk."""
+    headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+    counted = None
+    if body is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
+        counted = CountedBody(request, max_body)
     try:
-        return await client.send(upstream, stream=True)
-    except httpx.TimeoutException:
+        return await client.request(
+            request.method, _url(replica, path, request.scope["query_string"].decode("latin-1")), headers=headers,
+            data=body if counted is None else counted.__aiter__(), allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=timeout),
+        )
+    except asyncio.TimeoutError:
         raise _timeout(timeout) from None
-    except httpx.TransportError as exc:
+    except aiohttp.ClientError as exc:
+        if counted is not None and counted.over:  # the upload was cut by its own size, not by the replica
+            raise ApiError(413, "body_too_large", f"request body is over {max_body} bytes") from None
         raise Unreachable(replica, exc) from None
 
 
 class Relay(Response):
     """Streams an upstream response to the client as it arrives (SSE untouched, backpressure by awaiting
     each send); a client disconnect closes the upstream connection, which cancels the request there.
-    An upstream that fails mid-stream ends an SSE stream with an `event: error`; other bodies are cut off."""
+    An upstream that fails mid-stream ends an SSE stream with an `event: error`; other bodies are cut off.
+    A small non-SSE reply of known length is read whole and sent in one piece, with no disconnect watch."""
 
-    def __init__(self, upstream: httpx.Response, on_close: Callable[[], Awaitable[None]], meter: UsageMeter | None = None):
+    def __init__(self, upstream: aiohttp.ClientResponse, on_close: Callable[[], Awaitable[None]], meter: UsageMeter | None = None):
         self.upstream, self.on_close, self.meter = upstream, on_close, meter
         self.closed = False
-        self.status_code = upstream.status_code
+        self.status_code = upstream.status
         self.background = None
-        passed = [(k, v) for k, v in upstream.headers.multi_items() if k.lower() not in HOP_BY_HOP]
-        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in passed]
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        drop = REPLY_DROP | {b"content-length"} if self.sse else REPLY_DROP  # an SSE body may gain an error event
+        self.raw_headers = [(k.lower(), v) for k, v in upstream.raw_headers if k.lower() not in drop]
+        length = upstream.content_length
+        self.whole = not self.sse and length is not None and length <= WHOLE_BODY
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.whole:
+            return await self._send_whole(send)
+
         async def pump() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             try:
-                async for chunk in self.upstream.aiter_raw():
+                async for chunk in self.upstream.content.iter_any():
                     if self.meter is not None:
                         self.meter.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except httpx.TransportError as exc:
+            except aiohttp.ClientError as exc:
                 log.warning("upstream failed mid-response: %s: %s", type(exc).__name__, exc)
                 if not self.sse:
                     raise
@@ -127,8 +157,28 @@ class Relay(Response):
         finally:
             await self.close()
 
+    async def _send_whole(self, send: Send) -> None:
+        try:
+            body = await self.upstream.read()
+        except aiohttp.ClientError as exc:
+            log.warning("upstream failed mid-response: %s: %s", type(exc).__name__, exc)
+            await self.close()
+            reply = error_response(502, "replica_failed", f"the replica failed mid-response ({type(exc).__name__}); retry the request")
+            return await reply({"type": "http"}, None, send)
+        if self.meter is not None:
+            self.meter.feed(body)
+        await self.close()  # settled before the client has the reply, as for a stream
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": body})
+        except OSError:
+            pass  # the client went away
+
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
-            await self.upstream.aclose()
+            if self.upstream.content.at_eof():
+                self.upstream.release()  # read to the end: the connection goes back to the pool
+            else:
+                self.upstream.close()  # abandoned: closing the connection cancels the request on the replica
             await self.on_close()

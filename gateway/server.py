@@ -9,7 +9,6 @@ import re
 import time
 from pathlib import Path
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -240,7 +239,7 @@ async def forward(request: Request, unit: Unit, target: Forward, body: bytes | N
 def create_app(gateway: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as client:
+        async with proxy.session() as client:
             app.state.client = client
             scaler = asyncio.create_task(gateway.scaler.run())
             gateway.ready = True
