@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
 
 from ember.gateway import errors, proxy
 from ember.gateway.admin import admin_router
@@ -272,9 +273,8 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def openapi() -> JSONResponse:
         return JSONResponse(spec(app))
 
-    @app.api_route("/{app_name}/{rest:path}", methods=METHODS, summary="Call a function, or reach an app's ASGI endpoint",
-                   responses=ERROR_RESPONSES)
-    async def invoke(request: Request, app_name: str, rest: str) -> Response:
+    async def invoke(request: Request) -> Response:
+        app_name, rest = request.path_params["app_name"], request.path_params["rest"]
         key = authenticate(gateway.keys, request)  # before anything reads the body
         unit, target = resolve(gateway.deployments, app_name, rest)
         try:
@@ -307,10 +307,13 @@ def create_app(gateway: Gateway) -> FastAPI:
             raise
         return response, lease, admission
 
+    # A plain Starlette route: FastAPI's parameter solving cost ~0.05 ms a request on the hot path. `spec` documents it.
+    app.router.routes.append(Route(INVOKE_PATH, invoke, methods=METHODS))
     app.add_middleware(HeaderLimit)
     return app
 
 
+INVOKE_PATH = "/{app_name}/{rest:path}"
 ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 ERROR_RESPONSES = {code: {"description": what} | ERROR for code, what in [
     (400, "bad request"), (401, "missing or invalid key"), (403, "key lacks the scope"), (404, "no such app or function"),
@@ -329,6 +332,10 @@ def spec(app: FastAPI) -> dict:
             "properties": {"error": {"type": "object", "required": ["type", "message"],
                                      "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        invoke = {"summary": "Call a function, or reach an app's ASGI endpoint",
+                  "parameters": [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in ("app_name", "rest")],
+                  "responses": {"200": {"description": "the function's result, or the app's reply"}} | {str(code): r for code, r in ERROR_RESPONSES.items()}}
+        document["paths"]["/{app_name}/{rest}"] = {m.lower(): invoke | {"operationId": f"invoke_{m.lower()}"} for m in METHODS}
         document["security"] = [{"bearer": []}]
         for path in ("/healthz", "/readyz", "/metrics"):
             document["paths"][path]["get"]["security"] = []
