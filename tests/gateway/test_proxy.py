@@ -1,0 +1,74 @@
+"""The gateway's relay to a replica over a real HTTPS socket: reply headers, whole and streamed bodies, redirects
+passed back, a reply cut mid-body, and an upload over the body limit."""
+import textwrap
+
+from ember.gateway.proxy import WHOLE_BODY
+from ember.gateway.server import MAX_BODY
+
+APP = textwrap.dedent('''
+    import ember
+
+    app = ember.App("relay")
+
+
+    async def upstream(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        received, more = 0, True
+        while more:
+            message = await receive()
+            received += len(message.get("body", b""))
+            more = message.get("more_body", False)
+        path, size = scope["path"], int(scope["query_string"] or 0)
+        if path == "/cut":  # promises more than it sends, then fails: uvicorn drops the connection
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")]})
+            await send({"type": "http.response.body", "body": b'{"partial":', "more_body": True})
+            raise RuntimeError("the replica failed mid-body")
+        if path == "/moved":
+            await send({"type": "http.response.start", "status": 302, "headers": [(b"location", b"/elsewhere")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        body = b"x" * size if path == "/sized" else str(received).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+    @app.cls(scaledown_window=30)
+    class Web:
+        @ember.asgi_app()
+        def web(self):
+            return upstream
+''')
+
+
+def test_replies_pass_through_with_their_length_and_one_date_and_server(serve, tmp_path):
+    app = tmp_path / "relay.py"
+    app.write_text(APP)
+    served = serve(app)
+    with served.client(served.key()) as http:
+        for size in (10, WHOLE_BODY + 1):  # read whole, and streamed
+            reply = http.get(f"/relay/sized?{size}")
+            assert reply.status_code == 200 and reply.content == b"x" * size, reply.text[:300]
+            assert reply.headers["content-length"] == str(size) and "transfer-encoding" not in reply.headers
+            assert len(reply.headers.get_list("date")) == 1 and reply.headers.get_list("server") == ["uvicorn"]
+            assert reply.headers["x-ember-replica"].startswith("web-")
+
+        moved = http.get("/relay/moved")  # the client's to follow, not the gateway's
+        assert moved.status_code == 302 and moved.headers["location"] == "/elsewhere"
+
+        cut = http.get("/relay/cut")
+        assert cut.status_code == 502 and cut.json()["error"]["type"] == "replica_failed"
+
+        upload = http.post("/relay/upload", content=iter([b" " * (1 << 20)] * 3))  # chunked, streamed through
+        assert upload.status_code == 200 and upload.text == str(3 << 20)
+        over = http.post("/relay/upload", content=iter([b" " * (1 << 20)] * (MAX_BODY // (1 << 20) + 1)))
+        assert over.status_code == 413 and over.json()["error"]["type"] == "body_too_large"
+
+        assert http.get("/relay/sized?3").text == "xxx"  # the gateway still serves after all that
+    status = served.status()["apps"]["relay"]["functions"]["Web"]
+    assert status["in_flight"] == 0
