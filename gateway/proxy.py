@@ -29,7 +29,7 @@ WHOLE_BODY = 256 * 1024  # a non-SSE reply up to this size (by its Content-Lengt
 CALL_HEADERS = {"content-type": "application/json"}
 
 
-def session() -> aiohttp.ClientSession:
+def client() -> aiohttp.ClientSession:
     """The gateway's one upstream client. Replicas' uvicorn closes idle connections after 5 s: closing ours after 4 s
     means a pooled connection is never reused just as the replica closes it."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)

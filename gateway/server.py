@@ -240,7 +240,7 @@ async def forward(request: Request, unit: Unit, target: Forward, body: bytes | N
 def create_app(gateway: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with proxy.session() as client:
+        async with proxy.client() as client:
             app.state.client = client
             scaler = asyncio.create_task(gateway.scaler.run())
             gateway.ready = True
