@@ -49,7 +49,9 @@ def _timeout(timeout: float) -> ApiError:
 
 
 def _url(replica: Replica, path: str, query: str = "") -> URL:
-    return URL.build(scheme="http", host=replica.host, port=replica.port, path=path, query_string=query)
+    """`path` (decoded by the router) quoted again; `query` exactly as the client sent it, not quoted twice."""
+    url = URL.build(scheme="http", host=replica.host, port=replica.port, path=path)
+    return URL(f"{url}?{query}", encoded=True) if query else url
 
 
 async def call(client: aiohttp.ClientSession, replica: Replica, method: str, body: bytes, timeout: float) -> Response:
