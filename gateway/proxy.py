@@ -31,9 +31,10 @@ CALL_HEADERS = {"content-type": "application/json"}
 
 def client() -> aiohttp.ClientSession:
     """The gateway's one upstream client. Replicas' uvicorn closes idle connections after 5 s: closing ours after 4 s
-    means a pooled connection is never reused just as the replica closes it."""
+    means a pooled connection is never reused just as the replica closes it. No cookie jar: one caller's cookies
+    must never ride along on another's request (aiohttp's jar keeps those of named hosts)."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
-    return aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
 
 
 class Unreachable(Exception):

@@ -33,6 +33,11 @@ APP = textwrap.dedent('''
             await send({"type": "http.response.start", "status": 302, "headers": [(b"location", b"/elsewhere")]})
             await send({"type": "http.response.body", "body": b""})
             return
+        if path == "/cookie":  # sets one, and answers with the cookies the request carried
+            body = dict(scope["headers"]).get(b"cookie", b"")
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"set-cookie", b"secret=alice")]})
+            await send({"type": "http.response.body", "body": body})
+            return
         if path == "/query":
             body = scope["query_string"]
         else:
@@ -64,6 +69,11 @@ def test_replies_pass_through_with_their_length_and_one_date_and_server(serve, t
 
         query = "a=%2F&b=c+d&e=%E2%9C%93&f"
         assert http.get(f"/relay/query?{query}").text == query  # passed as sent, not decoded or quoted twice
+
+        assert http.get("/relay/cookie").headers["set-cookie"] == "secret=alice"
+        http.cookies.clear()
+        assert http.get("/relay/cookie").text == ""  # the gateway sends no cookie of its own
+        assert http.get("/relay/cookie", headers={"cookie": "mine=1"}).text == "mine=1"
 
         moved = http.get("/relay/moved")  # the client's to follow, not the gateway's
         assert moved.status_code == 302 and moved.headers["location"] == "/elsewhere"
