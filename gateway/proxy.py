@@ -27,14 +27,17 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 REPLY_DROP = {k.encode() for k in HOP_BY_HOP - {"content-length"} | {"date", "server"}}
 WHOLE_BODY = 256 * 1024  # a non-SSE reply up to this size (by its Content-Length) is read whole, then sent in one piece
 CALL_HEADERS = {"content-type": "application/json"}
+MAX_HEADER_LINE = 64 * 1024
 
 
 def client() -> aiohttp.ClientSession:
     """The gateway's one upstream client. Replicas' uvicorn closes idle connections after 5 s: closing ours after 4 s
     means a pooled connection is never reused just as the replica closes it. No cookie jar: one caller's cookies
-    must never ride along on another's request (aiohttp's jar keeps those of named hosts)."""
+    must never ride along on another's request (aiohttp's jar keeps those of named hosts). Reply header lines
+    up to 64 KiB, as httpx took them (aiohttp's default is 8 KiB)."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
-    return aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+                                 max_line_size=MAX_HEADER_LINE, max_field_size=MAX_HEADER_LINE)
 
 
 class Unreachable(Exception):
