@@ -1,32 +1,22 @@
-"""One replica as the gateway sees it: its process, port, state and load."""
-import asyncio
+"""One replica as the gateway sees it: its worker process (see ember.runtime.supervisor), state and load."""
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from ember.runtime.supervisor import WorkerProcess
 
 STARTING, HOT, PARKED, FAILED, STOPPING = "starting", "hot", "parked", "failed", "stopping"
 
 
 @dataclass(eq=False)
-class Replica:
-    id: str
-    app: str
-    unit: str
-    log_path: Path
+class Replica(WorkerProcess):
     state: str = STARTING
     host: str = "127.0.0.1"  # the node it runs on (loopback for the local backend)
-    port: int | None = None
     in_flight: int = 0
     idle_since: float | None = None
     created: float = field(default_factory=time.monotonic)
     ready_at: float | None = None  # when it last became able to serve (start or wake)
     tier: str = "node-warm"  # the cold-start tier its last start or wake came from
-    timings: dict[str, int] = field(default_factory=dict)  # spawn/import/enter/total ms of its start
-    error: str | None = None
     draining: str | None = None  # "park" or "evict" once its in-flight calls finish; routes nothing new
-    process: asyncio.subprocess.Process | None = None
-    gpus: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES it was given
-    note: str | None = None  # why it waits (for a GPU, a node) or runs degraded (no GPU here)
     parked_at: float | None = None
     parked_bytes: int = 0  # host RAM it holds while parked
 

@@ -4,15 +4,14 @@
 
 It registers the instance (address, GPUs, heartbeat) in the nodes table, claims pending assignments
 from the replicas table with a conditional write, pulls each package from S3 (its sha256 checked),
-starts the worker with the local backend's process code, publishes it on the instance's address, and
-writes back the replica's address and state. A replica whose assignment turns to "stop" is stopped. Once its instance is marked draining and
-runs nothing, the agent exits: the gateway is about to terminate the instance.
+starts the worker under a Supervisor (the one the local backend uses), publishes it on the instance's address,
+and writes back the replica's address and state. A replica whose assignment turns to "stop" is stopped. Once its
+instance is marked draining and runs nothing, the agent exits: the gateway is about to terminate the instance.
 Reads EMBER_AWS_BUCKET, EMBER_AWS_TABLES (default "ember-") and AWS_ENDPOINT_URL like the gateway.
 """
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -23,10 +22,9 @@ from pathlib import Path
 import boto3
 from botocore.exceptions import ClientError
 
-from ember.gateway.backends.aws import scan
-from ember.gateway.backends.local import LocalBackend
-from ember.gateway.replica import FAILED, STOPPING, Replica
 from ember.package import read_manifest
+from ember.runtime.aws import download_package, scan
+from ember.runtime.supervisor import Supervisor, WorkerProcess
 from ember.spec import FunctionSpec
 
 log = logging.getLogger("ember.node_agent")
@@ -61,12 +59,12 @@ class NodeAgent:
         self.instance_id, self.address, self.slots, self.work, self.bucket = instance_id, address, slots, work, bucket
         (work / "logs").mkdir(parents=True, exist_ok=True)
         (work / "packages").mkdir(parents=True, exist_ok=True)
-        self.backend = LocalBackend(work / "logs", parked_ram=0, gpus=[str(i) for i in range(gpus)])
+        self.supervisor = Supervisor([str(i) for i in range(gpus)], log)
         self.gpus = gpus
         self.s3 = boto3.client("s3")
         dynamodb = boto3.resource("dynamodb")
         self.nodes, self.replicas = dynamodb.Table(f"{tables}nodes"), dynamodb.Table(f"{tables}replicas")
-        self.running: dict[str, Replica] = {}
+        self.running: dict[str, WorkerProcess] = {}
         self.tasks: set[asyncio.Task] = set()
 
     def heartbeat(self) -> str:
@@ -106,37 +104,27 @@ class NodeAgent:
             if exc.response["Error"]["Code"] == "ConditionalCheckFailedException":
                 return  # another node won it
             raise
-        replica = Replica(item["replica_id"], item["app"], item["unit"], self.work / "logs" / f"{item['app']}.{item['replica_id']}.log",
-                          host=self.address, tier="node-cold")
+        replica = WorkerProcess(item["replica_id"], item["app"], item["unit"], self.work / "logs" / f"{item['app']}.{item['replica_id']}.log")
         self.running[replica.id] = replica
         log.info("claimed %s (%s/%s)", replica.id, replica.app, replica.unit)
         self._spawn(self._serve(replica, item))
 
-    def _pull(self, key: str, digest: str) -> Path:
-        path = self.work / "packages" / f"{digest}.pkg"
-        if not path.exists():
-            data = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
-            if hashlib.sha256(data).hexdigest() != digest:
-                raise ValueError(f"package s3://{self.bucket}/{key} does not match its sha256 {digest}: redeploy the app")
-            path.with_suffix(".part").write_bytes(data)
-            path.with_suffix(".part").rename(path)
-        return path
-
-    def _set(self, replica: Replica, **values) -> None:
+    def _set(self, replica: WorkerProcess, **values) -> None:
         names = {f"#{k}": k for k in values}
         self.replicas.update_item(Key={"replica_id": replica.id}, UpdateExpression="SET " + ", ".join(f"#{k} = :{k}" for k in values),
                                   ExpressionAttributeNames=names, ExpressionAttributeValues={f":{k}": v for k, v in values.items()},
                                   ConditionExpression="attribute_exists(replica_id)")
 
-    async def _serve(self, replica: Replica, item: dict) -> None:
+    async def _serve(self, replica: WorkerProcess, item: dict) -> None:
         try:
             began = time.monotonic()
-            package = await asyncio.to_thread(self._pull, item["package"], item["sha256"])
+            package = await asyncio.to_thread(download_package, self.s3, self.bucket, item["package"], item["sha256"],
+                                              self.work / "packages")
             pulled = time.monotonic()
             spec = FunctionSpec(**read_manifest(package)["units"][replica.unit]["spec"])
-            await self.backend.start(replica, package, spec)
-            if replica.state == FAILED:
-                self._set(replica, state="failed", error=replica.error)
+            if not await self.supervisor.start(replica, package, spec):
+                if replica.error:  # else it was stopped while it started, and _stop wrote that
+                    self._set(replica, state="failed", error=replica.error)
                 return
             relay = await publish(self.address, replica.port)
             public = relay.sockets[0].getsockname()[1]
@@ -144,23 +132,22 @@ class NodeAgent:
                       boot_ms=round((time.monotonic() - pulled) * 1000))
             log.info("replica %s ready on %s:%s (worker on 127.0.0.1:%s)", replica.id, self.address, public, replica.port)
             async with relay:
-                code = await self.backend.wait(replica)
-            if replica.state != STOPPING:
+                code = await self.supervisor.wait(replica)
+            if not replica.stopping:
                 self._set(replica, state="failed", error=f"worker exited with code {code} while serving (log on node {self.instance_id}: {replica.log_path})")
         except ClientError as exc:  # the gateway forgot the assignment (it gave up or was stopped): stop serving it
             log.info("replica %s: assignment gone (%s); stopping", replica.id, exc.response["Error"]["Code"])
-            await self.backend.stop(replica)
+            await self.supervisor.stop(replica)
         except Exception as exc:  # a failed pull or a bad package is this assignment's failure, not the agent's
             log.exception("replica %s failed", replica.id)
             with contextlib.suppress(ClientError):
                 self._set(replica, state="failed", error=f"start failed on node {self.instance_id}: {type(exc).__name__}: {exc}")
-            await self.backend.stop(replica)
+            await self.supervisor.stop(replica)
         finally:
             self.running.pop(replica.id, None)
 
-    async def _stop(self, replica: Replica) -> None:
-        replica.state = STOPPING
-        await self.backend.stop(replica)
+    async def _stop(self, replica: WorkerProcess) -> None:
+        await self.supervisor.stop(replica)
         with contextlib.suppress(ClientError):  # the gateway may already have forgotten it
             self._set(replica, state="stopped")
 
@@ -170,7 +157,7 @@ class NodeAgent:
         task.add_done_callback(self.tasks.discard)
 
     async def stop_all(self) -> None:
-        await asyncio.gather(*(self.backend.stop(r) for r in list(self.running.values())))
+        await asyncio.gather(*(self.supervisor.stop(r) for r in list(self.running.values())))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,6 @@ write, pulls the package from S3, starts the worker and writes back its address.
 idle instances, each marked draining first so its agent claims nothing more.
 """
 import asyncio
-import hashlib
 import logging
 import math
 import os
@@ -19,6 +18,7 @@ import boto3
 from boto3.dynamodb.conditions import Attr
 
 from ember.gateway.replica import FAILED, HOT, Replica
+from ember.runtime.aws import scan, upload_package
 from ember.spec import FunctionSpec
 
 log = logging.getLogger("ember.gateway")
@@ -63,16 +63,6 @@ def create_tables(dynamodb, prefix: str) -> None:
                               AttributeDefinitions=[{"AttributeName": key, "AttributeType": "S"}], BillingMode="PAY_PER_REQUEST")
 
 
-def scan(table, **kwargs) -> list[dict]:
-    items, start = [], {}
-    while True:
-        page = table.scan(**kwargs, **start)
-        items += page["Items"]
-        if "LastEvaluatedKey" not in page:
-            return items
-        start = {"ExclusiveStartKey": page["LastEvaluatedKey"]}
-
-
 class AwsBackend:
     tier = "node-cold"  # a fresh instance pulls the package from the object store
     can_park = False  # nodes stop idle replicas; parking across the network is not built yet
@@ -96,10 +86,7 @@ class AwsBackend:
 
     def _upload(self, package: Path) -> tuple[str, str]:
         if package not in self.uploaded:
-            data = package.read_bytes()
-            digest = hashlib.sha256(data).hexdigest()
-            key = f"packages/{digest}.pkg"
-            self.s3.put_object(Bucket=self.settings.bucket, Key=key, Body=data)
+            key, digest, _ = upload_package(self.s3, self.settings.bucket, package)
             self.uploaded[package] = (key, digest)
         return self.uploaded[package]
 
