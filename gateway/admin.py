@@ -1,4 +1,6 @@
 """The admin API (admin keys only): status, logs, deploys, API keys and per-app limits, which the `ember` CLI calls."""
+import asyncio
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,8 +20,16 @@ if TYPE_CHECKING:
     from ember.gateway.server import Gateway
 
 
+S3_URL = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<key>[^\x00-\x1f]{1,1024})")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 class DeployRequest(BaseModel):
-    package: str  # path of a .pkg under EMBER_HOME/packages on this machine
+    """One of: a package on this machine, or one in S3 (what `ember deploy --target aws` uploads) and its hash."""
+
+    package: str | None = None  # path of a .pkg under EMBER_HOME/packages on this machine
+    package_url: str | None = None  # s3://BUCKET/KEY
+    sha256: str | None = None  # of the object at package_url, checked once it is downloaded
 
 
 class LimitsBody(BaseModel):
@@ -82,15 +92,46 @@ def admin_router(gateway: "Gateway") -> APIRouter:
             raise ApiError(404, "not_found", f"no log for replica {replica!r}; `ember status` lists replica ids")
         return tail(matches[0], lines)
 
-    @router.post("/deploy")
-    async def deploy(body: DeployRequest) -> dict:
+    def local_package(path: str) -> Path:
         try:
-            package = Path(body.package).resolve()
+            package = Path(path).resolve()
             found = package.parent == gateway.home.packages and package.is_file()
         except (ValueError, OSError):  # a NUL byte, a name too long
             found = False
         if not found:
-            raise ApiError(422, "invalid_package", f"{body.package[:200]!r} is not a package in {gateway.home.packages}")
+            raise ApiError(422, "invalid_package", f"{path[:200]!r} is not a package in {gateway.home.packages}")
+        return package
+
+    async def s3_package(url: str, digest: str | None) -> Path:
+        """Download the package into EMBER_HOME/packages (unless that hash is there already), checking its sha256."""
+        match = S3_URL.fullmatch(url)
+        if not match:
+            raise ApiError(400, "invalid_package_url", f"package_url must be s3://BUCKET/KEY; got {url[:200]!r}")
+        if digest is None or not SHA256.fullmatch(digest):
+            raise ApiError(400, "invalid_sha256", "with package_url, send sha256: the package's hash as 64 lowercase hex digits")
+        import boto3
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        from ember.runtime.aws import PackageMismatch, PackageMissing, download_package
+
+        def fetch() -> Path:
+            s3 = boto3.session.Session().client("s3")  # a session of its own: boto3's default one is not thread-safe
+            return download_package(s3, match["bucket"], match["key"], digest, gateway.home.packages)
+
+        try:
+            return await asyncio.to_thread(fetch)
+        except PackageMissing as exc:
+            raise ApiError(404, "package_not_found", str(exc)) from None
+        except PackageMismatch as exc:
+            raise ApiError(422, "sha256_mismatch", str(exc)) from None
+        except (BotoCoreError, ClientError) as exc:
+            raise ApiError(502, "s3_error", f"cannot fetch {url[:200]}: {exc}; check the gateway's AWS credentials and region") from None
+
+    @router.post("/deploy")
+    async def deploy(body: DeployRequest) -> dict:
+        if (body.package is None) == (body.package_url is None):
+            raise ApiError(400, "invalid_request", 'send {"package": PATH} or {"package_url": "s3://BUCKET/KEY", "sha256": HASH}')
+        package = local_package(body.package) if body.package is not None else await s3_package(body.package_url, body.sha256)
         try:
             deployment = await gateway.deploy(package)
         except ValueError as exc:  # an app name the gateway cannot route
