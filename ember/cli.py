@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 
 import httpx
 
@@ -43,7 +44,7 @@ def _upload_progress(total: int):
     return progress
 
 
-def _upload(package) -> dict:
+def _upload(package: Path) -> dict:
     """Put the package in EMBER_AWS_BUCKET (not again when that hash is there): the body of the gateway's deploy call."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from ember.gateway.replica import FAILED, HOT, Replica
+from ember.gateway.replica import FAILED, HOT, STOPPING, Replica
 from ember.runtime.supervisor import Supervisor, detect_gpus
 from ember.spec import FunctionSpec
 
@@ -57,12 +57,12 @@ class LocalBackend:
         return Replica(replica_id, app, unit, self.logs / f"{app}.{replica_id}.log", tier=self.tier)
 
     async def start(self, replica: Replica, package: Path, spec: FunctionSpec) -> None:
-        """Start the replica's worker; sets its state (hot, or failed with replica.error), port and timings."""
+        """Start the replica's worker; sets its state (hot, failed with replica.error, or stopping), port and timings."""
         if await self.workers.start(replica, package, spec):
             now = time.monotonic()
             replica.state, replica.ready_at, replica.idle_since = HOT, now, now
-        elif replica.error:
-            replica.state = FAILED
+        else:
+            replica.state = FAILED if replica.error else STOPPING
 
     async def wait(self, replica: Replica) -> int:
         return await self.workers.wait(replica)
