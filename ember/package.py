@@ -41,6 +41,7 @@ def build(app: App, home: Home) -> Path:
     """Write the package for `app` (whose module was loaded by load_app) and return its path."""
     module = sys.modules[_module_of(app)]
     source_path = Path(module.__file__)
+    _pin_class_ids(app, module, source_path.read_bytes())
     # By value: a replica has the package, not the user's module on its import path.
     cloudpickle.register_pickle_by_value(module)
     try:
@@ -60,6 +61,23 @@ def build(app: App, home: Home) -> Path:
         tmp.write_bytes(data)
         tmp.replace(target)
     return target
+
+
+def _pin_class_ids(app: App, module, source: bytes) -> None:
+    """cloudpickle tags each class it pickles by value with a random id; derive the id from the source
+    instead, so one app file always packs to the same bytes and so the same hash."""
+    internals = cloudpickle.cloudpickle
+    by_class = getattr(internals, "_DYNAMIC_CLASS_TRACKER_BY_CLASS", None)
+    by_id = getattr(internals, "_DYNAMIC_CLASS_TRACKER_BY_ID", None)
+    if by_class is None or by_id is None:  # another cloudpickle: packages still work, hashes vary
+        return
+    classes = {v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__}
+    classes |= {unit.user_cls for unit in app.units.values() if hasattr(unit, "user_cls")}
+    with internals._DYNAMIC_CLASS_TRACKER_LOCK:
+        for cls in classes:
+            if cls not in by_class:
+                tracker_id = hashlib.sha256(source + b"\0" + cls.__qualname__.encode()).hexdigest()[:32]
+                by_class[cls], by_id[tracker_id] = tracker_id, cls
 
 
 def _module_of(app: App) -> str:

@@ -31,6 +31,11 @@ class FunctionSpec(BaseModel):
     secrets: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
 
+    def __reduce__(self):
+        # pydantic pickles the set of fields given, in hash-seed order; rebuilding from the values
+        # in field order keeps a package's bytes, and so its content hash, the same in every process.
+        return (type(self).model_validate, (self.model_dump(),))
+
     @field_validator("gpu")
     @classmethod
     def _gpu_shape(cls, value: str | None) -> str | None:

@@ -52,3 +52,34 @@ def test_same_app_same_package(tmp_path):
     assert build(load_app(source), home) == first
     source.write_text(source.read_text().replace("return 1", "return 2"))
     assert build(load_app(source, "same"), home) != first
+
+
+def test_same_app_same_package_in_every_process(tmp_path):
+    """Classes pickled by value and the spec's pickled state must not depend on the process (hash seed, uuids)."""
+    source = tmp_path / "classy.py"
+    source.write_text(textwrap.dedent("""\
+        import ember
+        app = ember.App("classy")
+
+        class Helper:
+            pass
+
+        @app.cls(max_replicas=2, env={"A": "1"}, secrets=["s"])
+        class Model:
+            @ember.enter()
+            def load(self):
+                self.helper = Helper()
+
+            @ember.method()
+            def run(self) -> int:
+                return 1
+        """))
+    code = ("import sys; from ember.home import Home; from ember.package import build, load_app; "
+            "print(build(load_app(sys.argv[1]), Home(sys.argv[2])).name)")
+    names = set()
+    for seed in ("1", "2", "3"):
+        result = subprocess.run([sys.executable, "-c", code, str(source), str(tmp_path / f"home{seed}")],
+                                capture_output=True, text=True, env=os.environ | {"PYTHONHASHSEED": seed}, timeout=60)
+        assert result.returncode == 0, result.stderr
+        names.add(result.stdout.strip())
+    assert len(names) == 1, names
