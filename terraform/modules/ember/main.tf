@@ -5,6 +5,8 @@ locals {
   node_env = {
     EMBER_AWS_BUCKET = aws_s3_bucket.packages.bucket
     EMBER_AWS_TABLES = "${var.name}-"
+    # snapshot=True replicas restore weights from, and write them to, the same bucket.
+    EMBER_SNAPSHOT_STORE = "s3://${aws_s3_bucket.packages.bucket}/snapshots"
   }
   gateway_env = merge(local.node_env, {
     EMBER_AWS_ASG               = "${var.name}-nodes"
@@ -62,6 +64,16 @@ data "aws_iam_policy_document" "node" {
     resources = ["${aws_s3_bucket.packages.arn}/*"]
   }
   statement {
+    # A replica's first boot writes its weight snapshot (EMBER_SNAPSHOT_STORE=s3://BUCKET/snapshots).
+    actions   = ["s3:PutObject", "s3:AbortMultipartUpload"]
+    resources = ["${aws_s3_bucket.packages.arn}/snapshots/*"]
+  }
+  statement {
+    # Without ListBucket, S3 answers 403 instead of 404 for a missing object.
+    actions   = ["s3:ListBucket"]
+    resources = [aws_s3_bucket.packages.arn]
+  }
+  statement {
     actions   = ["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:Scan"]
     resources = [aws_dynamodb_table.nodes.arn, aws_dynamodb_table.replicas.arn]
   }
@@ -71,6 +83,10 @@ data "aws_iam_policy_document" "gateway" {
   statement {
     actions   = ["s3:GetObject", "s3:PutObject"]
     resources = ["${aws_s3_bucket.packages.arn}/*"]
+  }
+  statement {
+    actions   = ["s3:ListBucket"]
+    resources = [aws_s3_bucket.packages.arn]
   }
   statement {
     actions   = ["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem", "dynamodb:Scan"]
