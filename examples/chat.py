@@ -3,6 +3,7 @@
     ember serve examples/chat.py                                   # a tiny random-weight model, built locally
     EMBER_CHAT_MODEL=/models/Qwen3-0.6B ember serve examples/chat.py  # a Hugging Face model directory
     EMBER_CHAT_LOG_TOKEN_IDS=1 ember serve examples/chat.py          # log prompt/output token ids per request
+    EMBER_CHAT_SCALEDOWN_WINDOW=1 ember serve examples/chat.py       # stop idle replicas after 1 s (default 300)
 
 Then point any OpenAI client at https://127.0.0.1:8443/chat/v1 with an Ember key:
 
@@ -27,7 +28,7 @@ app = ember.App("chat")
     max_concurrency=64,
     # The engine batches concurrent requests, so one replica takes many before another is worth starting.
     target_concurrency=32,
-    scaledown_window=300,
+    scaledown_window=float(os.environ.get("EMBER_CHAT_SCALEDOWN_WINDOW", "300")),
     timeout=600,
     env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
 )

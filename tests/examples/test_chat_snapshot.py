@@ -1,14 +1,20 @@
-"""An LLM app with snapshot=True under `ember serve`: the first cold start writes the weight snapshot, the next restores it."""
+"""examples/chat.py (snapshot=True) under `ember serve`: the first cold start writes the weight snapshot, the next restores it."""
 import json
 import time
 from pathlib import Path
 
 import boto3
+import pytest
 
 from tests.snapshot.conftest import s3_endpoint, s3_env  # noqa: F401  (moto_server fixtures)
 
-APP = Path(__file__).resolve().parent / "apps" / "chat_snapshot.py"
+APP = Path(__file__).resolve().parents[2] / "examples" / "chat.py"
 REQUEST = {"model": "tiny-qwen3", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(autouse=True)
+def short_window(monkeypatch):
+    monkeypatch.setenv("EMBER_CHAT_SCALEDOWN_WINDOW", "1")  # so a test sees two cold starts
 
 
 def breakdown(response) -> dict[str, str]:
@@ -17,13 +23,13 @@ def breakdown(response) -> dict[str, str]:
 
 
 def replicas(served) -> list[dict]:
-    return [r for fn in served.status()["apps"]["chatsnap"]["functions"].values() for r in fn["replicas"]]
+    return [r for fn in served.status()["apps"]["chat"]["functions"].values() for r in fn["replicas"]]
 
 
 def test_second_cold_start_restores_the_snapshot_the_first_wrote(serve):
     served = serve(APP, timeout=120)
     with served.client(served.key(), timeout=120) as http:
-        first = http.post("/chatsnap/v1/completions", json=REQUEST)
+        first = http.post("/chat/v1/completions", json=REQUEST)
         assert first.status_code == 200, first.text
         assert breakdown(first)["weights"] == "full"
         (snapshot,) = json.loads(served.cli("snapshot", "ls", "--json").stdout)
@@ -34,7 +40,7 @@ def test_second_cold_start_restores_the_snapshot_the_first_wrote(serve):
             assert time.monotonic() < deadline, f"the replica never scaled down: {replicas(served)}"
             time.sleep(0.2)
 
-        second = http.post("/chatsnap/v1/completions", json=REQUEST)
+        second = http.post("/chat/v1/completions", json=REQUEST)
         assert second.status_code == 200, second.text
         assert second.headers["x-ember-replica"] != first.headers["x-ember-replica"]
         start = breakdown(second)
@@ -48,7 +54,7 @@ def test_the_gateway_environment_picks_the_store(serve, s3_env, monkeypatch):  #
     monkeypatch.setenv("EMBER_SNAPSHOT_STORE", "s3://fleet/snapshots")
     served = serve(APP, timeout=120)
     with served.client(served.key(), timeout=120) as http:
-        reply = http.post("/chatsnap/v1/completions", json=REQUEST)
+        reply = http.post("/chat/v1/completions", json=REQUEST)
         assert reply.status_code == 200, reply.text
         assert breakdown(reply)["weights"] == "full"
     (snapshot,) = json.loads(served.cli("snapshot", "ls", "--json", "--store", "s3://fleet/snapshots").stdout)
