@@ -97,6 +97,15 @@ def restore_into(module: torch.nn.Module | Mapping[str, torch.Tensor], store, ke
     return report
 
 
+def _store_errors() -> tuple[type[BaseException], ...]:
+    """What a store raises when it cannot be reached: OSError, and boto's errors once an S3 store loaded boto."""
+    if "botocore" not in sys.modules:
+        return (OSError,)
+    from boto3.exceptions import Boto3Error
+    from botocore.exceptions import BotoCoreError, ClientError
+    return (OSError, Boto3Error, BotoCoreError, ClientError)
+
+
 @dataclass
 class WeightsStart:
     """How a replica got its weights: `snapshot` (with the load's report) or `full` (and what it captured)."""
@@ -118,15 +127,16 @@ def restore_or_boot(make_model: Callable[[], torch.nn.Module], load_weights: Cal
     model, reason = make_model(), None
     try:
         report = restore_into(model, store, key, progress=progress)
-    except SnapshotError as err:
-        report, reason = None, str(err)
+    except (SnapshotError, *_store_errors()) as err:  # corrupt, or the store is unreachable: boot from the files
+        report, reason = None, f"{type(err).__name__}: {err}"
+        log.warning("snapshot %s not restored, booting from the model files: %s", key, reason)
         model = make_model()
     if report is not None:
         return model, WeightsStart("snapshot", time.perf_counter() - began, load=report)
     load_weights(model)
     try:
         captured = capture(model, store, key, progress=progress)
-    except (OSError, SnapshotError) as err:  # a full disk or an unreachable store must not fail the start
+    except (SnapshotError, *_store_errors()) as err:  # a full disk or an unreachable store must not fail the start
         log.warning("could not write snapshot %s: %s", key, err)
         captured = None
     return model, WeightsStart("full", time.perf_counter() - began, captured=captured, fallback_reason=reason)

@@ -156,3 +156,17 @@ def test_a_connection_dropped_mid_chunk_is_retried(bucket, s3_endpoint):
         proxy.close()
     assert proxy.dropped == 3
     assert_same(tensors, state)
+
+
+def test_an_unreachable_store_falls_back_to_a_full_boot(s3_env):
+    """A bucket that is not there (or a store that cannot be reached) must not fail a replica's start."""
+    from ember.snapshot import restore_or_boot
+
+    torch.manual_seed(0)
+    reference = tiny_qwen3()
+    store = S3Store(f"missing-{uuid.uuid4().hex[:8]}", "snaps", part_size=PART)
+    model, start = restore_or_boot(tiny_qwen3, lambda m: m.load_state_dict(reference.state_dict()), store, "qwen3")
+    assert start.source == "full" and start.captured is None  # nothing could be written either
+    assert "NoSuchBucket" in start.fallback_reason or "ClientError" in start.fallback_reason, start.fallback_reason
+    for name, t in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
