@@ -36,6 +36,25 @@ class ControlChannel:
         self._out.flush()
 
 
+def argument_problem(fn, kwargs: dict) -> str | None:
+    """Why `kwargs` cannot call `fn` — every unknown and missing name, and what it takes — or None when they can."""
+    signature = inspect.signature(fn)
+    try:
+        signature.bind(**kwargs)
+        return None
+    except TypeError as exc:
+        params = signature.parameters.values()
+        named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        open_ended = any(p.kind is p.VAR_KEYWORD for p in params)
+        unknown = [] if open_ended else [k for k in kwargs if k not in named]
+        missing = [p.name for p in params if p.name in named and p.default is p.empty and p.name not in kwargs]
+        parts = ([f"unknown argument{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}"] if unknown else []) + \
+                ([f"missing required argument{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}"] if missing else [])
+        if not parts:
+            return str(exc)
+        return f"{'; '.join(parts)}; it takes ({', '.join(named)})"
+
+
 def _error_response(status: int, type: str, message: str):
     from starlette.responses import JSONResponse
 
@@ -72,10 +91,9 @@ class Replica:
             return _error_response(400, "invalid_json", f"request body is not valid JSON: {exc}")
         if not isinstance(kwargs, dict):
             return _error_response(422, "invalid_arguments", "request body must be a JSON object of keyword arguments")
-        try:
-            inspect.signature(fn).bind(**kwargs)
-        except TypeError as exc:
-            return _error_response(422, "invalid_arguments", str(exc))
+        problem = argument_problem(fn, kwargs)
+        if problem is not None:
+            return _error_response(422, "invalid_arguments", problem)
         try:
             if inspect.iscoroutinefunction(fn):
                 result = await asyncio.wait_for(fn(**kwargs), self.timeout)

@@ -85,7 +85,8 @@ def test_calls_timeouts_and_exit_hooks(package, tmp_path):
             assert [httpx.post(f"{url}/bump", json={}).json()["result"] for _ in range(2)] == [1, 2]
             bad = httpx.post(f"{url}/bad", json={})
             assert bad.status_code == 500 and bad.json()["error"]["type"] == "result_not_json"
-            assert httpx.post(f"{url}/bump", json={"x": 1}).json()["error"]["type"] == "invalid_arguments"
+            wrong = httpx.post(f"{url}/bump", json={"x": 1}).json()["error"]
+            assert wrong["type"] == "invalid_arguments" and wrong["message"] == "unknown argument 'x'; it takes ()"
             assert httpx.post(f"{url}/nope", json={}).status_code == 404
         finally:
             process.send_signal(signal.SIGTERM)
@@ -128,3 +129,16 @@ def test_env_and_secrets(package, tmp_path):
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(15)
+
+
+def test_argument_problems_name_every_unknown_and_missing_argument():
+    from ember.runtime.worker import argument_problem
+
+    def add(a: int, b: int, *, scale: float = 1.0) -> float:
+        return (a + b) * scale
+
+    assert argument_problem(add, {"a": 1, "b": 2}) is None
+    assert argument_problem(add, {"a": 1, "y": 2, "z": 3}) == \
+        "unknown arguments 'y', 'z'; missing required argument 'b'; it takes (a, b, scale)"
+    assert argument_problem(add, {}) == "missing required arguments 'a', 'b'; it takes (a, b, scale)"
+    assert argument_problem(lambda **kw: kw, {"anything": 1}) is None
