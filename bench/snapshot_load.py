@@ -1,5 +1,7 @@
 """Weight loading, side by side in one run: Ember's snapshot loader, safetensors and transformers,
 cold (page cache dropped) and warm, against raw disk read and pinned host->device bandwidth.
+Ember is measured on each of its paths: warm through the pinned page cache (the default) and
+through its own pinned buffers, cold with O_DIRECT (the default) and with buffered reads.
 
     python bench/snapshot_load.py --sizes 8,16          # on the GPU machine (root, for drop_caches)
     python bench/snapshot_load.py --sizes 0.05 --device cpu --dir /var/tmp/x   # a dry run anywhere
@@ -27,7 +29,7 @@ import torch
 
 from ember.snapshot.format import ALIGN
 from ember.snapshot.loader import LoadReport, load
-from ember.snapshot.store import LocalStore, staging_path
+from ember.snapshot.store import FileSource, LocalStore, staging_path
 from ember.snapshot.writer import write_safetensors
 
 HIDDEN, MLP, VOCAB, HEADS = 4096, 11008, 32000, 32
@@ -88,8 +90,8 @@ def drop_caches(files: list[Path]) -> str:
         return "fadvise_dontneed"
 
 
-def read_file(path: Path, direct: bool) -> float:
-    """GB/s of reading the whole file with THREADS threads in BLOCK pieces (O_DIRECT when `direct`)."""
+def read_file(path: Path, direct: bool, threads: int = THREADS) -> float:
+    """GB/s of reading the whole file with `threads` threads in BLOCK pieces (O_DIRECT when `direct`)."""
     size = path.stat().st_size
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags)
@@ -97,13 +99,13 @@ def read_file(path: Path, direct: bool) -> float:
 
     def worker(k: int) -> None:
         buf = mmap.mmap(-1, BLOCK)
-        for off in blocks[k::THREADS]:
+        for off in blocks[k::threads]:
             os.preadv(fd, [memoryview(buf)[:min(BLOCK, size - size % ALIGN - off)]], off)
         buf.close()
 
     t = time.perf_counter()
-    with ThreadPoolExecutor(THREADS) as pool:
-        list(pool.map(worker, range(THREADS)))
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(worker, range(threads)))
     seconds = time.perf_counter() - t
     os.close(fd)
     return size / seconds / 1e9
@@ -131,29 +133,6 @@ def release(device: str) -> None:
         torch.cuda.empty_cache()
         if hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # so every Ember load pays for pinning its buffers, as a fresh replica does
-
-
-def mmap_register(path: Path, targets: dict[str, torch.Tensor], store: LocalStore, name: str) -> tuple[float, float]:
-    """The alternative for the warm case: pin the page cache mapping (cudaHostRegister) and copy from it."""
-    header = store.open(name).header
-    t = time.perf_counter()
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    host = torch.frombuffer(mm, dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(host.data_ptr(), host.numel(), 8)  # cudaHostRegisterReadOnly
-    if err != cudart.cudaError.success:
-        raise RuntimeError(f"cudaHostRegister failed: {err}")
-    registered = time.perf_counter()
-    for e in header.tensors:
-        at = header.data_offset + e.offset
-        targets[e.name].view(-1).view(torch.uint8).copy_(host[at:at + e.nbytes], non_blocking=True)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t
-    cudart.cudaHostUnregister(host.data_ptr())
-    del host
-    mm.close()
-    return header.data_size / seconds / 1e9, registered - t
 
 
 def same_as_safetensors(path: Path, targets: dict[str, torch.Tensor]) -> bool:
@@ -222,10 +201,10 @@ def run(args) -> None:
         targets = {e.name: torch.empty(e.shape, dtype=torch.bfloat16, device=device)
                    for e in store.open(ref.id).header.tensors}
 
-        def ember(verify: bool = True) -> LoadReport:
+        def ember(verify: bool = True, mapped: bool = True, direct: bool = True) -> LoadReport:
             release(device)
-            source = store.open(ref.id)
-            _, report = load(source, targets, verify=verify)
+            source = FileSource(snap, ref.id, direct=direct)
+            _, report = load(source, targets, verify=verify, mapped=1.0 if mapped else 0.0)
             source.close()
             print("   ", report, flush=True)
             return report
@@ -235,18 +214,21 @@ def run(args) -> None:
         record("ember_cold_gbps", report.gbps)
         record("ember_cold_phases", report.phases)
         record("ember_bit_identical", same_as_safetensors(st_path, targets))
+        drop_caches(files)
+        record("ember_cold_buffered_gbps", ember(direct=False).gbps)
         read_file(snap, direct=False)
         warm = [ember() for _ in range(3)]
         record("ember_warm_gbps", statistics.median(r.gbps for r in warm))
         record("ember_warm_phases", warm[-1].phases)
+        record("ember_warm_mapped_chunks", f"{warm[-1].mapped_chunks}/{warm[-1].chunks}")
         record("ember_warm_noverify_gbps", ember(verify=False).gbps)
-        if device == "cuda":
-            try:
-                gbps, register_s = mmap_register(snap, targets, store, ref.id)
-                record("mmap_register_warm_gbps", gbps)
-                record("mmap_register_s", register_s)
-            except Exception as err:  # an experiment: its failure is a result, not the end of the run
-                record("mmap_register_error", repr(err))
+        buffered = [ember(mapped=False) for _ in range(3)]
+        record("ember_warm_buffers_gbps", statistics.median(r.gbps for r in buffered))
+        record("ember_warm_buffers_phases", buffered[-1].phases)
+        for t in targets.values():
+            t.zero_()
+        ember()
+        record("ember_warm_bit_identical", same_as_safetensors(st_path, targets))
         targets.clear()
         release(device)
 
@@ -300,18 +282,20 @@ def table(results: dict) -> str:
     h2d = results.get("h2d_pinned_gbps")
     lines = [f"machine: {json.dumps(results['machine'])}", "",
              f"pinned host->device: {h2d:.1f} GB/s" if h2d else "pinned host->device: n/a (cpu)", "",
-             "| model | disk O_DIRECT | disk buffered | page cache | Ember cold | Ember warm | Ember warm, no checksum | "
-             "mmap+cudaHostRegister warm, no checksum | safetensors cold | safetensors warm | transformers cold | "
-             "transformers warm |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    keys = ["disk_read_gbps", "disk_buffered_read_gbps", "page_cache_read_gbps", "ember_cold_gbps", "ember_warm_gbps", "ember_warm_noverify_gbps",
-            "mmap_register_warm_gbps",
+             "| model | disk O_DIRECT | disk buffered | page cache | Ember cold | Ember cold, buffered reads | "
+             "Ember warm | Ember warm, no checksum | Ember warm through its pinned buffers | safetensors cold | "
+             "safetensors warm | transformers cold | transformers warm |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = ["disk_read_gbps", "disk_buffered_read_gbps", "page_cache_read_gbps", "ember_cold_gbps",
+            "ember_cold_buffered_gbps", "ember_warm_gbps", "ember_warm_noverify_gbps", "ember_warm_buffers_gbps",
             "safetensors_cold_gbps", "safetensors_warm_gbps", "transformers_cold_gbps", "transformers_warm_gbps"]
     for row in results["sizes"]:
         cells = [f"{row[k]:.1f}" if k in row else "-" for k in keys]
         lines.append(f"| {row.get('bytes', 0) / 1e9:.1f} GB bf16 | " + " | ".join(cells) + " |")
     lines += ["", "GB/s, each the bytes of the model over wall time (warm Ember: median of 3). Disk columns: 16 threads "
-              "reading 16 MiB blocks of the snapshot file after drop_caches.", ""]
+              "reading 16 MiB blocks of the snapshot file after drop_caches. Ember warm (the default) checks each "
+              "chunk in the page cache and has the GPU copy from those pages pinned in place; 'through its pinned "
+              "buffers' reads each chunk into a pinned buffer first (the cold path's way).", ""]
     for row in results["sizes"]:
         if "transformers_warm_gbps" in row:
             g = goals(row, h2d)

@@ -52,3 +52,65 @@ def test_flipped_byte_is_caught_before_the_model_is_served(tmp_path):
     with pytest.raises(SnapshotCorrupt):
         restore_into(tiny_qwen3().cuda(), store, "qwen3", device="cuda")
     assert list(store.quarantined.glob("*.ember")) and restore_into(tiny_qwen3().cuda(), store, "qwen3") is None
+
+
+def _random_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {f"w{i}": torch.randn(1000 + 37 * i, 1024, generator=g).bfloat16() for i in range(16)}
+
+
+def _evict(path) -> None:
+    import os
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def test_warm_chunks_are_copied_from_the_pinned_page_cache_and_cold_ones_through_buffers(tmp_path):
+    store = LocalStore(tmp_path)
+    state = _random_state()
+    capture(state, store, "state", chunk_size=1 << 20)
+    path = next(store.objects.glob("*.ember"))
+    path.read_bytes()  # warm: the page cache holds every chunk
+    targets = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+    source = store.open("state")
+    _, warm = load(source, targets, threads=4, mapped=1.0)
+    source.close()
+    assert warm.mapped_chunks == warm.chunks > 16
+    assert all(torch.equal(targets[k].cpu(), v) for k, v in state.items())
+
+    _evict(path)
+    for t in targets.values():
+        t.zero_()
+    source = store.open("state")
+    _, cold = load(source, targets, threads=4, mapped=1.0)
+    source.close()
+    assert cold.mapped_chunks < cold.chunks  # what was read from disk went through the pinned buffers
+    assert all(torch.equal(targets[k].cpu(), v) for k, v in state.items())
+
+    source = store.open("state")
+    _, forced = load(source, targets, threads=4, mapped=0)
+    source.close()
+    assert forced.mapped_chunks == 0
+    assert all(torch.equal(targets[k].cpu(), v) for k, v in state.items())
+
+
+def test_flipped_byte_in_the_page_cache_is_caught_on_the_mapped_path(tmp_path):
+    store = LocalStore(tmp_path)
+    state = _random_state()
+    capture(state, store, "state", chunk_size=1 << 20)
+    path = next(store.objects.glob("*.ember"))
+    source = store.open("state")
+    header = source.header
+    bad_chunk = header.data_size // header.chunk_size // 2
+    with open(path, "r+b") as f:  # written through the page cache, which then holds the bad byte
+        f.seek(header.data_offset + bad_chunk * header.chunk_size + 12345)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert source.mapped(bad_chunk) is not None  # so the load checks it on the mapped path
+    targets = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+    with pytest.raises(SnapshotCorrupt, match=f"chunk {bad_chunk} "):
+        load(source, targets, threads=4, mapped=1.0)
+    source.close()
