@@ -19,8 +19,8 @@ STRIDES = (1, 2)        # an arithmetic progression's step, inclusive: 2t - prev
 
 
 def task(n: int, length: int, vocab: int, generator: torch.Generator,
-         system: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """n sequences of `length` tokens, and per token whether the tokens before it determine it.
+         system: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n sequences of `length` tokens, per token whether the tokens before it determine it, and which rows copy.
 
     Each starts with random noise of 0-MAX_NOISE tokens, or with `system` (a prefix shared by every row), then
     either repeats a random segment until the end or counts a, a+s, a+2s, ... mod (vocab - FIRST_ID).
@@ -48,7 +48,7 @@ def task(n: int, length: int, vocab: int, generator: torch.Generator,
     # A copy is known once the segment's first token came back (before that a new segment may be starting);
     # a progression once two of its terms are seen.
     determined = k > torch.where(repeats, period, 1)
-    return tokens, determined
+    return tokens, determined, repeats.squeeze(1)
 
 
 def prompts(n: int, vocab: int, generator: torch.Generator, system: torch.Tensor, longest: int = 300,
@@ -58,7 +58,7 @@ def prompts(n: int, vocab: int, generator: torch.Generator, system: torch.Tensor
     shared = task(n // 2, longest + continuation, vocab, generator, system)
     batch, expected = [], []
     for i in range(n):
-        tokens, determined = (shared if i % 2 else plain)[0][i // 2], (shared if i % 2 else plain)[1][i // 2]
+        tokens, determined, _ = (row[i // 2] for row in (shared if i % 2 else plain))
         first = int(determined.nonzero()[0])
         cut = int(torch.randint(first, longest + 1, (1,), generator=generator))
         batch.append(tokens[:cut].tolist())
@@ -71,10 +71,11 @@ class Training:
     steps: int
     seconds: float
     loss: float                  # cross-entropy on the determined tokens, averaged over the last steps
+    copies: float                # the same on the repeated segments alone (induction is the slower to learn)
 
 
 def train(model, directory: str | Path, *, seconds: float, max_steps: int = 100_000, batch: int = 32,
-          length: int = 512, lr: float = 1e-3, warmup: int = 50, target_loss: float = 0.02,
+          length: int = 512, lr: float = 2e-3, warmup: int = 50, target_loss: float = 0.02,
           seed: int = 0, log_every: int = 50) -> Training:
     """Train a Hugging Face causal LM in place on `task` (AdamW, bf16 autocast on CUDA over fp32 weights) until
     the determined tokens' loss falls under `target_loss`, `seconds` pass or `max_steps` are done; save it."""
@@ -84,10 +85,10 @@ def train(model, directory: str | Path, *, seconds: float, max_steps: int = 100_
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=cuda)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     model.train()
-    begin, average, step = time.perf_counter(), None, 0
+    begin, average, copies, step = time.perf_counter(), None, None, 0
     while step < max_steps and time.perf_counter() - begin < seconds and (average is None or average > target_loss):
         step += 1
-        tokens, determined = (t.to(device) for t in task(batch, length, model.config.vocab_size, generator))
+        tokens, determined, repeats = (t.to(device) for t in task(batch, length, model.config.vocab_size, generator))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             logits = model(input_ids=tokens).logits
         losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none")
@@ -96,12 +97,17 @@ def train(model, directory: str | Path, *, seconds: float, max_steps: int = 100_
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        mask = determined[:, 1:].flatten()
-        known = (losses.detach()[mask].mean()).item()
+        known, copied = _mean_losses(losses.detach().view(batch, -1), determined[:, 1:], repeats)
         average = known if average is None else 0.9 * average + 0.1 * known
+        copies = copied if copies is None else 0.9 * copies + 0.1 * copied
         if step % log_every == 0:
-            print(f"  step {step}: loss {losses.mean().item():.3f}, on determined tokens {average:.4f}, "
-                  f"{time.perf_counter() - begin:.1f} s", flush=True)
+            print(f"  step {step}: loss {losses.mean().item():.3f}, on determined tokens {average:.4f} "
+                  f"(copies {copies:.4f}), {time.perf_counter() - begin:.1f} s", flush=True)
     model.eval()
     model.save_pretrained(directory)
-    return Training(step, time.perf_counter() - begin, average)
+    return Training(step, time.perf_counter() - begin, average, copies)
+
+
+def _mean_losses(losses: torch.Tensor, determined: torch.Tensor, repeats: torch.Tensor) -> tuple[float, float]:
+    copied = determined & repeats[:, None]
+    return losses[determined].mean().item(), losses[copied].mean().item() if copied.any() else float("nan")
