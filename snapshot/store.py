@@ -77,8 +77,7 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 class PageCache:
-    """Which parts of a file the page cache holds, by mincore() on a read-only shared mapping of it,
-    and that mapping's bytes, which the GPU can copy from once they are pinned (loader.py).
+    """Which parts of a file the page cache holds: mincore() on a mapping that is never touched.
 
     Asking by a non-blocking read (RWF_NOWAIT) would start readahead of what is missing,
     which an O_DIRECT read of the same bytes would then duplicate.
@@ -100,11 +99,6 @@ class PageCache:
             return False
         return bool((vec & 1).all())
 
-    def span(self, offset: int, length: int) -> tuple[int, memoryview]:
-        """Address and bytes of [offset, offset + length) in the mapping, without copying them."""
-        address = self.addr + offset
-        return address, memoryview((ctypes.c_char * length).from_address(address)).cast("B")
-
     def close(self) -> None:
         if self.addr is not None:
             _libc.munmap(self.addr, self.size)
@@ -118,7 +112,9 @@ class FileSource:
     it (tmpfs does not); a chunk already cached is read from the cache.
     """
 
-    default_threads = min(16, os.cpu_count() or 1)
+    # Warm loads on the 16-core GPU machine peaked at 12 threads (29 GB/s; 27 at 16, 25.5 at 8):
+    # beyond that the threads contend for memory bandwidth and the GIL (bench/results/snapshot_warm_paths.md).
+    default_threads = max(1, min(12, (os.cpu_count() or 1) * 3 // 4))
 
     def __init__(self, path: Path, snapshot_id: str, direct: bool = True):
         self.path, self.id, self.url = path, snapshot_id, str(path)
@@ -157,15 +153,6 @@ class FileSource:
                 raise SnapshotCorrupt(self.id, f"truncated in chunk {index}")
             done += got
         return want
-
-    def mapped(self, index: int) -> tuple[int, memoryview] | None:
-        """Chunk `index` in the file's mapping when the page cache holds all of it (else None):
-        a warm load pins those pages and copies from them, with no copy into a buffer of its own."""
-        start, end = self.header.chunk_span(index)
-        at = self.header.data_offset + start
-        if at % mmap.PAGESIZE or not self.cache.holds(at, end - start):
-            return None
-        return self.cache.span(at, end - start)
 
     def close(self) -> None:
         self.cache.close()

@@ -1,0 +1,44 @@
+"""The engine on a CUDA GPU restores its bf16 weights from a snapshot: first boot captures, the next restores
+into the CUDA tensors through pinned buffers, and serves the same greedy tokens."""
+import pytest
+import torch
+
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.engine import LLMEngine
+from ember.runtime.engine.sampling import SamplingParams
+from ember.snapshot import LocalStore
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def boot(model_dir: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=512, max_num_seqs=8,
+                                  max_model_len=512, snapshot_store="local"))
+
+
+def test_second_boot_restores_cuda_weights_from_the_snapshot(tmp_path, monkeypatch):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=128, vocab_size=8192, max_position_embeddings=1024,
+                         initializer_range=0.05, eos_token_id=2)
+    model_dir = tmp_path / "qwen3"
+    Qwen3ForCausalLM(config).save_pretrained(model_dir)
+    prompts = [torch.randint(3, 8192, (n,)).tolist() for n in (5, 40, 200)]
+
+    first = boot(str(model_dir))
+    assert first.runner.weights_start.source == "full" and first.runner.weights_start.captured is not None
+    expected = first.generate(prompts, GREEDY)
+    del first
+    torch.cuda.empty_cache()
+
+    second = boot(str(model_dir))
+    start = second.runner.weights_start
+    assert start.source == "snapshot" and start.load.device.startswith("cuda"), start
+    assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in second.runner.model.parameters())
+    print(f"\nrestored {start.load}")
+    assert second.generate(prompts, GREEDY) == expected
+    assert len(LocalStore().ls()) == 1

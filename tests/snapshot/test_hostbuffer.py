@@ -1,0 +1,42 @@
+"""Load buffers of huge-page-backed host memory (pinning them needs a GPU: tests/gpu/test_snapshot_gpu.py)."""
+import os
+
+import torch
+
+from ember.snapshot.hostbuffer import HUGE, HostBuffer
+
+
+def test_buffer_is_huge_page_aligned_and_holds_what_is_written():
+    buf = HostBuffer(3 * HUGE + 4096)
+    try:
+        assert buf.address % HUGE == 0
+        assert buf.tensor.numel() == 3 * HUGE + 4096 and buf.size == 4 * HUGE
+        data = torch.randint(0, 256, (buf.tensor.numel(),), dtype=torch.uint8)
+        buf.tensor.copy_(data)
+        assert torch.equal(buf.tensor, data)
+    finally:
+        buf.close()
+    buf.close()  # twice is harmless
+
+
+def test_direct_io_reads_into_it(tmp_path):
+    path = tmp_path / "blob"
+    payload = os.urandom(2 * HUGE)
+    path.write_bytes(payload)
+    buf = HostBuffer(2 * HUGE)
+    try:
+        flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError:  # a filesystem without O_DIRECT (tmpfs): the alignment is still what it needs
+            fd = os.open(path, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [memoryview(buf.tensor.numpy())], 0)
+        except OSError:
+            os.close(fd)
+            fd = os.open(path, os.O_RDONLY)
+            got = os.preadv(fd, [memoryview(buf.tensor.numpy())], 0)
+        os.close(fd)
+        assert got == len(payload) and bytes(buf.tensor.numpy()) == payload
+    finally:
+        buf.close()
