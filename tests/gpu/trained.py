@@ -90,7 +90,7 @@ def train(model, directory: str | Path, *, seconds: float, max_steps: int = 100_
         step += 1
         tokens, determined, repeats = (t.to(device) for t in task(batch, length, model.config.vocab_size, generator))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            logits = model(input_ids=tokens).logits
+            logits = model(input_ids=tokens, use_cache=False).logits
         losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none")
         optimizer.zero_grad(set_to_none=True)
         losses.mean().backward()
