@@ -200,9 +200,10 @@ def test_greedy_free_running_agreement_on_trained_weights(name, tmp_path):
     theirs = hf_generate(reference, batch, n)
     agreement, learned = positionwise(ours, theirs), positionwise(theirs, expected)
     hits = eng.stats.prefix_cache_hits
+    identical = sum(a == b for a, b in zip(ours, theirs))
     print(f"[{name}] trained {training.steps} steps in {training.seconds:.1f} s, loss on determined tokens "
           f"{training.loss:.4f} (copies {training.copies:.4f}); 256 prompts x {n} greedy tokens: free-running "
-          f"position-wise agreement {agreement:.4f}, {sum(a == b for a, b in zip(ours, theirs))}/256 continuations identical; the pattern "
+          f"position-wise agreement {agreement:.4f}, {identical}/256 continuations identical; the pattern "
           f"followed by transformers {learned:.4f}, by us {positionwise(ours, expected):.4f}; prefix hits "
           f"{hits}/{eng.stats.prefix_cache_queries} prompt tokens")
     del reference, eng
