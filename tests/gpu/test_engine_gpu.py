@@ -178,7 +178,8 @@ def test_flashinfer_and_sdpa_agree(family):
     assert worst < 0.1
 
 
-TRAIN_SECONDS = 60   # per family on one H200; training stops sooner once the determined tokens' loss is low
+TRAIN_SECONDS = 75   # per family on one H200; training stops sooner once the determined tokens' loss is low
+TRAINED_VOCAB = 2048  # a smaller vocabulary shortens the plateau before copying is learned (CPU runs)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
@@ -186,15 +187,16 @@ def test_greedy_free_running_agreement_on_trained_weights(name, tmp_path):
     """Each side generates on its own, compared position by position: >= 95% on a model trained to be confident."""
     config_cls, model_cls, extra = _families()[name]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**_COMMON, **extra, "initializer_range": 0.02})).to("cuda")
+    model = model_cls(config_cls(**{**_COMMON, **extra, "initializer_range": 0.02, "vocab_size": TRAINED_VOCAB}))
+    model = model.to("cuda")
     print(f"\n[{name}] training on copies and progressions for up to {TRAIN_SECONDS} s")
     training = train(model, tmp_path, seconds=TRAIN_SECONDS)
     del model
     reference = model_cls.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda").eval()
     g = torch.Generator().manual_seed(6)
-    system = FIRST_ID + torch.randperm(VOCAB - FIRST_ID, generator=g)[:64]
+    system = FIRST_ID + torch.randperm(TRAINED_VOCAB - FIRST_ID, generator=g)[:64]
     n = 64
-    batch, expected = task_prompts(256, VOCAB, g, system, longest=300, continuation=n)
+    batch, expected = task_prompts(256, TRAINED_VOCAB, g, system, longest=300, continuation=n)
     eng = engine(str(tmp_path))
     ours, _ = run(eng, batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     theirs = hf_generate(reference, batch, n)
