@@ -178,8 +178,8 @@ def test_flashinfer_and_sdpa_agree(family):
     assert worst < 0.1
 
 
-TRAIN_SECONDS = 75   # per family on one H200; training stops sooner once the determined tokens' loss is low
-TRAINED_VOCAB = 2048  # a smaller vocabulary shortens the plateau before copying is learned (CPU runs)
+TRAIN_SECONDS = 30   # per family on one H200; training stops sooner once the determined tokens' loss is low
+TRAINED_VOCAB = 2048
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
@@ -189,8 +189,8 @@ def test_greedy_free_running_agreement_on_trained_weights(name, tmp_path):
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**_COMMON, **extra, "initializer_range": 0.02, "vocab_size": TRAINED_VOCAB}))
     model = model.to("cuda")
-    print(f"\n[{name}] training on copies and progressions for up to {TRAIN_SECONDS} s")
-    training = train(model, tmp_path, seconds=TRAIN_SECONDS)
+    print(f"\n[{name}] training on successor chains for up to {TRAIN_SECONDS} s")
+    training = train(model, tmp_path, seconds=TRAIN_SECONDS, target_loss=0.05)
     del model
     reference = model_cls.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda").eval()
     g = torch.Generator().manual_seed(6)
@@ -204,7 +204,7 @@ def test_greedy_free_running_agreement_on_trained_weights(name, tmp_path):
     hits = eng.stats.prefix_cache_hits
     identical = sum(a == b for a, b in zip(ours, theirs))
     print(f"[{name}] trained {training.steps} steps in {training.seconds:.1f} s, loss on determined tokens "
-          f"{training.loss:.4f} (copies {training.copies:.4f}); 256 prompts x {n} greedy tokens: free-running "
+          f"{training.loss:.4f}; 256 prompts x {n} greedy tokens: free-running "
           f"position-wise agreement {agreement:.4f}, {identical}/256 continuations identical; the pattern "
           f"followed by transformers {learned:.4f}, by us {positionwise(ours, expected):.4f}; prefix hits "
           f"{hits}/{eng.stats.prefix_cache_queries} prompt tokens")
