@@ -14,8 +14,10 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 def boot(model_dir: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=512, max_num_seqs=8,
-                                  max_model_len=512, snapshot_store="local"))
+    # The configuration of test_engine_gpu.py, so the same flashinfer kernels serve (compiled once per machine).
+    return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=8192, max_num_seqs=128,
+                                  max_num_batched_tokens=4096, max_model_len=1024, attention_backend="flashinfer",
+                                  snapshot_store="local"))
 
 
 def test_second_boot_restores_cuda_weights_from_the_snapshot(tmp_path, monkeypatch):
