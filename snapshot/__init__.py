@@ -14,9 +14,9 @@ store uploads multipart and loads with parallel ranged GETs, no temporary file.
 
 Loading (loader.py): ``load(source, targets=None, device="cpu", threads=None,
 progress=None) -> (tensors, LoadReport)`` reads chunks with several threads (page cache
-when it holds a chunk, else O_DIRECT; ranged GETs from S3) into a ring of pinned buffers,
-checks each chunk, and copies it to the GPU on CUDA streams while the next chunks are
-read. ``LoadReport`` has ``bytes``, ``seconds``, ``gbps`` and ``phases`` (allocate / stream wall seconds; pin / read / verify / copy thread seconds).
+when it holds a chunk, else O_DIRECT; ranged GETs from S3) into huge-page buffers pinned for
+the GPU (hostbuffer.py), checks each chunk, and copies it to the GPU on CUDA streams (queued
+through ctypes, cudart.py) while the next chunks are read. ``LoadReport`` has ``bytes``, ``seconds``, ``gbps`` and ``phases`` (allocate / stream wall seconds; pin / read / verify / copy thread seconds).
 
 Replica wiring (weights.py), for a function declared with ``snapshot=True``, in one call::
 
