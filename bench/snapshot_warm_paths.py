@@ -12,8 +12,6 @@ import os
 import shutil
 import statistics
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -24,7 +22,6 @@ from ember.snapshot.store import FileSource, LocalStore, staging_path
 from ember.snapshot.writer import write_safetensors
 from snapshot_load import RESULTS, machine, read_file, release, write_model
 
-BLOCK = 16 << 20
 KEEP: list = []  # buffers of the raw reads stay mapped until the run ends
 
 
@@ -36,25 +33,6 @@ def raw_buffers() -> dict:
         "huge pages": lambda n: KEEP.append(HostBuffer(n)) or KEEP[-1].tensor,
         "huge pages, pinned": lambda n: KEEP.append(HostBuffer(n, lib)) or KEEP[-1].tensor,
     }
-
-
-def read_into(path: Path, threads: int, buffer) -> float:
-    """GB/s of reading the whole (cached) file with `threads` threads in 16 MiB blocks into buffer(16 MiB)."""
-    size = path.stat().st_size - path.stat().st_size % 4096
-    fd = os.open(path, os.O_RDONLY)
-    blocks = list(range(0, size, BLOCK))
-    buffers = [memoryview(buffer(BLOCK).numpy()) for _ in range(threads)]
-
-    def worker(k: int) -> None:
-        for off in blocks[k::threads]:
-            os.preadv(fd, [buffers[k][:min(BLOCK, size - off)]], off)
-
-    t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(worker, range(threads)))
-    seconds = time.perf_counter() - t
-    os.close(fd)
-    return size / seconds / 1e9
 
 
 def torch_pinned(nbytes: int, pin: bool, lib) -> tuple[torch.Tensor, object]:
@@ -89,7 +67,7 @@ def main() -> None:
                "transparent_hugepage": thp.read_text().strip() if thp.exists() else "absent"}
     read_file(snap, direct=False)  # warm
     for name, make in raw_buffers().items():
-        results["page_cache_read_gbps"][name] = read_into(snap, 16, make)
+        results["page_cache_read_gbps"][name] = read_file(snap, direct=False, threads=16, buffer=make)
     print(results["transparent_hugepage"], results["page_cache_read_gbps"], flush=True)
     for holder in KEEP:
         holder.close()
