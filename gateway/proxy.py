@@ -27,6 +27,7 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 REPLY_DROP = {k.encode() for k in HOP_BY_HOP - {"content-length"} | {"date", "server"}}
 WHOLE_BODY = 256 * 1024  # a non-SSE reply up to this size (by its Content-Length) is read whole, then sent in one piece
 CALL_HEADERS = {"content-type": "application/json"}
+TRACE_HEADERS = {"traceparent", "tracestate", "x-ember-replica"}  # a traced hop sends its own
 MAX_HEADER_LINE = 64 * 1024
 
 
@@ -58,11 +59,14 @@ def _url(replica: Replica, path: str, query: str = "") -> URL:
     return URL(f"{url}?{query}", encoded=True) if query else url
 
 
-async def call(client: aiohttp.ClientSession, replica: Replica, method: str, body: bytes, timeout: float) -> Response:
-    """A function call: the replica's JSON reply (result or error) passed through with its status."""
+async def call(client: aiohttp.ClientSession, replica: Replica, method: str, body: bytes, timeout: float,
+               trace: dict | None = None) -> Response:
+    """A function call: the replica's JSON reply (result or error) passed through with its status.
+    `trace`: the trace context headers of this hop, when tracing is on."""
     limit = aiohttp.ClientTimeout(total=None, sock_connect=timeout + 5, sock_read=timeout + 5)
     try:
-        async with client.post(_url(replica, f"/__ember__/call/{method}"), data=body, headers=CALL_HEADERS,
+        async with client.post(_url(replica, f"/__ember__/call/{method}"), data=body,
+                               headers=CALL_HEADERS if trace is None else CALL_HEADERS | trace,
                                timeout=limit, allow_redirects=False) as reply:
             return Response(await reply.read(), status_code=reply.status, media_type="application/json")
     except asyncio.TimeoutError:
@@ -88,10 +92,13 @@ class CountedBody:
 
 
 async def open_stream(client: aiohttp.ClientSession, replica: Replica, request: Request, path: str, body: bytes | None,
-                      timeout: float, max_body: int) -> aiohttp.ClientResponse:
+                      timeout: float, max_body: int, trace: dict | None = None) -> aiohttp.ClientResponse:
     """Start forwarding `request` to the replica's ASGI app at `path`: `body` when the gateway read it, else the
-    client's body streamed through (none when it declared none). `timeout` bounds the wait for each response chunk."""
+    client's body streamed through (none when it declared none). `timeout` bounds the wait for each response chunk.
+    `trace`, when tracing is on: this hop's trace context headers, which replace the client's."""
     headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+    if trace is not None:
+        headers = [(k, v) for k, v in headers if k not in trace and k not in TRACE_HEADERS] + list(trace.items())
     counted = None
     if body is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
         counted = CountedBody(request, max_body)

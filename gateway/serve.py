@@ -12,6 +12,7 @@ from ember.gateway.ratelimit import MemoryLimiter, RedisLimiter
 from ember.gateway.server import Gateway, create_app
 from ember.gateway.tls import issue_server_cert
 from ember.home import Home
+from ember.runtime import tracing
 from ember.package import build, load_app, read_manifest
 
 CLI_KEY_NAME = "ember-cli"
@@ -65,6 +66,7 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
           backend: str = "local", parked_ram: str | None = None, redis_url: str | None = None, routing: str = "affinity") -> int:
     home = Home()
     _logging(home)
+    tracing.setup("ember-gateway")  # on when EMBER_TRACE_FILE or OTEL_EXPORTER_OTLP_ENDPOINT is set; replicas inherit it
     app = load_app(app_path)
     package = build(app, home)
     gateway = Gateway(home, backend_for(backend, home.logs, parked_ram), _limiter(redis_url), routing)

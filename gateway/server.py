@@ -31,6 +31,7 @@ from ember.gateway.routing import APP_NAME, SESSION, Call, Forward, route
 from ember.gateway.scaler import Scaler
 from ember.gateway.usage import OPENAI_PATHS, UsageMeter, estimate, max_tokens
 from ember.home import Home
+from ember.runtime import tracing
 
 log = logging.getLogger("ember.gateway")
 
@@ -192,11 +193,13 @@ def resolve(deployments: dict[str, Deployment], app_name: str, rest: str) -> tup
 
 
 async def send_with_retry(unit: Unit, lease: Lease, key: str | None, retryable: bool, send) -> tuple:
-    """`send(replica)`; a replica that fails before its first response byte is retried once on another hot one.
-    The lease's slot is released on failure; on success the caller owns it."""
+    """`send(replica, trace_headers)`; a replica that fails before its first response byte is retried once on another
+    hot one. The lease's slot is released on failure; on success the caller owns it."""
     for attempt in (1, 2):
         try:
-            return await send(lease.replica), lease
+            if tracing.enabled:
+                return await hop(send, lease.replica, attempt), lease
+            return await send(lease.replica, None), lease
         except proxy.Unreachable as exc:
             unit.queue.release(lease.replica)
             retry = unit.queue.try_acquire(key, frozenset({lease.replica.id})) if retryable and attempt == 1 else None
@@ -211,9 +214,10 @@ async def send_with_retry(unit: Unit, lease: Lease, key: str | None, retryable: 
 
 async def call(request: Request, unit: Unit, target: Call, body: bytes, key: str | None) -> tuple[Response, Lease]:
     client = request.app.state.client
-    lease = await unit.queue.acquire(key)
+    lease = await (queued(unit, key) if tracing.enabled else unit.queue.acquire(key))
     response, lease = await send_with_retry(
-        unit, lease, key, True, lambda replica: proxy.call(client, replica, target.method, body, unit.spec.timeout))
+        unit, lease, key, True,
+        lambda replica, trace: proxy.call(client, replica, target.method, body, unit.spec.timeout, trace))
     unit.queue.release(lease.replica)
     return response, lease
 
@@ -224,10 +228,11 @@ async def forward(request: Request, unit: Unit, target: Forward, body: bytes | N
     Only a body the gateway holds (read for an LLM request, or none for GET/HEAD) can be sent twice."""
     client = request.app.state.client
     held = body is not None or request.method in ("GET", "HEAD", "OPTIONS", "DELETE")
-    lease = await unit.queue.acquire(key)
+    lease = await (queued(unit, key) if tracing.enabled else unit.queue.acquire(key))
     upstream, lease = await send_with_retry(
         unit, lease, key, held,
-        lambda replica: proxy.open_stream(client, replica, request, target.path, body, unit.spec.timeout, MAX_BODY))
+        lambda replica, trace: proxy.open_stream(client, replica, request, target.path, body, unit.spec.timeout,
+                                                 MAX_BODY, trace))
 
     async def close() -> None:
         unit.queue.release(lease.replica)
@@ -235,6 +240,113 @@ async def forward(request: Request, unit: Unit, target: Forward, body: bytes | N
 
     settle.hold()
     return proxy.Relay(upstream, close, meter), lease
+
+
+# Tracing (runtime/tracing.py): reached only when `tracing.enabled`, so a gateway without it pays one flag read a hop.
+QUEUED = 0.0005  # a free slot is handed over without awaiting (microseconds): a longer acquire waited in the queue
+
+
+async def traced(request: Request, handle) -> Response:
+    """`handle` inside a SERVER span that continues the caller's `traceparent`; a streamed reply ends it with the stream.
+    Status codes follow OpenTelemetry's HTTP server conventions: 5xx marks the span an error, 4xx names error.type."""
+    from opentelemetry import context, trace
+    from opentelemetry.trace import SpanKind
+
+    app_name = request.path_params["app_name"]
+    span = tracing.tracer().start_span(
+        f"{request.method} /{app_name}", tracing.extract(request.headers), SpanKind.SERVER,
+        attributes={"http.request.method": request.method, "http.route": INVOKE_PATH, "url.path": request.url.path,
+                    "ember.app": app_name, "ember.retries": 0})
+    token = context.attach(trace.set_span_in_context(span))
+    try:
+        response = await handle(request)
+    except ApiError as exc:
+        _end(span, exc.status, exc.type)
+        raise
+    except BaseException as exc:
+        span.record_exception(exc)
+        _end(span, 500, type(exc).__name__)
+        raise
+    finally:
+        context.detach(token)
+    if isinstance(response, proxy.Relay):
+        on_close, status = response.on_close, response.status_code
+
+        async def close() -> None:
+            try:
+                await on_close()
+            finally:
+                _end(span, status)
+
+        response.on_close = close
+    else:
+        _end(span, response.status_code)
+    return response
+
+
+def _end(span, status: int, error_type: str | None = None) -> None:
+    from opentelemetry.trace import StatusCode
+
+    span.set_attribute("http.response.status_code", status)
+    if error_type is not None:
+        span.set_attribute("error.type", error_type)
+    if status >= 500:
+        span.set_status(StatusCode.ERROR, error_type or f"HTTP {status}")
+    span.end()
+
+
+def name_span(method: str, unit: Unit, target: Call | Forward) -> None:
+    from opentelemetry import trace
+
+    function = target.method if isinstance(target, Call) else unit.name
+    span = trace.get_current_span()
+    span.update_name(f"{method} /{unit.app}/{function}")
+    span.set_attribute("ember.function", function)
+
+
+def describe_span(lease: Lease) -> None:
+    from opentelemetry import trace
+
+    span = trace.get_current_span()
+    span.set_attribute("ember.replica.id", lease.replica.id)
+    if lease.cold_start:
+        tier, _, ms = lease.cold_start.partition("; ms=")
+        span.set_attributes({"ember.cold_start.tier": tier, "ember.cold_start.ms": int(ms)})
+
+
+async def queued(unit: Unit, key: str | None) -> Lease:
+    """`unit.queue.acquire`, its wait on the SERVER span, and a child span for it when the call waited in line."""
+    from opentelemetry import trace
+
+    began, began_ns = time.monotonic(), time.time_ns()
+    lease = await unit.queue.acquire(key)
+    waited = time.monotonic() - began
+    trace.get_current_span().set_attribute("ember.queue.wait_ms", round(waited * 1000, 3))
+    if waited >= QUEUED:
+        span = tracing.tracer().start_span("ember.queue", start_time=began_ns,
+                                           attributes={"ember.replica.id": lease.replica.id})
+        if lease.cold_start:
+            span.set_attribute("ember.cold_start", lease.cold_start)
+        span.end(began_ns + int(waited * 1e9))
+    return lease
+
+
+async def hop(send, replica, attempt: int):
+    """One attempt at a replica as a CLIENT span, whose context rides upstream as `traceparent`; a retry is another."""
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    if attempt > 1:
+        trace.get_current_span().set_attribute("ember.retries", attempt - 1)
+    with tracing.tracer().start_as_current_span(
+            "replica", kind=SpanKind.CLIENT, attributes={"ember.replica.id": replica.id, "ember.attempt": attempt,
+                                                         "server.address": replica.host, "server.port": replica.port}) as span:
+        reply = await send(replica, tracing.inject({"x-ember-replica": replica.id}))
+        status = reply.status_code if isinstance(reply, Response) else reply.status  # a call's reply, or a stream's head
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_status(StatusCode.ERROR, f"HTTP {status}")
+        return reply
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -251,7 +363,8 @@ def create_app(gateway: Gateway) -> FastAPI:
                 scaler.cancel()
                 await gateway.scaler.stop_all()
 
-    app = FastAPI(title="Ember gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Ember gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  **tracing.fastapi_options())
     errors.install(app)
     app.include_router(admin_router(gateway))
 
@@ -274,15 +387,24 @@ def create_app(gateway: Gateway) -> FastAPI:
         return JSONResponse(spec(app))
 
     async def invoke(request: Request) -> Response:
+        if tracing.enabled:
+            return await traced(request, handle)
+        return await handle(request)
+
+    async def handle(request: Request) -> Response:
         app_name, rest = request.path_params["app_name"], request.path_params["rest"]
         key = authenticate(gateway.keys, request)  # before anything reads the body
         unit, target = resolve(gateway.deployments, app_name, rest)
+        if tracing.enabled:
+            name_span(request.method, unit, target)
         try:
             response, lease, admission = await answer(request, key, unit, target)
         except ApiError as exc:  # refusals (403, 413, 429, 503, ...) show in /metrics next to answers
             gateway.metrics.observe(app_name, unit.name, exc.status, None)
             raise
         gateway.metrics.observe(app_name, unit.name, response.status_code, lease.cold_start)
+        if tracing.enabled:
+            describe_span(lease)
         return _stamp(response, lease, headers(admission) if admission else {})
 
     async def answer(request: Request, key: ApiKey, unit: Unit, target: Call | Forward) -> tuple[Response, Lease, Admission | None]:

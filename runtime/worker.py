@@ -22,6 +22,8 @@ import sys  # noqa: E402
 import traceback  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
+from ember.runtime import tracing  # noqa: E402
+
 
 class ControlChannel:
     """The original stdout, kept for the gateway; fd 1 is pointed at the log so user prints land there."""
@@ -204,13 +206,56 @@ def build_asgi(replica: Replica):
         if scope["type"] == "lifespan":
             await (user_app or internal)(scope, receive, send)
         elif scope["path"].startswith("/__ember__/") or user_app is None:
-            await internal(scope, receive, send)
+            if tracing.enabled and scope["path"].startswith(CALL_PATH):
+                function = scope["path"][len(CALL_PATH):]
+                await traced(internal, scope, receive, send, f"call {function}", function)
+            else:
+                await internal(scope, receive, send)
         else:
             if replica.parking.parked:
                 await replica.parking.wake()
-            await user_app(scope, receive, send)
+            if tracing.enabled:
+                await traced(user_app, scope, receive, send, f"{scope['method']} {scope['path']}", replica.unit.name)
+            else:
+                await user_app(scope, receive, send)
 
     return root
+
+
+CALL_PATH = "/__ember__/call/"
+
+
+async def traced(app, scope, receive, send, name: str, function: str) -> None:
+    """Serve one request inside a SERVER span that continues the gateway's trace context; the context is current
+    while `app` runs, so the user's code (an LLM engine, say) can add child spans to the same trace."""
+    from opentelemetry import context, trace
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+    span = tracing.tracer().start_span(
+        name, tracing.extract(headers), SpanKind.SERVER,
+        attributes={"ember.function": function, "ember.replica.id": headers.get("x-ember-replica", ""),
+                    "http.request.method": scope["method"], "url.path": scope["path"]})
+    status = 500
+
+    async def sending(message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        await send(message)
+
+    token = context.attach(trace.set_span_in_context(span))
+    try:
+        await app(scope, receive, sending)
+    except BaseException as exc:
+        span.record_exception(exc)
+        raise
+    finally:
+        context.detach(token)
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_status(StatusCode.ERROR, f"HTTP {status}")
+        span.end()
 
 
 def _serve(app, sock: socket.socket) -> None:
@@ -259,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="function or class name inside the app")
     args = parser.parse_args(argv)
     _die_with_parent()
+    tracing.setup("ember-worker")  # before the user's enter hooks, so they can trace too
     control = ControlChannel()
     timings = {}
     phase = "import"

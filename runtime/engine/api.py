@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException
 
+from ember.runtime import tracing
 from ember.runtime.engine import metrics
 from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError
 from ember.runtime.engine.config import EngineConfig
@@ -30,7 +31,8 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
         yield
         await asyncio.to_thread(llm.shutdown)
 
-    app = FastAPI(title="Ember OpenAI-compatible API", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="Ember OpenAI-compatible API", docs_url=None, redoc_url=None, lifespan=lifespan,
+                  **tracing.fastapi_options())
     app.state.llm = llm
 
     @app.exception_handler(APIError)

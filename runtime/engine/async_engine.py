@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
+from ember.runtime import tracing
 from ember.runtime.engine.detokenizer import Detokenizer
 
 log = logging.getLogger("ember.engine")
@@ -78,6 +79,7 @@ class AsyncLLM:
         if not self.alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
         request_id = request_id or uuid.uuid4().hex
+        trace_context = tracing.current_context() if tracing.enabled else None  # the engine's spans join this trace
         ids = [request_id if n == 1 else f"{request_id}-{i}" for i in range(n)]
         loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
         detokenizers = [Detokenizer(self.tokenizer, prompt_token_ids, stop, include_stop_str_in_output,
@@ -88,7 +90,7 @@ class AsyncLLM:
                 # n samples of one seeded request must differ from each other, reproducibly.
                 sample = params if params.seed is None or n == 1 else replace(params, seed=params.seed + i)
                 running.add(i)  # before the await, so a cancelled add is still aborted
-                await self._add(rid, prompt_token_ids, sample, _Route(loop, outputs, i))
+                await self._add(rid, prompt_token_ids, sample, _Route(loop, outputs, i), trace_context)
             while running:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
@@ -121,9 +123,9 @@ class AsyncLLM:
         self._wakeup.set()
         self._thread.join(timeout=10)
 
-    async def _add(self, request_id, prompt_token_ids, params, route) -> None:
+    async def _add(self, request_id, prompt_token_ids, params, route, trace_context) -> None:
         done = asyncio.get_running_loop().create_future()
-        self._send(("add", request_id, prompt_token_ids, params, route, done))
+        self._send(("add", request_id, prompt_token_ids, params, route, done, trace_context))
         if self.error is not None:  # the loop died after generate() checked: nobody else will answer
             self._fail_pending_adds(self.error)
         await done
@@ -161,9 +163,9 @@ class AsyncLLM:
                 self._routes.pop(command[1], None)
                 self.engine.abort_request(command[1], command[2])
                 continue
-            _, request_id, prompt_token_ids, params, route, done = command
+            _, request_id, prompt_token_ids, params, route, done, trace_context = command
             try:
-                self.engine.add_request(request_id, list(prompt_token_ids), params)
+                self.engine.add_request(request_id, list(prompt_token_ids), params, trace_context)
             except ValueError as e:
                 _post(route.loop, _settle, done, e)
             else:

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ember.runtime import tracing
+
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
@@ -42,7 +44,9 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    trace_context=None) -> None:
+        """`trace_context`: the caller's OpenTelemetry context; when set, the request ends with an `llm.request` span."""
         if request_id in self.seqs:
             raise ValueError(f"request_id {request_id!r} is already running: use a unique id per request")
         if not prompt_token_ids:
@@ -56,6 +60,7 @@ class LLMEngine:
         params.validate(vocab)
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, prompt_token_ids, params, generator)
+        seq.trace_context = trace_context
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         if self.config.log_token_ids:
@@ -71,12 +76,15 @@ class LLMEngine:
         if reason != "abort":
             self.stats.e2e_request_latency.observe(time.monotonic() - seq.arrival_time)
         self._aborted.append(self._output(seq, [], None))
+        if seq.trace_context is not None:
+            self._trace(seq, time.monotonic())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        scheduled = time.monotonic()
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         forward = 0.0
@@ -84,7 +92,7 @@ class LLMEngine:
             before = time.perf_counter()
             tokens, logprobs = self.runner.run(batch, self.eos_token_ids)
             forward = time.perf_counter() - before - self.runner.prepare_seconds
-            outputs += self._postprocess(batch, tokens, logprobs)
+            outputs += self._postprocess(batch, tokens, logprobs, scheduled)
         self._record_step(batch, time.perf_counter() - start, forward)
         return outputs
 
@@ -100,13 +108,13 @@ class LLMEngine:
                     results[out.request_id].extend(out.new_token_ids)
         return [results[request_id] for request_id in ids]
 
-    def _postprocess(self, batch: ScheduledBatch, tokens, logprobs) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, tokens, logprobs, scheduled: float) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
         for seq, n, token, logprob in zip(batch.seqs, batch.num_new_tokens, tokens, logprobs):
             if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-                self.stats.queue_time.observe(now - seq.arrival_time)
+                seq.first_scheduled_time = scheduled
+                self.stats.queue_time.observe(scheduled - seq.arrival_time)
                 self.stats.prefix_cache_queries += seq.num_prompt_tokens
                 self.stats.prefix_cache_hits += seq.num_cached_tokens
                 self.stats.prompt_tokens += seq.num_prompt_tokens
@@ -116,6 +124,7 @@ class LLMEngine:
             seq.token_ids.append(token)
             self.stats.generation_tokens += 1
             if seq.last_token_time is None:
+                seq.first_token_time = now
                 self.stats.time_to_first_token.observe(now - seq.arrival_time)
             else:
                 self.stats.inter_token_latency.observe(now - seq.last_token_time)
@@ -129,6 +138,8 @@ class LLMEngine:
                 if self.config.log_token_ids:
                     logger.info("request %s finished (%s) output_token_ids=%s", seq.request_id, reason,
                                 seq.output_token_ids)
+                if seq.trace_context is not None:
+                    self._trace(seq, now)
             outputs.append(self._output(seq, [token], [logprob] if logprob is not None else None))
         return outputs
 
@@ -145,9 +156,49 @@ class LLMEngine:
         return RequestOutput(seq.request_id, tokens, logprobs, seq.status is SequenceStatus.FINISHED,
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens)
 
+    def _trace(self, seq: Sequence, finished: float) -> None:
+        """The request's `llm.request` span under its caller's context, with `llm.queued`, `llm.prefill` and
+        `llm.decode` children built from its timestamps and one event per preemption. Forward passes are batched
+        across requests, so a span per pass would be shared by every trace in the batch: per-request spans from
+        timestamps (as vLLM's request spans) say where this request's time went."""
+        from opentelemetry import trace
+
+        offset = time.time_ns() - time.monotonic_ns()
+
+        def ns(t: float) -> int:
+            return int(t * 1e9) + offset
+
+        p, tracer = seq.params, tracing.tracer()
+        scheduled = seq.first_scheduled_time or finished
+        attributes = {
+            "gen_ai.operation.name": "text_completion", "gen_ai.request.id": seq.request_id,
+            "gen_ai.request.model": self.model_name, "gen_ai.response.model": self.model_name,
+            "gen_ai.request.max_tokens": p.max_tokens, "gen_ai.request.temperature": p.temperature,
+            "gen_ai.request.top_p": p.top_p, "gen_ai.usage.input_tokens": seq.num_prompt_tokens,
+            "gen_ai.usage.output_tokens": seq.num_output_tokens,
+            "gen_ai.usage.cache_read.input_tokens": seq.num_cached_tokens,
+            "gen_ai.response.finish_reasons": [seq.finish_reason or "abort"],
+            "gen_ai.latency.time_in_queue": scheduled - seq.arrival_time,
+            "gen_ai.latency.e2e": finished - seq.arrival_time, "ember.preemptions": seq.num_preemptions}
+        if seq.first_token_time is not None:
+            attributes["gen_ai.latency.time_to_first_token"] = seq.first_token_time - seq.arrival_time
+        span = tracer.start_span("llm.request", seq.trace_context, start_time=ns(seq.arrival_time),
+                                 attributes=attributes)
+        inside = trace.set_span_in_context(span)
+        tracer.start_span("llm.queued", inside, start_time=ns(seq.arrival_time)).end(ns(scheduled))
+        if seq.first_token_time is not None:
+            tracer.start_span("llm.prefill", inside, start_time=ns(scheduled)).end(ns(seq.first_token_time))
+            tracer.start_span("llm.decode", inside, start_time=ns(seq.first_token_time)).end(ns(finished))
+        for t in seq.preempted_at:
+            span.add_event("llm.preempted", timestamp=ns(t))
+        span.end(ns(finished))
+
     def _record_step(self, batch: ScheduledBatch, elapsed: float, forward: float) -> None:
         s = self.stats
         s.num_preemptions += len(batch.preempted)
+        for seq in batch.preempted:
+            if seq.trace_context is not None:
+                seq.preempted_at.append(time.monotonic())
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_cache_usage = self.block_manager.usage

@@ -30,7 +30,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.trace_context = None      # the caller's OpenTelemetry context, only when tracing is on
+        self.preempted_at: list[float] = []  # when tracing is on: the time of each preemption
 
     def __len__(self) -> int:
         return len(self.token_ids)
