@@ -332,7 +332,8 @@ async def queued(unit: Unit, key: str | None) -> Lease:
 
 
 async def hop(send, replica, attempt: int):
-    """One attempt at a replica as a CLIENT span, whose context rides upstream as `traceparent`; a retry is another."""
+    """One attempt at a replica as a CLIENT span, whose context rides upstream as `traceparent`; a retry is another.
+    It lasts until the reply (a stream: its head; the SERVER span lasts to the stream's end)."""
     from opentelemetry import trace
     from opentelemetry.trace import SpanKind, StatusCode
 

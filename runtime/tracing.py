@@ -47,8 +47,11 @@ def setup(service_name: str) -> bool:
         else:
             processors.append(BatchSpanProcessor(OTLPSpanExporter()))  # it reads the endpoint from the env itself
     if trace_file:
-        # Synchronous: a span is in the file when it ends, so a test (or a person) can read it right away.
-        processors.append(SimpleSpanProcessor(SpanFile(trace_file)))
+        try:  # synchronous: a span is in the file when it ends, so a test (or a person) can read it right away
+            processors.append(SimpleSpanProcessor(SpanFile(trace_file)))
+        except OSError as exc:
+            log.warning("EMBER_TRACE_FILE=%s cannot be opened (%s): point it at a writable path; "
+                        "running without the trace file", trace_file, exc.strerror)
     if not processors:
         return False
     name = os.environ.get("OTEL_SERVICE_NAME") or service_name
@@ -105,7 +108,7 @@ class SpanFile:
     def __init__(self, path: str):
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def export(self, spans) -> "SpanExportResult":  # noqa: F821 - the SDK's, imported lazily
+    def export(self, spans):
         from opentelemetry.sdk.trace.export import SpanExportResult
 
         for span in spans:

@@ -168,10 +168,13 @@ class LLMEngine:
         def ns(t: float) -> int:
             return int(t * 1e9) + offset
 
-        p, tracer = seq.params, tracing.tracer()
-        scheduled = seq.first_scheduled_time or finished
+        tracer = tracing.tracer()
+        span = tracer.start_span("llm.request", seq.trace_context, start_time=ns(seq.arrival_time))
+        if not span.is_recording():  # the caller's trace was sampled out
+            return
+        p, scheduled = seq.params, seq.first_scheduled_time or finished
         attributes = {
-            "gen_ai.operation.name": "text_completion", "gen_ai.request.id": seq.request_id,
+            "gen_ai.request.id": seq.request_id,
             "gen_ai.request.model": self.model_name, "gen_ai.response.model": self.model_name,
             "gen_ai.request.max_tokens": p.max_tokens, "gen_ai.request.temperature": p.temperature,
             "gen_ai.request.top_p": p.top_p, "gen_ai.usage.input_tokens": seq.num_prompt_tokens,
@@ -182,8 +185,7 @@ class LLMEngine:
             "gen_ai.latency.e2e": finished - seq.arrival_time, "ember.preemptions": seq.num_preemptions}
         if seq.first_token_time is not None:
             attributes["gen_ai.latency.time_to_first_token"] = seq.first_token_time - seq.arrival_time
-        span = tracer.start_span("llm.request", seq.trace_context, start_time=ns(seq.arrival_time),
-                                 attributes=attributes)
+        span.set_attributes(attributes)
         inside = trace.set_span_in_context(span)
         tracer.start_span("llm.queued", inside, start_time=ns(seq.arrival_time)).end(ns(scheduled))
         if seq.first_token_time is not None:

@@ -4,8 +4,6 @@ import json
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_TRACE, CLIENT_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"

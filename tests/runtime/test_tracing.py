@@ -1,4 +1,5 @@
 """runtime/tracing.py in fresh processes: off unless the environment asks, and what its span file holds."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,15 +22,17 @@ from ember.runtime import tracing
 assert tracing.setup("svc") is False and tracing.enabled is False
 with trace.get_tracer("t").start_as_current_span("s") as span:
     assert not span.is_recording()
+"""
+UNTOUCHED = """
 import sys
 assert "opentelemetry.sdk.trace" not in sys.modules, "the SDK was imported with tracing off"
 """
 
 
 def test_without_configuration_tracing_stays_off(tmp_path):
-    _run(OFF)
+    _run(OFF + UNTOUCHED)
     # OTEL_SDK_DISABLED wins over a trace file.
-    _run(OFF, EMBER_TRACE_FILE=str(tmp_path / "spans.jsonl"), OTEL_SDK_DISABLED="true")
+    _run(OFF + UNTOUCHED, EMBER_TRACE_FILE=str(tmp_path / "spans.jsonl"), OTEL_SDK_DISABLED="true")
     assert not (tmp_path / "spans.jsonl").exists()
 
 
@@ -52,15 +55,22 @@ with tracing.tracer().start_as_current_span("inner", tracing.extract(headers)):
     assert inner["trace_id"] == outer["trace_id"] and inner["parent_span_id"] == outer["span_id"]
 
 
-def test_otlp_without_its_exporter_warns_and_goes_on(tmp_path):
-    pytest.importorskip("opentelemetry.sdk")
+def _installed(module: str) -> bool:
     try:
-        import opentelemetry.exporter.otlp.proto.http  # noqa: F401
-        pytest.skip("the OTLP exporter is installed here")
-    except ImportError:
-        pass
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(_installed("opentelemetry.exporter.otlp.proto.http"), reason="the OTLP exporter is installed here")
+def test_otlp_without_its_exporter_warns_and_goes_on():
     result = _run("""
 from ember.runtime import tracing
 assert tracing.setup("svc") is False and tracing.enabled is False
 """, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4318")
     assert "pip install opentelemetry-exporter-otlp-proto-http" in result.stderr
+
+
+def test_an_unwritable_trace_file_warns_and_goes_on(tmp_path):
+    result = _run(OFF, EMBER_TRACE_FILE=str(tmp_path / "missing" / "spans.jsonl"))
+    assert "EMBER_TRACE_FILE" in result.stderr and "writable path" in result.stderr
