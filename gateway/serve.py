@@ -12,8 +12,8 @@ from ember.gateway.ratelimit import MemoryLimiter, RedisLimiter
 from ember.gateway.server import Gateway, create_app
 from ember.gateway.tls import issue_server_cert
 from ember.home import Home
-from ember.runtime import tracing
 from ember.package import build, load_app, read_manifest
+from ember.runtime import tracing
 
 CLI_KEY_NAME = "ember-cli"
 GRACE = 5

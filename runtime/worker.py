@@ -179,6 +179,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+CALL_PATH = "/__ember__/call/"
+
+
 def build_asgi(replica: Replica):
     """Internal routes under /__ember__/; every other path goes to the user's ASGI app, if any."""
     from starlette.applications import Starlette
@@ -214,15 +217,12 @@ def build_asgi(replica: Replica):
         else:
             if replica.parking.parked:
                 await replica.parking.wake()
-            if tracing.enabled:
+            if tracing.enabled and scope["type"] == "http":
                 await traced(user_app, scope, receive, send, f"{scope['method']} {scope['path']}", replica.unit.name)
             else:
                 await user_app(scope, receive, send)
 
     return root
-
-
-CALL_PATH = "/__ember__/call/"
 
 
 async def traced(app, scope, receive, send, name: str, function: str) -> None:
