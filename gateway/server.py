@@ -363,6 +363,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                 gateway.ready = False
                 scaler.cancel()
                 await gateway.scaler.stop_all()
+                await asyncio.to_thread(tracing.flush)
 
     app = FastAPI(title="Ember gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   **tracing.fastapi_options())

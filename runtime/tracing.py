@@ -63,6 +63,15 @@ def setup(service_name: str) -> bool:
     return True
 
 
+def flush() -> None:
+    """Export the spans still batched. A server stopped by SIGTERM must call this itself: uvicorn ends by re-raising
+    the signal, so the provider's atexit hook never runs."""
+    if enabled:
+        from opentelemetry import trace
+
+        trace.get_tracer_provider().force_flush()
+
+
 def fastapi_options() -> dict:
     """FastAPI's arguments for Ember's own apps (gateway, engine API). Recent FastAPI traces every request itself once
     a TracerProvider is set; Ember's SERVER spans already cover those requests, with the names and attributes its
