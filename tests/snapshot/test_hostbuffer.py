@@ -40,3 +40,20 @@ def test_direct_io_reads_into_it(tmp_path):
         assert got == len(payload) and bytes(buf.tensor.numpy()) == payload
     finally:
         buf.close()
+
+
+def test_load_falls_back_to_torch_memory_when_huge_page_buffers_cannot_be_mapped(tmp_path, monkeypatch):
+    from ember.snapshot import LocalStore, capture, load, loader
+
+    def refuse(*args, **kwargs):
+        raise MemoryError("no address space left (simulated)")
+
+    monkeypatch.setattr(loader, "HostBuffer", refuse)
+    state = {f"w{i}": torch.randn(300 + i, 257) for i in range(6)}
+    store = LocalStore(tmp_path)
+    capture(state, store, "s", chunk_size=64 << 10)
+    source = store.open("s")
+    tensors, report = load(source, threads=3)
+    source.close()
+    assert report.chunks > 6
+    assert all(torch.equal(tensors[k], v) for k, v in state.items())
