@@ -97,6 +97,8 @@ class Cls:
         # snap=True hooks build the state a snapshot captures, so they run before snap=False ones.
         self.enter_hooks = [n for n, snap in enters if snap] + [n for n, snap in enters if not snap]
         self.exit_hooks = [n for n, f in members if getattr(f, hooks.EXIT, False)]
+        self.park_hooks = [n for n, f in members if getattr(f, hooks.PARK, False)]
+        self.wake_hooks = [n for n, f in members if getattr(f, hooks.WAKE, False)]
         if not self.methods and not self.asgi:
             raise SpecError(f"class {self.name!r} has no @ember.method() or @ember.asgi_app(); nothing to serve")
 

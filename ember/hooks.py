@@ -1,8 +1,10 @@
-"""Lifecycle markers for methods of an @app.cls class: enter, exit, method, asgi_app."""
+"""Lifecycle markers for methods of an @app.cls class: enter, exit, park, wake, method, asgi_app."""
 from typing import Callable
 
 ENTER = "__ember_enter__"  # value: snap flag
 EXIT = "__ember_exit__"
+PARK = "__ember_on_park__"
+WAKE = "__ember_on_wake__"
 METHOD = "__ember_method__"
 ASGI = "__ember_asgi__"
 
@@ -32,6 +34,21 @@ def exit(_fn: object = None) -> Callable:  # noqa: A001 - mirrors enter/exit lif
     """Run when a replica stops (SIGTERM)."""
     _no_bare_use("exit", _fn)
     return _marker("exit", EXIT, True)
+
+
+def park(_fn: object = None) -> Callable:
+    """Run when an idle replica parks, before Ember moves the GPU tensors of the instance's torch modules to host
+    memory: release the GPU memory Ember cannot see (an LLM engine's weights and KV cache: `self.engine.park()`).
+    The process and its host state stay; the replica serves again after its @ember.wake() hooks ran."""
+    _no_bare_use("park", _fn)
+    return _marker("park", PARK, True)
+
+
+def wake(_fn: object = None) -> Callable:
+    """Run when a parked replica takes a call, before the call and after Ember moved the modules back to the GPU:
+    restore what the @ember.park() hooks released (`self.engine.wake()`)."""
+    _no_bare_use("wake", _fn)
+    return _marker("wake", WAKE, True)
 
 
 def method(_fn: object = None) -> Callable:

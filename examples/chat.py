@@ -4,6 +4,9 @@
     EMBER_CHAT_MODEL=/models/Qwen3-0.6B ember serve examples/chat.py  # a Hugging Face model directory
     EMBER_CHAT_LOG_TOKEN_IDS=1 ember serve examples/chat.py          # log prompt/output token ids per request
     EMBER_CHAT_SCALEDOWN_WINDOW=1 ember serve examples/chat.py       # stop idle replicas after 1 s (default 300)
+    EMBER_CHAT_PARK_AFTER=3 ember serve examples/chat.py             # park idle replicas after 3 s (GPU released)
+    EMBER_CHAT_GPU_MEMORY_UTILIZATION=0.3 ember serve examples/chat.py  # take 30% of the GPU (default 0.9)
+    EMBER_CHAT_KV_CACHE_BYTES=8000000000 ember serve examples/chat.py   # or give the KV cache a byte budget
 
 Then point any OpenAI client at https://127.0.0.1:8443/chat/v1 with an Ember key:
 
@@ -29,6 +32,7 @@ app = ember.App("chat")
     # The engine batches concurrent requests, so one replica takes many before another is worth starting.
     target_concurrency=32,
     scaledown_window=float(os.environ.get("EMBER_CHAT_SCALEDOWN_WINDOW", "300")),
+    park_after=float(os.environ["EMBER_CHAT_PARK_AFTER"]) if os.environ.get("EMBER_CHAT_PARK_AFTER") else None,
     timeout=600,
     env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
 )
@@ -46,7 +50,12 @@ class Chat:
         if log_token_ids:
             # The engine logs ids at INFO; the replica's stderr is its log file.
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        self.engine = LLMEngine(EngineConfig(model=str(model), log_token_ids=log_token_ids))
+        sizing = {}
+        if os.environ.get("EMBER_CHAT_GPU_MEMORY_UTILIZATION"):
+            sizing["gpu_memory_utilization"] = float(os.environ["EMBER_CHAT_GPU_MEMORY_UTILIZATION"])
+        if os.environ.get("EMBER_CHAT_KV_CACHE_BYTES"):
+            sizing["kv_cache_bytes"] = int(os.environ["EMBER_CHAT_KV_CACHE_BYTES"])
+        self.engine = LLMEngine(EngineConfig(model=str(model), log_token_ids=log_token_ids, **sizing))
 
     @ember.enter(snap=False)
     def serve(self):
@@ -54,6 +63,15 @@ class Chat:
         from ember.runtime.engine.api import create_app
 
         self.api = create_app(self.engine)
+
+    @ember.park()
+    def release_gpu(self):
+        # Weights to pinned host memory, KV cache discarded; their addresses stay reserved for the wake.
+        self.engine.park()
+
+    @ember.wake()
+    def restore_gpu(self):
+        self.engine.wake()
 
     @ember.asgi_app()
     def web(self):

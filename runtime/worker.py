@@ -69,7 +69,7 @@ class Replica:
     def __init__(self, unit: Any, obj: Any):
         self.unit, self.obj = unit, obj
         self.timeout = unit.spec.timeout
-        self.parking = Parking(obj)
+        self.parking = Parking(obj, getattr(unit, "park_hooks", []), getattr(unit, "wake_hooks", []))
 
     def target(self, method: str) -> Callable | None:
         if self.obj is None:
@@ -82,8 +82,7 @@ class Replica:
         return getattr(self.obj, self.unit.asgi)() if self.unit.asgi else None
 
     async def call(self, request):
-        if self.parking.parked:  # the gateway routes a call to a parked replica as its wake
-            await self.parking.wake()
+        await self.parking.ready()  # the gateway routes a call to a parked replica as its wake
         fn = self.target(request.path_params["method"])
         if fn is None:
             return _error_response(404, "not_found", f"{self.unit.name} has no method {request.path_params['method']!r}")
@@ -116,14 +115,17 @@ class Replica:
 
 
 class Parking:
-    """Park (T1): release the GPU memory of the instance's torch modules, keeping them in pinned host RAM; wake: copy back.
+    """Park (T1): release the replica's GPU memory and keep its process; wake: restore it before the next call.
 
-    A class may define `__ember_park__` / `__ember_wake__` (internal, not SDK) to release and restore other state.
-    On a CPU-only replica there is no device memory to release, so parking only runs those hooks.
+    A class's @ember.park() hooks run first (an LLM engine releases its weights and KV cache there), then the GPU
+    tensors of the instance's torch modules move to pinned host RAM; a wake moves them back and then runs the
+    @ember.wake() hooks. One at a time: a call that arrives while a park is under way waits for it, then wakes.
+    On a CPU-only replica there is no device memory to release, so parking only runs the hooks.
     """
 
-    def __init__(self, obj: Any):
+    def __init__(self, obj: Any, park_hooks: list[str] = (), wake_hooks: list[str] = ()):
         self.obj, self.parked = obj, False
+        self.park_hooks, self.wake_hooks = list(park_hooks), list(wake_hooks)
         self.lock = asyncio.Lock()
         self.devices: dict[Any, Any] = {}  # tensor -> the CUDA device it came from
 
@@ -137,8 +139,8 @@ class Parking:
                 yield from value.buffers()
 
     def _park(self) -> None:
-        if hasattr(self.obj, "__ember_park__"):
-            self.obj.__ember_park__()
+        for name in self.park_hooks:
+            getattr(self.obj, name)()
         for t in self._tensors():
             if t.is_cuda:
                 self.devices[t] = t.device
@@ -152,17 +154,18 @@ class Parking:
         if self.devices:
             sys.modules["torch"].cuda.synchronize()
         self.devices.clear()
-        if hasattr(self.obj, "__ember_wake__"):
-            self.obj.__ember_wake__()
+        for name in self.wake_hooks:
+            getattr(self.obj, name)()
 
     async def park(self) -> dict:
         async with self.lock:
             began = time.monotonic()
+            before = device_bytes()
             if not self.parked:
                 await asyncio.to_thread(self._park)
                 self.parked = True
             return {"parked": True, "ms": round((time.monotonic() - began) * 1000), "host_bytes": rss_bytes(),
-                    "device_bytes_released": sum(t.numel() * t.element_size() for t in self.devices)}
+                    "device_bytes_released": max(before - device_bytes(), 0)}
 
     async def wake(self) -> dict:
         async with self.lock:
@@ -171,6 +174,20 @@ class Parking:
                 await asyncio.to_thread(self._wake)
                 self.parked = False
             return {"parked": False, "ms": round((time.monotonic() - began) * 1000)}
+
+    async def ready(self) -> None:
+        """Before a call: wake if parked, or wait for a park under way and then wake."""
+        if self.parked or self.lock.locked():
+            await self.wake()
+
+
+def device_bytes() -> int:
+    """GPU memory in use on this process's device, as the driver counts it (0 without CUDA initialised)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 def rss_bytes() -> int:
@@ -215,8 +232,7 @@ def build_asgi(replica: Replica):
             else:
                 await internal(scope, receive, send)
         else:
-            if replica.parking.parked:
-                await replica.parking.wake()
+            await replica.parking.ready()
             if tracing.enabled and scope["type"] == "http":
                 await traced(user_app, scope, receive, send, f"{scope['method']} {scope['path']}", replica.unit.name)
             else:

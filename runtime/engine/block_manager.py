@@ -105,6 +105,15 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def forget_cached(self) -> None:
+        """Drop every cached prefix (the KV cache's contents were discarded); only when no block is in use."""
+        assert all(b.ref_count == 0 for b in self.blocks), "forget_cached() while sequences hold blocks"
+        for block in self.blocks:
+            block.hash, block.token_ids = None, None
+        self.cached.clear()
+        self.evictable.clear()
+        self.clean = deque(range(len(self.blocks)))
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -12,8 +12,12 @@ class EngineConfig:
     dtype: str = "auto"                # "auto": bf16 on CUDA, fp32 on CPU; or "float32"/"bfloat16"/"float16"
     device: str = "auto"               # "auto": cuda if available else cpu
     block_size: int = 16               # tokens per KV block
-    num_kv_blocks: int | None = None   # None: derive from gpu_memory_utilization on GPU, or from max_model_len*max_num_seqs on CPU
-    gpu_memory_utilization: float = 0.85
+    num_kv_blocks: int | None = None   # None: from kv_cache_bytes, else gpu_memory_utilization on GPU, else
+                                       # max_model_len*max_num_seqs on CPU
+    # The fraction of the GPU's memory this engine may take, weights, activations and KV cache together (as in
+    # vLLM): engines of several small models share a GPU by giving each a part.
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes: int | None = None  # a byte budget for the KV cache instead of gpu_memory_utilization
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048 # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None   # None: from config.max_position_embeddings
@@ -36,6 +40,9 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: use at least 1, or None to size it automatically")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes}: use a positive byte count, or None to size the "
+                             "KV cache from gpu_memory_utilization")
         if self.snapshot_store not in (None, "local") and not self.snapshot_store.startswith("s3://"):
             raise ValueError(f"snapshot_store={self.snapshot_store!r} (EMBER_SNAPSHOT_STORE): use 'local', "
                              "'s3://bucket/prefix', or None for no snapshots")

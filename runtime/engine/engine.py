@@ -10,6 +10,7 @@ from ember.runtime import tracing
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .gpu_memory import ParkReport, WakeReport
 from .model_runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -82,7 +83,26 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
+    @property
+    def parked(self) -> bool:
+        return self.runner.arena.parked
+
+    def park(self) -> ParkReport:
+        """Releases the GPU memory of the weights and the KV cache while keeping their addresses, so CUDA graphs and
+        kernel workspaces stay valid; the weights wait in pinned host memory. Only an idle engine parks: the KV
+        cache's contents are discarded, and with them every cached prefix."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot park an engine with requests in flight: let them finish or abort them first")
+        self.block_manager.forget_cached()
+        return self.runner.park()
+
+    def wake(self) -> WakeReport:
+        """Maps the memory back at the same addresses and copies the weights in; a no-op when not parked."""
+        return self.runner.wake()
+
     def step(self) -> list[RequestOutput]:
+        if self.parked:  # a request reached a parked engine: serve it rather than fault on unmapped memory
+            self.wake()
         start = time.perf_counter()
         scheduled = time.monotonic()
         outputs, self._aborted = self._aborted, []

@@ -7,12 +7,14 @@ import torch
 
 from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from .config import EngineConfig
+from .gpu_memory import Arena, ParkReport, WakeReport, tensor_bytes
 from .models.loader import load_model
 from .sampling import SamplingRow, sample
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
+KV_CACHE = "kv_cache"  # the arena region of every layer's KV blocks
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -25,9 +27,11 @@ class ModelRunner:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = _DTYPES[config.dtype]
+        # The weights and the KV cache live in the arena, so a park can release them and keep their addresses.
+        self.arena = Arena(self.device)
         # weights_start: where the weights came from (snapshot or full boot), how long, how fast
         self.model, self.hf_config, self.weights_start = load_model(config.model, self.dtype, self.device,
-                                                                    config.snapshot_store)
+                                                                    config.snapshot_store, self.arena)
         hf = self.hf_config
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
@@ -42,18 +46,31 @@ class ModelRunner:
         if self.num_blocks * self.block_size < self.max_model_len:
             raise ValueError(f"{self.num_blocks} KV blocks of {self.block_size} tokens cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}: raise num_kv_blocks or lower max_model_len")
-        self.kv_caches = [
-            torch.zeros(self.num_blocks, 2, self.block_size, self.num_kv_heads, head_dim,
-                        dtype=self.dtype, device=self.device)
-            for _ in range(self.num_layers)]
+        kv_shape = (self.num_blocks, 2, self.block_size, self.num_kv_heads, head_dim)
+        kv_region = self.arena.region(KV_CACHE, tensor_bytes([(kv_shape, self.dtype)] * self.num_layers), keep=False)
+        self.kv_caches = [kv_region.take(kv_shape, self.dtype) for _ in range(self.num_layers)]
         self.attention = self._make_backend(head_dim)
         logger.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s", config.model, self.device,
                     self.dtype, self.num_blocks, self.block_size, type(self.attention).__name__)
+
+    def park(self) -> ParkReport:
+        """Releases the device memory of the weights (kept in pinned host memory) and of the KV cache (discarded);
+        their addresses stay reserved, so whatever captured them (CUDA graphs, attention plans) stays valid."""
+        return self.arena.park()
+
+    def wake(self) -> WakeReport:
+        return self.arena.wake()
 
     def _block_bytes(self, head_dim: int) -> int:
         return 2 * self.block_size * self.num_kv_heads * head_dim * self.dtype.itemsize * self.num_layers
 
     def _derive_num_blocks(self, head_dim: int) -> int:
+        if self.config.kv_cache_bytes is not None:
+            blocks = self.config.kv_cache_bytes // self._block_bytes(head_dim)
+            if blocks < 1:
+                raise ValueError(f"kv_cache_bytes={self.config.kv_cache_bytes} holds no KV block of "
+                                 f"{self._block_bytes(head_dim)} bytes: raise it")
+            return blocks
         if self.device.type != "cuda":
             return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -61,7 +78,10 @@ class ModelRunner:
         # Headroom for one step's activations: the MLP intermediate of a full token budget and the logits.
         activations = (self.config.max_num_batched_tokens * (2 * hf.intermediate_size + 4 * hf.hidden_size)
                        * self.dtype.itemsize + self.config.max_num_seqs * hf.vocab_size * 4 * 4 + (1 << 30))
-        budget = free - (1 - self.config.gpu_memory_utilization) * total - activations
+        # This engine's share of the GPU less what it holds already; other processes' memory counts only
+        # through what is free.
+        held = self.arena.mapped_bytes + torch.cuda.memory_reserved(self.device)
+        budget = min(self.config.gpu_memory_utilization * total - held, free) - activations
         blocks = int(budget // self._block_bytes(head_dim))
         if blocks < 1:
             raise ValueError("no GPU memory left for the KV cache: raise gpu_memory_utilization or use a smaller model")

@@ -100,3 +100,28 @@ def test_openai_client_against_ember_serve(serve, monkeypatch):
     logs = "".join(p.read_text() for p in (served.home / "logs").rglob("*") if p.is_file())
     assert f"prompt_token_ids={ids}" in logs
     assert "output_token_ids=[" in logs
+
+
+def test_an_idle_chat_replica_parks_and_its_next_request_wakes_it_with_the_same_answer(serve, monkeypatch):
+    monkeypatch.setenv("EMBER_CHAT_PARK_AFTER", "0.5")
+    served = serve(EXAMPLE, timeout=120)
+    request = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 8,
+               "temperature": 0}
+
+    def parked() -> list[dict]:
+        return [r for fn in served.status()["apps"]["chat"]["functions"].values() for r in fn["replicas"]
+                if r["state"] == "parked"]
+
+    with served.client(served.key(), timeout=120) as http:
+        first = http.post("/chat/v1/completions", json=request)
+        assert first.status_code == 200, first.text
+        deadline = time.monotonic() + 20
+        while not parked():
+            assert time.monotonic() < deadline, "the idle replica never parked"
+            time.sleep(0.1)
+        second = http.post("/chat/v1/completions", json=request)
+    assert second.status_code == 200, second.text
+    assert second.headers["x-ember-replica"] == first.headers["x-ember-replica"]
+    assert second.headers["x-ember-cold-start"].startswith("parked; ms=")
+    # The prompt spans full KV blocks that the park discarded: the same answer means none was reused.
+    assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]

@@ -138,8 +138,9 @@ def test_worker_park_releases_cuda_memory_and_wake_restores_the_weights():
         reserved = torch.cuda.memory_reserved()
         parking = Parking(model)
         parked = asyncio.run(parking.park())
-        assert parked["device_bytes_released"] == sum(p.numel() * 2 for p in before) > 128 * 2**20
-        assert torch.cuda.memory_reserved() <= reserved - parked["device_bytes_released"] + 2**21  # given back to the driver
+        weights = sum(p.numel() * 2 for p in before)
+        assert parked["device_bytes_released"] >= weights > 128 * 2**20  # as the driver counts: given back to it
+        assert torch.cuda.memory_reserved() <= reserved - weights + 2**21
         assert all(p.device.type == "cpu" and p.is_pinned() for p in model.net.parameters())
         assert asyncio.run(parking.wake())["parked"] is False
         assert all(torch.equal(p.cpu(), b) for p, b in zip(model.net.parameters(), before))

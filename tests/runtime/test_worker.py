@@ -142,3 +142,59 @@ def test_argument_problems_name_every_unknown_and_missing_argument():
         "unknown arguments 'y', 'z'; missing required argument 'b'; it takes (a, b, scale)"
     assert argument_problem(add, {}) == "missing required arguments 'a', 'b'; it takes (a, b, scale)"
     assert argument_problem(lambda **kw: kw, {"anything": 1}) is None
+
+
+def test_parking_runs_the_park_and_wake_hooks_and_a_call_during_a_park_waits_then_wakes():
+    import asyncio
+    import threading
+
+    from ember.runtime.worker import Parking
+
+    events: list[str] = []
+    parking_started = threading.Event()
+
+    class Model:
+        def release(self):
+            parking_started.set()
+            events.append("park")
+            threading.Event().wait(0.2)  # a slow park: the call below arrives in the middle of it
+
+        def restore(self):
+            events.append("wake")
+
+    async def scenario():
+        parking = Parking(Model(), ["release"], ["restore"])
+        park = asyncio.create_task(parking.park())
+        await asyncio.to_thread(parking_started.wait)
+        await parking.ready()  # what the worker awaits before a call
+        events.append("call")
+        assert (await park)["parked"] and not parking.parked
+        await parking.ready()  # awake and idle: nothing to do
+        assert (await parking.wake())["parked"] is False
+
+    asyncio.run(scenario())
+    assert events == ["park", "wake", "call"]
+
+
+def test_park_and_wake_hooks_are_found_on_the_class():
+    import ember
+
+    app = ember.App("hooks")
+
+    @app.cls()
+    class Model:
+        @ember.park()
+        def release(self):
+            pass
+
+        @ember.wake()
+        def restore(self):
+            pass
+
+        @ember.method()
+        def predict(self) -> int:
+            return 1
+
+    assert (Model.park_hooks, Model.wake_hooks) == (["release"], ["restore"])
+    with pytest.raises(TypeError, match="parentheses"):
+        ember.park(lambda self: None)

@@ -30,6 +30,8 @@ from transformers import AutoConfig
 
 from ember.snapshot import WeightsStart, open_store, restore_or_boot
 
+from ..gpu_memory import Arena, tensor_bytes
+
 from .llama import LlamaForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
@@ -38,12 +40,15 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
 LAYOUT_VERSION = 1  # bump when the model classes change parameter names, shapes or fusing
 SAMPLES, WINDOW = 16, 256 << 10
+WEIGHTS = "weights"  # the arena region that holds the parameters
 
 last_start: WeightsStart | None = None  # this process's latest load; the worker adds it to the start breakdown
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapshot_store: str | None = None):
-    """(model, hf_config, WeightsStart); with `snapshot_store`, restore from or write a snapshot."""
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapshot_store: str | None = None,
+               arena: Arena | None = None):
+    """(model, hf_config, WeightsStart); with `snapshot_store`, restore from or write a snapshot. With `arena`,
+    the parameters live in its "weights" region (which a park can release and a wake restore)."""
     global last_start
     path = Path(model_dir)
     if not (path / "config.json").is_file():
@@ -57,7 +62,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapsho
         raise ValueError(f"{model_dir!r} has no *.safetensors weights")
 
     def make_model():
-        return empty_model(cls, config, dtype, device)
+        return empty_model(cls, config, dtype, device, arena)
 
     def load_weights(model):
         load_safetensors(model, files, model_dir, config.tie_word_embeddings)
@@ -76,16 +81,25 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapsho
     return model.eval(), config, start
 
 
-def empty_model(cls, config, dtype: torch.dtype, device: torch.device):
-    """The model with its parameters allocated on `device` in `dtype`, uninitialised."""
+def empty_model(cls, config, dtype: torch.dtype, device: torch.device, arena: Arena | None = None):
+    """The model with its parameters allocated on `device` in `dtype` (in `arena`'s "weights" region when given,
+    replacing an earlier one), uninitialised."""
     with torch.device("meta"), SkipInit():
         model = cls(config)
+    metas = list(dict.fromkeys(model.parameters()))  # a shared parameter (the tied head) is allocated once
+    if arena is None:
+        def allocate(shape):
+            return torch.empty(shape, dtype=dtype, device=device)
+    else:
+        arena.free(WEIGHTS)
+        region = arena.region(WEIGHTS, tensor_bytes((m.shape, dtype) for m in metas), keep=True)
+
+        def allocate(shape):
+            return region.take(shape, dtype)
     # Allocated here rather than by to_empty(), whose meta path imports torch.fx's symbolic shapes (0.3 s).
-    allocated: dict[torch.Tensor, torch.nn.Parameter] = {}  # a shared parameter (the tied head) stays shared
+    allocated = {meta: torch.nn.Parameter(allocate(meta.shape)) for meta in metas}
     for module in model.modules():
         for name, meta in module.named_parameters(recurse=False):
-            if meta not in allocated:
-                allocated[meta] = torch.nn.Parameter(torch.empty(meta.shape, dtype=dtype, device=device))
             setattr(module, name, allocated[meta])
     if config.tie_word_embeddings:
         # The head is the embedding's tensor: a snapshot holds it once and restores into the shared tensor.

@@ -12,10 +12,12 @@ class Model:
     def load(self):
         self.parks = self.wakes = 0
 
-    def __ember_park__(self):
+    @ember.park()
+    def release(self):
         self.parks += 1
 
-    def __ember_wake__(self):
+    @ember.wake()
+    def restore(self):
         self.wakes += 1
 
     @ember.method()

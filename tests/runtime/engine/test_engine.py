@@ -261,3 +261,47 @@ def test_configuration_errors_name_the_fix(llama, tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         engine(str(tmp_path))
+
+
+def test_park_and_wake_keep_outputs_and_forget_the_discarded_prefix_cache(family):
+    model_dir, reference = family
+    eng = engine(model_dir)
+    long = random_prompts([40], seed=5)[0]  # spans full blocks, so a second run would reuse cached ones
+    assert eng.generate([long], GREEDY) == [reference(long)]
+    weights = {name: p.data_ptr() for name, p in eng.runner.model.named_parameters()}
+    kv = [t.data_ptr() for t in eng.runner.kv_caches]
+    report = eng.park()
+    assert eng.parked and report.released_bytes > 0  # the CPU arena filled the KV cache with NaN bytes
+    assert all(t.isnan().all() for t in eng.runner.kv_caches)
+    eng.wake()
+    assert not eng.parked
+    assert {name: p.data_ptr() for name, p in eng.runner.model.named_parameters()} == weights
+    assert [t.data_ptr() for t in eng.runner.kv_caches] == kv
+    eng.add_request("again", long, GREEDY)
+    outputs: dict[str, list[int]] = {}
+    run_to_completion(eng, outputs)
+    assert outputs["again"] == reference(long)
+    assert eng.stats.prefix_cache_hits == 0  # a hit would have read the discarded (NaN) blocks
+
+
+def test_a_parked_engine_wakes_on_its_next_step_and_refuses_to_park_while_busy(family):
+    model_dir, reference = family
+    eng = engine(model_dir)
+    prompt = random_prompts([9], seed=6)[0]
+    eng.park()
+    assert eng.generate([prompt], GREEDY) == [reference(prompt)] and not eng.parked
+    eng.add_request("busy", prompt, GREEDY)
+    with pytest.raises(RuntimeError, match="requests in flight"):
+        eng.park()
+
+
+def test_a_kv_cache_byte_budget_sizes_the_cache(family):
+    model_dir, _ = family
+    eng = engine(model_dir, num_kv_blocks=None, kv_cache_bytes=3 << 20)
+    runner = eng.runner
+    block_bytes = 2 * runner.block_size * runner.num_kv_heads * runner.model.head_dim * 4 * runner.num_layers
+    assert runner.num_blocks == (3 << 20) // block_bytes == eng.block_manager.num_blocks
+    with pytest.raises(ValueError, match="holds no KV block"):
+        engine(model_dir, num_kv_blocks=None, kv_cache_bytes=1)
+    with pytest.raises(ValueError, match="kv_cache_bytes=0"):
+        engine(model_dir, num_kv_blocks=None, kv_cache_bytes=0)
