@@ -16,12 +16,13 @@ from yarl import URL
 from ember.gateway.errors import ApiError, error_response
 from ember.gateway.replica import Replica
 from ember.gateway.usage import UsageMeter
+from ember.runtime.worker import CONTROL_HEADER
 
 log = logging.getLogger("ember.gateway")
 
 # Connection-level headers that must not cross a proxy (RFC 9110 7.6.1), plus the caller's credentials.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-              "transfer-encoding", "upgrade", "host", "authorization", "content-length"}
+              "transfer-encoding", "upgrade", "host", "authorization", "content-length", CONTROL_HEADER}
 # From a reply: hop-by-hop headers, and date/server, which uvicorn writes itself. Content-Length stays: the body
 # passes unchanged, so the client gets it whole rather than chunked.
 REPLY_DROP = {k.encode() for k in HOP_BY_HOP - {"content-length"} | {"date", "server"}}
@@ -65,8 +66,8 @@ async def call(client: aiohttp.ClientSession, replica: Replica, method: str, bod
     `trace`: the trace context headers of this hop, when tracing is on."""
     limit = aiohttp.ClientTimeout(total=None, sock_connect=timeout + 5, sock_read=timeout + 5)
     try:
-        async with client.post(_url(replica, f"/__ember__/call/{method}"), data=body,
-                               headers=CALL_HEADERS if trace is None else CALL_HEADERS | trace,
+        headers = CALL_HEADERS | {CONTROL_HEADER: replica.control_secret or ""} | (trace or {})
+        async with client.post(_url(replica, f"/__ember__/call/{method}"), data=body, headers=headers,
                                timeout=limit, allow_redirects=False) as reply:
             return Response(await reply.read(), status_code=reply.status, media_type="application/json")
     except asyncio.TimeoutError:

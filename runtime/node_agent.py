@@ -128,7 +128,8 @@ class NodeAgent:
                 return
             relay = await publish(self.address, replica.port)
             public = relay.sockets[0].getsockname()[1]
-            self._set(replica, state="ready", host=self.address, port=public, pull_ms=round((pulled - began) * 1000),
+            self._set(replica, state="ready", host=self.address, port=public, control_secret=replica.control_secret,
+                      pull_ms=round((pulled - began) * 1000),
                       boot_ms=round((time.monotonic() - pulled) * 1000))
             log.info("replica %s ready on %s:%s (worker on 127.0.0.1:%s)", replica.id, self.address, public, replica.port)
             async with relay:

@@ -27,6 +27,7 @@ class WorkerProcess:
     log_path: Path
     process: asyncio.subprocess.Process | None = None
     port: int | None = None  # where it serves once ready (on 127.0.0.1 when a supervisor here runs it)
+    control_secret: str | None = None  # the worker's, sent with every request to its /__ember__/ routes
     gpus: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES it was given
     timings: dict[str, int] = field(default_factory=dict)  # spawn/import/enter/total ms of its start
     error: str | None = None
@@ -159,7 +160,7 @@ class Supervisor:
             **{k: timings[k] for k in ("weights", "weights_ms") if k in timings},  # snapshot or full, from the engine
             "total_ms": round((time.monotonic() - began) * 1000),
         }
-        worker.port = message["port"]
+        worker.port, worker.control_secret = message["port"], message["control_secret"]
         return True
 
     async def wait(self, worker: WorkerProcess) -> int:

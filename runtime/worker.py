@@ -2,9 +2,10 @@
 
     python -m ember.runtime.worker --package P --target NAME
 
-stdout is the control channel to the gateway: one JSON line {"event": "ready", "port", "timings"}
-or {"event": "failed", "phase", "error"}. Everything the user's code prints goes to stderr,
-which the gateway sends to the replica's log file.
+stdout is the control channel to the gateway: one JSON line {"event": "ready", "port", "timings", "control_secret"}
+or {"event": "failed", "phase", "error"}; the gateway sends control_secret in the x-ember-control header of every
+request to /__ember__/. A replica that cannot go on (runtime/health.py) exits with code 3. Everything the user's
+code prints goes to stderr, which the gateway sends to the replica's log file.
 """
 import time
 
@@ -13,16 +14,21 @@ STARTED = time.monotonic()  # before heavy imports: the gateway measures spawn t
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
+import contextvars  # noqa: E402
+import hmac  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import secrets  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
+import stat  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
+import typing  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
-from ember.runtime import tracing  # noqa: E402
+from ember.runtime import health, tracing  # noqa: E402
 
 
 class ControlChannel:
@@ -57,19 +63,71 @@ def argument_problem(fn, kwargs: dict) -> str | None:
         return f"{'; '.join(parts)}; it takes ({', '.join(named)})"
 
 
-def _error_response(status: int, type: str, message: str):
+def argument_types(fn) -> dict[str, Any]:
+    """A pydantic TypeAdapter for each parameter of `fn` whose type hint pydantic can check (others pass as sent)."""
+    from pydantic import TypeAdapter
+
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # a forward reference that does not resolve: check nothing rather than fail every call
+        hints = {}
+    adapters = {}
+    for name in inspect.signature(fn).parameters:
+        if name in hints and hints[name] is not Any:
+            try:
+                adapters[name] = TypeAdapter(hints[name])
+            except Exception:  # a type pydantic cannot build from JSON (a torch.Tensor, say)
+                continue
+    return adapters
+
+
+def checked_arguments(adapters: dict[str, Any], kwargs: dict) -> tuple[dict, str | None]:
+    """`kwargs` validated against the type hints (values as pydantic coerced them), or a message naming each bad field."""
+    from pydantic import ValidationError
+
+    values, problems = dict(kwargs), []
+    for name, value in kwargs.items():
+        if name not in adapters:
+            continue
+        try:
+            values[name] = adapters[name].validate_python(value)
+        except ValidationError as exc:
+            for error in exc.errors(include_url=False):
+                where = ".".join([name, *map(str, error["loc"])])
+                problems.append(f"{where}: {error['msg']} (got {json.dumps(error['input'], default=repr)[:80]})")
+    return values, "; ".join(problems) or None
+
+
+def _error_response(status: int, type: str, message: str, headers: dict[str, str] | None = None):
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": {"type": type, "message": message}}, status_code=status)
+    return JSONResponse({"error": {"type": type, "message": message}}, status_code=status, headers=headers)
+
+
+# On a refusal the replica sends before a call starts: nothing ran, so the gateway may send it to another replica.
+NOT_STARTED = "x-ember-not-started"
+# On a reply after which the replica will exit (a call it could not stop still runs): route nothing more to it.
+RECYCLING = "x-ember-recycling"
+CANCEL_GRACE = 2.0  # seconds a cancelled coroutine may take to unwind before it counts as unstoppable
 
 
 class Replica:
-    """The loaded unit (a function or a class instance) and the calls it serves."""
+    """The loaded unit (a function or a class instance) and the calls it serves.
+
+    A call ends when it returns, when it overruns the function's timeout, or when its client hangs up. A coroutine is
+    cancelled then; a thread cannot be, so the replica marks itself failed (runtime/health.py): it refuses new calls,
+    finishes the others and exits, and the gateway starts a fresh one. Its slot is never free while that work runs.
+    """
 
     def __init__(self, unit: Any, obj: Any):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.unit, self.obj = unit, obj
         self.timeout = unit.spec.timeout
         self.parking = Parking(obj, getattr(unit, "park_hooks", []), getattr(unit, "wake_hooks", []))
+        # As many threads as calls may run at once: a full pool must never queue a call behind a stuck one.
+        self.threads = ThreadPoolExecutor(unit.spec.max_concurrency, thread_name_prefix="ember-call")
+        self.types: dict[str, dict[str, Any]] = {}  # method -> its parameters' validators, built on first call
 
     def target(self, method: str) -> Callable | None:
         if self.obj is None:
@@ -82,36 +140,79 @@ class Replica:
         return getattr(self.obj, self.unit.asgi)() if self.unit.asgi else None
 
     async def call(self, request):
+        if health.reason is not None:
+            return _error_response(503, "replica_unavailable", f"this replica is being replaced ({health.reason})",
+                                   {NOT_STARTED: "1", "Retry-After": "1"})
         await self.parking.ready()  # the gateway routes a call to a parked replica as its wake
-        fn = self.target(request.path_params["method"])
+        method = request.path_params["method"]
+        fn = self.target(method)
         if fn is None:
-            return _error_response(404, "not_found", f"{self.unit.name} has no method {request.path_params['method']!r}")
+            return _error_response(404, "not_found", f"{self.unit.name} has no method {method!r}")
         try:
             kwargs = json.loads(await request.body() or b"{}")
-        except ValueError as exc:
-            return _error_response(400, "invalid_json", f"request body is not valid JSON: {exc}")
+        except (ValueError, RecursionError) as exc:
+            return _error_response(400, "invalid_json", f"request body is not valid JSON: {str(exc)[:200]}")
         if not isinstance(kwargs, dict):
             return _error_response(422, "invalid_arguments", "request body must be a JSON object of keyword arguments")
         problem = argument_problem(fn, kwargs)
+        if problem is None:
+            if method not in self.types:
+                self.types[method] = argument_types(fn)
+            kwargs, problem = checked_arguments(self.types[method], kwargs)
         if problem is not None:
             return _error_response(422, "invalid_arguments", problem)
-        try:
-            if inspect.iscoroutinefunction(fn):
-                result = await asyncio.wait_for(fn(**kwargs), self.timeout)
-            else:
-                result = await asyncio.wait_for(asyncio.to_thread(fn, **kwargs), self.timeout)
-        except asyncio.TimeoutError:
-            return _error_response(504, "timeout", f"call exceeded the function's timeout of {self.timeout:g} s")
-        except Exception as exc:  # the user's error goes to the caller as JSON, the traceback to the log
-            traceback.print_exc()
-            return _error_response(500, "function_error", f"{type(exc).__name__}: {exc}")
-        try:
-            body = json.dumps({"result": result})
-        except (TypeError, ValueError) as exc:
-            return _error_response(500, "result_not_json", f"the function returned a value JSON cannot encode: {exc}")
+        return await self._run(fn, kwargs, request)
+
+    async def _run(self, fn: Callable, kwargs: dict, request):
         from starlette.responses import Response
 
+        in_thread = not inspect.iscoroutinefunction(fn)
+        if in_thread:
+            context = contextvars.copy_context()  # the trace context, as asyncio.to_thread would carry it
+            work = asyncio.get_running_loop().run_in_executor(self.threads, lambda: context.run(fn, **kwargs))
+        else:
+            work = asyncio.ensure_future(fn(**kwargs))
+        hang_up = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, hang_up}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone = hang_up.done()
+            hang_up.cancel()
+        if not work.done():
+            left = "its client disconnected" if gone else f"it overran its timeout of {self.timeout:g} s"
+            stopped = await self._stop(work, in_thread)
+            if not stopped:
+                health.fail(f"a call to {self.unit.name} could not be stopped after {left}")
+            if gone:
+                return _error_response(499, "client_closed_request", "the client disconnected; the call was cancelled")
+            return _error_response(504, "timeout", f"call exceeded the function's timeout of {self.timeout:g} s",
+                                   None if stopped else {RECYCLING: "1"})
+        try:
+            result = work.result()
+        except Exception as exc:  # the user's error goes to the caller as JSON, the traceback to the log
+            traceback.print_exception(exc)
+            return _error_response(500, "function_error", f"{type(exc).__name__}: {exc}")
+        try:
+            body = json.dumps({"result": result}, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            return _error_response(500, "result_not_json", f"the function returned a value JSON cannot encode "
+                                   f"(NaN and infinity are not JSON): {str(exc)[:200]}")
         return Response(body, media_type="application/json")
+
+    @staticmethod
+    async def _stop(work: asyncio.Future, in_thread: bool) -> bool:
+        """Cancel the call; False when it goes on running (a thread, or a coroutine that ignores the cancel)."""
+        work.cancel()
+        if in_thread:
+            return False
+        done, _ = await asyncio.wait({work}, timeout=CANCEL_GRACE)
+        return bool(done)
+
+
+async def _disconnected(request) -> None:
+    """Returns once the client has hung up (its body was read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class Parking:
@@ -197,15 +298,20 @@ def rss_bytes() -> int:
 
 
 CALL_PATH = "/__ember__/call/"
+CONTROL = "/__ember__/"
+CONTROL_HEADER = "x-ember-control"  # carries the replica's secret on every request to its control routes
 
 
-def build_asgi(replica: Replica):
-    """Internal routes under /__ember__/; every other path goes to the user's ASGI app, if any."""
+def build_asgi(replica: Replica, secret: str):
+    """Internal routes under /__ember__/, for whoever holds the replica's `secret` (the gateway that started it; a
+    request a client sent through the gateway never carries it); every other path goes to the user's ASGI app, if any."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    async def health(request):
+    async def health_check(request):
+        if health.reason is not None:
+            return JSONResponse({"ok": False, "reason": health.reason, "parked": replica.parking.parked}, 503)
         return JSONResponse({"ok": True, "parked": replica.parking.parked})
 
     async def park(request):
@@ -216,16 +322,25 @@ def build_asgi(replica: Replica):
 
     internal = Starlette(routes=[
         Route("/__ember__/call/{method}", replica.call, methods=["POST"]),
-        Route("/__ember__/health", health),
+        Route("/__ember__/health", health_check),
         Route("/__ember__/park", park, methods=["POST"]),
         Route("/__ember__/wake", wake, methods=["POST"]),
     ])
     user_app = replica.asgi()
+    expected = secret.encode()
+
+    def authorised(scope) -> bool:
+        sent = [v for k, v in scope["headers"] if k == CONTROL_HEADER.encode()]
+        return len(sent) == 1 and hmac.compare_digest(sent[0], expected)
 
     async def root(scope, receive, send):
         if scope["type"] == "lifespan":
             await (user_app or internal)(scope, receive, send)
-        elif scope["path"].startswith("/__ember__/") or user_app is None:
+        elif scope["path"].startswith(CONTROL) or user_app is None:
+            if not authorised(scope):
+                if scope["type"] == "http":
+                    await _error_response(404, "not_found", f"no route {scope['path'][:200]!r}")(scope, receive, send)
+                return
             if tracing.enabled and scope["path"].startswith(CALL_PATH):
                 function = scope["path"][len(CALL_PATH):]
                 await traced(internal, scope, receive, send, f"call {function}", function)
@@ -286,11 +401,19 @@ def _serve(app, sock: socket.socket) -> None:
             yield
 
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="auto")
-    ReplicaServer(config).run(sockets=[sock])  # uvicorn's loop factory: uvloop where installed
+    server = ReplicaServer(config)
+
+    def unhealthy(reason: str) -> None:  # from any thread: uvicorn polls should_exit on its own loop
+        print(f"ember: replica unhealthy, exiting so the gateway starts a fresh one: {reason}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    health.on_failure(unhealthy)
+    server.run(sockets=[sock])  # uvicorn's loop factory: uvloop where installed
 
 
 def read_secrets(names: list[str]) -> dict[str, str]:
-    """The KEY=VALUE lines of EMBER_HOME/secrets/NAME.env for each secret the function lists."""
+    """The KEY=VALUE lines of EMBER_HOME/secrets/NAME.env for each secret the function lists; a file other users
+    may read is used, with a warning in the replica's log that says how to make it private."""
     from ember.home import Home
 
     values = {}
@@ -298,11 +421,17 @@ def read_secrets(names: list[str]) -> dict[str, str]:
         path = Home().secrets / f"{name}.env"
         if not path.is_file():
             raise FileNotFoundError(f"secret {name!r} not found: create {path} with KEY=VALUE lines")
+        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            print(f"ember: warning: secret file {path} can be read by other users of this machine; "
+                  f"make it private with `chmod 600 {path}`", file=sys.stderr, flush=True)
         for line in path.read_text().splitlines():
             key, sep, value = line.partition("=")
             if sep and not line.lstrip().startswith("#"):
                 values[key.strip()] = value.strip()
     return values
+
+
+EXIT_UNHEALTHY = 3  # the replica could not go on (runtime/health.py says why, in its log): replace it
 
 
 def _die_with_parent() -> None:
@@ -346,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         if weights is not None:  # an engine loaded weights in the enter hooks: from a snapshot or a full boot
             timings.update(weights=weights.source, weights_ms=round(weights.seconds * 1000))
         phase = "serve"
-        asgi = build_asgi(Replica(unit, obj))
+        secret = secrets.token_urlsafe(32)
+        asgi = build_asgi(Replica(unit, obj), secret)
         # IPPROTO_TCP, so asyncio sets TCP_NODELAY: headers and body go out in two sends, and Nagle
         # with delayed ACK would hold every reply ~40 ms.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -357,12 +487,15 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         control.send(event="failed", phase=phase, error=f"{type(exc).__name__}: {exc}")
         return 1
-    control.send(event="ready", port=sock.getsockname()[1], started=STARTED, timings=timings)
+    control.send(event="ready", port=sock.getsockname()[1], started=STARTED, timings=timings, control_secret=secret)
     try:
         _serve(asgi, sock)
     finally:
         if obj is not None:
             unit.stop(obj)
+    if health.reason is not None:  # a call that could not be stopped may still hold a thread: do not wait for it
+        sys.stderr.flush()
+        os._exit(EXIT_UNHEALTHY)
     return 0
 
 

@@ -113,6 +113,7 @@ class AwsBackend:
             await asyncio.sleep(POLL)
         now = time.monotonic()
         replica.host, replica.port, replica.note = item["host"], int(item["port"]), None
+        replica.control_secret = item.get("control_secret")
         replica.timings = {"claim_ms": int(item.get("claim_ms", 0)), "pull_ms": int(item.get("pull_ms", 0)),
                            "boot_ms": int(item.get("boot_ms", 0)), "total_ms": round((now - began) * 1000)}
         replica.state, replica.ready_at, replica.idle_since = HOT, now, now

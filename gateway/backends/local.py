@@ -10,6 +10,7 @@ import httpx
 
 from ember.gateway.replica import FAILED, HOT, STOPPING, Replica
 from ember.runtime.supervisor import Supervisor, detect_gpus
+from ember.runtime.worker import CONTROL_HEADER
 from ember.spec import FunctionSpec
 
 PARKED_RAM_FRACTION = 0.25  # of the machine's RAM, when `ember serve --parked-ram` is not given
@@ -77,7 +78,8 @@ class LocalBackend:
     @staticmethod
     async def _control(replica: Replica, action: str) -> dict:
         async with httpx.AsyncClient(timeout=60) as client:
-            reply = await client.post(f"http://{replica.address}/__ember__/{action}")
+            reply = await client.post(f"http://{replica.address}/__ember__/{action}",
+                                      headers={CONTROL_HEADER: replica.control_secret or ""})
         reply.raise_for_status()
         return reply.json()
 

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 
 from ember.runtime import tracing
 from ember.runtime.engine import metrics
-from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError
+from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.serving.errors import APIError, error_response
 from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -59,6 +59,10 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, e: EngineDeadError):
         return error_response(503, f"{e}; restart the replica", "server_error")
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(request: Request, e: RequestFailedError):
+        return error_response(500, f"{e}; the engine goes on serving, retry the request", "server_error")
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):

@@ -3,6 +3,10 @@
 `LLMEngine.step()` is not thread-safe, so only the loop thread touches the engine:
 callers hand it add/abort commands through a queue that it drains before every step,
 and it hands each step's outputs back to the callers' event loops.
+
+A step that raises fails only the requests it was running (vLLM's rule: one bad request must not take
+the server down); after MAX_FAILED_STEPS failures with no token produced in between, the engine is deemed
+unable to go on, every request fails, and the process is marked unhealthy (runtime/health.py) so its replica is replaced.
 """
 
 import asyncio
@@ -13,14 +17,19 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
-from ember.runtime import tracing
+from ember.runtime import health, tracing
 from ember.runtime.engine.detokenizer import Detokenizer
 
 log = logging.getLogger("ember.engine")
+MAX_FAILED_STEPS = 3  # failed steps with no token made between them: the engine (a sticky CUDA error) cannot go on
 
 
 class EngineDeadError(RuntimeError):
     """The step loop failed; every request in flight failed with it."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request; it goes on serving the others."""
 
 
 @dataclass
@@ -93,6 +102,8 @@ class AsyncLLM:
                 await self._add(rid, prompt_token_ids, sample, _Route(loop, outputs, i), trace_context)
             while running:
                 item = await outputs.get()
+                if isinstance(item, RequestFailedError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine loop failed: {item!r}") from item
                 i, out = item
@@ -135,6 +146,7 @@ class AsyncLLM:
         self._wakeup.set()
 
     def _run(self) -> None:
+        failed_steps = 0
         try:
             while not self._closed:
                 self._drain_commands()
@@ -142,16 +154,39 @@ class AsyncLLM:
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
-                self._deliver(self.engine.step())
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:
+                    failed_steps += 1
+                    if failed_steps >= MAX_FAILED_STEPS:
+                        raise
+                    self._fail_step(e)
+                    continue
+                if any(out.new_token_ids for out in outputs):  # the model ran and produced tokens: it can go on
+                    failed_steps = 0
+                self._deliver(outputs)
             error: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:  # noqa: BLE001 - every waiting caller must hear of it
             log.exception("engine loop failed")
             error = e
+            health.fail(f"the LLM engine cannot go on: {e!r}")
         self.error = error
         for route in self._routes.values():
             _post(route.loop, route.outputs.put_nowait, error)
         self._routes.clear()
         self._fail_pending_adds(error)
+
+    def _fail_step(self, error: Exception) -> None:
+        """Fail and abort the requests the failed step was running (the waiting ones when none ran yet)."""
+        log.error("engine step failed; failing the requests it ran", exc_info=error)
+        scheduler = self.engine.scheduler
+        touched = [seq.request_id for seq in (scheduler.running or scheduler.waiting)]
+        for request_id in touched:
+            route = self._routes.pop(request_id, None)
+            self.engine.abort_request(request_id)
+            if route is not None:
+                _post(route.loop, route.outputs.put_nowait,
+                      RequestFailedError(f"the engine failed on this request: {error!r}"))
 
     def _drain_commands(self) -> None:
         while True:
@@ -168,6 +203,9 @@ class AsyncLLM:
                 self.engine.add_request(request_id, list(prompt_token_ids), params, trace_context)
             except ValueError as e:
                 _post(route.loop, _settle, done, e)
+            except Exception as e:  # a bug this request hit: it fails alone, the loop goes on
+                log.exception("engine refused request %s", request_id)
+                _post(route.loop, _settle, done, RequestFailedError(f"the engine could not add this request: {e!r}"))
             else:
                 self._routes[request_id] = route
                 _post(route.loop, _settle, done, None)

@@ -1,7 +1,10 @@
 """Sampling parameters and the sampler that turns a batch of logits into one token per row."""
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -21,14 +24,19 @@ class SamplingParams:
     min_tokens: int = 0
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the bad field and its valid range."""
-        checks = [
-            (self.max_tokens >= 1, f"max_tokens={self.max_tokens}: must be at least 1"),
-            (self.temperature >= 0, f"temperature={self.temperature}: must be >= 0 (0 means greedy)"),
-            (self.top_k >= 0, f"top_k={self.top_k}: must be >= 0 (0 disables it)"),
+        """Raise ValueError naming the bad field and its valid range. Every field is bounded: a value torch cannot
+        hold (top_k=2**63, a NaN) must be refused here, not fail the step loop that serves every request."""
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        checks = [(math.isfinite(getattr(self, name)), f"{name}={getattr(self, name)}: must be a finite number")
+                  for name in floats] + [
+            (1 <= self.max_tokens <= INT32_MAX, f"max_tokens={self.max_tokens}: must be in [1, {INT32_MAX}]"),
+            (0 <= self.temperature <= 2, f"temperature={self.temperature}: must be in [0, 2] (0 means greedy)"),
+            (0 <= self.top_k <= INT32_MAX, f"top_k={self.top_k}: must be in [0, {INT32_MAX}] (0 disables it)"),
+            (self.seed is None or -(2**63) <= self.seed < 2**64, f"seed={self.seed}: must be in [-2**63, 2**64)"),
             (0 < self.top_p <= 1, f"top_p={self.top_p}: must be in (0, 1]"),
             (0 <= self.min_p <= 1, f"min_p={self.min_p}: must be in [0, 1]"),
-            (self.repetition_penalty > 0, f"repetition_penalty={self.repetition_penalty}: must be > 0 (1 disables it)"),
+            (0 < self.repetition_penalty <= 10,
+             f"repetition_penalty={self.repetition_penalty}: must be in (0, 10] (1 disables it)"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty={self.presence_penalty}: must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty={self.frequency_penalty}: must be in [-2, 2]"),
             (0 <= self.min_tokens <= self.max_tokens, f"min_tokens={self.min_tokens}: must be in [0, max_tokens]"),

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import httpx
 import pytest
@@ -13,6 +14,7 @@ from ember.home import Home
 from ember.package import build, load_app
 
 APP = '''
+import asyncio
 import time
 import ember
 
@@ -23,6 +25,22 @@ app = ember.App("w")
 def slow(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
+
+
+@app.function(timeout=0.5, max_concurrency=2)
+async def nap(seconds: float, marker: str = "") -> float:
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        if marker:
+            open(marker, "w").write("cancelled")
+        raise
+    return seconds
+
+
+@app.function()
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
 
 
 @app.cls()
@@ -76,18 +94,24 @@ def start(package, target: str, log, env=None):
     return process, json.loads(process.stdout.readline())
 
 
+def control(ready: dict, timeout: float = 10) -> httpx.Client:
+    """A client of the replica's /__ember__/ routes, with the secret its ready line gave."""
+    return httpx.Client(base_url=f"http://127.0.0.1:{ready['port']}/__ember__", timeout=timeout,
+                        headers={"x-ember-control": ready["control_secret"]})
+
+
 def test_calls_timeouts_and_exit_hooks(package, tmp_path):
     with open(tmp_path / "log", "w") as log:
         process, ready = start(package, "Counter", log)
         try:
             assert ready["event"] == "ready" and set(ready["timings"]) == {"import_ms", "enter_ms"}
-            url = f"http://127.0.0.1:{ready['port']}/__ember__/call"
-            assert [httpx.post(f"{url}/bump", json={}).json()["result"] for _ in range(2)] == [1, 2]
-            bad = httpx.post(f"{url}/bad", json={})
+            http = control(ready)
+            assert [http.post("/call/bump", json={}).json()["result"] for _ in range(2)] == [1, 2]
+            bad = http.post("/call/bad", json={})
             assert bad.status_code == 500 and bad.json()["error"]["type"] == "result_not_json"
-            wrong = httpx.post(f"{url}/bump", json={"x": 1}).json()["error"]
+            wrong = http.post("/call/bump", json={"x": 1}).json()["error"]
             assert wrong["type"] == "invalid_arguments" and wrong["message"] == "unknown argument 'x'; it takes ()"
-            assert httpx.post(f"{url}/nope", json={}).status_code == 404
+            assert http.post("/call/nope", json={}).status_code == 404
         finally:
             process.send_signal(signal.SIGTERM)
             assert process.wait(15) == 0
@@ -98,9 +122,9 @@ def test_function_timeout(package, tmp_path):
     with open(tmp_path / "log", "w") as log:
         process, ready = start(package, "slow", log)
         try:
-            url = f"http://127.0.0.1:{ready['port']}/__ember__/call/slow"
-            assert httpx.post(url, json={"seconds": 0.01}).json() == {"result": 0.01}
-            late = httpx.post(url, json={"seconds": 2}, timeout=10)
+            http = control(ready)
+            assert http.post("/call/slow", json={"seconds": 0.01}).json() == {"result": 0.01}
+            late = http.post("/call/slow", json={"seconds": 2})
             assert late.status_code == 504 and "timeout of 0.5 s" in late.json()["error"]["message"]
         finally:
             os.kill(process.pid, signal.SIGKILL)
@@ -124,7 +148,7 @@ def test_env_and_secrets(package, tmp_path):
         (tmp_path / "secrets" / "db.env").write_text("# the test database\nDB_PASSWORD=hunter2\n")
         process, ready = start(package, "settings", log, env)
         try:
-            reply = httpx.post(f"http://127.0.0.1:{ready['port']}/__ember__/call/settings", json={})
+            reply = control(ready).post("/call/settings", json={})
             assert reply.json()["result"] == {"password": "hunter2", "mode": "test"}
         finally:
             process.send_signal(signal.SIGTERM)
@@ -198,3 +222,86 @@ def test_park_and_wake_hooks_are_found_on_the_class():
     assert (Model.park_hooks, Model.wake_hooks) == (["release"], ["restore"])
     with pytest.raises(TypeError, match="parentheses"):
         ember.park(lambda self: None)
+
+
+def test_control_routes_answer_only_the_replica_secret(package, tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        process, ready = start(package, "Counter", log)
+        try:
+            base = f"http://127.0.0.1:{ready['port']}"
+            for headers in ({}, {"x-ember-control": "guess"}, {"x-ember-control": ready["control_secret"][:-1]}):
+                for path in ("/__ember__/park", "/__ember__/call/bump", "/__ember__/%5f%5fx"):
+                    refused = httpx.post(base + path, json={}, headers=headers)
+                    assert refused.status_code == 404 and refused.json()["error"]["type"] == "not_found", path
+            assert httpx.get(base + "/__ember__/health").status_code == 404
+            assert control(ready).get("/health").json() == {"ok": True, "parked": False}
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(15)
+
+
+def test_a_thread_past_its_timeout_recycles_the_replica_and_a_coroutine_is_cancelled(package, tmp_path):
+    """The thread cannot be stopped: the 504 says the replica will go, new calls are refused before they start (so
+    the gateway may send them elsewhere), and the process exits 3 without waiting for the thread."""
+    with open(tmp_path / "log", "w") as log:
+        process, ready = start(package, "slow", log)
+        http = control(ready)
+        late = http.post("/call/slow", json={"seconds": 30})
+        assert late.status_code == 504 and late.headers["x-ember-recycling"] == "1"
+        try:
+            refused = http.post("/call/slow", json={"seconds": 0})
+            assert refused.status_code == 503 and refused.headers["x-ember-not-started"] == "1"
+        except httpx.TransportError:
+            pass  # already gone
+        assert process.wait(15) == 3
+    assert "replica unhealthy" in (tmp_path / "log").read_text()
+
+    with open(tmp_path / "log2", "w") as log:
+        process, ready = start(package, "nap", log)
+        try:
+            http = control(ready)
+            marker = tmp_path / "cancelled"
+            late = http.post("/call/nap", json={"seconds": 30, "marker": str(marker)})
+            assert late.status_code == 504 and "x-ember-recycling" not in late.headers
+            assert marker.read_text() == "cancelled"
+            assert http.post("/call/nap", json={"seconds": 0.01}).json() == {"result": 0.01}
+            assert http.get("/health").json()["ok"] is True
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(15) == 0
+
+
+def test_a_client_that_hangs_up_cancels_its_call(package, tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        process, ready = start(package, "nap", log)
+        try:
+            marker = tmp_path / "cancelled"
+            with pytest.raises(httpx.ReadTimeout):
+                control(ready, timeout=0.2).post("/call/nap", json={"seconds": 0.45, "marker": str(marker)})
+            time.sleep(0.1)
+            assert marker.read_text() == "cancelled"  # well before its 0.45 s sleep would have ended
+            assert control(ready).post("/call/nap", json={"seconds": 0}).json() == {"result": 0}
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(15)
+
+
+def test_arguments_are_checked_against_type_hints_and_results_must_be_strict_json(package, tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        process, ready = start(package, "ratio", log)
+        try:
+            http = control(ready)
+            wrong = http.post("/call/ratio", json={"a": "two", "b": [1]})
+            assert wrong.status_code == 422
+            message = wrong.json()["error"]["message"]
+            assert message.startswith("a: Input should be a valid number") and "(got \"two\")" in message
+            assert "; b: Input should be a valid number" in message
+            assert http.post("/call/ratio", json={"a": "3", "b": 2}).json() == {"result": 1.5}  # as pydantic coerces
+            nan = http.post("/call/ratio", json={"a": 1, "b": 0})
+            assert nan.status_code == 500 and nan.json()["error"]["type"] == "result_not_json"
+            assert "NaN" in nan.json()["error"]["message"]
+            deep = http.post("/call/ratio", content=b"[" * 5000 + b"]" * 5000)
+            assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_json"
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(15)

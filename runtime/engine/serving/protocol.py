@@ -2,42 +2,47 @@
 
 Unknown fields are accepted and ignored, as vLLM does, so newer clients keep working;
 known fields are range-checked here so a bad value is a 400 that names the field, and
-OpenAI features this server lacks are refused rather than silently dropped.
+OpenAI features this server lacks are refused rather than silently dropped. Every number is bounded
+(no NaN or infinity): an integer past what torch takes (a top_k of 2**63, say) would otherwise
+fail inside the engine's step loop rather than here.
 """
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from ember.runtime.engine.sampling import SamplingParams
+from ember.runtime.engine.sampling import INT32_MAX, SamplingParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}  # what torch.Generator.manual_seed takes, with room for seed + n
+
+
 class SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     n: int | None = Field(1, ge=1, le=128)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=16)
+    seed: int | None = Field(None, **SEED_RANGE)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
@@ -92,7 +97,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True

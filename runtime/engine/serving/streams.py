@@ -7,7 +7,7 @@ from typing import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from ember.runtime.engine.async_engine import Completion, EngineDeadError
+from ember.runtime.engine.async_engine import Completion, EngineDeadError, RequestFailedError
 
 
 async def start(streams: list[AsyncIterator[Completion]]) -> list[AsyncIterator[Completion]]:
@@ -82,9 +82,9 @@ def event_stream(events: AsyncIterator[dict]) -> StreamingResponse:
         try:
             async for event in events:
                 yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-        except EngineDeadError as e:
-            error = {"error": {"message": f"{e}; restart the replica", "type": "server_error", "param": None,
-                               "code": None}}
+        except (EngineDeadError, RequestFailedError) as e:
+            fix = "; restart the replica" if isinstance(e, EngineDeadError) else "; retry the request"
+            error = {"error": {"message": f"{e}{fix}", "type": "server_error", "param": None, "code": None}}
             yield f"data: {json.dumps(error)}\n\n"
         finally:
             await events.aclose()

@@ -189,6 +189,17 @@ def test_repeated_prompt_hits_the_prefix_cache(call):
      "invalid_value"),
     ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "response_format": {"type": "json_object"}}, 400,
      "response_format", "invalid_value"),
+    # Values torch cannot hold, which used to fail inside the step loop and take the engine down with them.
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "top_k": 2**63}, 400, "top_k", "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "seed": 2**64}, 400, "seed", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2**63}, 400, "max_tokens", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_tokens": 2**40}, 400, "min_tokens", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 1e300}, 400, "repetition_penalty",
+     "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["x"] * 17}, 400, "stop", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids",
+     "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 2**63]}, 400, None, None),
 ])
 def test_bad_requests_get_openai_shaped_errors(call, path, body, status, param, code):
     response = call("POST", path, json=body)
@@ -236,24 +247,42 @@ def test_health_and_metrics_use_vllm_names(call):
     assert samples[f'ember:request_success_total{{{label},finished_reason="length"}}'] > 0
 
 
-def test_a_dead_engine_answers_503_json(tmp_path):
+@pytest.mark.parametrize("name, value", [("temperature", "NaN"), ("top_p", "Infinity"), ("min_p", "-Infinity")])
+def test_non_finite_numbers_are_refused_by_name(call, name, value):
+    body = f'{{"model": "{MODEL}", "prompt": "hi", "{name}": {value}}}'.encode()  # Python's json reads these
+    response = call("POST", "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == name
+
+
+def test_an_engine_that_cannot_go_on_answers_503_and_marks_the_replica_unhealthy(tmp_path, monkeypatch):
+    from ember.runtime import health
+    from ember.runtime.engine.async_engine import MAX_FAILED_STEPS
+
+    monkeypatch.setattr(health, "reason", None)
+    monkeypatch.setattr(health, "_listeners", [])
     path = build_tiny_model(tmp_path / "m")
     engine = LLMEngine(EngineConfig(model=str(path), max_model_len=128))
 
-    def broken_step():
+    def broken_forward(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    engine.step = broken_step
+    engine.runner.run = broken_forward
     app = create_app(engine, served_model_name=MODEL)
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
             body = {"model": MODEL, "messages": HELLO, "max_tokens": 2}
-            return [await client.post("/v1/chat/completions", json=body),
+            failed = [await client.post("/v1/chat/completions", json=body) for _ in range(MAX_FAILED_STEPS - 1)]
+            dead = [await client.post("/v1/chat/completions", json=body),
                     await client.post("/v1/chat/completions", json={**body, "stream": True}),
                     await client.get("/health")]
+            return failed, dead
 
-    for response in asyncio.run(go()):
+    failed, dead = asyncio.run(go())
+    for response in failed:  # each failed step fails the request it ran; the engine tries the next one
+        assert response.status_code == 500 and "device lost" in response.json()["error"]["message"]
+    for response in dead:
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "server_error"
         assert "device lost" in response.json()["error"]["message"]
+    assert "device lost" in health.reason

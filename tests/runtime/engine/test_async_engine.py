@@ -109,18 +109,30 @@ def test_refused_request_raises_value_error_before_any_output(llm):
     wait_until_idle(llm.engine)
 
 
-def test_a_failing_step_fails_waiting_requests_and_marks_the_engine_dead(tmp_path):
+def test_steps_failing_in_a_row_fail_waiting_requests_and_mark_the_engine_and_process_dead(tmp_path, monkeypatch):
+    from ember.runtime import health
+    from ember.runtime.engine.async_engine import MAX_FAILED_STEPS, RequestFailedError
+
+    monkeypatch.setattr(health, "reason", None)
+    monkeypatch.setattr(health, "_listeners", [])
+    heard = []
+    health.on_failure(heard.append)
     path = build_tiny_model(tmp_path / "m")
     engine = LLMEngine(EngineConfig(model=str(path), max_model_len=128))
     llm = AsyncLLM(engine, AutoTokenizer.from_pretrained(path))
 
-    def broken_step():
+    def broken_forward(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    engine.step = broken_step
+    engine.runner.run = broken_forward
+    for _ in range(MAX_FAILED_STEPS - 1):
+        with pytest.raises(RequestFailedError, match="device lost"):
+            asyncio.run(collect(llm.generate([5, 6, 7], SamplingParams(max_tokens=4))))
+        assert llm.alive and not heard
     with pytest.raises(EngineDeadError, match="device lost"):
         asyncio.run(collect(llm.generate([5, 6, 7], SamplingParams(max_tokens=4))))
     assert not llm.alive
+    assert len(heard) == 1 and "device lost" in heard[0] == health.reason
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(llm.generate([5, 6, 7], SamplingParams(max_tokens=4))))
 
@@ -138,3 +150,30 @@ def test_shutdown_fails_requests_in_flight(tmp_path):
     with pytest.raises(EngineDeadError, match="shut down"):
         asyncio.run(shut_down_midway())
     assert not llm.alive
+
+
+def test_a_request_that_fails_a_step_fails_alone_and_the_engine_goes_on(llm, monkeypatch):
+    """A fault injected into the forward pass of one request (what an unchecked top_k=2**63 did in the sampler)."""
+    from ember.runtime import health
+    from ember.runtime.engine.async_engine import RequestFailedError
+
+    monkeypatch.setattr(health, "reason", None)
+    original = llm.engine.runner.run
+
+    def run(batch, *args, **kwargs):
+        if any(seq.request_id == "poison" for seq in batch.seqs):
+            raise RuntimeError("Overflow when unpacking long long")
+        return original(batch, *args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "run", run)
+
+    async def go():
+        with pytest.raises(RequestFailedError, match="Overflow"):
+            await collect(llm.generate(prompt(llm), SamplingParams(max_tokens=4), request_id="poison"))
+        return [await collect(llm.generate(prompt(llm), SamplingParams(max_tokens=4, temperature=0)))
+                for _ in range(2)]
+
+    for chunks in asyncio.run(go()):
+        assert sum(len(c.token_ids) for c in chunks) == 4 and chunks[-1].finish_reason == "length"
+    assert llm.alive and health.reason is None
+    wait_until_idle(llm.engine)  # the failed request's KV blocks came back
