@@ -58,7 +58,12 @@ def ls(args) -> int:
     print(f"{'ID':<12}  {'NAME':<24}  {'SIZE':>10}  {'TENSORS':>7}  CREATED")
     for r in refs:
         created = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created))
-        print(f"{r.id[:12]:<12}  {','.join(r.names) or '-':<24}  {r.size / 1e9:>8.2f}GB  {r.tensors:>7}  {created}")
+        tensors = "corrupt" if r.problem else r.tensors
+        print(f"{r.id[:12]:<12}  {','.join(r.names) or '-':<24}  {r.size / 1e9:>8.2f}GB  {tensors:>7}  {created}")
+    for r in refs:
+        if r.problem:
+            print(f"{r.id[:12]} is corrupt ({r.problem}): `ember snapshot verify {r.id[:12]}` quarantines it; "
+                  "rebuild it with `ember snapshot build`", file=sys.stderr)
     return 0
 
 

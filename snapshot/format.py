@@ -21,6 +21,9 @@ from ember.snapshot.errors import SnapshotCorrupt
 
 MAGIC = b"EMBERSN1"
 PREAMBLE = 16
+# A header lists ~100 bytes of digests per 8 MiB chunk plus a line per tensor: 64 MiB covers a 5 TB snapshot.
+# A length field past it is corruption, refused before anything is allocated for it.
+MAX_HEADER = 64 << 20
 ALIGN = 4096
 CHUNK_SIZE = 8 << 20
 
@@ -101,10 +104,13 @@ def layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], chunk_size: in
 
 
 def parse_preamble(head: bytes, snapshot_id: str) -> int:
-    """Length of the header JSON that follows the 16-byte preamble."""
+    """Length of the header JSON that follows the 16-byte preamble (at most MAX_HEADER)."""
     if len(head) < PREAMBLE or head[:8] != MAGIC:
         raise SnapshotCorrupt(snapshot_id, "bad magic: not an Ember snapshot or truncated")
-    return struct.unpack("<Q", head[8:PREAMBLE])[0]
+    length = struct.unpack("<Q", head[8:PREAMBLE])[0]
+    if length > MAX_HEADER:
+        raise SnapshotCorrupt(snapshot_id, f"header length field says {length} bytes, over the {MAX_HEADER} byte limit")
+    return length
 
 
 def decode(raw: bytes, snapshot_id: str | None = None) -> Header:

@@ -138,13 +138,16 @@ class S3Store:
     def _ref(self, snapshot_id: str, names: dict[str, str] | None = None) -> SnapshotRef:
         key = self._object(snapshot_id)
         size = self.s3.head_object(Bucket=self.bucket, Key=key)
+        tensors, problem = -1, None
         try:
             tensors = len(S3Source(self.s3, self.bucket, key, snapshot_id).header.tensors)
-        except SnapshotError:
-            tensors = -1
+        except SnapshotCorrupt as err:
+            problem = err.reason
+        except SnapshotError as err:
+            problem = str(err)
         names = self._names() if names is None else names
         return SnapshotRef(snapshot_id, tuple(sorted(n for n, i in names.items() if i == snapshot_id)),
-                           size["ContentLength"], tensors, size["LastModified"].timestamp(), self.url)
+                           size["ContentLength"], tensors, size["LastModified"].timestamp(), self.url, problem)
 
     def ls(self) -> list[SnapshotRef]:
         names = self._names()

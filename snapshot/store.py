@@ -30,10 +30,11 @@ class SnapshotRef:
     tensors: int
     created: float
     store: str
+    problem: str | None = None  # why its header cannot be read (corrupt: `ember snapshot verify` quarantines it)
 
     def to_json(self) -> dict:
         return {"id": self.id, "names": list(self.names), "size": self.size, "tensors": self.tensors,
-                "created": self.created, "store": self.store}
+                "created": self.created, "store": self.store, "problem": self.problem}
 
 
 def check_name(name: str) -> str:
@@ -53,6 +54,8 @@ def read_header(path: str | os.PathLike, snapshot_id: str | None = None) -> Head
     path = Path(path)
     with open(path, "rb") as f:
         length = parse_preamble(f.read(PREAMBLE), snapshot_id or path.stem)
+        if PREAMBLE + length > os.fstat(f.fileno()).st_size:
+            raise SnapshotCorrupt(snapshot_id or path.stem, "truncated inside the header")
         raw = f.read(length)
     if len(raw) < length:
         raise SnapshotCorrupt(snapshot_id or path.stem, "truncated inside the header")
@@ -202,13 +205,16 @@ class LocalStore:
 
     def _ref(self, snapshot_id: str) -> SnapshotRef:
         path = self._object(snapshot_id)
+        tensors, problem = -1, None
         try:
             tensors = len(read_header(path).tensors)
-        except SnapshotError:
-            tensors = -1
+        except SnapshotCorrupt as err:
+            problem = err.reason
+        except SnapshotError as err:
+            problem = str(err)
         names = tuple(sorted(n for n, i in self._names().items() if i == snapshot_id))
         st = path.stat()
-        return SnapshotRef(snapshot_id, names, st.st_size, tensors, st.st_mtime, self.url)
+        return SnapshotRef(snapshot_id, names, st.st_size, tensors, st.st_mtime, self.url, problem)
 
     def ls(self) -> list[SnapshotRef]:
         return sorted((self._ref(p.stem) for p in self.objects.glob("*.ember")), key=lambda r: r.created)

@@ -64,6 +64,36 @@ def test_verify_checks_sha256_and_quarantines_a_corrupt_snapshot(tmp_path, capsy
     assert "quarantined" in capsys.readouterr().err and LocalStore().ls() == []
 
 
+def test_a_huge_header_length_is_reported_by_ls_and_quarantined_by_verify_and_by_a_restore(tmp_path, capsys):
+    """The 8-byte length field after the magic, set to 2**62: it used to be read as one allocation (MemoryError)."""
+    import struct
+
+    from ember.snapshot import SnapshotCorrupt, restore_into
+
+    for name in ("w", "v"):
+        src = tmp_path / f"{name}.safetensors"
+        save_file({"w": torch.randn(5000)}, src)
+        assert main(["build", str(src), "--name", name]) == 0
+        [path] = [p for p in LocalStore().objects.glob("*.ember") if LocalStore()._ref(p.stem).names == (name,)]
+        with open(path, "r+b") as f:
+            f.seek(8)
+            f.write(struct.pack("<Q", 2**62))
+    capsys.readouterr()
+    assert main(["ls", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [r["tensors"] for r in listed] == [-1, -1] and all("over the" in r["problem"] for r in listed)
+    assert main(["ls"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("corrupt") == 2 and "ember snapshot verify" in err
+
+    assert main(["verify", "w"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "quarantined" in err and "MemoryError" not in err
+    with pytest.raises(SnapshotCorrupt, match="header length"):  # what a replica's start does with the other
+        restore_into({"w": torch.zeros(5000)}, LocalStore(), "v")
+    assert LocalStore().ls() == [] and len(list(LocalStore().quarantined.glob("*.ember"))) == 2
+
+
 @pytest.mark.parametrize("argv,message", [
     (["build", "/no/such/dir"], "does not exist"),
     (["rm", "nothing-here"], "ember snapshot build"),
