@@ -354,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # EMBER_HOME read-only or full, mostly
+        from ember.home import Home
+
+        print(f"error: cannot write {exc.filename or 'a file'} ({exc.strerror or exc}): EMBER_HOME={Home().root} "
+              "must be a folder this user can write, on a disk with room; point EMBER_HOME at one", file=sys.stderr)
+        return 1
     except httpx.TransportError as exc:
         print(f"error: cannot reach the gateway ({exc}); is `ember serve` running?", file=sys.stderr)
         return 1

@@ -55,8 +55,8 @@ def tail(path: Path, lines: int) -> str:
 
 
 def admin_router(gateway: "Gateway") -> APIRouter:
-    def admin(request: Request) -> None:
-        authenticate(gateway.keys, request, admin=True)
+    async def admin(request: Request) -> None:
+        await authenticate(gateway.keys, request, admin=True)
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin)])
 
@@ -145,28 +145,29 @@ def admin_router(gateway: "Gateway") -> APIRouter:
         except ValueError as exc:
             raise ApiError(422, "invalid_scope", str(exc)) from None
         expires = time.time() + body.expires_in if body.expires_in else None
-        key, secret = gateway.keys.create(body.name, scopes=scopes, expires=expires, limits=body.limits())
+        key, secret = await asyncio.to_thread(gateway.keys.create, body.name, scopes=scopes, expires=expires,
+                                              limits=body.limits())
         return key.describe() | {"secret": secret}
 
     @router.get("/keys")
     async def list_keys() -> list[dict]:
-        return [k.describe() for k in gateway.keys.all()]
+        return [k.describe() for k in await asyncio.to_thread(gateway.keys.all)]
 
     @router.delete("/keys/{key}")
     async def revoke_key(key: str) -> list[dict]:
-        revoked = gateway.keys.revoke(key)
+        revoked = await asyncio.to_thread(gateway.keys.revoke, key)
         if not revoked:
             raise ApiError(404, "not_found", f"no live key with id or name {key[:100]!r}; GET /admin/keys lists them")
         return [k.describe() for k in revoked]
 
     @router.get("/apps/{app}/limits")
     async def app_limits(app: str) -> dict:
-        limits = gateway.app_limits.get(_app_name(app))
+        limits = await asyncio.to_thread(gateway.app_limits.get, _app_name(app))
         return {"app": app, "rpm": limits.requests_per_minute, "tpm": limits.tokens_per_minute, "concurrency": limits.max_concurrent}
 
     @router.put("/apps/{app}/limits")
     async def set_app_limits(app: str, body: LimitsBody) -> dict:
-        gateway.app_limits.set(_app_name(app), body.limits())
+        await asyncio.to_thread(gateway.app_limits.set, _app_name(app), body.limits())
         return {"app": app} | body.model_dump()
 
     return router

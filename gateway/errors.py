@@ -6,6 +6,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from ember.gateway.database import DatabaseError
+
 log = logging.getLogger("ember.gateway")
 
 
@@ -26,6 +28,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.type, exc.message, exc.headers)
+
+    @app.exception_handler(DatabaseError)
+    async def database_error(request: Request, exc: DatabaseError) -> JSONResponse:
+        log.error("database: %s", exc.message)
+        return error_response(exc.status, exc.type, exc.message, {"Retry-After": "1"} if exc.status == 503 else None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

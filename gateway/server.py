@@ -81,7 +81,8 @@ class Gateway:
 
     async def admit(self, key: ApiKey, app: str, tokens: int) -> Admission | None:
         """Charge the key's and the app's limits, or answer 429; None when neither has any."""
-        scopes = [s for s in (Scope(f"key:{key.id}", key.limits), Scope(f"app:{app}", self.app_limits.get(app))) if s.limits != UNLIMITED]
+        app_limits = self.app_limits.cached(app) or await asyncio.to_thread(self.app_limits.get, app)
+        scopes = [s for s in (Scope(f"key:{key.id}", key.limits), Scope(f"app:{app}", app_limits)) if s.limits != UNLIMITED]
         if not scopes:
             return None
         try:
@@ -395,7 +396,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     async def handle(request: Request) -> Response:
         app_name, rest = request.path_params["app_name"], request.path_params["rest"]
-        key = authenticate(gateway.keys, request)  # before anything reads the body
+        key = await authenticate(gateway.keys, request)  # before anything reads the body
         unit, target = resolve(gateway.deployments, app_name, rest)
         if tracing.enabled:
             name_span(request.method, unit, target)

@@ -1,6 +1,7 @@
 """A local dev CA and a server certificate signed by it, kept in EMBER_HOME/tls (curl --cacert ca.pem verifies)."""
 import datetime
 import ipaddress
+import os
 import socket
 from pathlib import Path
 
@@ -15,8 +16,11 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    path.chmod(0o600)
+    """Written into a file that is mode 0600 before its first byte (a chmod afterwards leaves a window)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, 0o600)  # an older file of the same name may have had a wider mode
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
 def ensure_ca(folder: Path) -> tuple[Path, Path]:

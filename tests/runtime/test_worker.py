@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -153,6 +154,10 @@ def test_env_and_secrets(package, tmp_path):
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(15)
+    secret = tmp_path / "secrets" / "db.env"
+    assert stat.S_IMODE((tmp_path / "secrets").stat().st_mode) == 0o700
+    assert f"can be read by other users of this machine; make it private with `chmod 600 {secret}`" in \
+        (tmp_path / "log").read_text()
 
 
 def test_argument_problems_name_every_unknown_and_missing_argument():
