@@ -117,6 +117,18 @@ class S3Store:
         os.remove(path)
         return self._ref(header.id)
 
+    def put_blob(self, name: str, data: bytes) -> None:
+        """Keeps a small file beside the snapshots (a GPU memory image, compiled kernels) under `name`."""
+        self.s3.put_object(Bucket=self.bucket, Key=self._key("blobs", check_name(name)), Body=data)
+
+    def get_blob(self, name: str) -> bytes | None:
+        try:
+            return self.s3.get_object(Bucket=self.bucket, Key=self._key("blobs", check_name(name)))["Body"].read()
+        except ClientError as err:
+            if err.response["Error"]["Code"] in ("NoSuchKey", "404"):
+                return None
+            raise
+
     def resolve(self, key: str) -> str:
         try:
             snapshot_id = self.s3.get_object(Bucket=self.bucket, Key=self._key("refs", key))["Body"].read().decode()

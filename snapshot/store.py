@@ -165,14 +165,28 @@ class FileSource:
 
 
 class LocalStore:
-    """$EMBER_HOME/snapshots/{objects/<id>.ember, refs/<name>, quarantine/<id>.ember}."""
+    """$EMBER_HOME/snapshots/{objects/<id>.ember, refs/<name>, quarantine/<id>.ember, blobs/<name>}."""
 
     def __init__(self, root: str | os.PathLike | None = None):
         self.root = Path(root) if root else Home().snapshots
         self.url = "local"
-        self.objects, self.refs, self.quarantined = (self.root / d for d in ("objects", "refs", "quarantine"))
-        for d in (self.objects, self.refs, self.quarantined):
+        self.objects, self.refs, self.quarantined, self.blobs = (
+            self.root / d for d in ("objects", "refs", "quarantine", "blobs"))
+        for d in (self.objects, self.refs, self.quarantined, self.blobs):
             d.mkdir(parents=True, exist_ok=True)
+
+    def put_blob(self, name: str, data: bytes) -> None:
+        """Keeps a small file beside the snapshots (a GPU memory image, compiled kernels) under `name`."""
+        target = self.blobs / check_name(name)
+        tmp = target.with_name(f".{name}.{uuid.uuid4().hex}")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+
+    def get_blob(self, name: str) -> bytes | None:
+        try:
+            return (self.blobs / check_name(name)).read_bytes()
+        except FileNotFoundError:
+            return None
 
     def _object(self, snapshot_id: str) -> Path:
         return self.objects / f"{snapshot_id}.ember"

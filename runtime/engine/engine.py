@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ember.runtime import tracing
 
+from . import kernels
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .gpu_memory import ParkReport, WakeReport
@@ -44,6 +45,23 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
+        self.warmup()
+
+    def warmup(self) -> None:
+        """One prefill and a few decode steps, greedy and sampled, before the first request: whatever the kernels
+        need the first time (flashinfer's modules, compiled when the node has none, cuBLAS handles) happens here,
+        and new modules are kept for the next start (kernels.py). Leaves no trace in the cache or the stats."""
+        prompt = [0] * max(min(self.config.block_size + 1, self.max_model_len - 4), 2)
+        for i, params in enumerate((SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, top_k=20, seed=0,
+                                                   ignore_eos=True))):
+            self.add_request(f"warmup-{i}", prompt[:len(prompt) - i], params)
+        while self.has_unfinished_requests():
+            self.step()
+        self.block_manager.forget_cached()
+        self.stats = EngineStats()
+        if self.runner.device.type == "cuda":
+            kernels.keep(self.runner.store)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     trace_context=None) -> None:

@@ -230,7 +230,9 @@ class Arena:
             raise ValueError(f"the arena already has a region named {name!r}")
         region = Region(name, nbytes, keep, self.device)
         if self.driver is None:
-            region.base = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+            raw = torch.zeros(max(nbytes, 1) + ALIGN, dtype=torch.uint8)
+            skip = -raw.data_ptr() % ALIGN  # aligned as on the GPU, so views land where they would there
+            region.base = raw[skip:skip + max(nbytes, 1)]
             region.address, region.size = region.base.data_ptr(), nbytes
         else:
             d = self.driver

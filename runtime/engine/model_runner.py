@@ -5,8 +5,11 @@ import time
 
 import torch
 
+from ember.snapshot import open_store
+
 from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from .config import EngineConfig
+from . import kernels
 from .gpu_memory import Arena, ParkReport, WakeReport, tensor_bytes
 from .models.loader import load_model
 from .sampling import SamplingRow, sample
@@ -27,6 +30,9 @@ class ModelRunner:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = _DTYPES[config.dtype]
+        self.store = open_store(config.snapshot_store) if config.snapshot_store else None
+        if self.device.type == "cuda":
+            kernels.install()
         # The weights and the KV cache live in the arena, so a park can release them and keep their addresses.
         self.arena = Arena(self.device)
         # weights_start: where the weights came from (snapshot or full boot), how long, how fast
@@ -99,6 +105,7 @@ class ModelRunner:
             if self.device.type != "cuda" or self.dtype == torch.float32:
                 raise ValueError("attention_backend='flashinfer' needs a CUDA device and bf16/fp16: use 'sdpa' "
                                  "on CPU or in float32")
+            kernels.prepare(self.store)  # compiled modules from this node or the store: no request compiles
             return FlashInferBackend(*args, dtype=self.dtype, device=self.device)
         return SdpaBackend(*args)
 

@@ -170,3 +170,11 @@ def test_an_unreachable_store_falls_back_to_a_full_boot(s3_env):
     assert "NoSuchBucket" in start.fallback_reason or "ClientError" in start.fallback_reason, start.fallback_reason
     for name, t in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], t), name
+
+
+def test_blobs_round_trip_through_s3(bucket):
+    store = S3Store(bucket, "team/a")
+    assert store.get_blob("image.json") is None
+    store.put_blob("image.json", b'{"regions": []}')
+    assert store.get_blob("image.json") == b'{"regions": []}'
+    assert boto3.client("s3").head_object(Bucket=bucket, Key="team/a/blobs/image.json")["ContentLength"] == 15

@@ -70,3 +70,14 @@ def test_page_cache_and_direct_reads_give_the_same_bytes(mixed_state):
     assert not source.cache.holds(source.header.data_offset, source.header.data_size) or not source.direct_io
     cold, _ = load(source)
     assert all(torch.equal(warm[k].reshape(-1).view(torch.uint8), cold[k].reshape(-1).view(torch.uint8)) for k in warm)
+
+
+def test_blobs_beside_the_snapshots_round_trip_and_refuse_bad_names(ember_home):
+    store = LocalStore()
+    assert store.get_blob("kernels-x.tgz") is None
+    store.put_blob("kernels-x.tgz", b"one")
+    store.put_blob("kernels-x.tgz", b"two")  # replaced whole
+    assert store.get_blob("kernels-x.tgz") == b"two"
+    assert [p.name for p in (ember_home / "snapshots" / "blobs").iterdir()] == ["kernels-x.tgz"]
+    with pytest.raises(ValueError, match="not allowed"):
+        store.put_blob("../escape", b"x")
