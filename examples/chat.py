@@ -39,10 +39,14 @@ app = ember.App("chat")
 class Chat:
     @ember.enter(snap=True)
     def load(self):
-        # Weights and KV cache: the state a snapshot captures.
+        # CPU work only: the modules, the tokenizer and the configuration. A node's fork server runs this once
+        # and forks replicas from it, so nothing here may touch CUDA (flashinfer is imported in the replica).
+        from transformers import AutoTokenizer
+
+        import ember.runtime.engine.api  # noqa: F401 - imported before the fork, so no replica imports them
+        import ember.runtime.engine.engine  # noqa: F401
         from ember.home import Home
         from ember.runtime.engine.config import EngineConfig
-        from ember.runtime.engine.engine import LLMEngine
         from ember.runtime.engine.tiny import build_tiny_model
 
         model = os.environ.get("EMBER_CHAT_MODEL") or build_tiny_model(Home().root / "models" / "tiny-qwen3")
@@ -55,14 +59,19 @@ class Chat:
             sizing["gpu_memory_utilization"] = float(os.environ["EMBER_CHAT_GPU_MEMORY_UTILIZATION"])
         if os.environ.get("EMBER_CHAT_KV_CACHE_BYTES"):
             sizing["kv_cache_bytes"] = int(os.environ["EMBER_CHAT_KV_CACHE_BYTES"])
-        self.engine = LLMEngine(EngineConfig(model=str(model), log_token_ids=log_token_ids, **sizing))
+        self.config = EngineConfig(model=str(model), log_token_ids=log_token_ids, **sizing)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
 
     @ember.enter(snap=False)
     def serve(self):
-        # The step-loop thread is per process, so it starts after any snapshot restore.
+        # The GPU work, in the replica: weights from the snapshot, the KV cache, kernels, then the step-loop
+        # thread (threads do not survive a fork).
         from ember.runtime.engine.api import create_app
+        from ember.runtime.engine.async_engine import AsyncLLM
+        from ember.runtime.engine.engine import LLMEngine
 
-        self.api = create_app(self.engine)
+        self.engine = LLMEngine(self.config)
+        self.api = create_app(AsyncLLM(self.engine, self.tokenizer))
 
     @ember.park()
     def release_gpu(self):

@@ -125,3 +125,30 @@ def test_an_idle_chat_replica_parks_and_its_next_request_wakes_it_with_the_same_
     assert second.headers["x-ember-cold-start"].startswith("parked; ms=")
     # The prompt spans full KV blocks that the park discarded: the same answer means none was reused.
     assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+
+
+def test_the_snapshot_hook_does_cpu_work_only_so_a_fork_server_can_run_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from ember.runtime.engine.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path / "models" / "tiny-qwen3")  # built once per node, before any fork server
+
+    probe = f"""
+import sys, threading
+import torch
+from ember.package import load_app
+chat = load_app({str(EXAMPLE)!r}).units["Chat"]
+obj = chat.user_cls()
+chat.user_cls.load(obj)
+assert hasattr(obj, "tokenizer") and hasattr(obj, "config") and not hasattr(obj, "engine")
+assert "ember.runtime.engine.model_runner" in sys.modules  # the engine is imported before the fork ...
+assert not torch.cuda.is_initialized() and "flashinfer" not in sys.modules  # ... CUDA is not
+assert threading.active_count() == 1, threading.enumerate()  # threads do not survive a fork
+print("cpu-only")
+"""
+    env = {**os.environ, "EMBER_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.strip() == "cpu-only", done.stderr[-2000:]
