@@ -88,6 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import httpx
 
     from ember.gateway.backends.local import LocalBackend
+    from ember.runtime.worker import CONTROL_HEADER
     from ember.package import build, load_app
 
     path, sep, target = args.target.partition("::")
@@ -118,7 +119,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 1
         try:
             async with httpx.AsyncClient(timeout=app.units[unit_name].spec.timeout + 5) as client:
-                reply = await client.post(f"http://127.0.0.1:{replica.port}/__ember__/call/{method or unit_name}", json=kwargs)
+                reply = await client.post(f"http://127.0.0.1:{replica.port}/__ember__/call/{method or unit_name}", json=kwargs,
+                                         headers={CONTROL_HEADER: replica.control_secret or ""})
         finally:
             await backend.stop(replica)
         body = reply.json()
