@@ -21,8 +21,14 @@ class FunctionSpec(BaseModel):
     min_replicas: int = Field(0, ge=0)
     max_replicas: int = Field(10, ge=1)
     buffer_replicas: int = Field(0, ge=0)
-    scaledown_window: float = Field(60.0, gt=0, description="idle seconds before a replica is stopped")
-    park_after: float | None = Field(None, gt=0, description="idle seconds before a replica parks (GPU freed, process kept)")
+    scaledown_window: float | None = Field(
+        None, gt=0, description="idle seconds before a replica is stopped (default: 90 s, or 600 s once parked)")
+    park: bool = Field(True, description="park idle replicas (GPU freed, process kept) where a wake is fast")
+    park_after: float | None = Field(
+        None, gt=0, description="idle seconds before a replica parks (default: learned from its measured wakes)")
+    stable_window: float | None = Field(None, gt=0, description="seconds of load that size steady traffic (default 60)")
+    panic_window: float | None = Field(None, gt=0, description="seconds of load that detect a burst (default 6)")
+    panic_threshold: float = Field(2.0, gt=1, description="a burst is this many times the hot replicas' target load")
     target_concurrency: float = Field(1.0, gt=0)
     max_concurrency: int = Field(1, ge=1)
     timeout: float = Field(300.0, gt=0, description="seconds one call may run")
@@ -47,10 +53,16 @@ class FunctionSpec(BaseModel):
     def _ranges(self) -> "FunctionSpec":
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
-        if self.park_after is not None and self.park_after >= self.scaledown_window:
+        window = self.scaledown_window
+        if self.park_after is not None and window is not None and self.park_after >= window:
             raise ValueError(
-                f"park_after ({self.park_after:g}) must be < scaledown_window ({self.scaledown_window:g}): "
+                f"park_after ({self.park_after:g}) must be < scaledown_window ({window:g}): "
                 "a replica parks first and is stopped when the window ends"
+            )
+        if self.panic_window is not None and self.stable_window is not None and self.panic_window > self.stable_window:
+            raise ValueError(
+                f"panic_window ({self.panic_window:g}) must be <= stable_window ({self.stable_window:g}): "
+                "a burst is measured over a shorter window than steady load"
             )
         if self.target_concurrency > self.max_concurrency:
             raise ValueError(

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ember.gateway.autoscaler.costs import CostModel, Measured
 from ember.gateway.autoscaler.policy import PolicyMemo, Sample, ScalingSettings
 from ember.gateway.queue import FunctionQueue
 from ember.package import read_manifest
@@ -13,8 +14,15 @@ QUEUE_WAIT = 300.0  # seconds a call may wait for a replica: long enough for a m
 
 
 def scaling_settings(spec: FunctionSpec) -> ScalingSettings:
+    """The policy's settings for a function: what its decorator says, the rest derived from it or defaulted.
+
+    The gateway and bench/autoscale_sim.py both build Ember's policy from this, so what the benchmark
+    measures for a function with default settings is what `ember serve` runs for it.
+    """
     # A demand window longer than the idle window would hold idle replicas past their park_after or scaledown_window.
-    panic_window = min(6.0, spec.park_after or spec.scaledown_window)
+    idle_window = spec.park_after or spec.scaledown_window or 6.0
+    panic_window = spec.panic_window or min(6.0, idle_window, spec.stable_window or 6.0)
+    stable_window = spec.stable_window or min(60.0, 10 * (spec.scaledown_window or 6.0))
     return ScalingSettings(
         min_replicas=spec.min_replicas,
         max_replicas=spec.max_replicas,
@@ -22,9 +30,11 @@ def scaling_settings(spec: FunctionSpec) -> ScalingSettings:
         target_concurrency=spec.target_concurrency,
         max_concurrency=spec.max_concurrency,
         scaledown_window=spec.scaledown_window,
+        park=spec.park,
         park_after=spec.park_after,
         panic_window=panic_window,
-        stable_window=max(panic_window, min(60.0, 10 * spec.scaledown_window)),
+        stable_window=max(panic_window, stable_window),
+        panic_threshold=spec.panic_threshold,
     )
 
 
@@ -42,6 +52,7 @@ class Unit:
     settings: ScalingSettings
     history: deque[Sample] = field(default_factory=lambda: deque(maxlen=1000))
     memo: PolicyMemo = field(default_factory=PolicyMemo)
+    measured: list[Measured] = field(default_factory=list)  # starts, wakes and parks since the last tick
     decisions: deque[dict] = field(default_factory=lambda: deque(maxlen=20))
     failures: deque[dict] = field(default_factory=lambda: deque(maxlen=5))
     arrivals_seen: int = 0
@@ -61,5 +72,8 @@ class Deployment:
         for name, info in manifest["units"].items():
             spec = FunctionSpec(**info["spec"])
             queue = FunctionQueue(spec.max_concurrency, wait_timeout=QUEUE_WAIT, bound=spec.queue_bound, on_demand=on_demand)
-            units[name] = Unit(manifest["app"], name, info["kind"], info["methods"], info["asgi"], spec, queue, scaling_settings(spec))
+            # Until its own parks say otherwise, only a GPU function is expected to free something by parking.
+            memo = PolicyMemo(costs=CostModel(park_frees_gpu=spec.gpu is not None))
+            units[name] = Unit(manifest["app"], name, info["kind"], info["methods"], info["asgi"], spec, queue,
+                               scaling_settings(spec), memo=memo)
         return cls(manifest["app"], package, units)

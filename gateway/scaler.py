@@ -4,6 +4,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from ember.gateway.autoscaler.costs import ParkMeasured, StartMeasured
 from ember.gateway.autoscaler.policy import Evict, Park, ReplicaView, Sample, Start, Wake, decide
 from ember.gateway.backends.local import LocalBackend, parked_over_budget
 from ember.gateway.deployment import Deployment, Unit
@@ -15,6 +16,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("ember.gateway")
 INTERVAL = 0.5
 RETRY_AFTER_FAILURE = 30.0  # seconds before a failed unit is started again without a new call
+
+
+def measured_start(replica: Replica) -> StartMeasured | None:
+    """What a finished start tells the function's cost model: the tier it came from and its seconds end to end."""
+    total_ms = replica.timings.get("total_ms")
+    return None if total_ms is None else StartMeasured(replica.tier, total_ms / 1000)
 
 
 class Scaler:
@@ -45,8 +52,10 @@ class Scaler:
         queue = unit.queue
         for replica in [r for r in queue.replicas.values() if r.draining and r.in_flight == 0]:
             self._finish(unit, replica)
-        unit.history.append(Sample(now, queue.depth, queue.in_flight, queue.arrivals - unit.arrivals_seen))
+        unit.history.append(Sample(now, queue.depth, queue.in_flight, queue.arrivals - unit.arrivals_seen,
+                                   tuple(unit.measured)))
         unit.arrivals_seen = queue.arrivals
+        unit.measured.clear()
         views = [
             ReplicaView(r.id, r.state, r.in_flight, r.idle_since, draining=r.draining is not None)
             for r in queue.replicas.values() if r.state in (STARTING, HOT, PARKED)
@@ -74,7 +83,7 @@ class Scaler:
             unit.queue.wake(replica)
             unit.queue.ready(replica)
             if parked:
-                self._spawn(self._wake(replica))
+                self._spawn(self._wake(unit, replica))
             return
         replica.draining = "park" if isinstance(action, Park) else "evict"
         log.info("replica %s: %s (%s)", replica.id, replica.draining, action.reason)
@@ -121,6 +130,7 @@ class Scaler:
                 self._evict(unit, replica)
             return
         replica.parked_bytes = parked["host_bytes"]
+        unit.measured.append(ParkMeasured(int(parked.get("device_bytes_released", 0))))
         log.info("replica %s parked in %s ms (%s bytes of host RAM)", replica.id, parked["ms"], parked["host_bytes"])
         owners = {r.id: (u, r) for d in self.deployments.values() for u in d.units.values()
                   for r in u.queue.replicas.values() if r.state == PARKED and r.parked_at is not None}
@@ -130,13 +140,14 @@ class Scaler:
             reason = f"parked replicas hold {held} bytes of host RAM > budget {self.backend.parked_ram}: oldest parked goes"
             self._evict(owner, evicted, reason)
 
-    async def _wake(self, replica: Replica) -> None:
+    async def _wake(self, unit: Unit, replica: Replica) -> None:
         try:
             woke = await self.backend.wake(replica)
         except Exception as exc:  # the next call wakes it anyway, or fails over to another replica
             log.warning("replica %s wake failed: %s: %s", replica.id, type(exc).__name__, exc)
             return
         replica.timings["wake_ms"] = woke["ms"]
+        unit.measured.append(StartMeasured("parked", woke["ms"] / 1000))
 
     @staticmethod
     def _held(unit: Unit) -> bool:
@@ -164,6 +175,8 @@ class Scaler:
             return
         log.info("replica %s ready on port %s (%s)", replica.id, replica.port, replica.timings)
         unit.last_failure = None
+        if (measured := measured_start(replica)) is not None:
+            unit.measured.append(measured)
         unit.queue.ready(replica)
         code = await self.backend.wait(replica)
         if replica.state == STOPPING:

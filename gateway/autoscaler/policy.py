@@ -1,29 +1,37 @@
-"""Ember's scaling policy: a pure function from a function's recent load and its
-replicas to actions on the cold-start ladder.
+"""Ember's scaling policy: a pure function from a function's recent load, its replicas and
+what their starts cost to actions on the cold-start ladder.
 
-Arithmetic in the spirit of Knative's KPA: concurrency (queued + in flight) is
-averaged over a panic window; a burst that needs `panic_threshold` times the hot
-replicas enters panic, which never lowers its count and forbids any scale-down
-until `stable_window` passes without a new burst.
+Steady load is sized as Knative's KPA sizes it: the concurrency (queued + in flight) averaged
+over `stable_window`, at `target_concurrency` per replica. A burst that needs `panic_threshold`
+times the hot replicas, in the `panic_window` average or in the latest sample alone, enters
+panic: the count never drops while it lasts.
 
-What differs from KPA follows from the ladder. Waking a parked replica costs ~0.3 s,
-so the policy scales up on the short window, on the latest sample when it is a
-burst, and ahead of arrivals that are clearly rising; parked replicas wake before
-new ones start. Scaling down parks (T1: frees the GPU, keeps the process) the least
-loaded replicas once the peak demand of the last `park_after` seconds fits without
-them, and evicts (T2: stops the process) a replica parked for `scaledown_window`.
-Without `park_after`, spare replicas are evicted once `scaledown_window` of demand
-fits without them. Every action carries the reason shown in `ember status`.
+What differs from KPA follows from the ladder and from what this function's starts cost
+(`costs.CostModel`, learned from its measured starts, wakes and parks). Where a park frees the
+GPU and a wake costs well under a fresh start, spare capacity parks once the peak demand of the
+last `park_after` seconds (learned when not set) fits without it, panic holds only a few
+`park_after`s, parked replicas wake before new ones start, and a replica parked for
+`scaledown_window` is evicted. Where parking does not pay, idle replicas are stopped as KPA
+stops them, the last one after `scaledown_window` without a request. Every action carries the
+reason shown in `ember status`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
+
+from .costs import CostModel, Measured
 
 STARTING, HOT, PARKED = "starting", "hot", "parked"
 TOLERANCE = 0.1  # demand within 10% over target adds no replica, as in Kubernetes' HPA
+IDLE_HOLD = 90.0  # default seconds an idle replica stays when it cannot park: KPA's 60 s window + 30 s grace
+PARKED_HOLD = 600.0  # default seconds a replica stays parked: it holds host RAM only, and the RAM budget comes first
+# Poisson arrivals leave an idle stretch of ln(1000) mean gaps once in 1000 arrivals: that rarely does
+# the last replica park while the traffic holds its rate, so a function's p99 stays a hot replica's.
+WAKE_ODDS = 1000.0
+PANIC_HOLD_PARKS = 4.0  # with parking, panic holds this many park_afters: re-growing costs a wake, not a start
 
 
 @dataclass(frozen=True)
@@ -33,13 +41,12 @@ class ScalingSettings:
     buffer_replicas: int = 0  # idle hot replicas kept beyond demand
     target_concurrency: float = 1.0  # requests per replica the policy aims for
     max_concurrency: int = 1  # requests a replica may run at once
-    scaledown_window: float = 60.0  # idle seconds before a replica is evicted (process stopped)
-    park_after: float | None = None  # idle seconds before a hot replica parks (None = never)
+    park: bool = True  # False: never park, stop idle replicas instead
+    park_after: float | None = None  # idle seconds before a hot replica parks (None: learned from its wake cost)
+    scaledown_window: float | None = None  # idle seconds before a replica stops (None: IDLE_HOLD; PARKED_HOLD parked)
     stable_window: float = 60.0
     panic_window: float = 6.0
     panic_threshold: float = 2.0
-    start_latency: float = 1.5  # expected seconds for a fresh start (node-warm); sets the pre-warm lead
-    wake_latency: float = 0.3  # expected seconds to wake a parked replica
     max_parked: int | None = None  # parked replicas whose pinned host RAM the node can spare (None = no bound)
 
     def __post_init__(self) -> None:
@@ -55,6 +62,49 @@ class ScalingSettings:
             )
         if not 0 < self.panic_window <= self.stable_window:
             raise ValueError("need 0 < panic_window <= stable_window")
+        if self.panic_threshold <= 1:
+            raise ValueError(f"panic_threshold must be > 1, got {self.panic_threshold}")
+
+    def park_after_for(self, costs: CostModel, rate: float) -> float | None:
+        """Idle seconds before the last hot replica parks, or None where it never parks.
+
+        Learned, it is the idle stretch that arrivals at the recent `rate` (per second, over the stable
+        window) would leave only once in WAKE_ODDS: a stretch that long says the traffic changed, and
+        no sooner than a park-and-wake round trip costs, nor later than an unparkable replica stays.
+        """
+        if not self.park:
+            return None
+        if self.park_after is not None:
+            return self.park_after
+        if not costs.park_pays():
+            return None
+        unlikely = math.log(WAKE_ODDS) / rate if rate > 0 else math.inf
+        return min(max(costs.park_after(), unlikely), self.scaledown_for(False))
+
+    def scaledown_for(self, parking: bool) -> float:
+        if self.scaledown_window is not None:
+            return self.scaledown_window
+        return PARKED_HOLD if parking else IDLE_HOLD
+
+    def holds(self, costs: CostModel, rate: float) -> Holds:
+        park_after = self.park_after_for(costs, rate)
+        if park_after is None:
+            return Holds(None, None, self.stable_window, self.scaledown_for(False))
+        # spare capacity beyond the last replica parks after a wake's worth of idleness: waking it costs a wake
+        spare_after = min(self.park_after or costs.park_after(), park_after)
+        # and re-growing after a park costs a wake, so panic need not hold the peak for a whole stable window
+        panic_hold = min(self.stable_window, max(self.panic_window, PANIC_HOLD_PARKS * spare_after))
+        return Holds(park_after, spare_after, panic_hold, self.scaledown_for(True))
+
+
+@dataclass(frozen=True)
+class Holds:
+    """How long capacity outlasts the demand that needed it, for one call of `decide`."""
+
+    park_after: float | None  # idle seconds before the last hot replica parks (None: it never parks)
+    spare_after: float | None  # idle seconds before capacity beyond the demand parks (None: it never parks)
+    panic_hold: float  # seconds a panic holds its peak after the burst was last seen
+    scaledown: float  # idle seconds before a replica stops (parked ones: seconds parked)
 
 
 @dataclass(frozen=True)
@@ -79,6 +129,7 @@ class Sample:
     queued: int
     in_flight: int
     arrivals: int  # arrivals since previous sample
+    measured: tuple[Measured, ...] = ()  # starts, wakes and parks of this function's replicas since the previous sample
 
     @property
     def concurrency(self) -> int:
@@ -116,6 +167,8 @@ Action = Start | Wake | Park | Evict
 class PolicyMemo:
     panic_since: float | None = None  # last time the panic condition held
     panic_peak: int = 0  # replicas wanted at the height of the current panic
+    burst_at: float | None = None  # last time the panic condition held, kept after the panic ends
+    costs: CostModel = field(default_factory=CostModel)
 
 
 def window(history: Sequence[Sample], now: float, seconds: float) -> list[Sample]:
@@ -152,31 +205,6 @@ def replicas_for(concurrency: float, target: float) -> int:
     return math.ceil(round(concurrency / target, 6))
 
 
-def prewarm_concurrency(settings: ScalingSettings, history: Sequence[Sample], now: float, lead: float) -> float:
-    """Concurrency expected `lead` seconds from now when arrivals are rising, else 0.
-
-    Extrapolates the arrival rate of the last panic window against the one before
-    it, and turns rate into concurrency with the service time that Little's law
-    gives over the stable window.
-    """
-    w = settings.panic_window
-    recent = sum(s.arrivals for s in window(history, now, w))
-    before = sum(s.arrivals for s in window(history, now, 2 * w)) - recent
-    # Poisson counts: a rise under 3 standard deviations is noise, not a trend
-    if recent - before <= 3 * math.sqrt(recent + before + 1):
-        return 0.0
-    stable = window(history, now, settings.stable_window)  # newest first
-    if len(stable) < 2:
-        return 0.0
-    # the oldest sample's arrivals fell before the window, so it only marks where it starts
-    rate = sum(s.arrivals for s in stable[:-1]) / (now - stable[-1].t)
-    service = (sum(s.in_flight for s in stable) / len(stable)) / rate if rate else 0.0
-    if service == 0:
-        return 0.0
-    slope = (recent - before) / w / w
-    return (recent / w + slope * lead) * service
-
-
 def burst(settings: ScalingSettings, hot: Sequence[ReplicaView], starting: Sequence[ReplicaView], latest: Sample) -> float:
     """The latest sample's concurrency when it is a burst the averages would dilute, else 0.
 
@@ -207,73 +235,98 @@ def decide(
     "starting", or takes a draining one back into routing; a Park or Evict of a
     replica with requests in flight first drains it (no new requests, `draining`
     set) and parks or stops it when the last one finishes. Parked replicas keep the
-    `idle_since` they parked with.
+    `idle_since` they parked with. What the starts, wakes and parks measured arrives
+    in the newest sample's `measured`, read once per call.
     """
     s = settings
+    costs = memo.costs
+    for measured in history[-1].measured if history else ():
+        costs = costs.observe(measured)
+    stable = window(history, now, s.stable_window)
+    rate = sum(x.arrivals for x in stable) / s.stable_window
+    holds = s.holds(costs, rate)
+    park_after, spare_after, scaledown = holds.park_after, holds.spare_after, holds.scaledown
+    parking = park_after is not None and spare_after is not None
     hot = [r for r in replicas if r.state == HOT and not r.draining]
     draining = [r for r in replicas if r.state == HOT and r.draining]
     starting = [r for r in replicas if r.state == STARTING]
     parked = [r for r in replicas if r.state == PARKED]
+    have = len(hot) + len(starting)
 
+    lead = costs.wake_s if parked else costs.start_s  # seconds until capacity asked for now can serve
+    # Reacting to one sample pays only when that capacity comes within the panic window;
+    # slower than that, the panic average has seen the burst by the time it could have helped.
+    quick = lead <= s.panic_window
     panic_avg = mean_concurrency(window(history, now, s.panic_window))
     now_burst = burst(s, hot, starting, history[-1]) if history else 0.0
     # at zero only requests waiting now ask for a replica: past demand was served or timed out
-    demand = max(panic_avg, now_burst) if hot or starting else now_burst
+    demand = max(panic_avg, now_burst if quick else 0.0) if have else now_burst
     want_panic = replicas_for(demand, s.target_concurrency)
-
     over_threshold = want_panic >= s.panic_threshold * max(len(hot), 1) and want_panic > len(hot)
     panic_since = now if over_threshold else memo.panic_since
-    panicking = panic_since is not None and now - panic_since < s.stable_window
+    burst_at = now if over_threshold else memo.burst_at
+    panicking = panic_since is not None and now - panic_since < holds.panic_hold
     if not panicking:
         panic_since = None
 
-    have = len(hot) + len(starting)
-    if not panicking and have and demand <= have * s.target_concurrency * (1 + TOLERANCE):
-        want_panic = min(want_panic, have)  # a few percent over target on a steady load is noise
-    lead = s.wake_latency if parked else s.start_latency
-    rising = prewarm_concurrency(s, history, now, lead)
-    want = max(want_panic, replicas_for(rising, s.target_concurrency))
+    stable_avg = mean_concurrency(stable)
+    if have and stable_avg <= have * s.target_concurrency * (1 + TOLERANCE):
+        steady = min(replicas_for(stable_avg, s.target_concurrency), have)  # a few percent over target is noise
+    else:
+        steady = replicas_for(stable_avg, s.target_concurrency)
+    # Capacity is spare only if the peak of the hold window would still fit without it; that peak is of
+    # the panic-window averages (noise in single samples is not demand), and no more than the raw peak
+    # (a window with no requests at all needs no replica).
+    hold = spare_after if parking else scaledown
+    raw_peak = max((x.concurrency for x in window(history, now, hold)), default=0)
+    recent_peak = min(peak_average(history, now, hold, s.panic_window), raw_peak)
+    if not have:
+        keep = replicas_for(now_burst, s.target_concurrency)
+    elif parking and (raw_peak == 0 or (burst_at is not None and now - burst_at < s.stable_window)):
+        # the stable average still counts an ended burst, or the function is idle: a wake brings capacity back
+        keep = min(steady, replicas_for(recent_peak, s.target_concurrency))
+        if not keep and any(x.concurrency for x in window(history, now, park_after or 0.0)):
+            keep = 1  # the last replica waits out the longer park_after
+    else:  # as KPA: the stable average's count, and the last replica until a whole hold is idle
+        keep = max(steady, 1 if recent_peak > 0 else 0)
+    want = keep
     if panicking:
-        want = max(want, memo.panic_peak)
+        want = max(want, want_panic, memo.panic_peak)
     peak = want if panicking else 0
     want = min(max(want + s.buffer_replicas, s.min_replicas), s.max_replicas)
+    memo = PolicyMemo(panic_since, peak, burst_at, costs)
 
     actions: list[Action] = []
     if want > have:
-        why = f"{demand:.1f} concurrent over {s.panic_window:g}s needs {want} replicas, have {have}"
+        why = f"{demand:.1f} concurrent over {s.panic_window:g}s, {stable_avg:.1f} over {s.stable_window:g}s: " \
+              f"want {want} replicas, have {have}"
         if panicking:
             why = "panic: " + why
-        elif replicas_for(rising, s.target_concurrency) > want_panic:
-            why = f"rising arrivals: expect {rising:.1f} concurrent in {lead:g}s, want {want}, have {have}"
-        # cheapest first: a draining replica is still hot, a parked one needs ~0.3 s
+        # cheapest first: a draining replica is still hot, a parked one needs a wake
         waking = (draining + sorted(parked, key=lambda r: r.idle_since or 0.0, reverse=True))[: want - have]
         actions += [Wake(r.id, why) for r in waking]
         if want - have - len(waking) > 0:
             actions.append(Start(want - have - len(waking), why))
-        return actions, PolicyMemo(panic_since, peak)
+        return actions, memo
 
-    if panicking:  # no scale-down of any kind until the burst has been over a stable window
-        return actions, PolicyMemo(panic_since, peak)
+    if panicking:  # no scale-down of any kind until the burst has been over its hold
+        return actions, memo
 
-    # Capacity is spare only if the peak of the hold window would still fit without it; that
-    # peak is of the panic-window averages (noise in single samples is not demand), and no
-    # more than the raw peak (a window with no requests at all needs no replica).
-    hold = s.park_after if s.park_after is not None else s.scaledown_window
-    held = window(history, now, hold)
-    recent_peak = min(peak_average(history, now, hold, s.panic_window), max((x.concurrency for x in held), default=0))
-    keep = max(want, min(replicas_for(recent_peak, s.target_concurrency) + s.buffer_replicas, s.max_replicas))
     # the least loaded go first, so draining them is quick
     spare = sorted(hot, key=lambda r: (r.in_flight, r.idle_since if r.idle_since is not None else now))
-    for r in spare[: max(len(hot) - keep, 0)]:
-        why = f"peak {recent_peak:.1f} concurrent over {hold:g}s fits {keep} replicas of {len(hot)}"
-        actions.append(Park(r.id, why) if s.park_after is not None else Evict(r.id, why))
+    for r in spare[: max(len(hot) - want, 0)]:
+        why = f"peak {recent_peak:.1f} concurrent over {hold:g}s, {stable_avg:.1f} over {s.stable_window:g}s " \
+              f"fit {want} replicas of {len(hot)}"
+        actions.append(Park(r.id, why) if parking else Evict(r.id, why))
 
     # oldest parked first; past max_parked they go to free host RAM, past the window because it ended
     parked.sort(key=lambda r: r.idle_since if r.idle_since is not None else now)
     for i, r in enumerate(parked):
         idle = now - r.idle_since if r.idle_since is not None else 0.0
-        if idle >= s.scaledown_window:
-            actions.append(Evict(r.id, f"parked and idle {idle:.0f}s >= scaledown_window {s.scaledown_window:g}s"))
+        if not parking:
+            actions.append(Evict(r.id, f"parking no longer pays: {costs.why_not_park()}"))
+        elif idle >= scaledown:
+            actions.append(Evict(r.id, f"parked and idle {idle:.0f}s >= scaledown_window {scaledown:g}s"))
         elif s.max_parked is not None and len(parked) - i > s.max_parked:
             actions.append(Evict(r.id, f"{len(parked)} parked > max_parked {s.max_parked}: frees its host RAM"))
-    return actions, PolicyMemo()
+    return actions, memo

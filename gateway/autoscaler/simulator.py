@@ -1,11 +1,15 @@
 """A discrete-event simulator that runs a scaling policy against a trace.
 
-The policy is called every `tick` seconds of simulated time with the same
-`ReplicaView`s and `Sample`s the gateway gives it, and its actions are applied to
-a replica model: a start takes the latency of the tier it comes from, a request
-holds one of a replica's `max_concurrency` slots for prefill plus decode, and a
-replica holds a GPU while starting or hot. Requests that find no free slot wait in
-the function's queue under `admission.admit`. Deterministic: no clock, no threads.
+The trace may hold several functions; each gets its own instance of the policy (own
+queue, samples and memo), called every `tick` seconds of simulated time with the same
+`ReplicaView`s and `Sample`s the gateway gives it, and all of them share one cluster of
+GPUs. A start takes the latency of the tier it comes from (node-warm on a node that
+has run the function, node-cold elsewhere), and reports that latency to the policy as
+the gateway reports a measured start; a request holds one of a replica's
+`max_concurrency` slots for prefill plus decode. A replica holds a GPU while starting
+or hot; a parked one holds what the backend keeps for it: pinned host RAM where a park
+frees the GPU, else the GPU itself. Requests that find no free slot wait in their
+function's queue under `admission.admit`. Deterministic: no clock, no threads.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .admission import Admit, admit, expired
+from .costs import CostModel, Measured, ParkMeasured, StartMeasured
 from .policy import HOT, PARKED, STARTING, Action, Evict, Park, ReplicaView, Sample, Start, Wake
 from .trace import Request
 
@@ -27,14 +32,15 @@ TIERS = ("parked", "node-warm", "node-cold", "full-boot")
 class ReplicaModel:
     wake: float = 0.3  # T1: 16 GB of weights over pinned H2D at 55 GB/s
     node_warm: float = 1.5  # T2: fork + CUDA init + image from page cache
-    node_cold: float = 4.5  # T3: image streamed from the object store
+    node_cold: float = 4.0  # T3: image streamed from the object store
     full_boot: float = 40.0  # T4: engine boot, then a snapshot is written
     prefill_tokens_per_s: float = 20_000.0
     decode_tokens_per_s: float = 60.0  # per sequence, at any batch up to max_concurrency
     max_concurrency: int = 16
     host_gb: float = 16.0  # pinned host RAM a parked replica keeps
+    park_frees_gpu: bool = True  # False: the backend keeps a parked replica's GPU memory, billed as GPU-seconds
     gpus_per_node: int = 8  # a snapshot on a node's disk makes starts on all its GPUs node-warm
-    warm_nodes: int = 1  # nodes holding the snapshot at t=0: the one `ember snapshot build` ran on
+    warm_nodes: int = 1  # nodes holding each function's snapshot at t=0: the one `ember snapshot build` ran on
     snapshot_built: bool = True  # False: the first start ever is a full boot
 
     def start_latency(self, tier: str) -> float:
@@ -45,6 +51,10 @@ class ReplicaModel:
 
     def service(self, r: Request) -> float:
         return self.prefill(r) + r.output_tokens / self.decode_tokens_per_s
+
+    def costs(self) -> CostModel:
+        """What the backend tells a new function its starts cost, before any of its own are measured."""
+        return CostModel(wake_s=self.wake, start_s=self.node_warm, park_frees_gpu=self.park_frees_gpu)
 
 
 @dataclass(frozen=True)
@@ -68,15 +78,32 @@ class Queue:
 @dataclass
 class Replica:
     id: str
+    function: str
     state: str
-    gpu: int  # a parked replica keeps its GPU reserved to wake on
+    node: int
+    gpu: int | None  # None while parked on a backend whose park frees the GPU
     in_flight: int = 0
     idle_since: float | None = None
     ready_at: float = 0.0
+    tier: str = ""
     drain_to: type[Park] | type[Evict] | None = None  # what to do once the last request finishes
 
     def view(self) -> ReplicaView:
         return ReplicaView(self.id, self.state, self.in_flight, self.idle_since, self.drain_to is not None)
+
+
+@dataclass
+class FunctionRun:
+    """One function's side of the simulation: its queue, samples and the policy's memo."""
+
+    name: str
+    memo: Any
+    warm_nodes: set[int]
+    snapshot: bool
+    waiting: deque[int] = field(default_factory=deque)
+    history: list[Sample] = field(default_factory=list)
+    arrivals: int = 0
+    measured: list[Measured] = field(default_factory=list)
 
 
 @dataclass
@@ -96,8 +123,10 @@ class Report:
     slo_ttft: float
     slo_attainment: float  # share of all requests (503s count as misses) with TTFT <= slo_ttft
     peak_replicas: int
-    bound_violations: int  # ticks with live replicas outside [min_replicas, max_replicas]
+    bound_violations: int  # ticks with a function's live replicas outside [min_replicas, max_replicas]
     actions: dict[str, int] = field(default_factory=dict)
+    functions: int = 1
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, GPU-holding replicas, parked) per tick
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -116,7 +145,8 @@ def simulate(
     until: float | None = None,
     trace_name: str = "",
 ) -> Report:
-    """Run `trace` under `policy` until `until` (default: the last arrival) and every request is settled."""
+    """Run `trace` under `policy` (one instance per function in it) until `until` (default: the last arrival)
+    and every request is settled."""
     run = Simulation(trace, policy, model, queue, tick)
     run.run(until if until is not None else trace[-1].t if trace else 0.0)
     return run.report(slo_ttft, trace_name)
@@ -133,21 +163,22 @@ class Simulation:
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
         self.replicas: dict[str, Replica] = {}
-        self.warm_nodes = set(range(model.warm_nodes))
-        self.snapshot = model.snapshot_built
-        self.waiting: deque[int] = deque()
+        names = sorted({r.function for r in trace}) or ["f"]
+        self.functions = {name: FunctionRun(name, policy.memo, set(range(model.warm_nodes)), model.snapshot_built)
+                          for name in names}
         self.outcome: list[tuple[float, float] | None] = [None] * len(trace)  # (queue wait, TTFT); None: a 503
         self.settled = [0] * len(trace)
-        self.memo = policy.memo
-        self.history: list[Sample] = []
-        self.arrivals = 0
         self.gpu_seconds = self.parked_gb_seconds = self.clock = 0.0
         self.starts: Counter[str] = Counter()
         self.actions: Counter[str] = Counter()
         self.peak = self.violations = self.ids = 0
-        for i in range(policy.initial_hot):
-            self.replicas[f"a{i}"] = Replica(f"a{i}", HOT, i, idle_since=0.0)
-            self.warm_nodes.add(i // model.gpus_per_node)
+        self.timeline: list[tuple[float, int, int]] = []
+        for name in names:
+            for _ in range(policy.initial_hot):
+                self.ids += 1
+                gpu = self.free_gpu()
+                rep = Replica(f"r{self.ids}", name, HOT, gpu // model.gpus_per_node, gpu, idle_since=0.0)
+                self.replicas[rep.id] = rep
 
     def push(self, t: float, kind: str, data: Any) -> None:
         self.seq += 1
@@ -167,42 +198,61 @@ class Simulation:
             elif kind == "done":
                 self.done(*data, now)
             else:
-                while self.waiting and expired(now - self.trace[self.waiting[0]].t, self.queue.timeout):
-                    self.reject(self.waiting.popleft())
-                self.decide(now)
-                if now < duration or self.waiting or any(r.in_flight for r in self.replicas.values()):
+                for fn in self.functions.values():
+                    while fn.waiting and expired(now - self.trace[fn.waiting[0]].t, self.queue.timeout):
+                        self.reject(fn.waiting.popleft())
+                    self.decide(fn, now)
+                held = sum(r.state in (HOT, STARTING) or (r.state == PARKED and r.gpu is not None)
+                           for r in self.replicas.values())
+                self.timeline.append((now, held, sum(r.state == PARKED for r in self.replicas.values())))
+                busy = any(fn.waiting for fn in self.functions.values()) or \
+                    any(r.in_flight for r in self.replicas.values())
+                if now < duration or busy:
                     self.push(now + self.tick, "tick", None)
         if any(n != 1 for n in self.settled):
             raise AssertionError(f"{self.policy.name}: requests settled {Counter(self.settled)} times, want once each")
 
     def bill(self, now: float) -> None:
-        """A replica holds a GPU while starting or hot; a parked one holds only pinned host RAM."""
+        """A replica holds a GPU while starting or hot, and while parked where the park keeps it; else host RAM."""
         dt, self.clock = now - self.clock, now
-        self.gpu_seconds += dt * sum(r.state in (HOT, STARTING) for r in self.replicas.values())
-        self.parked_gb_seconds += dt * self.model.host_gb * sum(r.state == PARKED for r in self.replicas.values())
+        if dt <= 0:
+            return
+        gpus = parked_host = 0
+        for r in self.replicas.values():
+            if r.gpu is not None:
+                gpus += 1
+            elif r.state == PARKED:
+                parked_host += 1
+        self.gpu_seconds += dt * gpus
+        self.parked_gb_seconds += dt * self.model.host_gb * parked_host
 
-    def live(self) -> int:
-        return sum(r.state in (HOT, STARTING) and not r.drain_to for r in self.replicas.values())
+    def live(self, fn: FunctionRun) -> int:
+        return sum(r.function == fn.name and r.state in (HOT, STARTING) and not r.drain_to
+                   for r in self.replicas.values())
 
     def arrive(self, i: int, now: float) -> None:
-        self.arrivals += 1
-        self.waiting.append(i)
-        self.dispatch(now)
-        if not self.waiting or self.waiting[-1] != i:
+        fn = self.functions[self.trace[i].function]
+        fn.arrivals += 1
+        fn.waiting.append(i)
+        self.dispatch(fn, now)
+        if not fn.waiting or fn.waiting[-1] != i:
             return
-        eta = min((r.ready_at - now for r in self.replicas.values() if r.state == STARTING), default=self.model.node_warm)
-        oldest = now - self.trace[self.waiting[0]].t
-        if not isinstance(admit(len(self.waiting) - 1, self.queue.bound, oldest, self.queue.timeout, eta), Admit):
-            self.reject(self.waiting.pop())
-        elif not self.live():
-            self.decide(now)  # a request at zero asks for a decision now, as Knative's activator does
+        eta = min((r.ready_at - now for r in self.replicas.values() if r.function == fn.name and r.state == STARTING),
+                  default=self.model.node_warm)
+        oldest = now - self.trace[fn.waiting[0]].t
+        if not isinstance(admit(len(fn.waiting) - 1, self.queue.bound, oldest, self.queue.timeout, eta), Admit):
+            self.reject(fn.waiting.pop())
+        elif not self.live(fn):
+            self.decide(fn, now)  # a request at zero asks for a decision now, as Knative's activator does
 
     def ready(self, rid: str, now: float) -> None:
         rep = self.replicas.get(rid)
         if rep is not None and rep.state == STARTING and rep.ready_at == now:
+            fn = self.functions[rep.function]
             rep.state, rep.idle_since = HOT, now
-            self.warm_nodes.add(rep.gpu // self.model.gpus_per_node)
-            self.dispatch(now)
+            fn.warm_nodes.add(rep.node)
+            fn.measured.append(StartMeasured(rep.tier, self.model.start_latency(rep.tier)))
+            self.dispatch(fn, now)
 
     def done(self, rid: str, i: int, now: float) -> None:
         rep = self.replicas[rid]
@@ -210,17 +260,17 @@ class Simulation:
         if rep.in_flight == 0:
             rep.idle_since = now
             self.settle(rep, now)
-        self.dispatch(now)
+        self.dispatch(self.functions[rep.function], now)
 
-    def dispatch(self, now: float) -> None:
-        """Hand queued requests to the least loaded hot replicas with a free slot."""
-        while self.waiting:
-            free = [r for r in self.replicas.values()
-                    if r.state == HOT and not r.drain_to and r.in_flight < self.model.max_concurrency]
+    def dispatch(self, fn: FunctionRun, now: float) -> None:
+        """Hand the function's queued requests to its least loaded hot replicas with a free slot."""
+        while fn.waiting:
+            free = [r for r in self.replicas.values() if r.function == fn.name and r.state == HOT
+                    and not r.drain_to and r.in_flight < self.model.max_concurrency]
             if not free:
                 return
             rep = min(free, key=lambda r: (r.in_flight, r.id))
-            i = self.waiting.popleft()
+            i = fn.waiting.popleft()
             req = self.trace[i]
             rep.in_flight += 1
             rep.idle_since = None
@@ -233,35 +283,37 @@ class Simulation:
         self.outcome[i] = None
         self.settled[i] += 1
 
-    def decide(self, now: float) -> None:
-        self.history.append(Sample(now, len(self.waiting), sum(r.in_flight for r in self.replicas.values()), self.arrivals))
-        self.arrivals = 0
-        if self.history[0].t < now - self.HISTORY:
-            self.history = [x for x in self.history if x.t >= now - self.HISTORY]
-        actions, self.memo = self.policy.decide([r.view() for r in self.replicas.values()], self.history, now, self.memo)
+    def decide(self, fn: FunctionRun, now: float) -> None:
+        mine = [r for r in self.replicas.values() if r.function == fn.name]
+        fn.history.append(Sample(now, len(fn.waiting), sum(r.in_flight for r in mine), fn.arrivals, tuple(fn.measured)))
+        fn.arrivals = 0
+        fn.measured.clear()
+        if fn.history[0].t < now - self.HISTORY:
+            fn.history = [x for x in fn.history if x.t >= now - self.HISTORY]
+        actions, fn.memo = self.policy.decide([r.view() for r in mine], fn.history, now, fn.memo)
         for action in actions:
-            self.apply(action, now)
-        live = self.live()
-        self.peak = max(self.peak, live)
+            self.apply(fn, action, now)
+        live = self.live(fn)
+        self.peak = max(self.peak, sum(r.state in (HOT, STARTING) for r in self.replicas.values()))
         self.violations += not self.policy.min_replicas <= live <= self.policy.max_replicas
-        self.dispatch(now)
+        self.dispatch(fn, now)
 
-    def apply(self, action: Action, now: float) -> None:
+    def apply(self, fn: FunctionRun, action: Action, now: float) -> None:
         """Carry out an action as the gateway would; an action the gateway could not carry out is a policy bug."""
         self.actions[type(action).__name__] += 1
         if isinstance(action, Start):
             for _ in range(action.count):
-                self.new_replica(now)
+                self.new_replica(fn.name, now)
             return
         rep = self.replicas.get(action.replica_id)
         name = type(action).__name__
-        if rep is None:
-            raise ValueError(f"{self.policy.name}: {action} names no replica")
+        if rep is None or rep.function != fn.name:
+            raise ValueError(f"{self.policy.name}: {action} names no replica of {fn.name}")
         if isinstance(action, Wake):
             if rep.state == HOT and rep.drain_to:
                 rep.drain_to = None
             elif rep.state == PARKED:
-                self.start(rep, now, "parked")
+                self.wake(rep, now)
             else:
                 raise ValueError(f"{self.policy.name}: wake of a {rep.state} replica that is not draining")
         elif rep.state == STARTING or (isinstance(action, Park) and rep.state != HOT) or rep.drain_to:
@@ -276,24 +328,48 @@ class Simulation:
             return
         if rep.drain_to is Park:
             rep.state, rep.idle_since = PARKED, now
+            if self.model.park_frees_gpu:
+                rep.gpu = None
+            gb_freed = 16 << 30 if self.model.park_frees_gpu else 0
+            self.functions[rep.function].measured.append(ParkMeasured(gb_freed))
         else:
             del self.replicas[rep.id]
         rep.drain_to = None
 
-    def new_replica(self, now: float) -> None:
-        # the lowest free GPU, so nodes that already hold the snapshot are reused first
-        taken = {r.gpu for r in self.replicas.values()}
-        gpu = next(g for g in range(len(taken) + 1) if g not in taken)
-        if gpu // self.model.gpus_per_node in self.warm_nodes:
+    def free_gpu(self, node: int | None = None) -> int:
+        """The lowest free GPU (on `node` if given, -1 if it has none), so nodes already in use are filled first."""
+        taken = {r.gpu for r in self.replicas.values() if r.gpu is not None}
+        per = self.model.gpus_per_node
+        candidates = range(node * per, (node + 1) * per) if node is not None else range(len(taken) + 1)
+        return next((g for g in candidates if g not in taken), -1)
+
+    def wake(self, rep: Replica, now: float) -> None:
+        if rep.gpu is None:  # the process stays on its node: it needs a GPU there
+            gpu = self.free_gpu(rep.node)
+            if gpu < 0:  # none free: what wakes is a fresh replica wherever there is room
+                del self.replicas[rep.id]
+                self.new_replica(rep.function, now)
+                return
+            rep.gpu = gpu
+        self.start(rep, now, "parked")
+
+    def new_replica(self, function: str, now: float) -> Replica:
+        fn = self.functions[function]
+        gpu = self.free_gpu()
+        node = gpu // self.model.gpus_per_node
+        if node in fn.warm_nodes:
             tier = "node-warm"
         else:
-            tier = "node-cold" if self.snapshot else "full-boot"
-            self.snapshot = True
+            tier = "node-cold" if fn.snapshot else "full-boot"
+            fn.snapshot = True
         self.ids += 1
-        self.start(Replica(f"r{self.ids}", STARTING, gpu), now, tier)
+        rep = Replica(f"r{self.ids}", function, STARTING, node, gpu)
+        self.start(rep, now, tier)
+        return rep
 
     def start(self, rep: Replica, now: float, tier: str) -> None:
-        rep.state, rep.idle_since, rep.ready_at = STARTING, None, now + self.model.start_latency(tier)
+        rep.state, rep.idle_since, rep.tier = STARTING, None, tier
+        rep.ready_at = now + self.model.start_latency(tier)
         self.replicas[rep.id] = rep
         self.starts[tier] += 1
         self.push(rep.ready_at, "ready", rep.id)
@@ -320,4 +396,6 @@ class Simulation:
             peak_replicas=self.peak,
             bound_violations=self.violations,
             actions=dict(self.actions),
+            functions=len(self.functions),
+            timeline=self.timeline,
         )

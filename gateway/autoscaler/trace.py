@@ -7,10 +7,11 @@ chat-like prompt and answer.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,28 @@ class Request:
     t: float
     prompt_tokens: int
     output_tokens: int
+    function: str = "f"
+
+
+def read_jsonl(lines: Iterable[str], source: str = "trace") -> list[Request]:
+    """Requests from JSON lines `{"t", "function", "prompt_tokens", "output_tokens"}`, sorted by time."""
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            out.append(Request(float(row["t"]), int(row["prompt_tokens"]), int(row["output_tokens"]),
+                               str(row.get("function", "f"))))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{source}:{n}: want {{\"t\", \"function\", \"prompt_tokens\", \"output_tokens\"}}, "
+                             f"got {line.strip()[:80]!r} ({type(exc).__name__}: {exc})") from None
+    return sorted(out, key=lambda r: r.t)
+
+
+def write_jsonl(trace: Iterable[Request]) -> str:
+    return "".join(json.dumps({"t": round(r.t, 4), "function": r.function, "prompt_tokens": r.prompt_tokens,
+                               "output_tokens": r.output_tokens}) + "\n" for r in trace)
 
 
 def tokens(rng: random.Random) -> tuple[int, int]:

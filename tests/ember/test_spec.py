@@ -22,6 +22,12 @@ def test_misspelt_argument_names_the_nearest_valid_one():
     ({"target_concurrency": 4, "max_concurrency": 2}, "target_concurrency (4.0) must be <= max_concurrency (2)"),
     ({"timeout": -1}, "timeout: Input should be greater than 0"),
     ({"env": {"A": 1}}, "env.A: Input should be a valid string"),
+    ({"stable_window": 0}, "stable_window: Input should be greater than 0"),
+    ({"panic_window": -1}, "panic_window: Input should be greater than 0"),
+    ({"panic_threshold": 1}, "panic_threshold: Input should be greater than 1"),
+    ({"panic_window": 10, "stable_window": 5}, "panic_window (10) must be <= stable_window (5)"),
+    ({"park_after": 10, "scaledown_window": 10}, "park_after (10) must be < scaledown_window (10)"),
+    ({"park": "sometimes"}, "park: Input should be a valid boolean"),
 ])
 def test_ranges_are_checked(settings, fragment):
     with pytest.raises(SpecError) as error:
@@ -32,7 +38,14 @@ def test_ranges_are_checked(settings, fragment):
 def test_valid_settings():
     spec = build_spec("@app.function", {"gpu": "H200:2", "min_replicas": 1, "max_replicas": 4, "secrets": ["hf"], "env": {"A": "b"}})
     assert spec.gpu == "H200:2" and spec.max_replicas == 4 and spec.env == {"A": "b"}
-    assert FunctionSpec().gpu is None and FunctionSpec().scaledown_window == 60
+    assert FunctionSpec().gpu is None and FunctionSpec().scaledown_window is None  # None: the policy's default
+
+
+def test_misspelt_scaling_knob_names_the_nearest_one():
+    with pytest.raises(SpecError, match=r"unknown argument 'panic_treshold' for @app.function; did you mean 'panic_threshold'\?"):
+        ember.App("a").function(panic_treshold=3)
+    with pytest.raises(SpecError, match=r"did you mean 'stable_window'\?"):
+        ember.App("a").cls(stable_windw=30)
 
 
 def test_decorators_need_parentheses_and_names_must_be_url_safe():

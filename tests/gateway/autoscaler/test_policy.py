@@ -1,5 +1,8 @@
+from dataclasses import replace
+
 import pytest
 
+from ember.gateway.autoscaler.costs import CostModel, StartMeasured
 from ember.gateway.autoscaler.policy import (
     Evict,
     Park,
@@ -112,7 +115,7 @@ def test_no_scale_down_of_any_kind_in_panic():
 
 
 def test_scale_to_zero_only_after_the_scaledown_window():
-    s = ScalingSettings(target_concurrency=10, max_concurrency=16, scaledown_window=60.0)  # no parking
+    s = ScalingSettings(target_concurrency=10, max_concurrency=16, scaledown_window=60.0, park=False)
     history = load(5, 100) + load(0, 159, since=101)
     one = hot(1, idle_since=100.5)
     assert run(s, one, history, 159.0)[0] == []
@@ -131,19 +134,6 @@ def test_buffer_replicas_stay_hot_beyond_demand():
     assert run(s, hot(2, in_flight=5), load(10, 100), 100.0)[0] == []
     actions, _ = run(s, hot(1, in_flight=10), load(10, 100), 100.0)
     assert actions == [Start(1, actions[0].reason)]
-
-
-def test_prewarms_when_arrivals_rise():
-    # concurrency so far fits 2 replicas, but arrivals doubled in the last panic window
-    history = [Sample(float(t), 0, 15, 5 if t <= 54 else 12) for t in range(0, 61)]
-    actions, _ = run(PARKING, hot(2, in_flight=8), history, 60.0)
-    assert actions and isinstance(actions[0], Start)
-    assert "rising" in actions[0].reason
-
-
-def test_poisson_noise_in_arrivals_is_not_a_trend():
-    history = [Sample(float(t), 0, 15, 5 if t % 2 else 4) for t in range(0, 61)]
-    assert run(PARKING, hot(2, in_flight=8), history, 60.0)[0] == []
 
 
 @pytest.mark.parametrize(
@@ -183,3 +173,62 @@ def test_a_burst_in_the_latest_sample_is_not_diluted_by_the_average():
     # two replicas already starting have 32 free slots for the 44 queued: only 12 ask for more
     starting = [ReplicaView(f"s{i}", "starting", 0, None) for i in range(2)]
     assert run(PARKING, full + starting, history, 30.0)[0] == []
+
+
+DEFAULTS = ScalingSettings(target_concurrency=10, max_concurrency=16)  # every scaling knob at its default
+FAST = PolicyMemo(costs=CostModel(wake_s=0.3, start_s=1.5))
+SLOW_WAKE = PolicyMemo(costs=CostModel(wake_s=13.0, start_s=13.0))
+HOLDS_GPU = PolicyMemo(costs=CostModel(wake_s=0.3, start_s=1.5, park_frees_gpu=False))
+
+
+def test_steady_load_is_sized_on_the_stable_average_not_the_panic_peak():
+    # 60 s at 12 concurrent, the last 6 s at 21: the panic window alone would ask for 3 of 16 slots each
+    history = load(12, 54) + load(21, 60, since=55)
+    assert run(DEFAULTS, hot(2, in_flight=8), history, 60.0, FAST)[0] == []
+
+
+def test_by_default_an_idle_function_parks_only_once_its_idle_stretch_is_unlikely_at_its_rate():
+    # 12 arrivals a minute, idle for the last 10 s: at that rate a 10 s gap is common, so it stays hot
+    busy = [Sample(float(t), 0, 2 if t < 50 else 0, 1 if t % 5 == 0 and t < 50 else 0) for t in range(61)]
+    assert run(DEFAULTS, hot(1, idle_since=50.0), busy, 60.0, FAST)[0] == []
+    # after a burst, 120 arrivals in the minute, 10 s idle: the traffic has changed, it parks
+    burst = [Sample(float(t), 0, 20 if t < 50 else 0, 4 if t < 30 else 0) for t in range(61)]
+    actions, _ = run(DEFAULTS, hot(1, idle_since=50.0), burst, 60.0, FAST)
+    assert [type(a) for a in actions] == [Park]
+
+
+def test_parks_nothing_where_a_wake_is_slow_or_the_park_keeps_the_gpu_and_evicts_what_is_parked():
+    idle = load(1, 100) + load(0, 200, since=101)
+    for memo in (SLOW_WAKE, HOLDS_GPU):
+        assert run(DEFAULTS, hot(1, idle_since=100.0), idle[:151], 150.0, memo)[0] == []  # under the 90 s hold
+        actions, _ = run(DEFAULTS, hot(1, idle_since=100.0), idle, 200.0, memo)
+        assert [type(a) for a in actions] == [Evict]
+        actions, _ = run(DEFAULTS, [ReplicaView("p0", "parked", 0, 190.0)], idle, 200.0, memo)
+        assert actions == [Evict("p0", actions[0].reason)] and "no longer pays" in actions[0].reason
+
+
+def test_learns_from_measured_wakes_and_stops_parking():
+    memo = FAST
+    for t in range(5):
+        slow = Sample(float(t), 0, 1, 1, measured=(StartMeasured("parked", 13.0),))
+        _, memo = run(DEFAULTS, hot(1, in_flight=1), [slow], float(t), memo)
+    assert not memo.costs.park_pays()
+    actions, _ = run(DEFAULTS, [ReplicaView("p0", "parked", 0, 3.0)], [Sample(5.0, 0, 0, 0)], 5.0, memo)
+    assert [type(a) for a in actions] == [Evict]
+
+
+def test_after_a_burst_spare_capacity_parks_within_seconds_where_kpa_holds_a_minute():
+    burst = load(60, 40) + load(5, 60, since=41)  # 6 replicas' worth, then 5 concurrent for 20 s
+    replicas = hot(1, in_flight=5) + hot(5, idle_since=41.0, prefix="idle")
+    actions, _ = run(DEFAULTS, replicas, burst, 60.0, replace(FAST, burst_at=40.0))  # the burst panicked at 40 s
+    assert sorted(a.replica_id for a in actions) == [f"idle{i}" for i in range(5)]
+    assert all(isinstance(a, Park) for a in actions)
+    # where a wake costs a start, KPA's stable average still counts the burst: 5 of the 6 stay
+    actions, _ = run(DEFAULTS, replicas, burst, 60.0, replace(SLOW_WAKE, burst_at=40.0))
+    assert [type(a) for a in actions] == [Evict]
+
+
+def test_a_request_at_zero_wakes_a_parked_replica_before_starting_one():
+    parked = [ReplicaView("p0", "parked", 0, 10.0)]
+    actions, _ = run(DEFAULTS, parked, load(0, 99) + [Sample(100.0, 1, 0, 1)], 100.0, FAST)
+    assert actions == [Wake("p0", actions[0].reason)]

@@ -2,7 +2,17 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ember.gateway.autoscaler.policy import Evict, Park, PolicyMemo, ReplicaView, Sample, ScalingSettings, Start, Wake, decide
+from ember.gateway.autoscaler.policy import (
+    Evict,
+    Park,
+    PolicyMemo,
+    ReplicaView,
+    Sample,
+    ScalingSettings,
+    Start,
+    Wake,
+    decide,
+)
 
 NOW = 200.0
 
@@ -16,7 +26,8 @@ def scaling(draw):
     return ScalingSettings(
         min_replicas=lo, max_replicas=hi, buffer_replicas=draw(st.integers(0, 2)),
         target_concurrency=draw(st.floats(0.5, max_concurrency)), max_concurrency=max_concurrency,
-        scaledown_window=draw(st.floats(5.0, 120.0)), park_after=draw(st.none() | st.floats(1.0, 20.0)),
+        scaledown_window=draw(st.none() | st.floats(5.0, 120.0)), park_after=draw(st.none() | st.floats(1.0, 20.0)),
+        park=draw(st.booleans()),
         stable_window=draw(st.floats(panic, 60.0)), panic_window=panic,
         max_parked=draw(st.none() | st.integers(0, 3)),
     )
@@ -65,13 +76,16 @@ def test_decide_keeps_its_invariants(case):
     if removed:
         assert live - removed >= s.min_replicas
         assert after.panic_since is None, "no scale-down in panic"
-    if memo.panic_since is not None and NOW - memo.panic_since < s.stable_window:
+    rate = sum(x.arrivals for x in history if x.t > NOW - s.stable_window) / s.stable_window
+    holds = s.holds(after.costs, rate)
+    park_after = holds.park_after
+    if memo.panic_since is not None and NOW - memo.panic_since < holds.panic_hold:
         assert not any(isinstance(a, (Park, Evict)) for a in actions), "no scale-down while a panic holds"
     for a in actions:
         r = by_id.get(getattr(a, "replica_id", None))
         if isinstance(a, Wake):
             assert r.state == "parked" or r.draining
         elif isinstance(a, Park):
-            assert r.state == "hot" and not r.draining and s.park_after is not None
+            assert r.state == "hot" and not r.draining and park_after is not None
         elif isinstance(a, Evict):
             assert (r.state == "hot" and not r.draining) or r.state == "parked"

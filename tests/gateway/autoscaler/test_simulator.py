@@ -3,6 +3,7 @@ from functools import partial
 import pytest
 
 from ember.gateway.autoscaler.baselines import KPA_SETTINGS, KpaMemo, RayMemo, kpa_decide, ray_decide
+from ember.gateway.autoscaler.costs import StartMeasured
 from ember.gateway.autoscaler.policy import PolicyMemo, ScalingSettings, decide
 from ember.gateway.autoscaler.simulator import Policy, Queue, ReplicaModel, simulate
 from ember.gateway.autoscaler.trace import Request, generate
@@ -60,3 +61,36 @@ def test_steady_regular_load_does_not_flap():
     fresh = report.cold_starts["node-warm"] + report.cold_starts["node-cold"]
     assert fresh == report.peak_replicas and report.cold_starts["parked"] == 0, report
     assert report.actions.get("Park", 0) < report.peak_replicas
+
+
+def test_a_park_that_frees_nothing_is_billed_as_the_gpu_it_keeps():
+    trace = [Request(1.0, 200, 60), Request(100.0, 200, 60)]
+    s = ScalingSettings(target_concurrency=1, max_concurrency=1, park_after=2.0, scaledown_window=300.0, stable_window=10.0)
+    policy = Policy("ember", partial(decide, s), PolicyMemo(), 0, 10)
+    frees = simulate(trace, policy, ReplicaModel(max_concurrency=1))
+    keeps = simulate(trace, policy, ReplicaModel(max_concurrency=1, park_frees_gpu=False))
+    assert keeps.parked_host_gb_seconds == 0 and keeps.gpu_seconds > frees.gpu_seconds + 80
+
+
+def test_functions_of_one_trace_get_their_own_replicas_on_a_shared_cluster():
+    # two functions, each with one request at a time: each needs its own replica, and the second one's
+    # first start lands on a node-warm GPU of the shared node
+    trace = sorted([Request(float(t), 100, 30, "a") for t in range(0, 60, 10)]
+                   + [Request(t + 5.0, 100, 30, "b") for t in range(0, 60, 10)], key=lambda r: r.t)
+    one = ScalingSettings(max_replicas=1, target_concurrency=1, max_concurrency=1, park=False)
+    report = simulate(trace, Policy("ember", partial(decide, one), PolicyMemo(), 0, 1), ReplicaModel(max_concurrency=1),
+                      until=60.0)
+    assert report.functions == 2 and report.served == 12
+    assert report.cold_starts["node-warm"] == 2 and report.peak_replicas == 2
+
+
+def test_starts_report_their_measured_tier_to_the_policy():
+    seen = []
+
+    def spy(replicas, history, now, memo):
+        seen.extend(m for m in history[-1].measured)
+        return decide(ScalingSettings(max_replicas=1, target_concurrency=1, max_concurrency=1), replicas, history,
+                      now, memo)
+
+    simulate([Request(1.0, 100, 30)], Policy("spy", spy, PolicyMemo(), 0, 1), ReplicaModel(max_concurrency=1, node_warm=2.0))
+    assert seen == [StartMeasured("node-warm", 2.0)]
