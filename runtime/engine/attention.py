@@ -58,7 +58,11 @@ class SdpaBackend:
 
 
 class FlashInferBackend:
-    """flashinfer's paged kernels: the decode wrapper when every sequence adds one token, else the prefill one."""
+    """flashinfer's paged kernels: the decode wrapper when every sequence adds one token, else the prefill one.
+
+    A decode batch replayed by a CUDA graph is planned on a wrapper of its own fixed batch size, whose page
+    tables live in buffers the graph captured: `plan` refreshes them on the host side of each step.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
                  dtype: torch.dtype, device: torch.device):
@@ -66,11 +70,27 @@ class FlashInferBackend:
 
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.scale, self.dtype = block_size, scale, dtype
-        workspace = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self.device = device
+        self.workspace = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.graph_decode: dict[int, object] = {}   # batch size -> graph-safe decode wrapper
 
-    def plan(self, batch: AttentionBatch) -> None:
+    def add_graph_batch_size(self, batch_size: int, max_blocks_per_seq: int) -> None:
+        """A decode wrapper for graphs of `batch_size` sequences; only one graph runs at a time, so they share
+        the float workspace."""
+        import flashinfer
+
+        def buffer(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=self.device)
+
+        self.graph_decode[batch_size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=buffer(batch_size + 1),
+            paged_kv_indices_buffer=buffer(batch_size * max_blocks_per_seq),
+            paged_kv_last_page_len_buffer=buffer(batch_size))
+
+    def plan(self, batch: AttentionBatch, graph_batch_size: int | None = None) -> None:
+        """`graph_batch_size`: plan the graph wrapper of that size (the batch is padded to it)."""
         self.batch = batch
         blocks_per_seq = [len(t) for t in batch.block_tables]
         kv_indptr = torch.tensor([0] + blocks_per_seq, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -79,8 +99,8 @@ class FlashInferBackend:
         common = dict(num_kv_heads=self.num_kv_heads, page_size=self.block_size, sm_scale=self.scale,
                       q_data_type=self.dtype, kv_data_type=self.dtype)
         if batch.is_decode_only:
-            self.wrapper = self.decode
-            self.decode.plan(kv_indptr, kv_indices, last_page_len, num_qo_heads=self.num_heads,
+            self.wrapper = self.graph_decode[graph_batch_size] if graph_batch_size else self.decode
+            self.wrapper.plan(kv_indptr, kv_indices, last_page_len, num_qo_heads=self.num_heads,
                              head_dim=self.head_dim, **common)
         else:
             self.wrapper = self.prefill

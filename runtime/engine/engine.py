@@ -39,7 +39,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.model_name = Path(config.model).name
         self.eos_token_ids = _eos_token_ids(config.model, self.runner.hf_config)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_request_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.stats = EngineStats()
         self.seqs: dict[str, Sequence] = {}
@@ -127,10 +127,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         forward = 0.0
         if batch.seqs:
-            before = time.perf_counter()
-            tokens, logprobs = self.runner.run(batch, self.eos_token_ids)
-            forward = time.perf_counter() - before - self.runner.prepare_seconds
-            outputs += self._postprocess(batch, tokens, logprobs, scheduled)
+            run = self.runner.run(batch, self.eos_token_ids)
+            forward = run.wait_seconds
+            outputs += self._postprocess(batch, run.token_ids, run.logprobs, scheduled)
         self._record_step(batch, time.perf_counter() - start, forward)
         return outputs
 

@@ -2,23 +2,36 @@
 import importlib.util
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ember.snapshot import open_store
 
+from . import kernels
 from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from .config import EngineConfig
-from . import kernels
+from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .gpu_memory import Arena, ParkReport, WakeReport, tensor_bytes
 from .models.loader import load_model
-from .sampling import SamplingRow, sample
+from .sampling import SamplingRow, draw
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
 KV_CACHE = "kv_cache"  # the arena region of every layer's KV blocks
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunOutput:
+    """One batch's sampled tokens and where the step's time went."""
+    token_ids: list[int | None]        # per sequence; None for a prefill chunk that did not reach the prompt's end
+    logprobs: list[dict | None]
+    prepare_seconds: float             # host work before the forward pass was queued
+    wait_seconds: float                # host blocked on the device for the sampled tokens (on CPU: the forward pass)
+    gpu_seconds: float | None          # device time of the forward pass and sampling (CUDA events); None on CPU
+    graph_batch_size: int | None       # the CUDA graph replayed, None when the step ran eagerly
 
 
 class ModelRunner:
@@ -35,9 +48,11 @@ class ModelRunner:
             kernels.install()
         # The weights and the KV cache live in the arena, so a park can release them and keep their addresses.
         self.arena = Arena(self.device)
+        began = time.perf_counter()
         # weights_start: where the weights came from (snapshot or full boot), how long, how fast
         self.model, self.hf_config, self.weights_start = load_model(config.model, self.dtype, self.device,
                                                                     config.snapshot_store, self.arena)
+        self.start_phases = {"weights": time.perf_counter() - began}   # seconds per phase of the engine's start
         hf = self.hf_config
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
@@ -48,16 +63,28 @@ class ModelRunner:
         head_dim = self.model.head_dim
         self.num_kv_heads = hf.num_key_value_heads
         self.num_layers = hf.num_hidden_layers
+        began = time.perf_counter()
         self.num_blocks = config.num_kv_blocks or self._derive_num_blocks(head_dim)
-        if self.num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(f"{self.num_blocks} KV blocks of {self.block_size} tokens cannot hold one sequence of "
-                             f"max_model_len={self.max_model_len}: raise num_kv_blocks or lower max_model_len")
+        self.attention = self._make_backend(head_dim)
+        use_graphs = isinstance(self.attention, FlashInferBackend) and not config.enforce_eager
+        # Graphs pad their batches with a block no request owns: the block manager gets one block fewer.
+        self.num_request_blocks = self.num_blocks - use_graphs
+        if self.num_request_blocks * self.block_size < self.max_model_len:
+            raise ValueError(f"{self.num_request_blocks} KV blocks of {self.block_size} tokens cannot hold one "
+                             f"sequence of max_model_len={self.max_model_len}: raise num_kv_blocks or lower "
+                             "max_model_len")
         kv_shape = (self.num_blocks, 2, self.block_size, self.num_kv_heads, head_dim)
         kv_region = self.arena.region(KV_CACHE, tensor_bytes([(kv_shape, self.dtype)] * self.num_layers), keep=False)
         self.kv_caches = [kv_region.take(kv_shape, self.dtype) for _ in range(self.num_layers)]
-        self.attention = self._make_backend(head_dim)
-        logger.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s", config.model, self.device,
-                    self.dtype, self.num_blocks, self.block_size, type(self.attention).__name__)
+        self.start_phases["kv_cache"] = time.perf_counter() - began
+        began = time.perf_counter()
+        # Graphs, their buffers and flashinfer's workspaces stay in torch's allocator, which a park leaves alone.
+        self.graphs = self._capture_graphs() if use_graphs else None
+        self.start_phases["graph_capture"] = time.perf_counter() - began
+        logger.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s, decode graphs %s; start %s",
+                    config.model, self.device, self.dtype, self.num_blocks, self.block_size,
+                    type(self.attention).__name__, self.graphs.batch_sizes if self.graphs else "off",
+                    {k: round(v, 3) for k, v in self.start_phases.items()})
 
     def park(self) -> ParkReport:
         """Releases the device memory of the weights (kept in pinned host memory) and of the KV cache (discarded);
@@ -110,40 +137,65 @@ class ModelRunner:
         return SdpaBackend(*args)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> tuple[list[int | None], list[dict | None]]:
+    def _capture_graphs(self) -> DecodeGraphs:
+        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        return DecodeGraphs(self.model, self.attention, self.kv_caches, graph_batch_sizes(self.config.max_num_seqs),
+                            max_blocks_per_seq, scratch_block=self.num_blocks - 1)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> RunOutput:
         """Compute the batch's new tokens; sample for every sequence whose tokens are now all in the cache."""
         began = time.perf_counter()
         bs = self.block_size
-        input_ids, positions, slots = [], [], []   # slot = block * block_size + offset, for each new token
+        input_ids, positions, slot_blocks, slot_offsets = [], [], [], []
         sample_index, rows = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, table = seq.num_computed_tokens, seq.block_table
             input_ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slot_blocks += [table[p // bs] for p in range(start, start + n)]
+            slot_offsets += [p % bs for p in range(start, start + n)]
             if start + n == len(seq):
                 sample_index.append(len(input_ids) - 1)
                 rows.append(self._sampling_row(seq, eos_token_ids))
-        input_ids, positions, slots = torch.tensor([input_ids, positions, slots]).to(self.device)
-        attn = AttentionBatch(
-            query_lens=list(batch.num_new_tokens),
-            context_lens=[s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)],
-            block_tables=[s.block_table for s in batch.seqs],
-            slot_blocks=slots // bs,
-            slot_offsets=slots % bs)
-        self.attention.plan(attn)
-        self.prepare_seconds = time.perf_counter() - began   # host work before the forward pass is queued
-        hidden = self.model(input_ids, positions, self.attention, self.kv_caches)
+        context_lens = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        block_tables = [s.block_table for s in batch.seqs]
+        timer = _GpuTimer(self.device.type == "cuda")
+        graph_size = None
+        if (self.graphs is not None and len(input_ids) == len(batch.seqs)
+                and len(batch.seqs) <= self.graphs.max_batch_size):   # one new token per sequence: a decode step
+            graph_size = self.graphs.prepare(input_ids, positions, slot_blocks, slot_offsets, block_tables,
+                                             context_lens)
+            prepared = time.perf_counter()
+            timer.start()
+            logits = self.graphs.replay(graph_size, len(input_ids))
+            if len(sample_index) < len(input_ids):
+                logits = logits[torch.tensor(sample_index).to(self.device, non_blocking=True)]
+        else:
+            ids, pos, blocks, offsets = torch.tensor([input_ids, positions, slot_blocks, slot_offsets]).to(self.device)
+            self.attention.plan(AttentionBatch(list(batch.num_new_tokens), context_lens, block_tables, blocks,
+                                               offsets))
+            prepared = time.perf_counter()
+            timer.start()
+            hidden = self.model(ids, pos, self.attention, self.kv_caches)
+            if rows:
+                logits = self.model.compute_logits(hidden[torch.tensor(sample_index).to(self.device,
+                                                                                        non_blocking=True)])
+        draws = draw(logits, rows) if rows else None
+        timer.stop()
+        queued = time.perf_counter()
+        # The step's one synchronisation: the sampled tokens come back (or, with none to sample, the stream ends).
+        sampled, sampled_logprobs = draws.to_host() if draws else timer.synchronize()
+        done = time.perf_counter()
         tokens: list[int | None] = [None] * len(batch.seqs)
         logprobs: list[dict | None] = [None] * len(batch.seqs)
-        if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_index, device=self.device)])
-            sampled, sampled_logprobs = sample(logits, rows)
-            it = iter(zip(sampled, sampled_logprobs))
-            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-                if seq.num_computed_tokens + n == len(seq):
-                    tokens[i], logprobs[i] = next(it)
-        return tokens, logprobs
+        it = iter(zip(sampled, sampled_logprobs))
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.num_computed_tokens + n == len(seq):
+                tokens[i], logprobs[i] = next(it)
+        # On CPU the forward pass runs on the host: all of it counts as the wait for the "device".
+        wait = done - (queued if timer.enabled else prepared)
+        return RunOutput(tokens, logprobs, prepared - began, wait, timer.elapsed(), graph_size)
 
     def _sampling_row(self, seq, eos_token_ids: set[int]) -> SamplingRow:
         p = seq.params
@@ -157,3 +209,28 @@ class ModelRunner:
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
+
+
+class _GpuTimer:
+    """Device time between two points of the stream, read after the step's one synchronisation; off on CPU."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        if enabled:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.enabled:
+            self.begin.record()
+
+    def stop(self) -> None:
+        if self.enabled:
+            self.end.record()
+
+    def synchronize(self) -> tuple[list, list]:
+        if self.enabled:
+            self.end.synchronize()
+        return [], []
+
+    def elapsed(self) -> float | None:
+        return self.begin.elapsed_time(self.end) / 1000 if self.enabled else None

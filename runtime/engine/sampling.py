@@ -63,56 +63,108 @@ class SamplingRow:
     banned_token_ids: list[int]        # EOS/stop tokens while fewer than min_tokens were generated
 
 
+@dataclass
+class Draws:
+    """One token per row, still on the device; `to_host` is the step's one synchronisation."""
+    token_ids: torch.Tensor                  # [B]
+    rows: list[SamplingRow]
+    logprob_rows: list[int]                  # rows that asked for logprobs
+    chosen_logprobs: torch.Tensor | None     # [len(logprob_rows)]
+    top_logprobs: torch.Tensor | None        # [len(logprob_rows), width]
+    top_ids: torch.Tensor | None
+
+    def to_host(self) -> tuple[list[int], list[dict | None]]:
+        token_ids = self.token_ids.tolist()
+        out: list[dict | None] = [None] * len(self.rows)
+        if not self.logprob_rows:
+            return token_ids, out
+        chosen, values, ids = self.chosen_logprobs.tolist(), self.top_logprobs.tolist(), self.top_ids.tolist()
+        for j, i in enumerate(self.logprob_rows):
+            n = self.rows[i].params.logprobs
+            out[i] = {"token_id": token_ids[i], "logprob": chosen[j], "top": list(zip(ids[j][:n], values[j][:n]))}
+        return token_ids, out
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict | None]]:
     """Pick one token per row of `logits` [B, V]; return the ids and, where asked, their logprobs."""
-    logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
-    logits = logits.clone()
-    for i, row in enumerate(rows):
-        if row.params.has_penalties:
-            _apply_penalties(logits[i], row)
-        if row.banned_token_ids:
-            logits[i, row.banned_token_ids] = float("-inf")
+    return draw(logits, rows).to_host()
 
-    token_ids = logits.argmax(dim=-1)
+
+def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> Draws:
+    """The batch's tokens on the device: a handful of batched kernels, whatever the mix of parameters, and no
+    synchronisation (the per-row parameters go over as one small copy each)."""
+    logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if logprob_rows else None
+    penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
     random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0]
-    if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
-        picked = _sample_random(logits[index], [rows[i] for i in random_rows])
-        token_ids[index] = picked
-    token_list = token_ids.tolist()
-    return token_list, _logprobs(raw_logprobs, token_list, rows)
+    if not (penalized or banned or random_rows):   # greedy fast path: one argmax
+        token_ids = logits.argmax(dim=-1)
+    else:
+        logits = logits.float().clone()
+        if penalized:
+            _apply_penalties(logits, [rows[i] for i in penalized], penalized)
+        if banned:
+            row_index, token_index = _device(logits, list(zip(*banned)), torch.long)
+            logits[row_index, token_index] = float("-inf")
+        token_ids = logits.argmax(dim=-1)
+        if random_rows:
+            index = _device(logits, random_rows, torch.long)
+            token_ids[index] = _sample_random(logits[index], [rows[i] for i in random_rows])
+    if not logprob_rows:
+        return Draws(token_ids, rows, [], None, None, None)
+    index = _device(raw_logprobs, logprob_rows, torch.long)
+    width = max(1, max(rows[i].params.logprobs for i in logprob_rows))
+    top_values, top_ids = raw_logprobs[index].topk(width, dim=-1)
+    chosen = raw_logprobs[index, token_ids[index]]
+    return Draws(token_ids, rows, logprob_rows, chosen, top_values, top_ids)
 
 
-def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+def _device(like: torch.Tensor, values: list, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(like.device, non_blocking=True)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], index: list[int]) -> None:
+    """Penalties of several rows at once: token counts by one scatter over all their output tokens."""
     vocab = logits.shape[-1]
-    p = row.params
-    output = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-    counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
-    if p.repetition_penalty != 1.0:
+    sub = logits[_device(logits, index, torch.long)]
+    out_rows = [j for j, r in enumerate(rows) for _ in r.output_token_ids]
+    out_tokens = [t for r in rows for t in r.output_token_ids]
+    counts = torch.zeros_like(sub)
+    if out_tokens:
+        flat = _device(logits, [j * vocab + t for j, t in zip(out_rows, out_tokens)], torch.long)
+        counts.view(-1).index_add_(0, flat, torch.ones(len(out_tokens), device=logits.device))
+    repetition = _device(logits, [r.params.repetition_penalty for r in rows], torch.float32).unsqueeze(1)
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
         seen = counts > 0
-        seen[torch.tensor(row.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
-        penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-        logits.copy_(torch.where(seen, penalized, logits))
-    logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        prompt = [(j, t) for j, r in enumerate(rows) for t in r.prompt_token_ids]
+        if prompt:
+            seen[tuple(_device(logits, list(zip(*prompt)), torch.long))] = True
+        penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
+        sub = torch.where(seen, penalized, sub)
+    frequency = _device(logits, [r.params.frequency_penalty for r in rows], torch.float32).unsqueeze(1)
+    presence = _device(logits, [r.params.presence_penalty for r in rows], torch.float32).unsqueeze(1)
+    sub = sub - frequency * counts - presence * (counts > 0).to(sub.dtype)
+    logits[_device(logits, index, torch.long)] = sub
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
+    temperature = _device(logits, [r.params.temperature for r in rows], torch.float32).unsqueeze(1)
     logits = logits / temperature
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1)
-    if (min_p > 0).any():
+    if any(r.params.min_p > 0 for r in rows):
+        min_p = _device(logits, [r.params.min_p for r in rows], torch.float32).unsqueeze(1)
         probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
-    # Exponential race (argmax p/q, q ~ Exp(1)) draws from p; a per-request generator makes it reproducible.
-    q = torch.empty_like(probs)
+    # Exponential race (argmax p/q, q ~ Exp(1)) draws from p. Rows without a seed share one draw; a seeded row
+    # draws from its own generator, so its tokens do not depend on its neighbours.
+    q = torch.empty_like(probs).exponential_()
     for i, row in enumerate(rows):
-        q[i].exponential_(generator=row.generator)
+        if row.generator is not None:
+            q[i].exponential_(generator=row.generator)
     return (probs / q).argmax(dim=-1)
 
 
@@ -120,28 +172,10 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device).unsqueeze(1)
-    drop = rank >= k
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    k = _device(logits, [kk if 0 < kk < vocab else vocab for kk in top_k], torch.long).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     before = probs.cumsum(dim=-1) - probs           # mass strictly above each token; the top token always stays
-    p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+    p = _device(logits, top_p, torch.float32).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(before > p, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-
-
-def _logprobs(raw: torch.Tensor | None, token_ids: list[int], rows: list[SamplingRow]) -> list[dict | None]:
-    out: list[dict | None] = [None] * len(rows)
-    if raw is None:
-        return out
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    width = max(rows[i].params.logprobs for i in wanted)
-    index = torch.tensor(wanted, device=raw.device)
-    top_values, top_ids = raw[index].topk(max(width, 1), dim=-1)
-    chosen = raw[index, torch.tensor([token_ids[i] for i in wanted], device=raw.device)]
-    top_values, top_ids, chosen = top_values.tolist(), top_ids.tolist(), chosen.tolist()
-    for j, i in enumerate(wanted):
-        n = rows[i].params.logprobs
-        out[i] = {"token_id": token_ids[i], "logprob": chosen[j],
-                  "top": list(zip(top_ids[j][:n], top_values[j][:n]))}
-    return out
