@@ -1,0 +1,23 @@
+"""One warm replica of the engine on the model at EMBER_BENCH_MODEL, for bench/engine/speed.py's online load."""
+import os
+
+import ember
+
+app = ember.App("speed")
+
+
+@app.cls(min_replicas=1, max_replicas=1, max_concurrency=256, target_concurrency=256, scaledown_window=600,
+         timeout=600, env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+class Engine:
+    @ember.enter()
+    def load(self):
+        from ember.runtime.engine.api import create_app
+        from ember.runtime.engine.config import EngineConfig
+        from ember.runtime.engine.engine import LLMEngine
+
+        self.api = create_app(LLMEngine(EngineConfig(model=os.environ["EMBER_BENCH_MODEL"], max_model_len=4096,
+                                                     max_num_seqs=64)))
+
+    @ember.asgi_app()
+    def web(self):
+        return self.api

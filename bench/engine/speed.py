@@ -1,0 +1,341 @@
+"""Engine speed on one GPU: Ember against transformers and the HBM roofline, side by side in one run.
+
+    python bench/engine/speed.py                          # every shape, every part; prints a table
+    python bench/engine/speed.py --models 8B --record     # also writes bench/results/engine_speed.json
+    python bench/engine/speed.py --models 0.6B --skip-online --offline-requests 16   # a quick look
+
+Random-weight models of the shapes of Qwen3-0.6B, 4B and 8B (bf16, built on the GPU, the tiny tokenizer of
+runtime/engine/tiny.py). Per model:
+  - roofline: weight bytes over the device-to-device copy bandwidth measured in this run (batch-1 decode
+    reads every weight once per token);
+  - batch 1: a 128-token prompt, 256 greedy tokens; decode tok/s from the first token to the last, for Ember
+    and for transformers' `generate` with its static cache;
+  - offline: 256 requests, prompt and output lengths uniform in [100, 1024] (seed 0), output tok/s; transformers
+    runs `generate_batch` (continuous batching) on the first --hf-offline-requests prompts, each generating the
+    mean output length, since it takes one max_new_tokens for a batch;
+  - host vs GPU per decode step at batch 64 (256-token prompts): host = step wall time minus the time the host
+    waited for the device, GPU = CUDA events around the forward pass and sampling;
+  - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
+    128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99.
+"""
+import argparse
+import concurrent.futures
+import gc
+import json
+import os
+import platform
+import shutil
+import signal
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+SHAPES = {   # Qwen3 configs as published (vocabulary 151936, head_dim 128)
+    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, tie_word_embeddings=True),
+    "4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=True),
+    "8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=False),
+}
+CONCURRENCY = (1, 4, 8, 16, 32, 64)
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def build_model(shape: str, directory: Path):
+    """Save a random-weight Qwen3 of `shape` with the tiny tokenizer; return the transformers model (on the GPU)."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from ember.runtime.engine.tiny import train_tokenizer
+
+    tokenizer = train_tokenizer()
+    tokenizer.save_pretrained(directory)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen3Config(**SHAPES[shape], head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                         rope_theta=1000000, rms_norm_eps=1e-6, eos_token_id=eos, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=0, bos_token_id=None)
+    model.save_pretrained(directory)
+    return model
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device copy (read + write) of 4 GiB, best of 10."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    del src, dst
+    return 2 * (2 << 30) / best
+
+
+def random_prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 1000, (int(torch.randint(low, high + 1, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@torch.no_grad()
+def hf_batch1(model, prompt: list[int], new_tokens: int) -> float:
+    """transformers' static-cache greedy decode, tok/s after the first token."""
+    ids = torch.tensor([prompt], device="cuda")
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static")
+        torch.cuda.synchronize()
+        return time.perf_counter() - began
+
+    timed(4)   # warm-up
+    return (new_tokens - 1) / (timed(new_tokens) - timed(1))
+
+
+@torch.no_grad()
+def hf_offline(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, str]:
+    """Output tok/s of transformers' continuous batching (`generate_batch`), else of padded batched `generate`."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    try:
+        model.generate_batch(prompts[:2], generation_config=config)   # warm-up
+        began = time.perf_counter()
+        outputs = model.generate_batch(prompts, generation_config=config)
+        elapsed = time.perf_counter() - began
+        produced = sum(len(o.generated_tokens) for o in outputs.values())
+        return produced / elapsed, "generate_batch"
+    except Exception as e:  # noqa: BLE001 - a version without continuous batching: fall back, say so
+        log(f"  transformers generate_batch failed ({e!r}); padded batched generate instead")
+    began, produced = time.perf_counter(), 0
+    for i in range(0, len(prompts), 64):
+        chunk = prompts[i:i + 64]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device="cuda")
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+        produced += (out.shape[1] - width) * len(chunk)
+    return produced / (time.perf_counter() - began), "generate (padded batches of 64)"
+
+
+def ember_engine(model_dir: Path, max_num_seqs: int):
+    from ember.runtime.engine.config import EngineConfig
+    from ember.runtime.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=8192, gpu_memory_utilization=0.9))
+
+
+def ember_batch1(eng, prompt: list[int], new_tokens: int) -> float:
+    from ember.runtime.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    eng.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))   # warm-up
+    eng.add_request("b1", prompt, params)
+    times = []
+    while eng.has_unfinished_requests():
+        if eng.step():
+            times.append(time.perf_counter())
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def ember_offline(eng, prompts: list[list[int]], output_lens: list[int]) -> float:
+    from ember.runtime.engine.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    began = time.perf_counter()
+    outputs = eng.generate(prompts, params)
+    elapsed = time.perf_counter() - began
+    assert [len(o) for o in outputs] == output_lens
+    return sum(output_lens) / elapsed
+
+
+def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float]:
+    """Median host and GPU milliseconds per decode step with `batch` sequences running."""
+    from ember.runtime.engine.sampling import SamplingParams
+
+    for i, prompt in enumerate(random_prompts(batch, 256, 256, seed=3)):
+        eng.add_request(f"b64-{i}", prompt, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
+    host, gpu = [], []
+    runs = []
+    run = eng.runner.run
+
+    def recorded(*args):   # the bench reads each step's RunOutput beside the engine
+        runs.append(run(*args))
+        return runs[-1]
+
+    eng.runner.run = recorded
+    try:
+        while eng.has_unfinished_requests():
+            runs.clear()
+            began = time.perf_counter()
+            eng.step()
+            wall = time.perf_counter() - began
+            if runs and runs[0].graph_batch_size == batch and len(eng.scheduler.running) == batch:
+                host.append(wall - runs[0].wait_seconds)
+                gpu.append(runs[0].gpu_seconds)
+    finally:
+        eng.runner.run = run
+    return 1000 * statistics.median(host), 1000 * statistics.median(gpu)
+
+
+def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: int) -> list[dict]:
+    """`ember serve` with one replica; streaming completions at each concurrency."""
+    import httpx
+
+    home = Path(tempfile.mkdtemp(prefix="ember-speed-"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ember.cli", "serve", str(Path(__file__).parent / "serve_app.py"), "--port", "0"],
+        env=os.environ | {"EMBER_HOME": str(home), "EMBER_BENCH_MODEL": str(model_dir)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT)
+    try:
+        url = next(line.split(" at ")[-1].strip() for line in process.stdout if line.startswith("Ember is serving"))
+        from ember.gateway.keys import KeyStore
+
+        verify = ssl.create_default_context(cafile=str(home / "tls" / "ca.pem"))
+        key = KeyStore(home / "ember.db").create("speed")[1]
+        name = model_dir.name
+        prompts = random_prompts(requests_per_level, 256, 256, seed=4)
+        with httpx.Client(base_url=url, verify=verify, headers={"Authorization": f"Bearer {key}"},
+                          timeout=600) as http:
+            deadline = time.monotonic() + 600
+            while http.get("/speed/v1/models").status_code != 200:   # the replica is up once this answers
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replica did not come up within 600 s")
+                time.sleep(1)
+
+            def one(prompt: list[int]) -> tuple[float, list[float], int]:
+                began = time.perf_counter()
+                stamps = []
+                body = {"model": name, "prompt": prompt, "max_tokens": 128, "ignore_eos": True, "temperature": 0,
+                        "stream": True}
+                with http.stream("POST", "/speed/v1/completions", json=body) as response:
+                    response.raise_for_status()
+                    for line in response.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
+                            stamps.append(time.perf_counter())
+                return stamps[0] - began, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
+
+            one(prompts[0])   # warm-up
+            rows = []
+            for level in concurrency:
+                began = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(level) as pool:
+                    results = list(pool.map(one, prompts[:max(level * 4, 16)]))
+                elapsed = time.perf_counter() - began
+                ttft = sorted(r[0] for r in results)
+                itl = sorted(x for r in results for x in r[1])
+                rows.append({"concurrency": level, "requests": len(results),
+                             "output_tok_s": round(len(results) * 128 / elapsed, 1),
+                             "ttft_ms_p50": round(1000 * _pct(ttft, 50), 1), "ttft_ms_p99": round(1000 * _pct(ttft, 99), 1),
+                             "itl_ms_p50": round(1000 * _pct(itl, 50), 2), "itl_ms_p99": round(1000 * _pct(itl, 99), 2)})
+                log("  online", rows[-1])
+        return rows
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _pct(values: list[float], p: float) -> float:
+    return values[min(len(values) - 1, int(len(values) * p / 100))]
+
+
+def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
+    model_dir = workdir / f"qwen3-{shape.lower()}-random"
+    began = time.perf_counter()
+    hf = build_model(shape, model_dir)
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    row = {"name": f"Qwen3-{shape} shape (random weights)", "weight_bytes": weight_bytes,
+           "roofline_b1_tok_s": round(bandwidth / weight_bytes, 1)}
+    log(f"[{shape}] built in {time.perf_counter() - began:.1f} s, {weight_bytes / 1e9:.2f} GB; roofline "
+        f"{row['roofline_b1_tok_s']} tok/s")
+    b1_prompt = random_prompts(1, 128, 128, seed=1)[0]
+    g = torch.Generator().manual_seed(0)
+    prompts = random_prompts(args.offline_requests, 100, 1024, seed=0)
+    output_lens = torch.randint(100, 1025, (args.offline_requests,), generator=g).tolist()
+    if not args.skip_transformers:
+        row["transformers_b1_tok_s"] = round(hf_batch1(hf, b1_prompt, 256), 1)
+        log(f"[{shape}] transformers batch 1: {row['transformers_b1_tok_s']} tok/s")
+        hf_prompts = prompts[:args.hf_offline_requests]
+        rate, how = hf_offline(hf, hf_prompts, round(statistics.mean(output_lens)))
+        row["transformers_offline_output_tok_s"] = round(rate, 1)
+        row["transformers_offline_method"] = f"{how} on {len(hf_prompts)} requests"
+        log(f"[{shape}] transformers offline: {rate:.1f} output tok/s ({how})")
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    began = time.perf_counter()
+    eng = ember_engine(model_dir, max_num_seqs=256)
+    row["ember_start_phases_s"] = {k: round(v, 3) for k, v in eng.runner.start_phases.items()}
+    log(f"[{shape}] ember engine up in {time.perf_counter() - began:.1f} s: {row['ember_start_phases_s']}")
+    row["ember_b1_tok_s"] = round(ember_batch1(eng, b1_prompt, 256), 1)
+    log(f"[{shape}] ember batch 1: {row['ember_b1_tok_s']} tok/s "
+        f"({row['ember_b1_tok_s'] / row['roofline_b1_tok_s']:.0%} of roofline)")
+    row["offline_output_tok_s"] = round(ember_offline(eng, prompts, output_lens), 1)
+    log(f"[{shape}] ember offline: {row['offline_output_tok_s']} output tok/s")
+    host, gpu = ember_host_vs_gpu(eng)
+    row["host_ms_per_step_b64"], row["gpu_ms_per_step_b64"] = round(host, 3), round(gpu, 3)
+    log(f"[{shape}] batch 64 decode step: host {host:.3f} ms, GPU {gpu:.3f} ms ({host / gpu:.1%})")
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_online:
+        row["online"] = online(model_dir, tuple(args.concurrency), args.online_requests)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["8B", "4B", "0.6B"], choices=list(SHAPES))
+    parser.add_argument("--offline-requests", type=int, default=256)
+    parser.add_argument("--hf-offline-requests", type=int, default=64)
+    parser.add_argument("--online-requests", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument("--skip-online", action="store_true")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--workdir", default=None, help="where model directories are written (default: a temp dir)")
+    parser.add_argument("--record", action="store_true", help="write bench/results/engine_speed.json")
+    args = parser.parse_args()
+    import transformers
+
+    bandwidth = copy_bandwidth()
+    log(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ember-speed-models-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = [measure(shape, args, bandwidth, workdir) for shape in args.models]
+    result = {"machine": f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, {platform.machine()}; "
+                         f"torch {torch.__version__}, transformers {transformers.__version__}",
+              "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "models": rows}
+    print(json.dumps(result, indent=1))
+    if args.record:
+        (RESULTS / "engine_speed.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
