@@ -17,7 +17,7 @@ from ember.gateway.auth import authenticate
 from ember.gateway.errors import ApiError
 
 if TYPE_CHECKING:
-    from ember.gateway.server import Gateway
+    from ember.gateway.service import Gateway
 
 
 S3_URL = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<key>[^\x00-\x1f]{1,1024})")

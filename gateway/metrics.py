@@ -2,6 +2,7 @@
 from collections import Counter
 
 from ember.gateway.deployment import Deployment
+from ember.gateway.queue import ColdStart
 from ember.gateway.replica import HOT, PARKED, STARTING
 
 STATES = (STARTING, HOT, PARKED)
@@ -12,10 +13,10 @@ class Metrics:
         self.requests: Counter[tuple[str, str, int]] = Counter()
         self.cold_starts: Counter[tuple[str, str, str]] = Counter()
 
-    def observe(self, app: str, unit: str, status: int, cold_start: str | None) -> None:
+    def observe(self, app: str, unit: str, status: int, cold_start: ColdStart | None) -> None:
         self.requests[(app, unit, status)] += 1
         if cold_start:
-            self.cold_starts[(app, unit, cold_start.split(";")[0])] += 1
+            self.cold_starts[(app, unit, cold_start.tier)] += 1
 
     def render(self, deployments: dict[str, Deployment]) -> str:
         lines = ["# HELP ember_requests_total Calls answered, by app, function and status code.",

@@ -4,7 +4,7 @@ The upstream URL is always http://{replica address}{path}: nothing the client se
 import asyncio
 import json
 import logging
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 import anyio
@@ -13,6 +13,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from yarl import URL
 
+from ember.gateway.body import CountedBody, too_large
 from ember.gateway.errors import ApiError, error_response
 from ember.gateway.replica import Replica
 from ember.gateway.usage import UsageMeter
@@ -76,22 +77,6 @@ async def call(client: aiohttp.ClientSession, replica: Replica, method: str, bod
         raise Unreachable(replica, exc) from None
 
 
-class CountedBody:
-    """The client's body streamed through, counted as it passes: over `limit` bytes ends the upload with a 413."""
-
-    def __init__(self, request: Request, limit: int):
-        self.request, self.limit, self.over = request, limit, False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        size = 0
-        async for chunk in self.request.stream():
-            size += len(chunk)
-            if size > self.limit:
-                self.over = True
-                raise ApiError(413, "body_too_large", f"request body is over {self.limit} bytes")
-            yield chunk
-
-
 async def open_stream(client: aiohttp.ClientSession, replica: Replica, request: Request, path: str, body: bytes | None,
                       timeout: float, max_body: int, trace: dict | None = None) -> aiohttp.ClientResponse:
     """Start forwarding `request` to the replica's ASGI app at `path`: `body` when the gateway read it, else the
@@ -113,7 +98,7 @@ async def open_stream(client: aiohttp.ClientSession, replica: Replica, request: 
         raise _timeout(timeout) from None
     except aiohttp.ClientError as exc:
         if counted is not None and counted.over:  # the upload was cut by its own size, not by the replica
-            raise ApiError(413, "body_too_large", f"request body is over {max_body} bytes") from None
+            raise too_large(max_body) from None
         raise Unreachable(replica, exc) from None
 
 

@@ -13,9 +13,26 @@ from ember.gateway.routing import SESSION, SessionTable, choose
 
 
 @dataclass(frozen=True)
+class ColdStart:
+    """How the replica a call waited for became ready: the tier it came from and how long the call waited."""
+
+    tier: str
+    ms: int
+
+    def header(self) -> str:
+        """The X-Ember-Cold-Start value."""
+        return f"{self.tier}; ms={self.ms}"
+
+
+@dataclass(frozen=True)
 class Lease:
+    """A call's slot on a replica, and how it got it."""
+
     replica: Replica
-    cold_start: str | None  # X-Ember-Cold-Start value when the call waited for a start or wake
+    cold_start: ColdStart | None  # when the call waited for a start or wake
+    waited_s: float = 0.0  # in the queue
+    granted_ns: int = 0  # wall clock when a call that waited was handed its slot
+    attempt: int = 1  # 2 for the one retry on another replica
 
 
 @dataclass(eq=False)
@@ -94,7 +111,8 @@ class FunctionQueue:
         except asyncio.CancelledError:
             self._abandon(waiter)
             raise
-        return Lease(replica, self._cold_start(replica, waiter.since, time.monotonic()))
+        granted = time.monotonic()
+        return Lease(replica, self._cold_start(replica, waiter.since, granted), granted - now, time.time_ns())
 
     def try_acquire(self, key: str | None, avoid: frozenset[str]) -> Lease | None:
         """A slot on a replica other than `avoid`, now or never: the one retry after a replica failed."""
@@ -111,10 +129,10 @@ class FunctionQueue:
             self.release(waiter.future.result())  # a slot was handed over just as the caller left
 
     @staticmethod
-    def _cold_start(replica: Replica, since: float, now: float) -> str | None:
+    def _cold_start(replica: Replica, since: float, now: float) -> ColdStart | None:
         if replica.ready_at is None or replica.ready_at < since:
             return None
-        return f"{replica.tier}; ms={round((now - since) * 1000)}"
+        return ColdStart(replica.tier, round((now - since) * 1000))
 
     def _dispatch(self) -> None:
         while self.waiters and (replica := self._free(self.waiters[0].key)) is not None:

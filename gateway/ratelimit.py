@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 WINDOW = 60.0  # seconds: every limit here is per minute
 DEFAULT_LEASE_TTL = 300.0  # seconds a concurrency slot survives without renew/release
@@ -167,6 +167,24 @@ def _admission(scopes, tokens, lease, tats_before, tats_after, now, busy) -> Adm
         tokens=_tightest(token_quotas),
         ticket=Ticket(tuple(scopes), tokens, lease) if allowed else None,
     )
+
+
+class Limiter(Protocol):
+    """Where the limits' state lives: `MemoryLimiter` (one gateway) or `RedisLimiter` (gateways sharing a Redis)."""
+
+    lease_ttl: float
+
+    async def admit(self, scopes: Sequence[Scope], tokens: int = 0) -> Admission:
+        """Check every scope and charge all of them or none."""
+        ...
+
+    async def release(self, ticket: Ticket, used_tokens: int | None = None) -> None:
+        """Free the concurrency slot and settle the token reservation to `used_tokens` (None: as charged)."""
+        ...
+
+    async def renew(self, ticket: Ticket) -> None:
+        """Keep a long response's concurrency slot past `lease_ttl`."""
+        ...
 
 
 class MemoryLimiter:

@@ -9,7 +9,8 @@ import uvicorn
 
 from ember.gateway.backends import backend_for
 from ember.gateway.ratelimit import MemoryLimiter, RedisLimiter
-from ember.gateway.server import Gateway, create_app
+from ember.gateway.server import create_app
+from ember.gateway.service import Gateway
 from ember.gateway.tls import issue_server_cert
 from ember.home import Home
 from ember.package import build, load_app, read_manifest

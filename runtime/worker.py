@@ -333,6 +333,10 @@ def build_asgi(replica: Replica, secret: str):
         sent = [v for k, v in scope["headers"] if k == CONTROL_HEADER.encode()]
         return len(sent) == 1 and hmac.compare_digest(sent[0], expected)
 
+    # The gateway's CLIENT span reaches here as `traceparent`; the user's code runs inside this SERVER span.
+    traced_internal = tracing.ServerSpans(internal, describe_call)
+    traced_user_app = tracing.ServerSpans(user_app, lambda scope: describe_request(scope, replica.unit.name))
+
     async def root(scope, receive, send):
         if scope["type"] == "lifespan":
             await (user_app or internal)(scope, receive, send)
@@ -341,52 +345,27 @@ def build_asgi(replica: Replica, secret: str):
                 if scope["type"] == "http":
                     await _error_response(404, "not_found", f"no route {scope['path'][:200]!r}")(scope, receive, send)
                 return
-            if tracing.enabled and scope["path"].startswith(CALL_PATH):
-                function = scope["path"][len(CALL_PATH):]
-                await traced(internal, scope, receive, send, f"call {function}", function)
-            else:
-                await internal(scope, receive, send)
+            await traced_internal(scope, receive, send)
         else:
             await replica.parking.ready()
-            if tracing.enabled and scope["type"] == "http":
-                await traced(user_app, scope, receive, send, f"{scope['method']} {scope['path']}", replica.unit.name)
-            else:
-                await user_app(scope, receive, send)
+            await traced_user_app(scope, receive, send)
 
     return root
 
 
-async def traced(app, scope, receive, send, name: str, function: str) -> None:
-    """Serve one request inside a SERVER span that continues the gateway's trace context; the context is current
-    while `app` runs, so the user's code (an LLM engine, say) can add child spans to the same trace."""
-    from opentelemetry import context, trace
-    from opentelemetry.trace import SpanKind, StatusCode
+def describe_call(scope) -> tuple[str, dict] | None:
+    """A call's SERVER span (the other control routes are not traced)."""
+    if not scope["path"].startswith(CALL_PATH):
+        return None
+    function = scope["path"][len(CALL_PATH):]
+    return describe_request(scope, function, f"call {function}")
 
-    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-    span = tracing.tracer().start_span(
-        name, tracing.extract(headers), SpanKind.SERVER,
-        attributes={"ember.function": function, "ember.replica.id": headers.get("x-ember-replica", ""),
-                    "http.request.method": scope["method"], "url.path": scope["path"]})
-    status = 500
 
-    async def sending(message) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        await send(message)
-
-    token = context.attach(trace.set_span_in_context(span))
-    try:
-        await app(scope, receive, sending)
-    except BaseException as exc:
-        span.record_exception(exc)
-        raise
-    finally:
-        context.detach(token)
-        span.set_attribute("http.response.status_code", status)
-        if status >= 500:
-            span.set_status(StatusCode.ERROR, f"HTTP {status}")
-        span.end()
+def describe_request(scope, function: str, name: str | None = None) -> tuple[str, dict]:
+    replica_id = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-ember-replica"), "")
+    return name or f"{scope['method']} {scope['path']}", {
+        "ember.function": function, "ember.replica.id": replica_id,
+        "http.request.method": scope["method"], "url.path": scope["path"]}
 
 
 def _serve(app, sock: socket.socket) -> None:

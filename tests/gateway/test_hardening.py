@@ -9,7 +9,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ember.gateway.server import MAX_BODY
+from ember.gateway.body import MAX_BODY
 
 APPS = Path(__file__).parent / "apps"
 

@@ -3,7 +3,7 @@ passed back, a reply cut mid-body, and an upload over the body limit."""
 import textwrap
 
 from ember.gateway.proxy import WHOLE_BODY
-from ember.gateway.server import MAX_BODY
+from ember.gateway.body import MAX_BODY
 
 APP = textwrap.dedent('''
     import ember

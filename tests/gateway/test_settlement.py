@@ -1,16 +1,15 @@
-"""Pieces of the request path in gateway/server.py that need no socket."""
+"""gateway/settlement.py: the rate-limit charge of a request, given back when its reply ends."""
 import asyncio
-from types import SimpleNamespace
 
 from ember.gateway.ratelimit import Limits, MemoryLimiter, Scope
-from ember.gateway.server import Settlement
+from ember.gateway.settlement import Settlement
 
 
 def test_a_long_stream_keeps_its_concurrency_slot_past_the_lease_ttl_and_frees_it_at_the_end():
     async def scenario() -> list[bool]:
         limiter = MemoryLimiter(lease_ttl=0.3)
         scopes = [Scope("key:k", Limits(max_concurrent=1))]
-        settle = Settlement(SimpleNamespace(limiter=limiter), await limiter.admit(scopes), meter=None)
+        settle = Settlement(limiter, await limiter.admit(scopes), meter=None)
         settle.hold()
         await asyncio.sleep(1.0)  # three lease TTLs into the stream
         during = (await limiter.admit(scopes)).allowed

@@ -1,0 +1,55 @@
+"""The gateway as a service: the keys, deployed apps, backend, autoscaler, metrics and rate limits one
+`ember serve` runs, and deploying an app into it. The HTTP surface over it is gateway/server.py."""
+import asyncio
+import time
+from pathlib import Path
+
+from ember.gateway.app_limits import AppLimitStore
+from ember.gateway.backends.local import LocalBackend
+from ember.gateway.deployment import Deployment
+from ember.gateway.keys import KeyStore
+from ember.gateway.metrics import Metrics
+from ember.gateway.ratelimit import Limiter, MemoryLimiter
+from ember.gateway.replica import STOPPING
+from ember.gateway.routing import APP_NAME
+from ember.gateway.scaler import Scaler
+from ember.home import Home
+
+
+class Gateway:
+    def __init__(self, home: Home, backend: LocalBackend | None = None, limiter: Limiter | None = None,
+                 routing: str = "affinity"):
+        self.home = home
+        self.keys = KeyStore(home.db)
+        self.deployments: dict[str, Deployment] = {}
+        self.backend = backend or LocalBackend(home.logs)
+        self.scaler = Scaler(self.backend, self.deployments)
+        self.metrics = Metrics()
+        self.app_limits = AppLimitStore(home.db)
+        self.limiter: Limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits
+        self.routing = routing
+        self.started = time.monotonic()
+        self.ready = False
+
+    def register(self, package: Path) -> tuple[Deployment, Deployment | None]:
+        deployment = Deployment.from_package(package, self.scaler.poke)
+        if not APP_NAME.fullmatch(deployment.name):
+            raise ValueError(f"app name {deployment.name!r} must match {APP_NAME.pattern} "
+                             "(lower-case letters, digits, - and _)")
+        for unit in deployment.units.values():
+            unit.queue.routing = self.routing
+        previous = self.deployments.get(deployment.name)
+        self.deployments[deployment.name] = deployment
+        return deployment, previous
+
+    async def deploy(self, package: Path) -> Deployment:
+        deployment, previous = self.register(package)
+        if previous is not None:  # the new version takes new calls; the old one's replicas finish theirs and stop
+            replicas = []
+            for unit in previous.units.values():
+                unit.queue.fail_waiters(f"app {deployment.name!r} was redeployed while this call waited; retry it")
+                replicas += unit.queue.replicas.values()
+            for replica in replicas:
+                replica.state = STOPPING
+            await asyncio.gather(*(self.backend.stop(r) for r in replicas))
+        return deployment
