@@ -453,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         weights = getattr(sys.modules.get("ember.runtime.engine.models.loader"), "last_start", None)
         if weights is not None:  # an engine loaded weights in the enter hooks: from a snapshot or a full boot
             timings.update(weights=weights.source, weights_ms=round(weights.seconds * 1000))
+        gpu_image = getattr(sys.modules.get("ember.runtime.engine.model_runner"), "last_gpu_image", None)
+        if gpu_image is not None:  # "reserved": the engine's memory is at the device addresses its image recorded
+            timings["gpu_image"] = gpu_image
         phase = "serve"
         secret = secrets.token_urlsafe(32)
         asgi = build_asgi(Replica(unit, obj), secret)

@@ -76,6 +76,10 @@ class Driver:
                                     location=_Location(CU_MEM_LOCATION_TYPE_DEVICE, ordinal))
         self.access = _AccessDesc(location=_Location(CU_MEM_LOCATION_TYPE_DEVICE, ordinal),
                                   flags=CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        name, version = ctypes.create_string_buffer(256), ctypes.c_int()
+        self._call("cuDeviceGetName", name, 256, device)
+        self._call("cuDriverGetVersion", ctypes.byref(version))
+        self.identity = f"{name.value.decode()}, CUDA driver {version.value}"  # what a GPU memory image is valid on
         granularity = ctypes.c_size_t()
         self._call("cuMemGetAllocationGranularity", ctypes.byref(granularity), ctypes.byref(self.prop),
                    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
@@ -220,10 +224,23 @@ class Arena:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.driver = driver(self.device.index) if self.device.type == "cuda" else None
         self.regions: list[Region] = []
+        self.reserved: dict[str, tuple[int, int]] = {}  # name -> (address, size) reserved for a region to come
         self.parked = False
 
-    def region(self, name: str, nbytes: int, keep: bool, at: int = 0) -> Region:
-        """A new region of `nbytes`, mapped; on a GPU at device address `at` when given (raises AddressTaken)."""
+    @property
+    def identity(self) -> str:
+        return self.driver.identity if self.driver is not None else "cpu"
+
+    def reserve(self, name: str, address: int, size: int) -> None:
+        """Reserves the device addresses a region called `name` had in an earlier process (its GPU memory image),
+        so that the region lands there; raises AddressTaken when something holds them. Nothing on a CPU."""
+        if self.driver is None:
+            return
+        self.driver.make_current()
+        self.reserved[name] = (self.driver.reserve(size, at=address), size)
+
+    def region(self, name: str, nbytes: int, keep: bool) -> Region:
+        """A new region of `nbytes`, mapped: at the addresses reserved for `name` when they fit, else anywhere."""
         if self.parked:
             raise RuntimeError("the arena is parked: wake it before allocating")
         if any(r.name == name for r in self.regions):
@@ -238,7 +255,13 @@ class Arena:
             d = self.driver
             d.make_current()
             region.size = -(-max(nbytes, 1) // d.granularity) * d.granularity
-            region.address = d.reserve(region.size, at)
+            address, size = self.reserved.pop(name, (0, 0))
+            if address and size != region.size:
+                log.warning("region %s needs %d bytes, its recorded range has %d: reserving a new range", name,
+                            region.size, size)
+                d.free_addresses(address, size)
+                address = 0
+            region.address = address or d.reserve(region.size)
             try:
                 region.handle = d.map(region.address, region.size)
             except CudaDriverError:
@@ -318,6 +341,14 @@ class Arena:
         log.info("woke %d regions: mapped %.2f GB and copied %.2f GB back in %.3f s", len(self.regions),
                  mapped / 1e9, copied / 1e9, report.seconds)
         return report
+
+    def release_reservations(self) -> None:
+        """Frees reserved ranges that no region took."""
+        if self.driver is not None and self.reserved:
+            self.driver.make_current()
+        for address, size in self.reserved.values():
+            self.driver.free_addresses(address, size)
+        self.reserved.clear()
 
     def free(self, name: str) -> None:
         """Frees the region called `name`, if there is one, addresses too; its tensors must not be used again."""

@@ -6,20 +6,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.snapshot import open_store
+from ember.snapshot import image, open_store
 
 from . import kernels
 from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
-from .gpu_memory import Arena, ParkReport, WakeReport, tensor_bytes
-from .models.loader import load_model
+from .gpu_memory import AddressTaken, Arena, CudaDriverError, ParkReport, WakeReport, tensor_bytes
+from .models.loader import load_model, snapshot_key
 from .sampling import SamplingRow, draw
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
 KV_CACHE = "kv_cache"  # the arena region of every layer's KV blocks
+last_gpu_image: str | None = None  # this process's latest engine start: its GPU memory image, for the start breakdown
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,6 +49,7 @@ class ModelRunner:
             kernels.install()
         # The weights and the KV cache live in the arena, so a park can release them and keep their addresses.
         self.arena = Arena(self.device)
+        self.gpu_image = self._reserve_recorded_ranges()
         began = time.perf_counter()
         # weights_start: where the weights came from (snapshot or full boot), how long, how fast
         self.model, self.hf_config, self.weights_start = load_model(config.model, self.dtype, self.device,
@@ -76,6 +78,7 @@ class ModelRunner:
         kv_shape = (self.num_blocks, 2, self.block_size, self.num_kv_heads, head_dim)
         kv_region = self.arena.region(KV_CACHE, tensor_bytes([(kv_shape, self.dtype)] * self.num_layers), keep=False)
         self.kv_caches = [kv_region.take(kv_shape, self.dtype) for _ in range(self.num_layers)]
+        self._record_image()
         self.start_phases["kv_cache"] = time.perf_counter() - began
         began = time.perf_counter()
         # Graphs, their buffers and flashinfer's workspaces stay in torch's allocator, which a park leaves alone.
@@ -85,6 +88,48 @@ class ModelRunner:
                     config.model, self.device, self.dtype, self.num_blocks, self.block_size,
                     type(self.attention).__name__, self.graphs.batch_sizes if self.graphs else "off",
                     {k: round(v, 3) for k, v in self.start_phases.items()})
+
+    def _image_snapshot(self) -> str | None:
+        """The weight snapshot a GPU memory image sits beside; None where there is none (on a CPU, no store)."""
+        if self.store is None or self.arena.driver is None:
+            return None
+        return snapshot_key(self.config.model, self.dtype)
+
+    def _reserve_recorded_ranges(self) -> str:
+        """The device address ranges the last replica of this snapshot held (its GPU memory image), reserved
+        before anything else allocates, so the weights and the KV cache land where they were. Returns "reserved",
+        "new" (and logs why) or "none" (no image on a CPU or without a store)."""
+        global last_gpu_image
+        snapshot = self._image_snapshot()
+        if snapshot is None:
+            last_gpu_image = "none"
+            return last_gpu_image
+        try:
+            recorded = self.store.get_blob(image.blob_name(snapshot))
+            regions, reason = image.GpuImage.usable(recorded, snapshot, self.arena.identity)
+            for r in regions:
+                self.arena.reserve(r.name, r.address, r.size)
+        except (AddressTaken, CudaDriverError, OSError) as err:
+            self.arena.release_reservations()
+            reason = f"{type(err).__name__}: {err}"
+        if reason is not None:
+            logger.info("GPU memory image not used, allocating new address ranges: %s", reason)
+        last_gpu_image = "reserved" if reason is None else "new"
+        return last_gpu_image
+
+    def _record_image(self) -> None:
+        """Records where the arena's regions are, for the next replica, unless the image says so already."""
+        self.arena.release_reservations()
+        snapshot = self._image_snapshot()
+        if snapshot is None:
+            return
+        now = image.GpuImage(snapshot, self.arena.identity, tuple(
+            image.ImageRegion(r.name, r.address, r.size, r.keep) for r in self.arena.regions)).encode()
+        try:
+            if self.store.get_blob(image.blob_name(snapshot)) != now:
+                self.store.put_blob(image.blob_name(snapshot), now)
+        except Exception as err:  # noqa: BLE001 - without an image the next replica only gets new addresses
+            logger.warning("could not record the GPU memory image: %s", err)
 
     def park(self) -> ParkReport:
         """Releases the device memory of the weights (kept in pinned host memory) and of the KV cache (discarded);

@@ -2,7 +2,9 @@
 little else), a wake maps them back at the same addresses, and the engine answers exactly as before.
     python -m pytest tests/gpu/test_park_gpu.py -m gpu -s
 """
+import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,13 +25,17 @@ def gpu_bytes_used() -> int:
     return int(out.stdout.split()[0]) << 20
 
 
-def test_park_releases_the_gpu_and_wake_answers_the_same(tmp_path):
+def build(path) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, vocab_size=8192, max_position_embeddings=1024,
                          initializer_range=0.05, eos_token_id=2)
-    Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+
+
+def test_park_releases_the_gpu_and_wake_answers_the_same(tmp_path):
+    build(tmp_path)
     # The default sizing: the KV cache takes most of the GPU, so a park that kept it would show.
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=1024,
                                     attention_backend="flashinfer"))
@@ -46,3 +52,34 @@ def test_park_releases_the_gpu_and_wake_answers_the_same(tmp_path):
     assert engine.generate(prompts, GREEDY) == expected
     engine.park()  # the second park reuses the host copy of the weights; a step wakes the engine by itself
     assert engine.generate(prompts, GREEDY) == expected and not engine.parked
+
+
+RESTORE = """
+import json, sys, torch
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.engine import LLMEngine
+from ember.runtime.engine.sampling import SamplingParams
+engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype="bfloat16", max_model_len=1024, num_kv_blocks=4096,
+                                attention_backend="flashinfer", snapshot_store="local"))
+prompts = json.loads(sys.argv[2])
+tokens = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+print(json.dumps({"weights": engine.runner.weights_start.source, "image": engine.runner.gpu_image,
+                  "addresses": [r.address for r in engine.runner.arena.regions], "tokens": tokens}))
+"""
+
+
+def test_a_fresh_process_restores_into_the_recorded_address_ranges_and_answers_the_same(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+    build(tmp_path / "model")
+    prompts = [torch.randint(3, 8192, (n,)).tolist() for n in (5, 40, 200)]
+
+    def start() -> dict:
+        done = subprocess.run([sys.executable, "-c", RESTORE, str(tmp_path / "model"), json.dumps(prompts)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = start(), start()
+    assert (first["weights"], first["image"]) == ("full", "new")  # the first start records the image
+    assert (second["weights"], second["image"]) == ("snapshot", "reserved")
+    assert second["addresses"] == first["addresses"] and second["tokens"] == first["tokens"]
