@@ -1,7 +1,7 @@
 """FunctionSpec: every setting of a function or class, checked when the app is loaded."""
 import difflib
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -29,6 +29,9 @@ class FunctionSpec(BaseModel):
     stable_window: float | None = Field(None, gt=0, description="seconds of load that size steady traffic (default 60)")
     panic_window: float | None = Field(None, gt=0, description="seconds of load that detect a burst (default 6)")
     panic_threshold: float = Field(2.0, gt=1, description="a burst is this many times the hot replicas' target load")
+    # "hooks": torch modules move to host and @ember.park()/@ember.wake() release the rest; "cuda-checkpoint": the
+    # driver moves all of the process's GPU state to host (for CUDA code that cannot cooperate; slower)
+    park_with: Literal["hooks", "cuda-checkpoint"] = "hooks"
     target_concurrency: float = Field(1.0, gt=0)
     max_concurrency: int = Field(1, ge=1)
     timeout: float = Field(300.0, gt=0, description="seconds one call may run")

@@ -124,7 +124,8 @@ class Replica:
 
         self.unit, self.obj = unit, obj
         self.timeout = unit.spec.timeout
-        self.parking = Parking(obj, getattr(unit, "park_hooks", []), getattr(unit, "wake_hooks", []))
+        self.parking = Parking(obj, getattr(unit, "park_hooks", []), getattr(unit, "wake_hooks", []),
+                               checkpoint=unit.spec.park_with == "cuda-checkpoint")
         # As many threads as calls may run at once: a full pool must never queue a call behind a stuck one.
         self.threads = ThreadPoolExecutor(unit.spec.max_concurrency, thread_name_prefix="ember-call")
         self.types: dict[str, dict[str, Any]] = {}  # method -> its parameters' validators, built on first call
@@ -221,11 +222,13 @@ class Parking:
     A class's @ember.park() hooks run first (an LLM engine releases its weights and KV cache there), then the GPU
     tensors of the instance's torch modules move to pinned host RAM; a wake moves them back and then runs the
     @ember.wake() hooks. One at a time: a call that arrives while a park is under way waits for it, then wakes.
-    On a CPU-only replica there is no device memory to release, so parking only runs the hooks.
+    On a CPU-only replica there is no device memory to release, so parking only runs the hooks. With `checkpoint`
+    (park_with="cuda-checkpoint"), the driver's checkpoint API moves all of the process's GPU state to host memory
+    instead of Ember moving modules (runtime/cuda_checkpoint.py).
     """
 
-    def __init__(self, obj: Any, park_hooks: list[str] = (), wake_hooks: list[str] = ()):
-        self.obj, self.parked = obj, False
+    def __init__(self, obj: Any, park_hooks: list[str] = (), wake_hooks: list[str] = (), checkpoint: bool = False):
+        self.obj, self.parked, self.checkpoint = obj, False, checkpoint
         self.park_hooks, self.wake_hooks = list(park_hooks), list(wake_hooks)
         self.lock = asyncio.Lock()
         self.devices: dict[Any, Any] = {}  # tensor -> the CUDA device it came from
@@ -242,6 +245,10 @@ class Parking:
     def _park(self) -> None:
         for name in self.park_hooks:
             getattr(self.obj, name)()
+        if self.checkpoint:
+            from ember.runtime.cuda_checkpoint import checkpoint_self
+            checkpoint_self("park")
+            return
         for t in self._tensors():
             if t.is_cuda:
                 self.devices[t] = t.device
@@ -250,6 +257,9 @@ class Parking:
             sys.modules["torch"].cuda.empty_cache()
 
     def _wake(self) -> None:
+        if self.checkpoint:
+            from ember.runtime.cuda_checkpoint import checkpoint_self
+            checkpoint_self("wake")
         for t, device in self.devices.items():
             t.data = t.data.to(device, non_blocking=True)
         if self.devices:
@@ -260,13 +270,15 @@ class Parking:
 
     async def park(self) -> dict:
         async with self.lock:
-            began = time.monotonic()
-            before = device_bytes()
+            began, released = time.monotonic(), 0
             if not self.parked:
+                before = device_bytes()
                 await asyncio.to_thread(self._park)
                 self.parked = True
+                # A checkpointed process's CUDA calls wait for its wake: it holds no device memory meanwhile.
+                released = max(before - (0 if self.checkpoint else device_bytes()), 0)
             return {"parked": True, "ms": round((time.monotonic() - began) * 1000), "host_bytes": rss_bytes(),
-                    "device_bytes_released": max(before - device_bytes(), 0)}
+                    "device_bytes_released": released}
 
     async def wake(self) -> dict:
         async with self.lock:

@@ -83,3 +83,29 @@ def test_a_fresh_process_restores_into_the_recorded_address_ranges_and_answers_t
     assert (first["weights"], first["image"]) == ("full", "new")  # the first start records the image
     assert (second["weights"], second["image"]) == ("snapshot", "reserved")
     assert second["addresses"] == first["addresses"] and second["tokens"] == first["tokens"]
+
+
+def test_the_driver_checkpoint_parks_code_that_cannot_cooperate():
+    import asyncio
+    import time
+
+    from ember.runtime.worker import Parking
+
+    class Opaque:  # GPU memory Ember cannot see: not a torch module, no hooks
+        def __init__(self):
+            self.state = {"kv": torch.full((4 << 30,), 7, dtype=torch.uint8, device="cuda")}
+
+    obj = Opaque()
+    torch.cuda.synchronize()
+    awake = gpu_bytes_used()
+    parking = Parking(obj, checkpoint=True)
+    began = time.perf_counter()
+    parked = asyncio.run(parking.park())
+    park_s, parked_bytes = time.perf_counter() - began, gpu_bytes_used()
+    began = time.perf_counter()
+    asyncio.run(parking.wake())
+    wake_s = time.perf_counter() - began
+    print(f"\ncuda-checkpoint: awake {awake / 2**30:.2f} GiB, parked {parked_bytes / 2**30:.2f} GiB, "
+          f"park {park_s:.2f} s, wake {wake_s:.2f} s; {parked}")
+    assert parked_bytes < awake - (4 << 30)
+    assert int(obj.state["kv"][:: 1 << 20].sum()) == 7 * 4096

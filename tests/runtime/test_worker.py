@@ -310,3 +310,26 @@ def test_arguments_are_checked_against_type_hints_and_results_must_be_strict_jso
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(15)
+
+
+def test_parking_with_the_driver_checkpoint_names_what_is_missing_on_a_machine_without_it():
+    import asyncio
+    import ctypes.util
+
+    from ember.runtime.cuda_checkpoint import main
+    from ember.runtime.worker import Parking
+
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("this machine has a CUDA driver; tests/gpu covers the checkpoint itself")
+    parking = Parking(object(), checkpoint=True)
+    with pytest.raises(RuntimeError, match="park_with='cuda-checkpoint' needs an NVIDIA GPU"):
+        asyncio.run(parking.park())
+    assert not parking.parked  # a park that failed leaves the replica serving
+    assert main(["nap", "1"]) == 2
+
+
+def test_park_with_is_checked_when_the_app_loads():
+    import ember
+
+    with pytest.raises(ember.SpecError, match="park_with"):
+        ember.App("x").cls(park_with="criu")
