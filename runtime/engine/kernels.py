@@ -94,14 +94,15 @@ def prepare(store=None) -> Path:
 
 
 def keep(store=None) -> list[str]:
-    """After the engine's warm-up: keeps the modules it built and, when there were new ones, sends the kernel
-    directory to the store for the next node."""
+    """After the engine's warm-up: keeps the modules it built and sends the kernel directory to the store for the
+    next node, when it has new ones or the store has none yet (the kernels may have come with the node)."""
     added = collect()
-    if added and store is not None:
+    if store is not None:
         import flashinfer.jit.env as jit_env
 
         try:
-            store.put_blob(blob_name(jit_env), pack())
+            if added or store.get_blob(blob_name(jit_env)) is None:
+                store.put_blob(blob_name(jit_env), pack())
         except Exception as err:  # noqa: BLE001 - the node keeps them; only other nodes miss them
             log.warning("could not send compiled kernels to %s: %s", store.url, err)
     return added

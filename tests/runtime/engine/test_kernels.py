@@ -71,6 +71,13 @@ def test_a_fresh_node_installs_the_kernels_another_node_sent_to_the_store(jit_en
     assert kernels.keep(store) == []  # nothing was built here, nothing is sent
 
 
+def test_kernels_a_node_came_with_reach_the_store_too(jit_env, ember_home):
+    store = LocalStore()
+    build(jit_env, MODULE, b"shipped with the node")
+    kernels.collect()  # kept before any store was configured
+    assert kernels.keep(store) == [] and store.get_blob("kernels-flashinfer-0.6.13-90a.tgz") is not None
+
+
 def test_an_archive_cannot_write_outside_the_kernel_directory(ember_home):
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
