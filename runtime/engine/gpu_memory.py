@@ -144,12 +144,33 @@ def driver(ordinal: int) -> Driver:
     return Driver(ordinal)
 
 
-class _RawDevicePointer:
-    """What torch.as_tensor reads to view device memory it did not allocate (the CUDA array interface)."""
+class _Mapping:
+    """A region's device addresses and the physical memory behind them. The region's tensors hold it (through
+    torch.as_tensor's owner), so when the last of them goes, so does the memory, unless the arena freed it first."""
 
-    def __init__(self, address: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+    def __init__(self, driver: Driver, device: torch.device, address: int, size: int):
+        self.driver, self.device, self.address, self.size = driver, device, address, size
+        self.handle: int | None = None
+        self.freed = False
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False),
                                          "version": 3, "strides": None, "stream": None}
+
+    def free(self) -> None:
+        if self.freed:
+            return
+        torch.cuda.synchronize(self.device)  # no queued kernel may still touch what is unmapped
+        self.driver.make_current()
+        if self.handle is not None:
+            self.driver.unmap(self.address, self.size, self.handle)
+            self.handle = None
+        self.driver.free_addresses(self.address, self.size)
+        self.freed = True
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone; it frees everything then
+            pass
 
 
 @dataclass
@@ -165,9 +186,10 @@ class Region:
     device: torch.device
     address: int = 0                   # device virtual address on a GPU; the data pointer of `base` on a CPU
     size: int = 0                      # nbytes rounded up to the mapping granularity
-    handle: int | None = None          # the physical allocation backing it now (GPU); None while parked
+    mapping: _Mapping | None = None    # GPU: the address range and the physical memory backing it now
     base: torch.Tensor = field(init=False)
     host: torch.Tensor | None = None   # the pinned copy of a kept region, made at its first park
+    host_buffer: object = None         # what holds that copy's memory, closed when the region is freed
     used: int = 0
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -178,6 +200,15 @@ class Region:
             raise ValueError(f"region {self.name!r} of {self.nbytes} bytes cannot hold {n} more at {start}")
         self.used = start + n
         return self.base[start:start + n].view(dtype).view(shape)
+
+    @property
+    def handle(self) -> int | None:
+        """The physical allocation backing the region now (GPU); None while parked."""
+        return self.mapping.handle if self.mapping is not None else None
+
+    @handle.setter
+    def handle(self, value: int | None) -> None:
+        self.mapping.handle = value
 
     @property
     def mapped(self) -> bool:
@@ -262,12 +293,9 @@ class Arena:
                 d.free_addresses(address, size)
                 address = 0
             region.address = address or d.reserve(region.size)
-            try:
-                region.handle = d.map(region.address, region.size)
-            except CudaDriverError:
-                d.free_addresses(region.address, region.size)
-                raise
-            region.base = torch.as_tensor(_RawDevicePointer(region.address, region.size), device=self.device)
+            region.mapping = _Mapping(d, self.device, region.address, region.size)
+            region.handle = d.map(region.address, region.size)  # on failure the mapping frees the addresses
+            region.base = torch.as_tensor(region.mapping, device=self.device)
         self.regions.append(region)
         return region
 
@@ -291,7 +319,7 @@ class Arena:
             self.driver.make_current()
             for r in self.regions:
                 if r.keep and r.host is None:  # the weights never change, so one host copy serves every park
-                    r.host = _pinned(r.size)
+                    r.host, r.host_buffer = _pinned(r.size)
                     r.host.copy_(r.base)
                     copied += r.size
             for r in self.regions:
@@ -363,18 +391,16 @@ class Arena:
         self.regions.clear()
 
     def _free(self, region: Region) -> None:
-        if self.driver is None:
-            return
-        torch.cuda.synchronize(self.device)
-        self.driver.make_current()
-        if region.handle is not None:
-            self.driver.unmap(region.address, region.size, region.handle)
-            region.handle = None
-        self.driver.free_addresses(region.address, region.size)
+        if region.mapping is not None:
+            region.mapping.free()
+        if region.host_buffer is not None:
+            region.host_buffer.close()
+            region.host, region.host_buffer = None, None
 
 
-def _pinned(nbytes: int) -> torch.Tensor:
-    """Page-locked host memory for a region's copy: huge pages pinned in place, else torch's pinned allocator."""
+def _pinned(nbytes: int):
+    """Page-locked host memory for a region's copy, and what holds it (None when torch does): huge pages pinned in
+    place, else torch's pinned allocator."""
     from ember.snapshot import cudart
     from ember.snapshot.hostbuffer import HostBuffer
 
@@ -382,11 +408,7 @@ def _pinned(nbytes: int) -> torch.Tensor:
     if lib is not None:
         try:
             buffer = HostBuffer(nbytes, lib)
-            _kept_buffers.append(buffer)
-            return buffer.tensor
+            return buffer.tensor, buffer
         except (MemoryError, cudart.CudaError) as err:
             log.info("huge-page host buffer unavailable (%s); using torch's pinned memory", err)
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-
-_kept_buffers: list = []  # HostBuffers live as long as the process: their tensors do not own the memory
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None

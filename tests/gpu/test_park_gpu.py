@@ -2,6 +2,7 @@
 little else), a wake maps them back at the same addresses, and the engine answers exactly as before.
     python -m pytest tests/gpu/test_park_gpu.py -m gpu -s
 """
+import gc
 import json
 import subprocess
 import sys
@@ -52,6 +53,9 @@ def test_park_releases_the_gpu_and_wake_answers_the_same(tmp_path):
     assert engine.generate(prompts, GREEDY) == expected
     engine.park()  # the second park reuses the host copy of the weights; a step wakes the engine by itself
     assert engine.generate(prompts, GREEDY) == expected and not engine.parked
+    del engine
+    gc.collect()
+    assert gpu_bytes_used() <= PARKED_GOAL  # the arena's memory goes with the engine's tensors
 
 
 RESTORE = """
