@@ -2,8 +2,9 @@
 
     python -m ember.runtime.node_agent --instance-id ID --address HOST [--gpus N] [--slots N] [--work DIR]
 
-It registers the instance (address, GPUs, heartbeat) in the nodes table, claims pending assignments
-from the replicas table with a conditional write, pulls each package from S3 (its sha256 checked),
+It registers the instance (address, GPUs, heartbeat, the packages it holds on disk) in the nodes table, claims
+pending assignments from the replicas table with a conditional write (one the gateway placed on another node that
+holds its package only once that node had PREFER_GRACE to take it), pulls each package from S3 (its sha256 checked),
 starts the worker under a Supervisor (the one the local backend uses), publishes it on the instance's address,
 and writes back the replica's address and state. A replica whose assignment turns to "stop" is stopped. Once its
 instance is marked draining and runs nothing, the agent exits: the gateway is about to terminate the instance.
@@ -29,6 +30,7 @@ from ember.spec import FunctionSpec
 
 log = logging.getLogger("ember.node_agent")
 POLL = 0.2
+PREFER_GRACE = 2.0  # seconds a replica placed on a node holding its package waits for that node before any may claim it
 
 
 async def publish(address: str, port: int) -> asyncio.Server:
@@ -67,13 +69,19 @@ class NodeAgent:
         self.running: dict[str, WorkerProcess] = {}
         self.tasks: set[asyncio.Task] = set()
 
+    def holds(self) -> list[str]:
+        """sha256 of every package on this node's disk: a replica of one starts here without a pull (T2)."""
+        return sorted(p.stem for p in (self.work / "packages").glob("*.pkg"))
+
     def heartbeat(self) -> str:
         """Register or refresh this node; returns its state ("ready", or "draining" once the gateway marked it)."""
         reply = self.nodes.update_item(
             Key={"node_id": self.instance_id}, ReturnValues="ALL_NEW",
-            UpdateExpression="SET address = :a, gpus = :g, slots = :n, heartbeat = :t, #s = if_not_exists(#s, :ready)",
+            UpdateExpression="SET address = :a, gpus = :g, slots = :n, heartbeat = :t, packages = :p, "
+                             "#s = if_not_exists(#s, :ready)",
             ExpressionAttributeNames={"#s": "state"},
-            ExpressionAttributeValues={":a": self.address, ":g": self.gpus, ":n": self.slots, ":t": str(time.time()), ":ready": "ready"},
+            ExpressionAttributeValues={":a": self.address, ":g": self.gpus, ":n": self.slots, ":t": str(time.time()),
+                                       ":p": self.holds(), ":ready": "ready"},
         )
         return reply["Attributes"]["state"]
 
@@ -84,11 +92,17 @@ class NodeAgent:
                 log.info("node %s is draining and idle: exiting", self.instance_id)
                 return
             for item in scan(self.replicas):
-                if item["state"] == "pending" and state == "ready" and len(self.running) < self.slots:
+                free = state == "ready" and len(self.running) < self.slots
+                if item["state"] == "pending" and free and self._mine(item):
                     self._claim(item)
                 elif item.get("node_id") == self.instance_id and item["state"] == "stop" and item["replica_id"] in self.running:
                     self._spawn(self._stop(self.running[item["replica_id"]]))
             await asyncio.sleep(POLL)
+
+    def _mine(self, item: dict) -> bool:
+        """Placed here, placed nowhere, or its preferred node had its chance."""
+        prefer = item.get("prefer")
+        return prefer in (None, self.instance_id) or time.time() - float(item["created"]) > PREFER_GRACE
 
     def _claim(self, item: dict) -> None:
         """Take a pending assignment; the condition makes exactly one node win it."""
@@ -118,6 +132,7 @@ class NodeAgent:
     async def _serve(self, replica: WorkerProcess, item: dict) -> None:
         try:
             began = time.monotonic()
+            held = item["sha256"] in self.holds()
             package = await asyncio.to_thread(download_package, self.s3, self.bucket, item["package"], item["sha256"],
                                               self.work / "packages")
             pulled = time.monotonic()
@@ -129,6 +144,7 @@ class NodeAgent:
             relay = await publish(self.address, replica.port)
             public = relay.sockets[0].getsockname()[1]
             self._set(replica, state="ready", host=self.address, port=public, control_secret=replica.control_secret,
+                      tier="node-warm" if held else "node-cold",
                       pull_ms=round((pulled - began) * 1000),
                       boot_ms=round((time.monotonic() - pulled) * 1000))
             log.info("replica %s ready on %s:%s (worker on 127.0.0.1:%s)", replica.id, self.address, public, replica.port)

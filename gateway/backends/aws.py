@@ -2,10 +2,13 @@
 
 The gateway writes an assignment (a row of the replicas table, state "pending") and sizes the group to
 ceil(replicas / replicas-per-node); a node agent (ember.runtime.node_agent) claims it with a conditional
-write, pulls the package from S3, starts the worker and writes back its address. Scale-in removes only
-idle instances, each marked draining first so its agent claims nothing more.
+write, pulls the package from S3, starts the worker and writes back its address. A node that already holds the
+package on disk is preferred for a new replica (T2) before a node that must pull it or a new instance (T3). An idle
+replica parks on its node (T1: the worker keeps its process, its assignment says "parked") and the next call wakes
+it there. Scale-in removes only idle instances, each marked draining first so its agent claims nothing more.
 """
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -16,14 +19,17 @@ from pathlib import Path
 
 import boto3
 from boto3.dynamodb.conditions import Attr
+from botocore.exceptions import ClientError
 
-from ember.gateway.replica import FAILED, HOT, Replica
+from ember.gateway.backends.local import LocalBackend
+from ember.gateway.replica import FAILED, HOT, PARKED, Replica
 from ember.runtime.aws import scan, upload_package
 from ember.spec import FunctionSpec
 
 log = logging.getLogger("ember.gateway")
 POLL = 0.2
-ACTIVE = ("pending", "claimed", "ready")  # assignment states that hold a slot on a node
+ACTIVE = ("pending", "claimed", "ready", "parked")  # assignment states that hold a slot on a node
+PARKED_RAM = 64 << 30  # host bytes parked replicas may hold across the group before the oldest is evicted
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class AwsSettings:
     replicas_per_node: int = 1
     start_timeout: float = 600.0  # seconds an assignment may take: instance boot, package pull, enter hooks
     heartbeat_timeout: float = 15.0  # a node silent this long is gone, and so are its replicas
+    parked_ram: int = PARKED_RAM
 
     @classmethod
     def from_env(cls) -> "AwsSettings":
@@ -43,7 +50,8 @@ class AwsSettings:
                                "that terraform/examples/basic outputs)")
         return cls(os.environ["EMBER_AWS_ASG"], os.environ["EMBER_AWS_BUCKET"], os.environ.get("EMBER_AWS_TABLES", "ember-"),
                    int(os.environ.get("EMBER_AWS_REPLICAS_PER_NODE", "1")), float(os.environ.get("EMBER_AWS_START_TIMEOUT", "600")),
-                   float(os.environ.get("EMBER_AWS_HEARTBEAT_TIMEOUT", "15")))
+                   float(os.environ.get("EMBER_AWS_HEARTBEAT_TIMEOUT", "15")),
+                   int(os.environ.get("EMBER_AWS_PARKED_RAM", str(PARKED_RAM))))
 
 
 def clients():
@@ -56,6 +64,18 @@ def nodes_needed(active: int, per_node: int, busy_nodes: int) -> int:
     return max(math.ceil(active / per_node), busy_nodes)
 
 
+def place(nodes: list[dict], assignments: list[dict], digest: str, now: float, heartbeat_timeout: float) -> str | None:
+    """The node a new replica should start on: a live, ready node with a free slot that holds its package (T2), the
+    least busy of them. None when no node holds it: any node with a slot claims it, or a new instance does (T3)."""
+    busy: dict[str, int] = {}
+    for a in assignments:
+        if a.get("node_id") and a["state"] in ACTIVE + ("stop",):
+            busy[a["node_id"]] = busy.get(a["node_id"], 0) + 1
+    holders = [n for n in nodes if n.get("state") == "ready" and now - float(n.get("heartbeat", 0)) < heartbeat_timeout
+               and digest in n.get("packages", ()) and busy.get(n["node_id"], 0) < int(n.get("slots", 1))]
+    return min(holders, key=lambda n: (busy.get(n["node_id"], 0), n["node_id"]))["node_id"] if holders else None
+
+
 def create_tables(dynamodb, prefix: str) -> None:
     """The two tables (terraform creates them in a real account; tests and `ember` dev setups call this)."""
     for name, key in ((f"{prefix}nodes", "node_id"), (f"{prefix}replicas", "replica_id")):
@@ -64,12 +84,12 @@ def create_tables(dynamodb, prefix: str) -> None:
 
 
 class AwsBackend:
-    tier = "node-cold"  # a fresh instance pulls the package from the object store
-    can_park = False  # nodes stop idle replicas; parking across the network is not built yet
-    parked_ram = 0
+    tier = "node-cold"  # until a node says otherwise: a fresh instance pulls the package from the object store
+    can_park = True
 
     def __init__(self, logs: Path, settings: AwsSettings):
         self.logs, self.settings = logs, settings
+        self.parked_ram = settings.parked_ram
         self.autoscaling, self.s3, dynamodb = clients()
         self.nodes = dynamodb.Table(f"{settings.tables}nodes")
         self.replicas = dynamodb.Table(f"{settings.tables}replicas")
@@ -93,10 +113,13 @@ class AwsBackend:
     async def start(self, replica: Replica, package: Path, spec: FunctionSpec) -> None:
         began = time.monotonic()
         key, digest = await asyncio.to_thread(self._upload, package)
+        nodes, assignments = await asyncio.gather(asyncio.to_thread(scan, self.nodes),
+                                                  asyncio.to_thread(scan, self.replicas))
+        prefer = place(nodes, assignments, digest, time.time(), self.settings.heartbeat_timeout)
         await asyncio.to_thread(self.replicas.put_item, Item={
             "replica_id": replica.id, "app": replica.app, "unit": replica.unit, "package": key, "sha256": digest,
             "gpus": str(spec.gpu or ""), "state": "pending", "created": str(time.time()),
-        })
+        } | ({"prefer": prefer} if prefer else {}))
         await self.resize()
         deadline = began + self.settings.start_timeout
         while True:
@@ -113,6 +136,7 @@ class AwsBackend:
             await asyncio.sleep(POLL)
         now = time.monotonic()
         replica.host, replica.port, replica.note = item["host"], int(item["port"]), None
+        replica.tier = item.get("tier", self.tier)
         replica.control_secret = item.get("control_secret")
         replica.timings = {"claim_ms": int(item.get("claim_ms", 0)), "pull_ms": int(item.get("pull_ms", 0)),
                            "boot_ms": int(item.get("boot_ms", 0)), "total_ms": round((now - began) * 1000)}
@@ -131,8 +155,19 @@ class AwsBackend:
         return reply.get("Item")
 
     async def wait(self, replica: Replica) -> int:
-        """Until the replica ends: 0 when it was stopped, 1 when it failed or its node went silent."""
+        """Until the replica ends: 0 when it was stopped, 1 when it failed or its node went silent.
+
+        A call routed to a parked replica wakes it in the worker; that wake is recorded here, where it is seen first.
+        """
+        interval, checked, was_parked = min(1.0, self.settings.heartbeat_timeout / 4), 0.0, False
         while True:
+            if was_parked and replica.state != PARKED:
+                await self._record(replica, "parked", "ready", woken=str(time.time()))
+            was_parked = replica.state == PARKED
+            if time.monotonic() - checked < interval:
+                await asyncio.sleep(POLL / 2)
+                continue
+            checked = time.monotonic()
             item = await self._item(replica)
             if item is None or item["state"] == "stopped":
                 return 0
@@ -147,7 +182,29 @@ class AwsBackend:
                                  f"(> {self.settings.heartbeat_timeout:g} s): the instance or its node agent is gone")
                 await self._forget(replica)
                 return 1
-            await asyncio.sleep(min(1.0, self.settings.heartbeat_timeout / 4))
+
+    async def park(self, replica: Replica) -> dict:
+        """Park it on its node (through the node agent's relay to the worker), then record it in its assignment."""
+        parked = await LocalBackend._control(replica, "park")
+        await self._record(replica, "ready", "parked", parked_bytes=parked["host_bytes"])
+        if replica.state != PARKED:  # a call woke it while the park was under way
+            await self._record(replica, "parked", "ready", woken=str(time.time()))
+        return parked
+
+    async def wake(self, replica: Replica) -> dict:
+        woke = await LocalBackend._control(replica, "wake")
+        await self._record(replica, "parked", "ready", woken=str(time.time()))
+        return woke
+
+    async def _record(self, replica: Replica, was: str, now: str, **values) -> None:
+        """Move the assignment from `was` to `now`; a stop or failure written meanwhile wins."""
+        names = {"#s": "state"} | {f"#{k}": k for k in values}
+        with contextlib.suppress(ClientError):  # the condition failed: the assignment moved on without us
+            await asyncio.to_thread(
+                self.replicas.update_item, Key={"replica_id": replica.id}, ConditionExpression="#s = :was",
+                UpdateExpression="SET " + ", ".join(["#s = :now"] + [f"#{k} = :{k}" for k in values]),
+                ExpressionAttributeNames=names,
+                ExpressionAttributeValues={":was": was, ":now": now} | {f":{k}": v for k, v in values.items()})
 
     async def stop(self, replica: Replica, grace: float = 10.0) -> None:
         """Ask its node agent to stop it; once stopped (or after `grace`), forget it and shrink the group."""

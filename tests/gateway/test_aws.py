@@ -11,8 +11,9 @@ import boto3
 import httpx
 import pytest
 
-from ember.gateway.backends.aws import create_tables, nodes_needed
+from ember.gateway.backends.aws import create_tables, nodes_needed, place
 from tests.aws_emulator import aws_env, moto_server
+from tests.gateway.test_backend_local import wait_for
 
 APPS = Path(__file__).parent / "apps"
 GROUP, BUCKET = "ember-gpu", "ember-packages"
@@ -24,11 +25,29 @@ def test_nodes_needed_fit_replicas_and_keep_busy_nodes():
     assert nodes_needed(1, 2, 2) == 2  # scale-in never takes a node that runs a replica
 
 
+def test_place_prefers_a_live_node_with_a_free_slot_that_holds_the_package():
+    def node(node_id, packages, slots=1, state="ready", heartbeat=100.0):
+        return {"node_id": node_id, "packages": packages, "slots": slots, "state": state, "heartbeat": str(heartbeat)}
+
+    def running(node_id, state="ready"):
+        return {"node_id": node_id, "state": state}
+
+    nodes = [node("a", ["other"]), node("b", ["pkg"], slots=2), node("c", ["pkg"], slots=2)]
+    assert place(nodes, [], "pkg", 101.0, 15) == "b"  # a holder, ties broken by id
+    assert place(nodes, [running("b")], "pkg", 101.0, 15) == "c"  # the least busy holder
+    full = [running("b"), running("b", "parked"), running("c", "stop"), running("c")]
+    assert place(nodes, full, "pkg", 101.0, 15) is None
+    assert place(nodes, [running("b", "stopped"), running("b", "failed")], "pkg", 101.0, 15) == "b"  # gone: no slot
+    assert place(nodes, [], "new", 101.0, 15) is None  # nobody holds it: any node, or a new instance (T3)
+    gone = [node("b", ["pkg"], state="draining"), node("c", ["pkg"], heartbeat=50.0)]
+    assert place(gone, [], "pkg", 101.0, 15) is None  # draining, or silent past the heartbeat timeout
+
+
 class FakeInstances:
     """Plays EC2: a node agent process for every instance the group launches, gone when the group drops it."""
 
-    def __init__(self, autoscaling, work: Path, slots: int):
-        self.autoscaling, self.work, self.slots = autoscaling, work, slots
+    def __init__(self, autoscaling, work: Path, slots: int, group: str = GROUP):
+        self.autoscaling, self.work, self.slots, self.group = autoscaling, work, slots, group
         self.agents: dict[str, subprocess.Popen] = {}
         self.launched: list[str] = []
         self.desired_seen: list[int] = []
@@ -38,7 +57,7 @@ class FakeInstances:
 
     def _watch(self) -> None:
         while not self.done.wait(0.2):
-            group = self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[GROUP])["AutoScalingGroups"][0]
+            [group] = self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[self.group])["AutoScalingGroups"]
             self.desired_seen.append(group["DesiredCapacity"])
             live = {i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] in ("Pending", "InService")}
             for instance in sorted(live - set(self.agents)):
@@ -166,3 +185,22 @@ def test_a_node_that_goes_silent_fails_its_replica_and_leaves_the_group(aws, ser
             AutoScalingGroupNames=[GROUP])["AutoScalingGroups"][0]["Instances"]]:
         assert time.monotonic() < deadline, "the dead instance was never terminated"
         time.sleep(0.3)
+
+
+def test_an_idle_replica_parks_on_its_node_and_the_next_call_wakes_it_there(aws, serve):
+    autoscaling, instances = aws
+    served = serve(APPS / "parking.py", "--backend", "aws")
+    assignments = boto3.resource("dynamodb").Table("ember-replicas")
+    with served.client(served.key()) as http:
+        first = http.post("/parking/Model.predict", json={})
+        assert first.status_code == 200 and first.headers["x-ember-cold-start"].startswith("node-cold; ms=")
+        [parked] = wait_for(lambda: [i for i in assignments.scan()["Items"] if i["state"] == "parked"], 10, "a park")
+        assert parked["replica_id"] == first.headers["x-ember-replica"] and parked["parked_bytes"] > 10 * 2**20
+        second = http.post("/parking/Model.predict", json={})
+    assert second.headers["x-ember-replica"] == first.headers["x-ember-replica"]
+    assert second.headers["x-ember-cold-start"].startswith("parked; ms=")
+    assert second.json()["result"] == {"pid": first.json()["result"]["pid"], "parks": 1, "wakes": 1}  # same process
+    [instance] = instances.launched
+    [woken] = wait_for(lambda: [i for i in assignments.scan()["Items"] if "woken" in i], 5, "the wake recorded")
+    assert woken["node_id"] == instance and woken["state"] in ("ready", "parked")  # it parks again after 0.5 s idle
+    assert desired(autoscaling) == 1
