@@ -24,3 +24,10 @@ fi
 
 echo "== installing ember (editable, with dev extras)"
 "$PYTHON" -m pip install -q -e '.[dev]'
+
+# checkov, the auditor tests/terraform/test_checkov.py runs, in its own venv: its pins (boto3, networkx, packaging)
+# clash with Ember's. About 45 s on a warm pip cache, 2-3 minutes cold.
+if [ ! -x .tools/checkov/bin/checkov ]; then
+  echo "== installing checkov into .tools/checkov"
+  "$PYTHON" -m venv .tools/checkov && .tools/checkov/bin/pip install -q checkov==3.3.30
+fi

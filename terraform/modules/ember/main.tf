@@ -1,7 +1,10 @@
-# What `ember serve --backend aws` needs: the package bucket, the node and replica tables, a GPU node
-# Auto Scaling Group whose desired capacity the gateway sets, and the gateway behind an HTTPS load balancer.
+# What `ember serve --backend aws` needs: one customer-managed KMS key, the package bucket (and a bucket for access
+# logs), the nodes and replicas tables, log groups, a GPU node Auto Scaling Group whose desired capacity the gateway
+# sets, the gateways behind an HTTPS load balancer with a WAF, and (with several gateways) Redis for shared limits.
+# Network, compute, load balancer and Redis live in their own files beside this one.
 
 locals {
+  redis = coalesce(var.redis, var.gateway_count > 1)
   node_env = {
     EMBER_AWS_BUCKET = aws_s3_bucket.packages.bucket
     EMBER_AWS_TABLES = "${var.name}-"
@@ -12,12 +15,62 @@ locals {
     EMBER_AWS_ASG               = "${var.name}-nodes"
     EMBER_AWS_REPLICAS_PER_NODE = tostring(var.replicas_per_node)
   })
+  account = data.aws_caller_identity.current.account_id
+  region  = data.aws_region.current.name
 }
 
 data "aws_region" "current" {}
 
+data "aws_caller_identity" "current" {}
+
+data "aws_partition" "current" {}
+
+# One key encrypts the bucket, the tables, the log groups, the Redis data and its auth token.
+resource "aws_kms_key" "ember" {
+  description             = "${var.name}: packages, snapshots, tables, logs, Redis"
+  enable_key_rotation     = true
+  deletion_window_in_days = 7
+  policy                  = data.aws_iam_policy_document.key.json
+}
+
+resource "aws_kms_alias" "ember" {
+  name          = "alias/${var.name}"
+  target_key_id = aws_kms_key.ember.key_id
+}
+
+data "aws_iam_policy_document" "key" {
+  #checkov:skip=CKV_AWS_109:in a key policy "*" is this key, and the account root must administer it (AWS default)
+  #checkov:skip=CKV_AWS_111:in a key policy "*" is this key, and the account root must administer it (AWS default)
+  #checkov:skip=CKV_AWS_356:a key policy's resource is always "*", meaning the key itself
+  statement {
+    sid       = "AccountAdministersTheKey"
+    actions   = ["kms:*"]
+    resources = ["*"]
+    principals {
+      type        = "AWS"
+      identifiers = ["arn:${data.aws_partition.current.partition}:iam::${local.account}:root"]
+    }
+  }
+  statement {
+    sid       = "LogGroupsEncryptWithIt"
+    actions   = ["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"]
+    resources = ["*"]
+    principals {
+      type        = "Service"
+      identifiers = ["logs.${local.region}.amazonaws.com"]
+    }
+    condition {
+      test     = "ArnLike"
+      variable = "kms:EncryptionContext:aws:logs:arn"
+      values   = ["arn:${data.aws_partition.current.partition}:logs:${local.region}:${local.account}:log-group:*"]
+    }
+  }
+}
+
 resource "aws_s3_bucket" "packages" {
+  #checkov:skip=CKV_AWS_144:`ember deploy` rebuilds packages and a first boot rebuilds snapshots; a copy doubles storage
   bucket_prefix = "${var.name}-packages-"
+  force_destroy = var.force_destroy
 }
 
 resource "aws_s3_bucket_public_access_block" "packages" {
@@ -28,7 +81,154 @@ resource "aws_s3_bucket_public_access_block" "packages" {
   restrict_public_buckets = true
 }
 
+resource "aws_s3_bucket_versioning" "packages" {
+  bucket = aws_s3_bucket.packages.id
+  versioning_configuration {
+    status = "Enabled"
+  }
+}
+
+resource "aws_s3_bucket_server_side_encryption_configuration" "packages" {
+  bucket = aws_s3_bucket.packages.id
+  rule {
+    apply_server_side_encryption_by_default {
+      sse_algorithm     = "aws:kms"
+      kms_master_key_id = aws_kms_key.ember.arn
+    }
+    bucket_key_enabled = true # one KMS call per bucket key, not per object: snapshots are many ranged GETs
+  }
+}
+
+resource "aws_s3_bucket_lifecycle_configuration" "packages" {
+  bucket = aws_s3_bucket.packages.id
+  rule {
+    id     = "old-versions-and-partial-uploads"
+    status = "Enabled"
+    filter {}
+    noncurrent_version_expiration {
+      noncurrent_days = var.noncurrent_days
+    }
+    abort_incomplete_multipart_upload {
+      days_after_initiation = 7
+    }
+  }
+}
+
+resource "aws_s3_bucket_logging" "packages" {
+  bucket        = aws_s3_bucket.packages.id
+  target_bucket = aws_s3_bucket.logs.id
+  target_prefix = "s3/"
+  depends_on    = [aws_s3_bucket_policy.logs] # S3 checks the logging service may write there
+}
+
+# Uploads (a deploy, a first snapshot) become EventBridge events an account can audit or act on.
+resource "aws_s3_bucket_notification" "packages" {
+  bucket      = aws_s3_bucket.packages.id
+  eventbridge = true
+}
+
+# Access logs of the package bucket and the load balancer. Both services deliver only to SSE-S3 buckets.
+resource "aws_s3_bucket" "logs" {
+  #checkov:skip=CKV_AWS_145:S3 server access logs and ALB access logs can only be delivered to SSE-S3 (AES256) buckets
+  #checkov:skip=CKV_AWS_18:this is the access-log bucket; logging it into itself would log its own log writes
+  #checkov:skip=CKV_AWS_144:access logs are kept for audit in this region; replicating them doubles their cost
+  #checkov:skip=CKV2_AWS_62:log deliveries are AWS's own writes; events for them would only echo every log line
+  bucket_prefix = "${var.name}-logs-"
+  force_destroy = var.force_destroy
+}
+
+resource "aws_s3_bucket_public_access_block" "logs" {
+  bucket                  = aws_s3_bucket.logs.id
+  block_public_acls       = true
+  block_public_policy     = true
+  ignore_public_acls      = true
+  restrict_public_buckets = true
+}
+
+resource "aws_s3_bucket_versioning" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  versioning_configuration {
+    status = "Enabled"
+  }
+}
+
+resource "aws_s3_bucket_server_side_encryption_configuration" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  rule {
+    apply_server_side_encryption_by_default {
+      sse_algorithm = "AES256"
+    }
+  }
+}
+
+resource "aws_s3_bucket_lifecycle_configuration" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  rule {
+    id     = "expire-logs"
+    status = "Enabled"
+    filter {}
+    expiration {
+      days = var.log_retention_days
+    }
+    noncurrent_version_expiration {
+      noncurrent_days = 1
+    }
+    abort_incomplete_multipart_upload {
+      days_after_initiation = 1
+    }
+  }
+}
+
+data "aws_elb_service_account" "current" {}
+
+data "aws_iam_policy_document" "logs_bucket" {
+  statement {
+    sid       = "LoadBalancerAccessLogs"
+    actions   = ["s3:PutObject"]
+    resources = ["${aws_s3_bucket.logs.arn}/alb/*"]
+    principals {
+      type        = "AWS"
+      identifiers = [data.aws_elb_service_account.current.arn]
+    }
+  }
+  statement {
+    sid       = "BucketAccessLogs"
+    actions   = ["s3:PutObject"]
+    resources = ["${aws_s3_bucket.logs.arn}/s3/*"]
+    principals {
+      type        = "Service"
+      identifiers = ["logging.s3.amazonaws.com"]
+    }
+    condition {
+      test     = "StringEquals"
+      variable = "aws:SourceAccount"
+      values   = [local.account]
+    }
+  }
+  statement {
+    sid       = "TlsOnly"
+    effect    = "Deny"
+    actions   = ["s3:*"]
+    resources = [aws_s3_bucket.logs.arn, "${aws_s3_bucket.logs.arn}/*"]
+    principals {
+      type        = "*"
+      identifiers = ["*"]
+    }
+    condition {
+      test     = "Bool"
+      variable = "aws:SecureTransport"
+      values   = ["false"]
+    }
+  }
+}
+
+resource "aws_s3_bucket_policy" "logs" {
+  bucket = aws_s3_bucket.logs.id
+  policy = data.aws_iam_policy_document.logs_bucket.json
+}
+
 resource "aws_dynamodb_table" "nodes" {
+  #checkov:skip=CKV2_AWS_16:on-demand (PAY_PER_REQUEST) tables scale by themselves; autoscaling is for provisioned
   name         = "${var.name}-nodes"
   billing_mode = "PAY_PER_REQUEST"
   hash_key     = "node_id"
@@ -36,9 +236,17 @@ resource "aws_dynamodb_table" "nodes" {
     name = "node_id"
     type = "S"
   }
+  point_in_time_recovery {
+    enabled = true
+  }
+  server_side_encryption {
+    enabled     = true
+    kms_key_arn = aws_kms_key.ember.arn
+  }
 }
 
 resource "aws_dynamodb_table" "replicas" {
+  #checkov:skip=CKV2_AWS_16:on-demand (PAY_PER_REQUEST) tables scale by themselves; autoscaling is for provisioned
   name         = "${var.name}-replicas"
   billing_mode = "PAY_PER_REQUEST"
   hash_key     = "replica_id"
@@ -46,230 +254,23 @@ resource "aws_dynamodb_table" "replicas" {
     name = "replica_id"
     type = "S"
   }
-}
-
-data "aws_iam_policy_document" "ec2_assume" {
-  statement {
-    actions = ["sts:AssumeRole"]
-    principals {
-      type        = "Service"
-      identifiers = ["ec2.amazonaws.com"]
-    }
+  point_in_time_recovery {
+    enabled = true
+  }
+  server_side_encryption {
+    enabled     = true
+    kms_key_arn = aws_kms_key.ember.arn
   }
 }
 
-data "aws_iam_policy_document" "node" {
-  statement {
-    actions   = ["s3:GetObject"]
-    resources = ["${aws_s3_bucket.packages.arn}/*"]
-  }
-  statement {
-    # A replica's first boot writes its weight snapshot (EMBER_SNAPSHOT_STORE=s3://BUCKET/snapshots).
-    actions   = ["s3:PutObject", "s3:AbortMultipartUpload"]
-    resources = ["${aws_s3_bucket.packages.arn}/snapshots/*"]
-  }
-  statement {
-    # Without ListBucket, S3 answers 403 instead of 404 for a missing object.
-    actions   = ["s3:ListBucket"]
-    resources = [aws_s3_bucket.packages.arn]
-  }
-  statement {
-    actions   = ["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:Scan"]
-    resources = [aws_dynamodb_table.nodes.arn, aws_dynamodb_table.replicas.arn]
-  }
+resource "aws_cloudwatch_log_group" "gateway" {
+  name              = "/ember/${var.name}/gateway"
+  retention_in_days = var.log_retention_days
+  kms_key_id        = aws_kms_key.ember.arn
 }
 
-data "aws_iam_policy_document" "gateway" {
-  statement {
-    actions   = ["s3:GetObject", "s3:PutObject"]
-    resources = ["${aws_s3_bucket.packages.arn}/*"]
-  }
-  statement {
-    actions   = ["s3:ListBucket"]
-    resources = [aws_s3_bucket.packages.arn]
-  }
-  statement {
-    actions   = ["dynamodb:GetItem", "dynamodb:PutItem", "dynamodb:UpdateItem", "dynamodb:DeleteItem", "dynamodb:Scan"]
-    resources = [aws_dynamodb_table.nodes.arn, aws_dynamodb_table.replicas.arn]
-  }
-  statement {
-    actions   = ["autoscaling:DescribeAutoScalingGroups"]
-    resources = ["*"] # Describe* calls take no resource-level permissions
-  }
-  statement {
-    actions   = ["autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup"]
-    resources = [aws_autoscaling_group.nodes.arn]
-  }
-}
-
-resource "aws_iam_role" "node" {
-  name_prefix        = "${var.name}-node-"
-  assume_role_policy = data.aws_iam_policy_document.ec2_assume.json
-}
-
-resource "aws_iam_role_policy" "node" {
-  role   = aws_iam_role.node.id
-  policy = data.aws_iam_policy_document.node.json
-}
-
-resource "aws_iam_instance_profile" "node" {
-  name_prefix = "${var.name}-node-"
-  role        = aws_iam_role.node.name
-}
-
-resource "aws_iam_role" "gateway" {
-  name_prefix        = "${var.name}-gateway-"
-  assume_role_policy = data.aws_iam_policy_document.ec2_assume.json
-}
-
-resource "aws_iam_role_policy" "gateway" {
-  role   = aws_iam_role.gateway.id
-  policy = data.aws_iam_policy_document.gateway.json
-}
-
-resource "aws_iam_instance_profile" "gateway" {
-  name_prefix = "${var.name}-gateway-"
-  role        = aws_iam_role.gateway.name
-}
-
-resource "aws_security_group" "alb" {
-  name_prefix = "${var.name}-alb-"
-  vpc_id      = var.vpc_id
-  ingress {
-    from_port   = 443
-    to_port     = 443
-    protocol    = "tcp"
-    cidr_blocks = ["0.0.0.0/0"]
-  }
-  egress {
-    from_port   = 0
-    to_port     = 0
-    protocol    = "-1"
-    cidr_blocks = ["0.0.0.0/0"]
-  }
-}
-
-resource "aws_security_group" "gateway" {
-  name_prefix = "${var.name}-gateway-"
-  vpc_id      = var.vpc_id
-  ingress {
-    from_port       = 8443
-    to_port         = 8443
-    protocol        = "tcp"
-    security_groups = [aws_security_group.alb.id]
-  }
-  egress {
-    from_port   = 0
-    to_port     = 0
-    protocol    = "-1"
-    cidr_blocks = ["0.0.0.0/0"]
-  }
-}
-
-resource "aws_security_group" "node" {
-  name_prefix = "${var.name}-node-"
-  vpc_id      = var.vpc_id
-  ingress { # replica workers listen on ephemeral ports; only the gateway reaches them
-    from_port       = 1024
-    to_port         = 65535
-    protocol        = "tcp"
-    security_groups = [aws_security_group.gateway.id]
-  }
-  egress {
-    from_port   = 0
-    to_port     = 0
-    protocol    = "-1"
-    cidr_blocks = ["0.0.0.0/0"]
-  }
-}
-
-resource "aws_launch_template" "node" {
-  name_prefix   = "${var.name}-node-"
-  image_id      = var.node_ami_id
-  instance_type = var.node_instance_type
-  iam_instance_profile {
-    arn = aws_iam_instance_profile.node.arn
-  }
-  vpc_security_group_ids = [aws_security_group.node.id]
-  metadata_options {
-    http_tokens = "required"
-  }
-  user_data = base64encode(templatefile("${path.module}/node_user_data.sh.tftpl", {
-    env  = merge(local.node_env, { AWS_DEFAULT_REGION = data.aws_region.current.name }), ember = var.ember_version,
-    gpus = var.node_gpus, slots = var.replicas_per_node
-  }))
-}
-
-resource "aws_autoscaling_group" "nodes" {
-  name                = "${var.name}-nodes"
-  min_size            = 0
-  max_size            = var.max_nodes
-  desired_capacity    = 0
-  vpc_zone_identifier = var.subnet_ids
-  launch_template {
-    id      = aws_launch_template.node.id
-    version = "$Latest"
-  }
-  lifecycle {
-    ignore_changes = [desired_capacity] # the gateway owns it
-  }
-}
-
-resource "aws_launch_template" "gateway" {
-  name_prefix   = "${var.name}-gateway-"
-  image_id      = var.gateway_ami_id
-  instance_type = var.gateway_instance_type
-  iam_instance_profile {
-    arn = aws_iam_instance_profile.gateway.arn
-  }
-  vpc_security_group_ids = [aws_security_group.gateway.id]
-  metadata_options {
-    http_tokens = "required"
-  }
-  user_data = base64encode(templatefile("${path.module}/gateway_user_data.sh.tftpl", {
-    env    = merge(local.gateway_env, { AWS_DEFAULT_REGION = data.aws_region.current.name }), ember = var.ember_version,
-    bucket = aws_s3_bucket.packages.bucket
-  }))
-}
-
-resource "aws_lb" "gateway" {
-  name_prefix        = substr(var.name, 0, 6)
-  load_balancer_type = "application"
-  subnets            = var.subnet_ids
-  security_groups    = [aws_security_group.alb.id]
-}
-
-resource "aws_lb_target_group" "gateway" {
-  name_prefix = substr(var.name, 0, 6)
-  port        = 8443
-  protocol    = "HTTPS"
-  vpc_id      = var.vpc_id
-  health_check {
-    path     = "/readyz"
-    protocol = "HTTPS"
-  }
-}
-
-resource "aws_lb_listener" "https" {
-  load_balancer_arn = aws_lb.gateway.arn
-  port              = 443
-  protocol          = "HTTPS"
-  ssl_policy        = "ELBSecurityPolicy-TLS13-1-2-2021-06"
-  certificate_arn   = var.certificate_arn
-  default_action {
-    type             = "forward"
-    target_group_arn = aws_lb_target_group.gateway.arn
-  }
-}
-
-resource "aws_autoscaling_group" "gateway" {
-  name                = "${var.name}-gateway"
-  min_size            = 1
-  max_size            = 1
-  vpc_zone_identifier = var.subnet_ids
-  target_group_arns   = [aws_lb_target_group.gateway.arn]
-  launch_template {
-    id      = aws_launch_template.gateway.id
-    version = "$Latest"
-  }
+resource "aws_cloudwatch_log_group" "nodes" {
+  name              = "/ember/${var.name}/nodes"
+  retention_in_days = var.log_retention_days
+  kms_key_id        = aws_kms_key.ember.arn
 }

@@ -59,3 +59,56 @@ variable "ember_version" {
   type        = string
   default     = "ember"
 }
+
+variable "gateway_count" {
+  description = "Gateways behind the load balancer; with more than one they share rate limits through Redis"
+  type        = number
+  default     = 1
+}
+
+variable "redis" {
+  description = "ElastiCache Redis for shared rate limits; null (default) means on when gateway_count > 1"
+  type        = bool
+  default     = null
+}
+
+variable "redis_node_type" {
+  type    = string
+  default = "cache.t4g.micro"
+}
+
+variable "waf" {
+  description = "A WAF web ACL (AWS managed common and known-bad-inputs rules) in front of the load balancer"
+  type        = bool
+  default     = true
+}
+
+variable "deletion_protection" {
+  description = "Deletion protection on the load balancer; turn it off before `terraform destroy`"
+  type        = bool
+  default     = true
+}
+
+variable "force_destroy" {
+  description = "Let `terraform destroy` delete the buckets with their packages, snapshots and logs in them"
+  type        = bool
+  default     = false
+}
+
+variable "client_cidrs" {
+  description = "Who may reach the load balancer on 443"
+  type        = list(string)
+  default     = ["0.0.0.0/0"]
+}
+
+variable "log_retention_days" {
+  description = "Days log groups and access logs are kept (auditors expect at least a year)"
+  type        = number
+  default     = 365
+}
+
+variable "noncurrent_days" {
+  description = "Days an overwritten or deleted package or snapshot version is kept"
+  type        = number
+  default     = 30
+}
