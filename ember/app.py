@@ -108,8 +108,23 @@ class Cls:
 
     def start(self, on_hook: Callable[[str, float], None] | None = None) -> Any:
         """Create the instance and run its enter hooks (snap=True first)."""
-        obj = self.user_cls()
-        for name in self.enter_hooks:
+        return self.enter(self.snap(on_hook), on_hook)
+
+    def snap(self, on_hook: Callable[[str, float], None] | None = None) -> Any:
+        """Create the instance and run its snap=True hooks: the CPU-only state every replica shares (a fork server
+        runs this once, before it forks replicas, so these hooks must not touch CUDA)."""
+        return self._run_hooks(self.user_cls(), [n for n in self.enter_hooks if self._snaps(n)], on_hook)
+
+    def enter(self, obj: Any, on_hook: Callable[[str, float], None] | None = None) -> Any:
+        """Run the snap=False hooks on an instance `snap()` made: per-process state (GPU, threads, sockets)."""
+        return self._run_hooks(obj, [n for n in self.enter_hooks if not self._snaps(n)], on_hook)
+
+    def _snaps(self, hook: str) -> bool:
+        return getattr(getattr(self.user_cls, hook), hooks.ENTER)
+
+    @staticmethod
+    def _run_hooks(obj: Any, names: list[str], on_hook: Callable[[str, float], None] | None) -> Any:
+        for name in names:
             began = time.monotonic()
             getattr(obj, name)()
             if on_hook:

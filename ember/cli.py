@@ -111,7 +111,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     package = build(app, home)
 
     async def once() -> int:
-        backend = LocalBackend(home.logs)
+        backend = LocalBackend(home.logs, fork=False)  # one replica, one call: a fork server would only add a process
         replica = backend.new_replica(app.name, unit_name)
         await backend.start(replica, package, app.units[unit_name].spec)
         if replica.error:

@@ -25,7 +25,12 @@ def _no_bare_use(decorator: str, first: object) -> None:
 
 
 def enter(_fn: object = None, *, snap: bool = False) -> Callable:
-    """Run when a replica starts; snap=True hooks run first and their state may be snapshotted."""
+    """Run when a replica starts. snap=True hooks run first, once per app version on a node, in its fork server:
+    every replica is forked from the state they built (host memory shared copy-on-write), so they must do CPU work
+    only — read config and tokenizers, import modules, load weights into host memory — and must not touch CUDA or
+    leave threads running. snap=False hooks run in each replica, with its GPU: build engines, start threads.
+    A unit whose snap=True hooks touch CUDA still works: its replicas are spawned instead of forked, and each start's
+    breakdown says why."""
     _no_bare_use("enter", _fn)
     return _marker("enter", ENTER, bool(snap))
 

@@ -15,7 +15,6 @@ class Replica(WorkerProcess):
     idle_since: float | None = None
     created: float = field(default_factory=time.monotonic)
     ready_at: float | None = None  # when it last became able to serve (start or wake)
-    tier: str = "node-warm"  # the cold-start tier its last start or wake came from
     draining: str | None = None  # "park" or "evict" once its in-flight calls finish; routes nothing new
     parked_at: float | None = None
     parked_bytes: int = 0  # host RAM it holds while parked

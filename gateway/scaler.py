@@ -2,7 +2,7 @@
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ember.gateway.autoscaler.costs import ParkMeasured, StartMeasured
 from ember.gateway.autoscaler.policy import Evict, Park, ReplicaView, Sample, Start, Wake, decide
@@ -25,8 +25,10 @@ def measured_start(replica: Replica) -> StartMeasured | None:
 
 
 class Scaler:
-    def __init__(self, backend: "LocalBackend | AwsBackend", deployments: dict[str, Deployment]):
+    def __init__(self, backend: "LocalBackend | AwsBackend", deployments: dict[str, Deployment],
+                 on_start: Callable[[str, str, str, dict], None] | None = None):
         self.backend, self.deployments = backend, deployments
+        self.on_start = on_start  # (app, function, tier, breakdown) of each finished start: the gateway's metrics
         self._poke = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
@@ -175,6 +177,8 @@ class Scaler:
             return
         log.info("replica %s ready on port %s (%s)", replica.id, replica.port, replica.timings)
         unit.last_failure = None
+        if self.on_start is not None:
+            self.on_start(unit.app, unit.name, replica.tier, replica.timings)
         if (measured := measured_start(replica)) is not None:
             unit.measured.append(measured)
         unit.queue.ready(replica)
@@ -202,3 +206,4 @@ class Scaler:
         for replica in replicas:
             replica.state = STOPPING
         await asyncio.gather(*(self.backend.stop(r) for r in replicas))
+        await self.backend.close()

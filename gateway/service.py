@@ -23,8 +23,8 @@ class Gateway:
         self.keys = KeyStore(home.db)
         self.deployments: dict[str, Deployment] = {}
         self.backend = backend or LocalBackend(home.logs)
-        self.scaler = Scaler(self.backend, self.deployments)
         self.metrics = Metrics()
+        self.scaler = Scaler(self.backend, self.deployments, self.metrics.observe_start)
         self.app_limits = AppLimitStore(home.db)
         self.limiter: Limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits
         self.routing = routing

@@ -4,6 +4,7 @@ from starlette.responses import Response
 
 from ember.gateway import proxy
 from ember.gateway.queue import Lease
+from ember.runtime.tiers import breakdown_header
 
 
 def stamp(response: Response, lease: Lease, limits: dict[str, str]) -> Response:
@@ -11,7 +12,7 @@ def stamp(response: Response, lease: Lease, limits: dict[str, str]) -> Response:
     if lease.cold_start:
         extra["x-ember-cold-start"] = lease.cold_start.header()
         if lease.replica.timings and lease.replica.tier != "parked":
-            extra["x-ember-start-breakdown"] = ", ".join(f"{k}={v}" for k, v in lease.replica.timings.items())
+            extra["x-ember-start-breakdown"] = breakdown_header(lease.replica.timings)
     if isinstance(response, proxy.Relay):
         response.raw_headers += [(k.encode(), v.encode()) for k, v in extra.items()]
     else:

@@ -13,6 +13,7 @@ Reads EMBER_AWS_BUCKET, EMBER_AWS_TABLES (default "ember-") and AWS_ENDPOINT_URL
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -137,16 +138,16 @@ class NodeAgent:
                                               self.work / "packages")
             pulled = time.monotonic()
             spec = FunctionSpec(**read_manifest(package)["units"][replica.unit]["spec"])
-            if not await self.supervisor.start(replica, package, spec):
+            if not await self.supervisor.start(replica, package, spec, pulled=not held):
                 if replica.error:  # else it was stopped while it started, and _stop wrote that
                     self._set(replica, state="failed", error=replica.error)
                 return
             relay = await publish(self.address, replica.port)
             public = relay.sockets[0].getsockname()[1]
             self._set(replica, state="ready", host=self.address, port=public, control_secret=replica.control_secret,
-                      tier="node-warm" if held else "node-cold",
                       pull_ms=round((pulled - began) * 1000),
-                      boot_ms=round((time.monotonic() - pulled) * 1000))
+                      boot_ms=round((time.monotonic() - pulled) * 1000),
+                      tier=str(replica.tier), start=json.dumps(replica.timings))
             log.info("replica %s ready on %s:%s (worker on 127.0.0.1:%s)", replica.id, self.address, public, replica.port)
             async with relay:
                 code = await self.supervisor.wait(replica)
@@ -175,6 +176,7 @@ class NodeAgent:
 
     async def stop_all(self) -> None:
         await asyncio.gather(*(self.supervisor.stop(r) for r in list(self.running.values())))
+        await self.supervisor.close()
 
 
 def main(argv: list[str] | None = None) -> int:

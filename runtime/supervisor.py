@@ -1,17 +1,27 @@
-"""Runs replicas' worker processes on this machine: hands out GPUs, spawns `python -m ember.runtime.worker`,
-reads its ready or failed line, and stops it (SIGTERM, then SIGKILL). The local backend and the node agent both use it."""
+"""Runs replicas' worker processes on this machine: hands out GPUs, starts each worker by a fork of its app's fork
+server (runtime/forkserver.py) or else a spawn of `python -m ember.runtime.worker`, reads its ready or failed line,
+and stops it (SIGTERM, then SIGKILL). The local backend and the node agent both use it.
+
+One fork server runs per app, for the package version it last started: a start with another package (a deploy)
+replaces it, and one that died is restarted while that start is spawned. EMBER_FORK_SERVER=0 spawns every worker."""
 import asyncio
+import contextlib
+import hashlib
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ember.runtime import forkserver
+from ember.runtime.tiers import Tier, start_tier
 from ember.spec import FunctionSpec
 
 START_TIMEOUT = 600.0  # seconds a replica may take to run its enter hooks
@@ -29,7 +39,8 @@ class WorkerProcess:
     port: int | None = None  # where it serves once ready (on 127.0.0.1 when a supervisor here runs it)
     control_secret: str | None = None  # the worker's, sent with every request to its /__ember__/ routes
     gpus: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES it was given
-    timings: dict[str, int] = field(default_factory=dict)  # spawn/import/enter/total ms of its start
+    timings: dict[str, int | str] = field(default_factory=dict)  # how its start went: fork or spawn, ms per phase
+    tier: Tier = Tier.NODE_WARM  # the cold-start tier its last start or wake came from
     error: str | None = None
     note: str | None = None  # why it waits (for a GPU, a node) or runs degraded (no GPU here)
     stopping: bool = False  # stop() was called: a start still under way must not leave it running
@@ -92,12 +103,88 @@ class GpuPool:
                 self._released.notify_all()
 
 
+EXIT_UNKNOWN = 255  # a forked worker whose fork server went away: its exit code cannot be read
+
+
+class ForkedProcess:
+    """A worker forked by a fork server, with the part of asyncio.subprocess.Process the supervisor uses: its
+    stdout (the control channel), wait(), send_signal() and kill(). Its exit code comes over the fork request's
+    connection; if that closes first (the fork server died), its pid is watched and the code is EXIT_UNKNOWN."""
+
+    def __init__(self, pid: int, stdout: asyncio.StreamReader, conn: socket.socket, lifeline: int, requested: float):
+        self.pid, self.stdout, self.returncode = pid, stdout, None
+        self.requested = requested  # when the fork was asked for
+        self._conn, self._lifeline = conn, lifeline  # the lifeline's write end: the worker ends when it closes
+        self._exit = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> int:
+        loop = asyncio.get_running_loop()
+        try:
+            message = forkserver.decode(await loop.sock_recv(self._conn, forkserver.MAX_MESSAGE))
+        except OSError:
+            message = None
+        code = message.code if isinstance(message, forkserver.Exited) else await self._watch_pid()
+        self._conn.close()
+        os.close(self._lifeline)
+        self.returncode = code
+        return code
+
+    async def _watch_pid(self) -> int:
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return EXIT_UNKNOWN
+        exited = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(pidfd, exited.set)
+        try:
+            await exited.wait()
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        return EXIT_UNKNOWN
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exit)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+@dataclass(eq=False)
+class ForkServerProcess:
+    """One app's fork server, as its supervisor sees it."""
+
+    app: str
+    package: Path
+    socket_path: str
+    log_path: Path
+    process: asyncio.subprocess.Process | None = None
+    ready: asyncio.Future | None = None  # resolves to None once it serves, or to why it cannot
+    import_ms: int | None = None
+
+    def died(self) -> str | None:
+        """Why it no longer serves when it did once, else None."""
+        served = self.ready is not None and self.ready.done() and self.ready.result() is None
+        if served and self.process.returncode is not None:
+            return f"the fork server of {self.app} exited with code {self.process.returncode} (log: {self.log_path})"
+        return None
+
+
 class Supervisor:
     """Starts, watches and stops the worker processes of this machine, each with the GPUs its function asks for."""
 
-    def __init__(self, gpus: list[str], log: logging.Logger):
+    def __init__(self, gpus: list[str], log: logging.Logger, fork: bool | None = None):
         self.gpus, self.log = GpuPool(gpus), log  # the caller's log: the gateway's, or the node agent's
         self.require_gpu = os.environ.get("EMBER_REQUIRE_GPU") == "1"  # a gpu= function must not quietly run on CPU
+        self.fork = os.environ.get("EMBER_FORK_SERVER", "1") != "0" if fork is None else fork
+        self.forkservers: dict[str, ForkServerProcess] = {}  # app -> the fork server of its latest package
+        self._sockets: str | None = None  # a short private directory: Unix socket paths must fit in 108 bytes
 
     async def _devices(self, worker: WorkerProcess, spec: FunctionSpec) -> str | None:
         """CUDA_VISIBLE_DEVICES for the worker; None when it cannot have what it asks for (worker.error says why)."""
@@ -118,10 +205,11 @@ class Supervisor:
         worker.gpus = await self.gpus.acquire(worker, count)
         return ",".join(worker.gpus)
 
-    async def start(self, worker: WorkerProcess, package: Path, spec: FunctionSpec) -> bool:
-        """Spawn the worker and wait for its ready line: True once it serves on 127.0.0.1:`worker.port`.
+    async def start(self, worker: WorkerProcess, package: Path, spec: FunctionSpec, pulled: bool = False) -> bool:
+        """Fork (or else spawn) the worker and wait for its ready line: True once it serves on 127.0.0.1:`worker.port`.
 
         False when it failed (worker.error says why) or was stopped before it was ready (worker.stopping).
+        `pulled`: the package came from the object store (the start's tier says so).
         """
         began = time.monotonic()
         devices = await self._devices(worker, spec)
@@ -130,12 +218,22 @@ class Supervisor:
         if worker.stopping:  # stopped (redeploy, shutdown) while it waited for a GPU
             await self.gpus.release(worker)
             return False
-        with open(worker.log_path, "ab") as log_file:
-            worker.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ember.runtime.worker", "--package", str(package), "--target", worker.unit,
-                stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL,
-                env=os.environ | {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": devices},
-            )
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": devices}
+        how: dict[str, int | str] = {}  # how the process came to be: fork or spawn, a fallback's reason, waits
+        if worker.gpus and (gpu_wait := round((time.monotonic() - began) * 1000)):
+            how["gpu_wait_ms"] = gpu_wait
+        if self.fork:
+            worker.process = await self._fork(worker, package, env, how)
+        if worker.process is None:
+            launched = time.monotonic()
+            with open(worker.log_path, "ab") as log_file:
+                worker.process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "ember.runtime.worker", "--package", str(package), "--target", worker.unit,
+                    stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL, env=env,
+                )
+            how["start"] = "spawn"
+        else:
+            launched = worker.process.requested + how.get("snap_ms", 0) / 1000
         try:
             line = await asyncio.wait_for(worker.process.stdout.readline(), START_TIMEOUT)
         except asyncio.TimeoutError:
@@ -152,16 +250,129 @@ class Supervisor:
         if worker.stopping:  # stopped while it started: it must not outlive its stop
             await self.stop(worker)
             return False
-        timings = message["timings"]
-        worker.timings = {
-            "spawn_ms": round((message["started"] - began) * 1000),
-            "import_ms": timings["import_ms"],
-            "enter_ms": timings["enter_ms"],
-            **{k: timings[k] for k in ("weights", "weights_ms") if k in timings},  # snapshot or full, from the engine
-            "total_ms": round((time.monotonic() - began) * 1000),
-        }
+        worker.timings = start_breakdown(how, message, began, launched, time.monotonic())
+        worker.tier = start_tier(message["timings"].get("weights"), pulled)
         worker.port, worker.control_secret = message["port"], message["control_secret"]
+        log = self.log.warning if "fallback" in how else self.log.info
+        log("replica %s started: %s %s", worker.id, worker.tier, worker.timings)
         return True
+
+    async def _fork(self, worker: WorkerProcess, package: Path, env: dict[str, str],
+                    how: dict[str, int | str]) -> "ForkedProcess | None":
+        """Fork the worker from its app's fork server; None (and how["fallback"] says why) when it cannot be."""
+        asked = time.monotonic()
+        server = self._forkserver(worker.app, package, worker.log_path.parent)
+        importing = not server.ready.done()
+        reason = server.died()
+        if reason is not None:  # a fresh one for the next start, a spawn for this one
+            reason += "; restarted"
+            self._retire(server)
+            self._forkserver(worker.app, package, worker.log_path.parent)
+        else:  # one that could not start (its imports failed, or touched CUDA) stays refused for this package
+            reason = await asyncio.shield(server.ready)
+        if reason is None:
+            if importing:  # this start waited for the fork server's imports
+                how["forkserver_wait_ms"] = round((time.monotonic() - asked) * 1000)
+            try:
+                return await self._request_fork(server, worker, env, how)
+            except (OSError, ValueError) as exc:
+                reason = f"the fork server of {worker.app} did not answer ({type(exc).__name__}: {exc}); restarting it"
+                self._retire(server)
+                self._forkserver(worker.app, package, worker.log_path.parent)
+        how["fallback"] = reason
+        return None
+
+    async def _request_fork(self, server: ForkServerProcess, worker: WorkerProcess, env: dict[str, str],
+                            how: dict[str, int | str]) -> "ForkedProcess | None":
+        loop = asyncio.get_running_loop()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.setblocking(False)
+        control_read, control_write = os.pipe()
+        lifeline_read, lifeline_write = os.pipe()
+        ours = [control_read, lifeline_write]  # closed on the way out unless a worker now holds the other ends
+        theirs = [control_write, lifeline_read]  # the child's copies travel to the fork server; these always close
+        try:
+            theirs.append(os.open(worker.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+            await loop.sock_connect(conn, server.socket_path)
+            requested = time.monotonic()
+            forkserver.send(conn, forkserver.ForkRequest(worker.unit, env), [control_write, theirs[2], lifeline_read])
+            forkserver.close_fds(theirs)
+            theirs = []
+            answer = await asyncio.wait_for(loop.sock_recv(conn, forkserver.MAX_MESSAGE), START_TIMEOUT)
+            reply = forkserver.decode(answer)
+            if not isinstance(reply, forkserver.Forked):
+                how["fallback"] = reply.reason if isinstance(reply, forkserver.Refused) else \
+                    f"the fork server of {worker.app} closed the request without an answer"
+                return None
+            how["start"] = "fork"
+            if reply.snap_ms is not None:
+                how["snap_ms"] = reply.snap_ms  # this start waited for the unit's snap=True hooks in the fork server
+            stdout = asyncio.StreamReader()
+            pipe = open(control_read, "rb", buffering=0)
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), pipe)
+            ours = []
+            return ForkedProcess(reply.pid, stdout, conn, lifeline_write, requested)
+        finally:
+            forkserver.close_fds(theirs + ours)
+            if ours:
+                conn.close()
+
+    def _forkserver(self, app: str, package: Path, logs: Path) -> ForkServerProcess:
+        """The app's fork server for `package`: the running one, or a new one (replacing another version's)."""
+        server = self.forkservers.get(app)
+        if server is not None and server.package == package:
+            return server
+        if server is not None:
+            self._retire(server)
+        if self._sockets is None:
+            self._sockets = tempfile.mkdtemp(prefix="ember-fork-")
+        version = hashlib.sha256(str(package).encode()).hexdigest()[:12]
+        server = ForkServerProcess(app, package, os.path.join(self._sockets, f"{version}.sock"),
+                                   logs / f"{app}.forkserver-{version}.log")
+        server.ready = asyncio.ensure_future(self._launch(server))
+        self.forkservers[app] = server
+        return server
+
+    async def _launch(self, server: ForkServerProcess) -> str | None:
+        """Start the fork server and wait for its ready line: None once it serves, else why it cannot."""
+        with open(server.log_path, "ab") as log_file:
+            server.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "ember.runtime.forkserver", "--package", str(server.package),
+                "--socket", server.socket_path, stdout=asyncio.subprocess.PIPE, stderr=log_file,
+                stdin=asyncio.subprocess.DEVNULL,
+                env=os.environ | {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},  # no GPU before the fork
+            )
+        try:
+            line = await asyncio.wait_for(server.process.stdout.readline(), START_TIMEOUT)
+            message = json.loads(line) if line.strip() else {}
+        except (asyncio.TimeoutError, ValueError):
+            message = {}
+        if message.get("event") == "ready":
+            server.import_ms = message["import_ms"]
+            self.log.info("fork server of %s ready in %s ms (%s)", server.app, server.import_ms, server.package.name)
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            server.process.kill()
+        reason = f"the fork server of {server.app} could not start: {message.get('error') or 'no ready line'} " \
+                 f"(log: {server.log_path})"
+        self.log.warning("%s; its replicas are spawned", reason)
+        return reason
+
+    def _retire(self, server: ForkServerProcess) -> None:
+        """Stop a fork server that was replaced or died; the replicas it forked run on."""
+        if self.forkservers.get(server.app) is server:
+            del self.forkservers[server.app]
+        if server.ready is not None and not server.ready.done():
+            server.ready.cancel()
+        if server.process is not None and server.process.returncode is None:
+            server.process.terminate()
+
+    async def close(self) -> None:
+        """Stop every fork server (their replicas are stopped on their own)."""
+        servers = list(self.forkservers.values())
+        for server in servers:
+            self._retire(server)
+        await asyncio.gather(*(s.process.wait() for s in servers if s.process is not None))
 
     async def wait(self, worker: WorkerProcess) -> int:
         """Until the worker exits; its exit code."""
@@ -183,3 +394,13 @@ class Supervisor:
             process.kill()
             await process.wait()
         await self.gpus.release(worker)
+
+
+def start_breakdown(how: dict[str, int | str], ready: dict, began: float, launched: float,
+                    now: float) -> dict[str, int | str]:
+    """A start's breakdown: fork or spawn (and a fallback's reason), the waits before it, ms from `launched` to the
+    new process's first line, what the worker reported (import, enter hooks, weights, whatever else its timings
+    carry) and the total from `began`."""
+    phase = "fork_ms" if how.get("start") == "fork" else "spawn_ms"
+    return {**how, phase: max(round((ready["started"] - launched) * 1000), 0), **ready["timings"],
+            "total_ms": round((now - began) * 1000)}

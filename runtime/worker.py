@@ -434,6 +434,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def unit_environment(unit: Any) -> None:
+    """The environment a unit's hooks run in: its spec's env and secrets, and where an engine keeps its snapshots."""
+    # snapshot=True: the LLM engine restores its weights from (or, after a full boot, writes) this store;
+    # `EMBER_SNAPSHOT_STORE=s3://bucket/prefix ember serve` overrides the default.
+    if unit.spec.snapshot:
+        os.environ.setdefault("EMBER_SNAPSHOT_STORE", "local")
+    else:
+        os.environ.pop("EMBER_SNAPSHOT_STORE", None)
+    os.environ.update(unit.spec.env)
+    os.environ.update(read_secrets(unit.spec.secrets))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ember.runtime.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--package", required=True, help="path of the .pkg file")
@@ -442,28 +454,76 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     tracing.setup("ember-worker")  # before the user's enter hooks, so they can trace too
     control = ControlChannel()
+
+    def load() -> tuple[Any, Any]:
+        from ember.package import unpack
+
+        unit = unpack(args.package).units[args.target]
+        unit_environment(unit)
+        return unit, None
+
+    return serve(control, STARTED, load)
+
+
+def run_forked(unit: Any, snapped: Any, env: dict[str, str], control_fd: int, log_fd: int, lifeline_fd: int,
+               started: float) -> int:
+    """A replica forked from a fork server (runtime/forkserver.py): the unit is loaded and its snap=True hooks ran
+    (`snapped` is that instance), so it takes its own descriptors and environment and goes on from enter(snap=False)."""
+    os.dup2(control_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(control_fd)
+    os.close(log_fd)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)  # CUDA_VISIBLE_DEVICES before anything can touch CUDA
+    _end_with_lifeline(lifeline_fd)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # every fork starts from its fork server's generator state: replicas must not sample alike
+    tracing.setup("ember-worker")
+    control = ControlChannel()
+
+    def load() -> tuple[Any, Any]:
+        unit_environment(unit)
+        return unit, snapped
+
+    return serve(control, started, load)
+
+
+def _end_with_lifeline(fd: int) -> None:
+    """SIGTERM this replica once `fd` reads EOF: its supervisor, which holds the other end, is gone (a forked replica's
+    parent is its fork server, so the parent-death signal a spawned worker uses would fire on the wrong death)."""
+    import threading
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(fd, 1):
+                pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ember-lifeline", daemon=True).start()
+
+
+def serve(control: ControlChannel, started: float, load: Callable[[], tuple[Any, Any]]) -> int:
+    """Load the unit (`load()` -> the unit and its instance when its snap=True hooks already ran), run its enter
+    hooks, say ready on the control channel and serve until SIGTERM; the process's exit code."""
     timings = {}
     phase = "import"
     try:
-        from ember.package import unpack
-
-        app = unpack(args.package)
-        unit = app.units[args.target]
-        # snapshot=True: the LLM engine restores its weights from (or, after a full boot, writes) this store;
-        # `EMBER_SNAPSHOT_STORE=s3://bucket/prefix ember serve` overrides the default.
-        if unit.spec.snapshot:
-            os.environ.setdefault("EMBER_SNAPSHOT_STORE", "local")
-        else:
-            os.environ.pop("EMBER_SNAPSHOT_STORE", None)
-        os.environ.update(unit.spec.env)
-        os.environ.update(read_secrets(unit.spec.secrets))
-        timings["import_ms"] = round((time.monotonic() - STARTED) * 1000)
+        unit, snapped = load()
+        timings["import_ms"] = round((time.monotonic() - started) * 1000)
         phase = "enter"
         began = time.monotonic()
-        obj = unit.start() if hasattr(unit, "user_cls") else None
+        loader = sys.modules.get("ember.runtime.engine.models.loader")
+        weights_before = getattr(loader, "last_start", None)  # a fork's template may have loaded some already
+        if hasattr(unit, "user_cls"):
+            obj = unit.enter(unit.snap() if snapped is None else snapped)
+        else:
+            obj = None
         timings["enter_ms"] = round((time.monotonic() - began) * 1000)
         weights = getattr(sys.modules.get("ember.runtime.engine.models.loader"), "last_start", None)
-        if weights is not None:  # an engine loaded weights in the enter hooks: from a snapshot or a full boot
+        if weights is not None and weights is not weights_before:  # the enter hooks loaded weights: snapshot or full
             timings.update(weights=weights.source, weights_ms=round(weights.seconds * 1000))
         gpu_image = getattr(sys.modules.get("ember.runtime.engine.model_runner"), "last_gpu_image", None)
         if gpu_image is not None:  # "reserved": the engine's memory is at the device addresses its image recorded
@@ -481,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         control.send(event="failed", phase=phase, error=f"{type(exc).__name__}: {exc}")
         return 1
-    control.send(event="ready", port=sock.getsockname()[1], started=STARTED, timings=timings, control_secret=secret)
+    control.send(event="ready", port=sock.getsockname()[1], started=started, timings=timings, control_secret=secret)
     try:
         _serve(asgi, sock)
     finally:

@@ -9,6 +9,7 @@ it there. Scale-in removes only idle instances, each marked draining first so it
 """
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
@@ -24,6 +25,7 @@ from botocore.exceptions import ClientError
 from ember.gateway.backends.local import LocalBackend
 from ember.gateway.replica import FAILED, HOT, PARKED, Replica
 from ember.runtime.aws import scan, upload_package
+from ember.runtime.tiers import Tier
 from ember.spec import FunctionSpec
 
 log = logging.getLogger("ember.gateway")
@@ -84,7 +86,7 @@ def create_tables(dynamodb, prefix: str) -> None:
 
 
 class AwsBackend:
-    tier = "node-cold"  # until a node says otherwise: a fresh instance pulls the package from the object store
+    tier = Tier.NODE_COLD  # until a node says otherwise: a fresh instance pulls the package from the object store
     can_park = True
 
     def __init__(self, logs: Path, settings: AwsSettings):
@@ -136,10 +138,12 @@ class AwsBackend:
             await asyncio.sleep(POLL)
         now = time.monotonic()
         replica.host, replica.port, replica.note = item["host"], int(item["port"]), None
-        replica.tier = item.get("tier", self.tier)
         replica.control_secret = item.get("control_secret")
+        node_start = json.loads(item.get("start") or "{}")  # the node's supervisor's breakdown of the worker's start
+        replica.tier = Tier(item.get("tier", self.tier))
         replica.timings = {"claim_ms": int(item.get("claim_ms", 0)), "pull_ms": int(item.get("pull_ms", 0)),
-                           "boot_ms": int(item.get("boot_ms", 0)), "total_ms": round((now - began) * 1000)}
+                           "boot_ms": int(item.get("boot_ms", 0)), **{k: v for k, v in node_start.items() if k != "total_ms"},
+                           "total_ms": round((now - began) * 1000)}
         replica.state, replica.ready_at, replica.idle_since = HOT, now, now
 
     async def _why_not_started(self, replica: Replica, state: str) -> str:
@@ -217,6 +221,9 @@ class AwsBackend:
                 break
             await asyncio.sleep(POLL)
         await self._forget(replica)
+
+    async def close(self) -> None:
+        """Nothing runs on this machine: the node agents stop their fork servers when they exit."""
 
     async def _forget(self, replica: Replica) -> None:
         await asyncio.to_thread(self.replicas.delete_item, Key={"replica_id": replica.id})

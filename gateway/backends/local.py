@@ -10,6 +10,7 @@ import httpx
 
 from ember.gateway.replica import FAILED, HOT, STOPPING, Replica
 from ember.runtime.supervisor import Supervisor, detect_gpus
+from ember.runtime.tiers import Tier
 from ember.runtime.worker import CONTROL_HEADER
 from ember.spec import FunctionSpec
 
@@ -43,14 +44,15 @@ def parked_over_budget(parked: list[tuple[str, int, float]], budget: int) -> lis
 
 
 class LocalBackend:
-    # A fresh process whose package is on local disk is the node-warm tier of the ladder.
-    tier = "node-warm"
+    tier = Tier.NODE_WARM  # the package is on this machine's disk; each start says what it did beside that
     can_park = True
 
-    def __init__(self, logs: Path, parked_ram: int | None = None, gpus: list[str] | None = None):
+    def __init__(self, logs: Path, parked_ram: int | None = None, gpus: list[str] | None = None,
+                 fork: bool | None = None):
         self.logs = logs
         self.parked_ram = int(machine_ram() * PARKED_RAM_FRACTION) if parked_ram is None else parked_ram
-        self.workers = Supervisor(detect_gpus() if gpus is None else gpus, logging.getLogger("ember.gateway"))
+        # fork: start replicas from a fork server per app (default: unless EMBER_FORK_SERVER=0)
+        self.workers = Supervisor(detect_gpus() if gpus is None else gpus, logging.getLogger("ember.gateway"), fork)
         self.gpus = self.workers.gpus  # the autoscaler evicts a parked holder when a start waits for one
 
     def new_replica(self, app: str, unit: str) -> Replica:
@@ -85,3 +87,7 @@ class LocalBackend:
 
     async def stop(self, replica: Replica, grace: float = 10.0) -> None:
         await self.workers.stop(replica, grace)
+
+    async def close(self) -> None:
+        """Stop the fork servers (after the replicas were stopped)."""
+        await self.workers.close()

@@ -21,7 +21,7 @@ def test_scale_from_zero_to_zero_and_back(serve):
         assert first.json()["result"]["sum"] == 5
         assert COLD.match(first.headers["x-ember-cold-start"])
         replica = first.headers["x-ember-replica"]
-        assert "spawn_ms=" in first.headers["x-ember-start-breakdown"]
+        assert "start=fork" in first.headers["x-ember-start-breakdown"]  # from the app's fork server
 
         warm = http.post("/quick/add", json={"a": 1, "b": 1})
         idle_from = time.monotonic()  # the replica went idle just before this reply arrived
@@ -47,6 +47,8 @@ def test_scale_from_zero_to_zero_and_back(serve):
     with served.client(None) as anonymous:
         metrics = anonymous.get("/metrics").text
     assert 'ember_cold_starts_total{app="quick",function="add",tier="node-warm"} 2' in metrics
+    assert 'ember_replica_starts_total{app="quick",function="add",tier="node-warm",start="fork"} 2' in metrics
+    assert 'ember_replica_start_phase_seconds_total{app="quick",function="add",phase="fork"}' in metrics
 
 
 def _error(response, status: int, kind: str) -> None:

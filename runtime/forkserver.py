@@ -1,0 +1,376 @@
+"""The fork server: one per app package version on a node; a replica start is a fork() of it, not a fresh process.
+
+    python -m ember.runtime.forkserver --package P --socket PATH
+
+It loads the package once (the user's module and what it imports; torch too when a unit asks for a GPU) without a
+GPU (CUDA_VISIBLE_DEVICES=""), prints one JSON line {"event": "ready", "import_ms"} or {"event": "failed", "error"},
+and answers fork requests on the Unix socket PATH. The supervisor (runtime/supervisor.py) starts and replaces it.
+
+For each unit the first request forks a template: a child that runs the unit's `@ember.enter(snap=True)` hooks once
+(Modal's CPU-snapshot semantics: their host memory is then shared copy-on-write by every replica) and refuses to
+fork when they left CUDA initialised or threads running, since a forked child could not use either. The template
+forks each replica: the child takes its control pipe, log and lifeline from the request, sets its environment
+(CUDA_VISIBLE_DEVICES first) and runs ember.runtime.worker's start from `enter(snap=False)` on. A unit that was
+refused is started by a plain spawn instead, with the reason in its start breakdown.
+
+Each request is one connection (SOCK_SEQPACKET: one message per send). The supervisor sends a ForkRequest with
+three descriptors (the child's stdout, its log, the read end of its lifeline); the answer is Forked or Refused, and
+once the replica exits, Exited on the same connection. A connection that closes without Exited means its template
+is gone: the replica may still run, and the supervisor watches its pid instead.
+"""
+import time
+
+STARTED = time.monotonic()  # before heavy imports: import_ms counts from here
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import ctypes  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import selectors  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+# tqdm's progress-bar monitor only wakes to check its bars; a child that shows a bar starts its own
+FORK_SAFE_THREADS = {"tqdm_monitor"}
+MAX_MESSAGE = 1 << 20  # a ForkRequest carries the replica's environment
+REQUEST_FDS = 3  # control pipe (the child's stdout), log (its stderr), lifeline (EOF once the supervisor is gone)
+
+
+@dataclass
+class ForkRequest:
+    """Supervisor -> fork server: fork a replica of `unit` with this environment (sent with REQUEST_FDS fds)."""
+    unit: str
+    env: dict[str, str]
+    snap_ms: int | None = None  # set by the fork server when this request waited for the unit's snap=True hooks
+
+
+@dataclass
+class Forked:
+    """The replica runs as `pid`; `snap_ms` when its start waited for the unit's snap=True hooks."""
+    pid: int
+    snap_ms: int | None = None
+
+
+@dataclass
+class Refused:
+    """This unit cannot be forked (the reason names the fix); the supervisor spawns it instead."""
+    reason: str
+
+
+@dataclass
+class Exited:
+    """The replica exited with `code` (negative: killed by that signal), as asyncio's Process.returncode says."""
+    code: int
+
+
+@dataclass
+class TemplateReady:
+    """Template -> fork server: the unit's snap=True hooks ran in `snap_ms`; it forks replicas now."""
+    snap_ms: int
+
+
+MESSAGES = {cls.__name__: cls for cls in (ForkRequest, Forked, Refused, Exited, TemplateReady)}
+Message = ForkRequest | Forked | Refused | Exited | TemplateReady
+
+
+def encode(message: Message) -> bytes:
+    return json.dumps({"type": type(message).__name__, **asdict(message)}).encode()
+
+
+def decode(data: bytes) -> Message | None:
+    """The message in `data`; None for b"" (the other end closed)."""
+    if not data:
+        return None
+    fields = json.loads(data)
+    return MESSAGES[fields.pop("type")](**fields)
+
+
+def send(sock: socket.socket, message: Message, fds: list[int] = ()) -> None:
+    socket.send_fds(sock, [encode(message)], list(fds))
+
+
+def receive(sock: socket.socket, fds: int = 0) -> tuple[Message | None, list[int]]:
+    data, received, _, _ = socket.recv_fds(sock, MAX_MESSAGE, fds)
+    return decode(data), received
+
+
+def cuda_initialised() -> bool:
+    """Whether torch initialised CUDA in this process (then a forked child cannot use the GPU)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def fork_hazard(what: str) -> str | None:
+    """Why this process must not fork replicas after `what` ran, or None when it may."""
+    if cuda_initialised():
+        return (f"{what} initialised CUDA, which a forked replica cannot use: keep GPU work (and imports that touch "
+                f"CUDA, such as flashinfer) in @ember.enter(snap=False)")
+    threads = [t.name for t in threading.enumerate()
+               if t is not threading.main_thread() and t.name not in FORK_SAFE_THREADS]
+    if threads:
+        return (f"{what} left threads running ({', '.join(threads)}), which a fork does not copy: start them in "
+                f"@ember.enter(snap=False)")
+    return None
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent exits."""
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+@dataclass
+class Template:
+    """The fork server's view of one unit's template process."""
+    pid: int | None
+    channel: socket.socket | None
+    refused: str | None = None
+    snap_ms: int | None = None  # reported with the first replica only: the start that waited for the hooks
+    served: int = 0
+
+
+class ForkServer:
+    """Accepts fork requests and hands each to its unit's template, forking the template on first use."""
+
+    def __init__(self, app: Any, listener: socket.socket):
+        self.app, self.listener = app, listener
+        self.templates: dict[str, Template] = {}
+
+    def run(self) -> None:
+        while True:
+            self._reap()
+            with selectors.DefaultSelector() as selector:
+                selector.register(self.listener, selectors.EVENT_READ)
+                if not selector.select(timeout=1.0):
+                    continue
+            conn, _ = self.listener.accept()
+            with conn:
+                conn.settimeout(10)
+                try:
+                    self._handle(conn)
+                except (OSError, ValueError, KeyError, TypeError) as exc:  # a bad request costs only its connection
+                    print(f"ember fork server: request dropped: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def _handle(self, conn: socket.socket) -> None:
+        request, fds = receive(conn, REQUEST_FDS)
+        try:
+            if not isinstance(request, ForkRequest) or len(fds) != REQUEST_FDS:
+                send(conn, Refused(f"a fork request is a ForkRequest with {REQUEST_FDS} descriptors"))
+                return
+            if request.unit not in self.app.units:
+                send(conn, Refused(f"this fork server's package has no unit {request.unit!r}"))
+                return
+            template = self.templates.get(request.unit) or self._prepare(request.unit)
+            if template.refused is None and template.served == 0:
+                request.snap_ms = template.snap_ms
+            if template.refused is None:
+                try:
+                    send(template.channel, request, [conn.fileno(), *fds])
+                    template.served += 1
+                    return
+                except OSError as exc:  # the template died since: the next request prepares a new one
+                    self._forget(request.unit)
+                    template.refused = f"the template of {request.unit} is gone ({exc})"
+            send(conn, Refused(template.refused))
+        finally:
+            close_fds(fds)
+
+    def _prepare(self, unit_name: str) -> Template:
+        """Fork the unit's template, which runs its snap=True hooks; wait for it to say it is ready or refuses."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                ours.close()
+                self.listener.close()
+                for other in self.templates.values():
+                    if other.channel is not None:
+                        other.channel.close()
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                die_with_parent(signal.SIGKILL)  # a template without its fork server has nobody to serve
+                code = UnitTemplate(self.app.units[unit_name], theirs).run()
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        theirs.close()
+        ready, _ = receive(ours)
+        if isinstance(ready, TemplateReady):
+            template = Template(pid, ours, snap_ms=ready.snap_ms)
+        else:
+            ours.close()
+            reason = ready.reason if isinstance(ready, Refused) else f"its template process exited while it ran " \
+                f"the snap=True hooks (log: this replica's log has its traceback)"
+            template = Template(None, None, refused=reason)
+            print(f"ember fork server: {unit_name} is started by spawn instead: {reason}", file=sys.stderr, flush=True)
+        self.templates[unit_name] = template
+        return template
+
+    def _forget(self, unit_name: str) -> None:
+        template = self.templates.pop(unit_name, None)
+        if template is not None and template.channel is not None:
+            template.channel.close()
+
+    def _reap(self) -> None:
+        """Collect templates that exited; a unit whose template died gets a fresh one on its next request."""
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            for name, template in list(self.templates.items()):
+                if template.pid == pid:
+                    self._forget(name)
+
+
+class UnitTemplate:
+    """A process that ran one unit's snap=True hooks and forks a replica for each request its fork server passes."""
+
+    def __init__(self, unit: Any, channel: socket.socket):
+        self.unit, self.channel = unit, channel
+        self.replicas: dict[int, socket.socket] = {}  # pid -> the connection its Exited goes to
+
+    def run(self) -> int:
+        from ember.runtime.worker import unit_environment
+
+        began = time.monotonic()
+        try:
+            unit_environment(self.unit)
+            self.obj = self.unit.snap() if hasattr(self.unit, "user_cls") else None
+        except BaseException as exc:
+            traceback.print_exc()
+            send(self.channel, Refused(f"a snap=True hook raised {type(exc).__name__}: {exc}; in a fork server they "
+                                       f"run without a GPU: move GPU work to @ember.enter(snap=False)"))
+            return 1
+        hazard = fork_hazard(f"the snap=True hooks of {self.unit.name}")
+        if hazard:
+            send(self.channel, Refused(hazard))
+            return 1
+        send(self.channel, TemplateReady(round((time.monotonic() - began) * 1000)))
+        while True:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self.channel, selectors.EVENT_READ)
+                ready = selector.select(timeout=0.5)
+            if ready:
+                request, fds = receive(self.channel, 1 + REQUEST_FDS)
+                if request is None:
+                    return 0  # the fork server is gone
+                self._fork(request, fds)
+            self._reap()
+
+    def _fork(self, request: ForkRequest, fds: list[int]) -> None:
+        conn = socket.socket(fileno=fds[0])
+        control, log, lifeline = fds[1:]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            forked_at = time.monotonic()
+            code = 1
+            try:
+                conn.close()
+                self.channel.close()
+                for other in self.replicas.values():
+                    other.close()
+                from ember.runtime.worker import run_forked
+
+                code = run_forked(self.unit, self.obj, request.env, control, log, lifeline, forked_at)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(code)
+        close_fds([control, log, lifeline])
+        try:
+            send(conn, Forked(pid, request.snap_ms))
+        except OSError:  # the supervisor gave up on this start; the replica's lifeline ends it
+            pass
+        self.replicas[pid] = conn
+
+    def _reap(self) -> None:
+        while self.replicas:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.replicas.pop(pid, None)
+            if conn is not None:
+                with conn, contextlib.suppress(OSError):
+                    send(conn, Exited(os.waitstatus_to_exitcode(status)))
+
+
+def preload(app: Any) -> list[str]:
+    """Import what every replica of `app` needs before a fork: torch when a unit asks for a GPU (what the user's
+    module imports is loaded already). The modules imported."""
+    loaded = []
+    if any(unit.spec.gpu for unit in app.units.values()):
+        with contextlib.suppress(ImportError):
+            import torch  # noqa: F401
+
+            loaded.append("torch")
+    return loaded
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ember.runtime.forkserver", description=__doc__.splitlines()[0])
+    parser.add_argument("--package", required=True, help="path of the .pkg file")
+    parser.add_argument("--socket", required=True, help="Unix socket path to listen on")
+    args = parser.parse_args(argv)
+    die_with_parent()
+    control = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what the user's module prints goes to the log; stdout was only for the ready line
+    try:
+        from ember.package import unpack
+
+        app = unpack(args.package)
+        preloaded = preload(app)
+        hazard = fork_hazard(f"importing the package {os.path.basename(args.package)}")
+        if hazard:
+            raise RuntimeError(hazard)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(args.socket)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(args.socket)
+        listener.listen(64)
+    except BaseException as exc:
+        traceback.print_exc()
+        control.write(json.dumps({"event": "failed", "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor stops this one
+    import_ms = round((time.monotonic() - STARTED) * 1000)
+    control.write(json.dumps({"event": "ready", "import_ms": import_ms, "preloaded": preloaded}) + "\n")
+    control.close()
+    try:
+        ForkServer(app, listener).run()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(args.socket)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""An app whose module imports torch and whose class builds its state in a snap=True hook (test_forkserver)."""
+import os
+
+import torch
+
+import ember
+from tests.runtime.apps import heavy  # by reference: imported (with torch) by each process that loads the package
+
+app = ember.App("forking")
+
+
+@app.function()
+def imported_in() -> dict:
+    return {"imported_in": heavy.IMPORTED_IN, "pid": os.getpid(), "sum": int(torch.arange(10).sum())}
+
+
+@app.cls()
+class Snapped:
+    @ember.enter(snap=True)
+    def build(self):
+        self.built_in = os.getpid()
+        self.table = torch.arange(1000)  # host memory every forked replica shares copy-on-write
+        if os.environ.get("FORKING_SNAP_LOG"):
+            with open(os.environ["FORKING_SNAP_LOG"], "a") as log:
+                log.write(f"{os.getpid()}\n")
+        if os.environ.get("FORKING_TOUCH_CUDA") == "1":
+            torch.cuda._initialized = True  # what torch's lazy CUDA init sets: CI has no GPU to really touch
+
+    @ember.enter(snap=False)
+    def connect(self):
+        self.pid = os.getpid()
+
+    @ember.method()
+    def where(self) -> dict:
+        return {"built_in": self.built_in, "pid": self.pid, "sum": int(self.table.sum())}
