@@ -7,7 +7,9 @@ import socket
 
 import uvicorn
 
+from ember.gateway import connections
 from ember.gateway.backends import backend_for
+from ember.gateway.header_limit import MAX_HEADER_BYTES
 from ember.gateway.ratelimit import MemoryLimiter, RedisLimiter
 from ember.gateway.server import create_app
 from ember.gateway.service import Gateway
@@ -101,8 +103,10 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
         print("Create an API key with: ember keys create --name NAME", flush=True)
 
     # On stop, in-flight calls get GRACE seconds; idle TLS keep-alive clients would otherwise hold it for 30 s.
+    # h11, whose header buffer is capped at the gateway's header limit; connections guarded (gateway/connections.py).
     config = uvicorn.Config(create_app(gateway), ssl_certfile=str(cert), ssl_keyfile=str(key), log_level="warning",
-                            timeout_graceful_shutdown=GRACE)
+                            timeout_graceful_shutdown=GRACE, http=connections.protocol(),
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     try:
         uvicorn.Server(config).run(sockets=[sock])  # uvicorn's loop factory: uvloop where installed
     finally:

@@ -1,0 +1,132 @@
+"""The gateway's client connections, guarded the way Envoy and nginx guard theirs: a request's headers must arrive
+within HEADER_TIMEOUT, and the connections held at once are capped below the file-descriptor limit. At the cap a new
+connection is still taken (a health check or a normal client sends its headers at once); to make room, the
+connection that has waited longest for its headers is closed, so slow-header clients only ever push out each other.
+HTTP parse errors answer JSON like every other error: 431 when the request line and headers are too large.
+
+`ember serve` hands `GuardedH11` to uvicorn as its HTTP protocol (gateway/serve.py)."""
+import asyncio
+import json
+import logging
+import os
+import resource
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ember.gateway.header_limit import MAX_HEADER_BYTES
+
+log = logging.getLogger("ember.gateway")
+
+HEADER_TIMEOUT = float(os.environ.get("EMBER_HEADER_TIMEOUT", "10"))  # seconds from the first byte to the last header
+LINGER = 1.0  # seconds an error reply's connection stays open, its input read and dropped
+FD_RESERVE = 512  # descriptors kept for replicas' sockets, log files and the database
+
+
+def connection_cap() -> int:
+    """EMBER_MAX_CONNECTIONS, else what the descriptor limit allows after FD_RESERVE (the soft limit is raised to
+    the hard one first)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    configured = os.environ.get("EMBER_MAX_CONNECTIONS")
+    return int(configured) if configured else max(64, soft - FD_RESERVE)
+
+
+class Guard:
+    """The connections of one server and those still waiting for a request's headers, oldest first."""
+
+    def __init__(self, cap: int, header_timeout: float):
+        self.cap, self.header_timeout = cap, header_timeout
+        self.open = 0
+        self.waiting: dict["GuardedH11", None] = {}  # insertion-ordered: the first waited longest
+        self.evicted = self.timed_out = 0  # counts, for the log and bench/hostile.py
+
+    def make_room(self) -> None:
+        """Over the cap: close the connections that have waited longest for their headers."""
+        while self.open > self.cap and self.waiting:
+            oldest = next(iter(self.waiting))
+            self.evicted += 1
+            oldest.close("evicted: the gateway is at its connection cap and this one had sent no full request")
+
+
+class GuardedH11(H11Protocol):
+    guard: Guard  # set by `protocol()`: one per server
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timer: asyncio.TimerHandle | None = None
+        self.discarding = False  # an error reply went out: what the client still sends is read and dropped
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.guard.open += 1
+        self._await_headers()
+        self.guard.make_room()
+
+    def connection_lost(self, exc) -> None:
+        self.guard.open -= 1
+        self._headers_done()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.discarding:
+            return
+        if self.header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._await_headers()  # the first bytes of the next request on a kept-alive connection
+        cycle = self.cycle
+        super().data_received(data)
+        if self.cycle is not cycle:  # h11 produced a new request: its headers are all here
+            self._headers_done()
+
+    def _await_headers(self) -> None:
+        self.guard.waiting[self] = None
+        self.header_timer = self.loop.call_later(self.guard.header_timeout, self._header_timeout)
+
+    def _headers_done(self) -> None:
+        self.guard.waiting.pop(self, None)
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def _header_timeout(self) -> None:
+        self.header_timer = None
+        self.guard.timed_out += 1
+        self.close(f"no full request headers within {self.guard.header_timeout:g} s")
+
+    def close(self, why: str) -> None:
+        self._headers_done()
+        if not self.transport.is_closing():
+            log.debug("closing connection from %s: %s", self.client, why)
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """h11 could not parse the request: JSON, as every error; 431 when its headers overflowed h11's buffer."""
+        too_large = len(self.conn.trailing_data[0]) >= MAX_HEADER_BYTES
+        status, kind, message = (431, "headers_too_large", f"request line and headers must stay under {MAX_HEADER_BYTES} bytes") \
+            if too_large else (400, "invalid_http", "the request is not valid HTTP/1.1")
+        body = json.dumps({"error": {"type": kind, "message": message}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        try:
+            self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers)))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:  # h11 is in an error state from the bad request: write the reply raw
+            reason = b"Request Header Fields Too Large" if too_large else b"Bad Request"
+            raw = b"".join(k + b": " + v + b"\r\n" for k, v in headers)
+            self.transport.write(b"HTTP/1.1 %d %s\r\n%s\r\n%s" % (status, reason, raw, body))
+        # Close a moment later, reading meanwhile: closing with unread input resets the connection, and the client,
+        # still sending its headers, would lose the reply (nginx's lingering close).
+        self._headers_done()
+        self.discarding = True
+        self.loop.call_later(LINGER, self.close, "unparseable request")
+
+
+def protocol(cap: int | None = None, header_timeout: float = HEADER_TIMEOUT) -> type[GuardedH11]:
+    """A GuardedH11 class with a Guard of its own, for one uvicorn server."""
+    return type("GatewayH11", (GuardedH11,), {"guard": Guard(connection_cap() if cap is None else cap, header_timeout)})
