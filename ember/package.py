@@ -87,9 +87,17 @@ def _module_of(app: App) -> str:
     raise ValueError(f"app {app.name!r} declares no functions or classes")
 
 
+class PackageError(ValueError):
+    """The file is not an Ember package (not a zip, or no readable manifest)."""
+
+
 def read_manifest(package: str | Path) -> dict:
-    with zipfile.ZipFile(package) as zf:
-        return json.loads(zf.read("manifest.json"))
+    try:
+        with zipfile.ZipFile(package) as zf:
+            return json.loads(zf.read("manifest.json"))
+    except (zipfile.BadZipFile, KeyError, ValueError) as exc:
+        raise PackageError(f"{package} is not an Ember package ({type(exc).__name__}: {exc}); "
+                           "build one with `ember deploy APP.py`") from None
 
 
 def unpack(package: str | Path) -> App:

@@ -35,6 +35,8 @@ class FunctionSpec(BaseModel):
     target_concurrency: float = Field(1.0, gt=0)
     max_concurrency: int = Field(1, ge=1)
     timeout: float = Field(300.0, gt=0, description="seconds one call may run")
+    retries: int = Field(0, ge=0, le=10, description="times the gateway may run a call again on another replica when "
+                         "its replica fails mid-call; 0 (at most once) unless the function is safe to run twice")
     queue_bound: int = Field(256, ge=1, description="calls that may wait for a replica before 503 + Retry-After")
     snapshot: bool = False
     secrets: list[str] = Field(default_factory=list)

@@ -10,6 +10,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
 from ember.gateway.keys import check_scopes
+from ember.package import PackageError
 from ember.gateway.ratelimit import Limits
 from ember.gateway.routing import APP_NAME
 
@@ -134,6 +135,8 @@ def admin_router(gateway: "Gateway") -> APIRouter:
         package = local_package(body.package) if body.package is not None else await s3_package(body.package_url, body.sha256)
         try:
             deployment = await gateway.deploy(package)
+        except PackageError as exc:
+            raise ApiError(422, "invalid_package", str(exc)) from None
         except ValueError as exc:  # an app name the gateway cannot route
             raise ApiError(422, "invalid_name", str(exc)) from None
         return {"app": deployment.name, "package": str(package), "functions": sorted(deployment.units)}

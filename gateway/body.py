@@ -1,14 +1,17 @@
-"""What the gateway reads of a request before it picks a replica: the body, counted against one size limit as it
-arrives, a call's keyword arguments, an LLM request's token estimate and routing key, the X-Session-ID."""
+"""What the gateway reads of a request before it picks a replica: the whole body, counted against one size limit, a
+time limit and the gateway's in-flight byte budget as it arrives; a call's keyword arguments, an LLM request's token
+estimate and routing key, the X-Session-ID."""
+import asyncio
 import json
+import os
 import re
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from starlette.requests import Request
 
 from ember.gateway.affinity import prefix_key, prompt_text
 from ember.gateway.errors import ApiError
+from ember.gateway.inflight import BodyBudget
 from ember.gateway.routing import SESSION, Forward
 from ember.gateway.usage import OPENAI_PATHS, UsageMeter, estimate, max_tokens
 
@@ -16,43 +19,47 @@ MAX_BODY = 16 * 1024 * 1024
 SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: it only feeds a hash
 
 
+BODY_TIMEOUT = float(os.environ.get("EMBER_BODY_TIMEOUT", "60"))  # seconds a request body may take to arrive
+
+
 def too_large(limit: int = MAX_BODY) -> ApiError:
     return ApiError(413, "body_too_large", f"request body is over {limit} bytes")
 
 
-class CountedBody:
-    """The client's body as it arrives, counted: past `limit` bytes it ends with a 413 (Content-Length alone is not
-    trusted). `over` tells a caller that streamed it upstream why the upload stopped."""
-
-    def __init__(self, request: Request, limit: int = MAX_BODY):
-        self.request, self.limit, self.over = request, limit, False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        size = 0
-        async for chunk in self.request.stream():
-            size += len(chunk)
-            if size > self.limit:
-                self.over = True
-                raise too_large(self.limit)
-            yield chunk
-
-
-async def read_body(request: Request) -> bytes:
-    """The whole body, refused early when its declared length is already over the limit."""
+async def read_body(request: Request, budget: BodyBudget) -> bytearray:
+    """The whole body, counted as it arrives (Content-Length alone is not trusted) against MAX_BODY and the
+    gateway's body budget, within BODY_TIMEOUT; the bytes taken from the budget are in request.state.body_held."""
     try:
         declared = int(request.headers.get("content-length") or 0)
     except ValueError:
         raise ApiError(400, "invalid_request", "Content-Length is not a number") from None
     if declared > MAX_BODY:
         raise too_large()
-    return b"".join([chunk async for chunk in CountedBody(request)])
+    budget.take(declared)
+    request.state.body_held = declared
+    body = bytearray()  # one buffer, not a list of chunks: a large one is its own mapping, handed back when freed
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT):
+            async for chunk in request.stream():
+                if len(body) + len(chunk) > MAX_BODY:
+                    raise too_large()
+                if len(body) + len(chunk) > request.state.body_held:  # chunked, or more than it declared
+                    extra = len(body) + len(chunk) - request.state.body_held
+                    budget.take(extra)
+                    request.state.body_held += extra
+                body += chunk
+    except TimeoutError:
+        raise ApiError(408, "body_timeout", f"the request body did not arrive within {BODY_TIMEOUT:g} s") from None
+    return body
 
 
-async def read_kwargs(request: Request) -> bytes:
+async def read_kwargs(request: Request, budget: BodyBudget) -> bytes:
     """The call's body, checked to be a JSON object of keyword arguments."""
-    body = await read_body(request) or b"{}"
+    body = await read_body(request, budget) or b"{}"
     try:
         kwargs = json.loads(body)
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "request body is nested too deeply to be read as JSON") from None
     except ValueError as exc:
         raise ApiError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
     if not isinstance(kwargs, dict):
@@ -72,26 +79,28 @@ def session_id(request: Request) -> str | None:
 
 
 @dataclass
-class LlmRequest:
-    """An OpenAI completion POST as the gateway holds it: the bytes forwarded as read, their token estimate for the
-    rate limits, the meter that counts what the reply really used, and the routing key."""
+class ForwardRequest:
+    """A request for an ASGI endpoint as the gateway holds it: its body (read whole before it takes a replica slot)
+    and, for an OpenAI completion POST, its token estimate for the rate limits, the meter that counts what the reply
+    really used, and the routing key."""
 
-    body: bytes | None
+    body: bytes
     tokens: int
     meter: UsageMeter | None
     affinity: str | None
 
 
-async def read_llm(request: Request, target: Forward, session: str | None) -> LlmRequest:
-    """Read only an OpenAI completion POST; any other request to an ASGI endpoint streams through unread."""
+async def read_forward(request: Request, target: Forward, session: str | None, budget: BodyBudget) -> ForwardRequest:
+    declares_body = "content-length" in request.headers or "transfer-encoding" in request.headers
+    body = await read_body(request, budget) if declares_body else b""
     if request.method != "POST" or target.path not in OPENAI_PATHS:
-        return LlmRequest(None, 0, None, session)
-    body = await read_body(request)
+        return ForwardRequest(body, 0, None, session)
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         parsed = None
     if not isinstance(parsed, dict):  # the engine answers it with its own 400
-        return LlmRequest(body, 0, None, session)
+        return ForwardRequest(body, 0, None, session)
     tokens = estimate(parsed)
-    return LlmRequest(body, tokens, UsageMeter(tokens - max_tokens(parsed)), session or prefix_key(prompt_text(parsed)))
+    return ForwardRequest(body, tokens, UsageMeter(tokens - max_tokens(parsed)),
+                          session or prefix_key(prompt_text(parsed)))

@@ -13,11 +13,10 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from yarl import URL
 
-from ember.gateway.body import CountedBody, too_large
 from ember.gateway.errors import ApiError, error_response
 from ember.gateway.replica import Replica
 from ember.gateway.usage import UsageMeter
-from ember.runtime.worker import CONTROL_HEADER
+from ember.runtime.worker import CONTROL_HEADER, NOT_STARTED, RECYCLING
 
 log = logging.getLogger("ember.gateway")
 
@@ -44,11 +43,39 @@ def client() -> aiohttp.ClientSession:
 
 
 class Unreachable(Exception):
-    """The replica failed before the first byte of its response: safe to send the same request elsewhere."""
+    """The request never reached the replica's code (no connection, or the replica refused it before starting):
+    safe to send the same request elsewhere."""
+
+    def __init__(self, replica: Replica, why: str):
+        super().__init__(f"replica {replica.id}: {why}")
+        self.error = ApiError(503, "replica_unavailable", f"replica {replica.id} did not take the request: {why}",
+                              {"Retry-After": "1"})
+
+
+class ReplicaFailed(Exception):
+    """The replica failed after the request reached it: the call may have run, so it is sent again only where the
+    function's spec allows it (`retries=`)."""
 
     def __init__(self, replica: Replica, exc: Exception):
         super().__init__(f"replica {replica.id}: {type(exc).__name__}")
-        self.error = ApiError(503, "replica_unavailable", f"replica {replica.id} did not answer: {type(exc).__name__}", {"Retry-After": "1"})
+        self.error = ApiError(502, "replica_failed", f"replica {replica.id} failed while handling the request "
+                              f"({type(exc).__name__}); it may or may not have run: retry only if that is safe",
+                              {"Retry-After": "1"})
+
+
+def _failure(replica: Replica, exc: aiohttp.ClientError) -> Exception:
+    """A connection that could not be made reached nothing; any later failure may have reached the code."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return Unreachable(replica, f"{type(exc).__name__}: {exc.os_error.strerror or exc}")
+    return ReplicaFailed(replica, exc)
+
+
+def _settle_replica(replica: Replica, headers) -> None:
+    """The replica's reply says whether it takes more: refused before starting (Unreachable), or going away."""
+    if headers.get(RECYCLING) or headers.get(NOT_STARTED):
+        replica.draining = "evict"  # it exits once its calls end: route nothing new to it
+    if headers.get(NOT_STARTED):
+        raise Unreachable(replica, "it is being replaced")
 
 
 def _timeout(timeout: float) -> ApiError:
@@ -70,36 +97,36 @@ async def call(client: aiohttp.ClientSession, replica: Replica, method: str, bod
         headers = CALL_HEADERS | {CONTROL_HEADER: replica.control_secret or ""} | (trace or {})
         async with client.post(_url(replica, f"/__ember__/call/{method}"), data=body, headers=headers,
                                timeout=limit, allow_redirects=False) as reply:
+            _settle_replica(replica, reply.headers)
             return Response(await reply.read(), status_code=reply.status, media_type="application/json")
     except asyncio.TimeoutError:
         raise _timeout(timeout) from None
     except aiohttp.ClientError as exc:
-        raise Unreachable(replica, exc) from None
+        raise _failure(replica, exc) from None
 
 
-async def open_stream(client: aiohttp.ClientSession, replica: Replica, request: Request, path: str, body: bytes | None,
-                      timeout: float, max_body: int, trace: dict | None = None) -> aiohttp.ClientResponse:
-    """Start forwarding `request` to the replica's ASGI app at `path`: `body` when the gateway read it, else the
-    client's body streamed through (none when it declared none). `timeout` bounds the wait for each response chunk.
-    `trace`, when tracing is on: this hop's trace context headers, which replace the client's."""
+async def open_stream(client: aiohttp.ClientSession, replica: Replica, request: Request, path: str, body: bytes,
+                      timeout: float, trace: dict | None = None) -> aiohttp.ClientResponse:
+    """Start forwarding `request` with the `body` the gateway read to the replica's ASGI app at `path`. `timeout`
+    bounds the wait for each response chunk. `trace`, when tracing is on: this hop's trace context headers, which
+    replace the client's."""
     headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
     if trace is not None:
         headers = [(k, v) for k, v in headers if k not in trace and k not in TRACE_HEADERS] + list(trace.items())
-    counted = None
-    if body is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
-        counted = CountedBody(request, max_body)
     try:
-        return await client.request(
+        upstream = await client.request(
             request.method, _url(replica, path, request.scope["query_string"].decode("latin-1")), headers=headers,
-            data=body if counted is None else counted.__aiter__(), allow_redirects=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=timeout),
+            data=body if body or request.method not in ("GET", "HEAD", "OPTIONS", "DELETE") else None,
+            allow_redirects=False, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=timeout),
         )
     except asyncio.TimeoutError:
         raise _timeout(timeout) from None
     except aiohttp.ClientError as exc:
-        if counted is not None and counted.over:  # the upload was cut by its own size, not by the replica
-            raise too_large(max_body) from None
-        raise Unreachable(replica, exc) from None
+        raise _failure(replica, exc) from None
+    if upstream.headers.get(NOT_STARTED):
+        upstream.release()
+    _settle_replica(replica, upstream.headers)
+    return upstream
 
 
 class Relay(Response):

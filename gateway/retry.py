@@ -1,5 +1,5 @@
-"""Sending a request to a replica: a slot from the function's queue, then the request, sent once more to another
-hot replica when the first failed before its first response byte. Each attempt is a CLIENT span when tracing is on."""
+"""Sending a request to a replica: a slot from the function's queue, then the request, at most once unless it never
+reached a replica's code or the function's `retries=` allows more. Each attempt is a CLIENT span when tracing is on."""
 import dataclasses
 import logging
 from typing import Awaitable, Callable, TypeVar
@@ -9,7 +9,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ember.gateway import proxy
-from ember.gateway.body import MAX_BODY
 from ember.gateway.deployment import Unit
 from ember.gateway.queue import Lease
 from ember.gateway.replica import Replica
@@ -23,10 +22,14 @@ log = logging.getLogger("ember.gateway")
 Reply = TypeVar("Reply", Response, aiohttp.ClientResponse)  # a call's whole reply, or a stream's head
 
 
-async def send_with_retry(unit: Unit, lease: Lease, key: str | None, retryable: bool,
+async def send_with_retry(unit: Unit, lease: Lease, key: str | None,
                           send: Callable[[Replica, dict | None], Awaitable[Reply]]) -> tuple[Reply, Lease]:
-    """`send(replica, trace_headers)`; a replica that fails before its first response byte is retried once on another
-    hot one. The lease's slot is released on failure; on success the caller owns it."""
+    """`send(replica, trace_headers)`, at most once by default: a request that never reached a replica's code
+    (no connection, or refused before it started) is sent once more to another hot replica; one whose replica failed
+    after it arrived is sent again only as often as the function's `retries=` allows. The lease's slot is released on
+    failure; on success the caller owns it."""
+    unreached, failed = 1, unit.spec.retries  # further attempts each kind of failure allows
+    tried = {lease.replica.id}
     while True:
         replica = lease.replica
         try:
@@ -36,14 +39,19 @@ async def send_with_retry(unit: Unit, lease: Lease, key: str | None, retryable: 
                 reply = await send(replica, hop.headers)
                 hop.reply(reply.status_code if isinstance(reply, Response) else reply.status)
             return reply, lease
-        except proxy.Unreachable as exc:
+        except (proxy.Unreachable, proxy.ReplicaFailed) as exc:
             unit.queue.release(replica)
-            retry = unit.queue.try_acquire(key, frozenset({replica.id})) if retryable and lease.attempt == 1 else None
+            allowed = unreached if isinstance(exc, proxy.Unreachable) else failed
+            retry = unit.queue.try_acquire(key, frozenset(tried)) if allowed > 0 else None
             if retry is None:
                 raise exc.error from None
-            log.warning("replica %s failed before answering (%s); retrying on %s", replica.id, exc.error.message,
-                        retry.replica.id)
-            lease = dataclasses.replace(lease, replica=retry.replica, attempt=2)
+            if isinstance(exc, proxy.Unreachable):
+                unreached -= 1
+            else:
+                failed -= 1
+            log.warning("%s; sending it to %s", exc.error.message, retry.replica.id)
+            lease = dataclasses.replace(lease, replica=retry.replica, attempt=lease.attempt + 1)
+            tried.add(retry.replica.id)
         except BaseException:
             unit.queue.release(replica)
             raise
@@ -53,22 +61,21 @@ async def call(request: Request, unit: Unit, target: Call, body: bytes, key: str
     """A function call: its slot is free again once the whole reply is here."""
     client = request.app.state.client
     response, lease = await send_with_retry(
-        unit, await unit.queue.acquire(key), key, True,
+        unit, await unit.queue.acquire(key), key,
         lambda replica, trace: proxy.call(client, replica, target.method, body, unit.spec.timeout, trace))
     unit.queue.release(lease.replica)
     return response, lease
 
 
-async def forward(request: Request, unit: Unit, target: Forward, body: bytes | None, key: str | None,
+async def forward(request: Request, unit: Unit, target: Forward, body: bytes, key: str | None,
                   meter: UsageMeter | None, settle: Settlement) -> tuple[Response, Lease]:
-    """To the app's ASGI endpoint; the replica slot and rate-limit charge are held until the streamed response ends.
-    Only a body the gateway holds (read for an LLM request, or none for GET/HEAD) can be sent twice."""
+    """To the app's ASGI endpoint, with the body the gateway read before it took the slot; the replica slot and
+    rate-limit charge are held until the streamed response ends."""
     client = request.app.state.client
-    held = body is not None or request.method in ("GET", "HEAD", "OPTIONS", "DELETE")
     upstream, lease = await send_with_retry(
-        unit, await unit.queue.acquire(key), key, held,
+        unit, await unit.queue.acquire(key), key,
         lambda replica, trace: proxy.open_stream(client, replica, request, target.path, body, unit.spec.timeout,
-                                                 MAX_BODY, trace))
+                                                 trace))
 
     async def close() -> None:
         unit.queue.release(lease.replica)

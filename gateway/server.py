@@ -3,6 +3,9 @@
 stamp headers; the rate limit is settled when the response ends. Tracing wraps the invoke route from outside."""
 import asyncio
 import contextlib
+import posixpath
+import re
+from urllib.parse import unquote
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -12,7 +15,7 @@ from starlette.routing import Route
 from ember.gateway import errors, openapi, proxy, retry, spans
 from ember.gateway.admin import admin_router
 from ember.gateway.auth import authenticate, authorize
-from ember.gateway.body import read_kwargs, read_llm, session_id
+from ember.gateway.body import read_forward, read_kwargs, session_id
 from ember.gateway.deployment import Deployment, Unit
 from ember.gateway.errors import ApiError
 from ember.gateway.header_limit import HeaderLimit
@@ -27,13 +30,45 @@ from ember.gateway.stamp import stamp
 from ember.runtime import tracing
 
 
+def reserved(path: str) -> bool:
+    """A path the replica keeps for the gateway (/__ember__/...), in any spelling: decoded, dot segments resolved,
+    slashes collapsed, as the replica's router would read it."""
+    normal = posixpath.normpath(re.sub(r"/+", "/", "/" + unquote(path)))
+    return normal.lower().startswith("/__ember__")
+
+
+async def unless_disconnected(request: Request, work):
+    """Await `work` (its body already read), cancelling it if the client hangs up first: the call is cancelled on the
+    replica (its connection closes) and every slot it held, the replica's and the key's, is freed at once."""
+    async def hung_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ApiError(499, "client_closed_request", "the client disconnected; its call was cancelled")
+
+
 def resolve(deployments: dict[str, Deployment], app_name: str, rest: str) -> tuple[Unit, Call | Forward]:
     if not APP_NAME.fullmatch(app_name):
         raise ApiError(400, "invalid_name", f"app names match {APP_NAME.pattern}; got {app_name[:80]!r}")
     deployment = deployments.get(app_name)
     if deployment is None:
-        raise ApiError(404, "not_found", f"no app named {app_name!r}; deployed: {sorted(deployments)}")
+        raise ApiError(404, "not_found", f"no app named {app_name!r}; `ember status` lists the deployed apps")
     target = route(deployment.units, rest)
+    if isinstance(target, Forward) and reserved(target.path):
+        target = None
     if target is None:
         names = [f"{u.name}.{m}" if u.kind == "class" else m for u in deployment.units.values() for m in u.methods]
         raise ApiError(404, "not_found", f"app {app_name!r} has no function {rest[:200]!r}; it serves {names}")
@@ -101,25 +136,30 @@ def create_app(gateway: Gateway) -> FastAPI:
                      target: Call | Forward) -> tuple[Response, Lease, Admission | None]:
         authorize(key, unit.app, unit.name)
         session = session_id(request)
-        if isinstance(target, Call):
-            if request.method != "POST":
-                raise ApiError(405, "method_not_allowed",
-                               f"call {target.method!r} with POST and a JSON object of keyword arguments")
-            body, tokens, meter, affinity = await read_kwargs(request), 0, None, session
-        else:
-            llm = await read_llm(request, target, session)
-            body, tokens, meter, affinity = llm.body, llm.tokens, llm.meter, llm.affinity
-        admission = await charge(gateway.limiter, gateway.app_limits, key, unit.app, tokens)
-        settle = Settlement(gateway.limiter, admission, meter)
         try:
             if isinstance(target, Call):
-                response, lease = await retry.call(request, unit, target, body, affinity)
-                await settle()
+                if request.method != "POST":
+                    raise ApiError(405, "method_not_allowed",
+                                   f"call {target.method!r} with POST and a JSON object of keyword arguments")
+                body, tokens, meter, affinity = await read_kwargs(request, gateway.bodies), 0, None, session
             else:
-                response, lease = await retry.forward(request, unit, target, body, affinity, meter, settle)
-        except BaseException:
-            await settle()
-            raise
+                held = await read_forward(request, target, session, gateway.bodies)
+                body, tokens, meter, affinity = held.body, held.tokens, held.meter, held.affinity
+            admission = await charge(gateway.limiter, gateway.app_limits, key, unit.app, tokens)
+            settle = Settlement(gateway.limiter, admission, meter)
+            try:
+                if isinstance(target, Call):
+                    response, lease = await unless_disconnected(request,
+                                                                retry.call(request, unit, target, body, affinity))
+                    await settle()
+                else:
+                    response, lease = await unless_disconnected(
+                        request, retry.forward(request, unit, target, body, affinity, meter, settle))
+            except BaseException:
+                await settle()
+                raise
+        finally:  # the body went upstream (or nowhere): its bytes leave the budget
+            gateway.bodies.give(getattr(request.state, "body_held", 0))
         return response, lease, admission
 
     traced = Middleware(tracing.ServerSpans, describe=spans.describe, finish=spans.finish)

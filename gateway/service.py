@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 from ember.gateway.app_limits import AppLimitStore
+from ember.gateway.inflight import BodyBudget
 from ember.gateway.backends.local import LocalBackend
 from ember.gateway.deployment import Deployment
 from ember.gateway.keys import KeyStore
@@ -28,6 +29,7 @@ class Gateway:
         self.app_limits = AppLimitStore(home.db)
         self.limiter: Limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits
         self.routing = routing
+        self.bodies = BodyBudget()  # request-body bytes held at once, across every request
         self.started = time.monotonic()
         self.ready = False
 

@@ -359,6 +359,10 @@ def build_asgi(replica: Replica, secret: str):
                 return
             await traced_internal(scope, receive, send)
         else:
+            if health.reason is not None and scope["type"] == "http":  # going away: let the gateway go elsewhere
+                refusal = _error_response(503, "replica_unavailable", f"this replica is being replaced ({health.reason})",
+                                          {NOT_STARTED: "1", "Retry-After": "1"})
+                return await refusal(scope, receive, send)
             await replica.parking.ready()
             await traced_user_app(scope, receive, send)
 
