@@ -1,0 +1,276 @@
+"""What a hostile client and a slow or dying function do to a real `ember serve` (issue 10's findings on the request
+path): slow bodies, control paths, deep JSON, a timeout storm, a client that hangs up, a replica killed mid-call,
+concurrent large bodies. Each builds a small app of its own, so a test starts only the replicas it needs."""
+import asyncio
+import json
+import os
+import signal
+import ssl
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+COMMON = '''
+import asyncio
+import os
+import time
+
+import ember
+
+app = ember.App("hostile")
+'''
+
+
+def write_app(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "hostile.py"
+    path.write_text(COMMON + textwrap.dedent(body))
+    return path
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.slow  # ten replica restarts: ~22 s on two busy cores
+def test_a_timeout_storm_leaves_no_late_side_effects_and_the_function_answers_after(serve, tmp_path):
+    marker = tmp_path / "late"
+    served = serve(write_app(tmp_path, f'''
+        @app.function(timeout=0.5, max_concurrency=1, scaledown_window=30)
+        def overrun(seconds: float) -> float:
+            time.sleep(seconds)  # a thread: nothing can cancel it
+            with open({str(marker)!r}, "a") as f:
+                f.write("late\\n")
+            return seconds
+    '''))
+    with served.client(served.key(), timeout=60) as http:
+        for _ in range(10):
+            late = http.post("/hostile/overrun", json={"seconds": 3})
+            assert late.status_code == 504 and late.json()["error"]["type"] == "timeout"
+        began = time.monotonic()
+        assert http.post("/hostile/overrun", json={"seconds": 0}).json() == {"result": 0}
+        assert time.monotonic() - began < 15
+    time.sleep(3)  # past when every overrun would have written its side effect: each died with its replica
+    assert marker.read_text().splitlines() == ["late"]  # the one normal call's, and no overrun's
+
+
+def test_a_client_that_hangs_up_cancels_its_call_and_frees_the_keys_concurrency_slot(serve, tmp_path):
+    marker = tmp_path / "cancelled"
+    served = serve(write_app(tmp_path, f'''
+        @app.function(timeout=60, scaledown_window=30)
+        async def held(seconds: float) -> str:
+            try:
+                await asyncio.sleep(seconds)
+            except asyncio.CancelledError:
+                with open({str(marker)!r}, "w") as f:
+                    f.write("cancelled")
+                raise
+            return "done"
+    '''))
+    admin = served.key("admin", admin=True)
+    with served.client(admin) as http:
+        key = http.post("/admin/keys", json={"name": "one-at-a-time", "concurrency": 1}).json()["secret"]
+    with served.client(key) as http:
+        assert http.post("/hostile/held", json={"seconds": 0}).json() == {"result": "done"}  # warm
+    with served.client(key, timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/hostile/held", json={"seconds": 30})
+    deadline = time.monotonic() + 5
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the call ran on after its client left"
+        time.sleep(0.05)
+    with served.client(key) as http:  # the key's one concurrency slot is free again at once
+        assert http.post("/hostile/held", json={"seconds": 0}).json() == {"result": "done"}
+    status = served.status()["apps"]["hostile"]["functions"]["held"]
+    assert status["in_flight"] == 0
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_replica_killed_mid_call_runs_the_call_once_unless_retries_allow_more(serve, tmp_path, retries):
+    marker = tmp_path / "invocations"
+    served = serve(write_app(tmp_path, f'''
+        @app.function(min_replicas=2, max_concurrency=1, timeout=60, scaledown_window=60, retries={retries})
+        def once() -> int:
+            first = not os.path.exists({str(marker)!r})
+            with open({str(marker)!r}, "a") as f:
+                f.write(f"{{os.getpid()}}\\n")
+            if first:
+                time.sleep(60)
+            return os.getpid()
+    '''))
+    deadline = time.monotonic() + 60
+    while sum(r["state"] == "hot" for r in served.status()["apps"]["hostile"]["functions"]["once"]["replicas"]) < 2:
+        assert time.monotonic() < deadline, "two replicas never became hot"
+        time.sleep(0.2)
+    reply = {}
+
+    def call():
+        with served.client(served.key(), timeout=60) as http:
+            reply["r"] = http.post("/hostile/once", json={})
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline, "the call never started"
+        time.sleep(0.05)
+    os.kill(int(marker.read_text().split()[0]), signal.SIGKILL)
+    caller.join(60)
+    runs = marker.read_text().split()
+    if retries == 0:
+        assert reply["r"].status_code == 502 and reply["r"].json()["error"]["type"] == "replica_failed"
+        assert "may or may not have run" in reply["r"].json()["error"]["message"]
+        time.sleep(1)
+        assert len(marker.read_text().split()) == 1  # invoked exactly once
+    else:
+        assert reply["r"].status_code == 200 and len(runs) == 2 and reply["r"].json()["result"] == int(runs[1])
+
+
+ASGI = '''
+async def upload(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    received, more = 0, True
+    while more:
+        message = await receive()
+        received += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = str(received).encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@app.cls(max_concurrency=2, scaledown_window=30)
+class Web:
+    @ember.asgi_app()
+    def web(self):
+        return upload
+'''
+
+
+def test_slow_bodies_hold_no_replica_slot_and_time_out(serve, tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_BODY_TIMEOUT", "4")
+    served = serve(write_app(tmp_path, ASGI))
+    key = served.key()
+    host, port = served.url.removeprefix("https://").rsplit(":", 1)
+    with served.client(key) as http:
+        assert http.post("/hostile/upload", content=b"warm").text == "4"
+
+    async def trickle() -> tuple[int, dict]:
+        reader, writer = await asyncio.open_connection(host, int(port), ssl=served.tls())
+        writer.write(f"POST /hostile/upload HTTP/1.1\r\nHost: g\r\nAuthorization: Bearer {key}\r\n"
+                     "Content-Length: 100\r\nConnection: close\r\n\r\n".encode())
+        try:
+            for _ in range(100):
+                writer.write(b"x")
+                await writer.drain()
+                await asyncio.sleep(0.5)
+        except ConnectionError:
+            pass
+        head, _, body = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")
+        writer.close()
+        return int(head.split()[1]), json.loads(body)
+
+    async def scenario():
+        slow = [asyncio.ensure_future(trickle()) for _ in range(8)]  # 4x the replica's 2 slots
+        await asyncio.sleep(1)
+        began = time.monotonic()
+        async with httpx.AsyncClient(base_url=served.url, verify=served.tls(),
+                                     headers={"Authorization": f"Bearer {key}"}) as http:
+            normal = await http.post("/hostile/upload", content=b"x" * 1000)
+        took = time.monotonic() - began
+        return normal, took, await asyncio.gather(*slow)
+
+    normal, took, slow = asyncio.run(scenario())
+    assert normal.text == "1000" and took < 1.0, took  # it waited 40 s behind 20 trickling uploads
+    for status, body in slow:
+        assert status == 408 and body["error"]["type"] == "body_timeout"
+
+
+def test_control_paths_are_not_reachable_through_the_gateway_in_any_spelling(serve, tmp_path):
+    served = serve(write_app(tmp_path, ASGI))
+    key = served.key()
+    host, port = served.url.removeprefix("https://").rsplit(":", 1)
+
+    async def raw(path: str) -> int:
+        reader, writer = await asyncio.open_connection(host, int(port), ssl=served.tls())
+        writer.write(f"POST /hostile{path} HTTP/1.1\r\nHost: g\r\nAuthorization: Bearer {key}\r\n"
+                     "Content-Length: 0\r\nConnection: close\r\n\r\n".encode())
+        status = int((await asyncio.wait_for(reader.read(), 30)).split()[1])
+        writer.close()
+        return status
+
+    with served.client(key) as http:
+        assert http.post("/hostile/upload", content=b"ab").text == "2"
+    for path in ["/__ember__/park", "/%5f%5fember%5f%5f/park", "/%5F%5Fember%5F%5F/park", "/x/../__ember__/park",
+                 "/x/%2e%2e/__ember__/park", "//__ember__/park", "/__ember__/call/upload", "/__EMBER__/wake"]:
+        assert asyncio.run(raw(path)) == 404, path
+    [replica] = served.status()["apps"]["hostile"]["functions"]["Web"]["replicas"]
+    assert replica["state"] == "hot"  # never parked by a client
+
+
+def test_deep_json_wrong_types_nan_unknown_apps_and_junk_packages_answer_json_4xx(serve, tmp_path):
+    served = serve(write_app(tmp_path, '''
+        @app.function(scaledown_window=30)
+        def add(a: int, b: int = 0) -> float:
+            return a + b if a >= 0 else float("nan")
+    '''))
+    with served.client(served.key()) as http:
+        deep = http.post("/hostile/add", content=b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+        assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_json"
+        wrong = http.post("/hostile/add", json={"a": "two", "b": {"x": 1}})
+        assert wrong.status_code == 422 and wrong.json()["error"]["type"] == "invalid_arguments"
+        assert "a: Input should be a valid integer" in wrong.json()["error"]["message"]
+        assert "b: Input should be a valid integer" in wrong.json()["error"]["message"]
+        nan = http.post("/hostile/add", json={"a": -1})
+        assert nan.status_code == 500 and nan.json()["error"]["type"] == "result_not_json"
+        assert http.post("/hostile/add", json={"a": 2, "b": 3}).json() == {"result": 5}
+        assert http.post("/nothing-here/add", json={}).json()["error"]["message"] == \
+            "no app named 'nothing-here'; `ember status` lists the deployed apps"  # and not which ones there are
+    admin = served.key("admin", admin=True)
+    junk = served.home / "packages" / "junk.pkg"
+    junk.write_bytes(b"not a zip file")
+    with served.client(admin) as http:
+        deploy = http.post("/admin/deploy", json={"package": str(junk)})
+    assert deploy.status_code == 422 and deploy.json()["error"]["type"] == "invalid_package"
+
+
+def test_concurrent_large_bodies_stay_within_the_gateways_budget(serve, tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_BODY_BUDGET", str(64 << 20))
+    served = serve(write_app(tmp_path, ASGI))
+    key = served.key()
+    pid = served.process.pid
+    with served.client(key) as http:
+        assert http.post("/hostile/upload", content=b"warm").text == "4"
+    before = rss_mib(pid)
+    body = b"x" * (15 << 20)
+    peak, stop = [before], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak.append(rss_mib(pid))
+            time.sleep(0.02)
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=served.url, verify=served.tls(), timeout=60,
+                                     headers={"Authorization": f"Bearer {key}"}) as http:
+            return await asyncio.gather(*(http.post("/hostile/upload", content=body) for _ in range(16)))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        replies = asyncio.run(flood())
+    finally:
+        stop.set()
+        sampler.join()
+    busy = [r for r in replies if r.status_code == 503]
+    assert busy and all(r.json()["error"]["type"] == "gateway_busy" and r.headers["retry-after"] for r in busy)
+    assert all(r.text == str(len(body)) for r in replies if r.status_code == 200)
+    assert max(peak) - before < 64 + 96, (before, max(peak))  # 16 x 15 MiB = 240 MiB unbounded
+    time.sleep(1)
+    assert rss_mib(pid) - before < 64, (before, rss_mib(pid))  # and it gives it back
