@@ -107,8 +107,11 @@ class GuardedH11(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         """h11 could not parse the request: JSON, as every error; 431 when its headers overflowed h11's buffer."""
         too_large = len(self.conn.trailing_data[0]) >= MAX_HEADER_BYTES
-        status, kind, message = (431, "headers_too_large", f"request line and headers must stay under {MAX_HEADER_BYTES} bytes") \
-            if too_large else (400, "invalid_http", "the request is not valid HTTP/1.1")
+        if too_large:
+            status, kind, message = 431, "headers_too_large", \
+                f"request line and headers must stay under {MAX_HEADER_BYTES} bytes"
+        else:
+            status, kind, message = 400, "invalid_http", "the request is not valid HTTP/1.1"
         body = json.dumps({"error": {"type": kind, "message": message}}).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]

@@ -110,7 +110,7 @@ class KeyStore:
         return key, secret
 
     def cached(self, secret: str) -> tuple[bool, ApiKey | None]:
-        """(True, what verify() would answer) when the cache knows, without touching the database; else (False, None)."""
+        """(True, what verify() would answer) when the cache knows, without the database; else (False, None)."""
         cached = self.cache.get(_hash(secret))
         now = time.time()
         if cached is None or now - cached[0] >= CACHE_TTL:

@@ -20,7 +20,8 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         os.fchmod(fd, 0o600)  # an older file of the same name may have had a wider mode
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
 
 
 def ensure_ca(folder: Path) -> tuple[Path, Path]:

@@ -22,7 +22,7 @@ def fail(why: str) -> None:
 
 
 def on_failure(listener: Callable[[str], None]) -> None:
-    """Call `listener(reason)` once this process is marked failed (at once if it already is), from the failing thread."""
+    """Call `listener(reason)` once the process is marked failed (at once if it is already), from the failing thread."""
     with _lock:
         _listeners.append(listener)
         why = reason

@@ -82,7 +82,7 @@ def argument_types(fn) -> dict[str, Any]:
 
 
 def checked_arguments(adapters: dict[str, Any], kwargs: dict) -> tuple[dict, str | None]:
-    """`kwargs` validated against the type hints (values as pydantic coerced them), or a message naming each bad field."""
+    """`kwargs` checked against the type hints (values as pydantic coerced them), or a message naming each bad one."""
     from pydantic import ValidationError
 
     values, problems = dict(kwargs), []
@@ -176,6 +176,9 @@ class Replica:
         hang_up = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, hang_up}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this handler was cancelled (the server stops): the call goes with it
+            work.cancel()
+            raise
         finally:
             gone = hang_up.done()
             hang_up.cancel()
@@ -316,7 +319,7 @@ CONTROL_HEADER = "x-ember-control"  # carries the replica's secret on every requ
 
 def build_asgi(replica: Replica, secret: str):
     """Internal routes under /__ember__/, for whoever holds the replica's `secret` (the gateway that started it; a
-    request a client sent through the gateway never carries it); every other path goes to the user's ASGI app, if any."""
+    request a client sent through the gateway never carries it); every other path goes to the user's ASGI app."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -360,7 +363,8 @@ def build_asgi(replica: Replica, secret: str):
             await traced_internal(scope, receive, send)
         else:
             if health.reason is not None and scope["type"] == "http":  # going away: let the gateway go elsewhere
-                refusal = _error_response(503, "replica_unavailable", f"this replica is being replaced ({health.reason})",
+                refusal = _error_response(503, "replica_unavailable",
+                                          f"this replica is being replaced ({health.reason})",
                                           {NOT_STARTED: "1", "Retry-After": "1"})
                 return await refusal(scope, receive, send)
             await replica.parking.ready()
@@ -399,7 +403,8 @@ def _serve(app, sock: socket.socket) -> None:
     server = ReplicaServer(config)
 
     def unhealthy(reason: str) -> None:  # from any thread: uvicorn polls should_exit on its own loop
-        print(f"ember: replica unhealthy, exiting so the gateway starts a fresh one: {reason}", file=sys.stderr, flush=True)
+        print(f"ember: replica unhealthy, exiting so the gateway starts a fresh one: {reason}", file=sys.stderr,
+              flush=True)
         server.should_exit = True
 
     health.on_failure(unhealthy)

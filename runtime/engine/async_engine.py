@@ -6,7 +6,8 @@ and it hands each step's outputs back to the callers' event loops.
 
 A step that raises fails only the requests it was running (vLLM's rule: one bad request must not take
 the server down); after MAX_FAILED_STEPS failures with no token produced in between, the engine is deemed
-unable to go on, every request fails, and the process is marked unhealthy (runtime/health.py) so its replica is replaced.
+unable to go on, every request fails, and the process is marked unhealthy (runtime/health.py) so its replica is
+replaced.
 """
 
 import asyncio

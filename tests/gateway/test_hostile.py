@@ -5,7 +5,6 @@ import asyncio
 import json
 import os
 import signal
-import ssl
 import textwrap
 import threading
 import time
@@ -141,7 +140,8 @@ async def upload(scope, receive, send):
         received += len(message.get("body", b""))
         more = message.get("more_body", False)
     body = str(received).encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 
