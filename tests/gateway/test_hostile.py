@@ -274,3 +274,33 @@ def test_concurrent_large_bodies_stay_within_the_gateways_budget(serve, tmp_path
     assert max(peak) - before < 64 + 96, (before, max(peak))  # 16 x 15 MiB = 240 MiB unbounded
     time.sleep(1)
     assert rss_mib(pid) - before < 64, (before, rss_mib(pid))  # and it gives it back
+
+
+def test_a_replica_that_cannot_go_on_exits_shows_as_failed_and_is_replaced(serve, tmp_path):
+    """What an LLM engine whose step loop died does (runtime/health.py): here a function reports it directly."""
+    served = serve(write_app(tmp_path, '''
+        @app.cls(scaledown_window=60)
+        class Engine:
+            @ember.method()
+            def pid(self) -> int:
+                return os.getpid()
+
+            @ember.method()
+            def break_engine(self) -> str:
+                from ember.runtime import health
+
+                health.fail("the LLM engine cannot go on: RuntimeError('device lost')")
+                return "broken"
+    '''))
+    with served.client(served.key(), timeout=60) as http:
+        first = http.post("/hostile/Engine.pid", json={}).json()["result"]
+        assert http.post("/hostile/Engine.break_engine", json={}).json() == {"result": "broken"}
+        deadline = time.monotonic() + 30
+        while not served.status()["apps"]["hostile"]["functions"]["Engine"]["failed"]:
+            assert time.monotonic() < deadline, "the unhealthy replica was never reported"
+            time.sleep(0.2)
+        [failure] = served.status()["apps"]["hostile"]["functions"]["Engine"]["failed"]
+        assert "exited with code 3" in failure["error"]
+        assert "device lost" in served.cli("logs", "--replica", failure["id"]).stdout
+        second = http.post("/hostile/Engine.pid", json={})
+        assert second.status_code == 200 and second.json()["result"] != first  # a fresh replica took over
