@@ -107,7 +107,8 @@ def _stop(served) -> None:
     served.process.wait(20)
 
 
-def test_a_replica_killed_mid_call_is_retried_on_another(serve):
+def test_a_replica_killed_mid_call_is_retried_on_another_when_the_spec_allows(serve):
+    """`where` declares retries=1; without it the call runs at most once (tests/gateway/test_hostile.py)."""
     served = serve(APPS / "fleet.py")
     _hot(served, "where", 3)
     with served.client(served.key(), timeout=30) as http, concurrent.futures.ThreadPoolExecutor(1) as pool:
