@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import fused
+
 
 @dataclass
 class AttentionBatch:
@@ -23,8 +25,7 @@ class AttentionBatch:
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
-    kv_cache[batch.slot_blocks, 0, batch.slot_offsets] = k
-    kv_cache[batch.slot_blocks, 1, batch.slot_offsets] = v
+    fused.write_kv(kv_cache, k, v, batch.slot_blocks, batch.slot_offsets)
 
 
 class SdpaBackend:

@@ -60,9 +60,10 @@ def family(request, tmp_path_factory):
     torch.cuda.empty_cache()
 
 
-def engine(model_dir: str, backend: str = "flashinfer") -> LLMEngine:
+def engine(model_dir: str, backend: str = "flashinfer", enforce_eager: bool = False) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=8192, max_num_seqs=128,
-                                  max_num_batched_tokens=4096, max_model_len=1024, attention_backend=backend))
+                                  max_num_batched_tokens=4096, max_model_len=1024, attention_backend=backend,
+                                  enforce_eager=enforce_eager))
 
 
 def run(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[list[dict]]]:
@@ -156,12 +157,24 @@ def test_greedy_agrees_with_transformers_on_256_prompts(family):
 
 def test_flashinfer_and_sdpa_agree(family):
     """Same weights, both backends: first-token logprobs close; continuations equal up to a near-tie."""
-    name, model_dir, _ = family
+    compare_engines(family, "flashinfer vs sdpa", engine(family[1], "flashinfer"), lambda: engine(family[1], "sdpa"))
+
+
+def test_cuda_graphs_and_eager_agree(family):
+    """Decode replayed from CUDA graphs (batches padded to a graph's size) against the same steps run eagerly."""
+    eng = engine(family[1])
+    assert eng.runner.graphs is not None and eng.runner.start_phases["graph_capture"] > 0
+    compare_engines(family, "graphs vs eager", eng, lambda: engine(family[1], enforce_eager=True))
+
+
+def compare_engines(family, label: str, first: LLMEngine, make_second) -> None:
+    name = family[0]
     batch, n = prompts(64, seed=3), 32
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
-    fi_out, fi_lp = run(engine(model_dir, "flashinfer"), batch, params)
+    fi_out, fi_lp = run(first, batch, params)
+    del first
     torch.cuda.empty_cache()
-    sd_out, sd_lp = run(engine(model_dir, "sdpa"), batch, params)
+    sd_out, sd_lp = run(make_second(), batch, params)
     worst = max(abs(a[0]["logprob"] - b[0]["logprob"]) for a, b in zip(fi_lp, sd_lp)
                 if a[0]["token_id"] == b[0]["token_id"])
     divergences = 0
@@ -172,7 +185,7 @@ def test_flashinfer_and_sdpa_agree(family):
         divergences += 1
         their_choice = dict(fl[i]["top"]).get(so[i], float("-inf"))
         assert fl[i]["logprob"] - their_choice < NEAR_TIE, f"prompt diverged at token {i} without a near-tie"
-    print(f"\n[{name}] flashinfer vs sdpa: first-token logprob max |diff| {worst:.4f}; "
+    print(f"\n[{name}] {label}: first-token logprob max |diff| {worst:.4f}; "
           f"{divergences}/{len(batch)} continuations diverge, each at a near-tie; "
           f"position-wise agreement {positionwise(fi_out, sd_out):.4f}")
     assert worst < 0.1

@@ -4,7 +4,8 @@ Module names follow Hugging Face's so safetensors weights load by name.
 """
 import torch
 from torch import nn
-import torch.nn.functional as F
+
+from .. import fused
 
 
 class RMSNorm(nn.Module):
@@ -14,9 +15,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x) in one pass."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary:
@@ -46,15 +49,12 @@ class Rotary:
         return (emb.cos() * self.scaling).to(dtype)[:, None, :], (emb.sin() * self.scaling).to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config, head_dim: int):
         super().__init__()
+        self.q_norm: RMSNorm | None = None   # Qwen3 normalises each head of q and k before RoPE
+        self.k_norm: RMSNorm | None = None
+        self.eps = config.rms_norm_eps
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim
         # Qwen2 configs carry no attention_bias and always have a QKV bias (and none on o_proj).
@@ -65,16 +65,13 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=o_bias)
 
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
-
     def forward(self, x, cos, sin, attention, kv_cache):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.qk_norm(q, k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        fused.norm_rope_(q, k, cos, sin, *norms, self.eps)
         out = attention.forward(q, k, v, kv_cache)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -90,7 +87,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,9 +98,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attention, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, attention, kv_cache):
+        """`x`: the previous layer's output, not yet added to `residual` (None before the first layer). Returns
+        this layer's output and the residual stream, whose sum the next norm takes in the same kernel."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, cos, sin, attention, kv_cache)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -132,9 +136,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] for the flattened tokens of one step."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, attention, kv_cache)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, attention, kv_cache)
+        return self.model.norm.add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

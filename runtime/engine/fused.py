@@ -1,0 +1,163 @@
+"""The decoder's small ops fused into Triton kernels on CUDA, with the torch code they replace as the reference.
+
+A decode step is a few large matrix products and, between them, dozens of small elementwise kernels per layer
+(RMSNorm alone is seven in torch). At small batches those launches and round trips through memory cost more
+than the products; fused, each of these is one kernel. Each kernel rounds to the model's dtype where the torch
+reference does, so both paths agree to bf16 rounding; the CPU and every test without a GPU run the reference.
+
+Triton compiles each kernel on its first call into TRITON_CACHE_DIR, which kernels.install() points into the
+kernel directory that ships with the snapshots (EMBER_HOME/kernels/triton), so a replica's start loads them.
+"""
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only installs: the reference paths below run instead
+    triton = None
+
+
+def enabled(x: torch.Tensor, per_head: bool = False) -> bool:
+    """On CUDA with Triton; per-head kernels cover a head in one block, so its size must be a power of two."""
+    return triton is not None and x.is_cuda and (not per_head or x.shape[-1] & (x.shape[-1] - 1) == 0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not enabled(x):
+        return _rms_norm_reference(x, weight, eps)
+    out = torch.empty_like(x)
+    rows = x.reshape(-1, x.shape[-1])
+    _rms_norm_kernel[(rows.shape[0],)](rows, rows, out, out, weight, rows.shape[-1], eps, HAS_RESIDUAL=False,
+                                       BLOCK=triton.next_power_of_2(rows.shape[-1]))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x), residual + x): the sum is the next residual."""
+    if not enabled(x):
+        total = residual + x
+        return _rms_norm_reference(total, weight, eps), total
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    _rms_norm_kernel[(x.shape[0],)](x, residual, out, total, weight, x.shape[-1], eps, HAS_RESIDUAL=True,
+                                    BLOCK=triton.next_power_of_2(x.shape[-1]))
+    return out, total
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if not enabled(gate):
+        return F.silu(gate) * up
+    out = torch.empty_like(gate)
+    n = gate.shape[-1]
+    block = 1024
+    _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, out, n, BLOCK=block)
+    return out
+
+
+def norm_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> None:
+    """In place on q [T, Hq, D] and k [T, Hk, D]: an RMSNorm per head when weights are given (Qwen3), then
+    rotate-half RoPE with cos/sin [T, 1, D]."""
+    if not enabled(q, per_head=True):
+        for x, weight in ((q, q_weight), (k, k_weight)):
+            h = _rms_norm_reference(x, weight, eps) if weight is not None else x
+            x.copy_(_rope_reference(h, cos, sin))
+        return
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    has_norm = q_weight is not None
+    _norm_rope_kernel[(t, hq + hk)](q, k, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k,
+                                    hq, q.stride(0), k.stride(0), cos.stride(0), eps, HAS_NORM=has_norm, D=d)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_blocks: torch.Tensor,
+             slot_offsets: torch.Tensor) -> None:
+    """K and V [T, Hk, D] into kv_cache [blocks, 2, block_size, Hk, D] at each token's block and offset."""
+    if not enabled(k, per_head=True):
+        kv_cache[slot_blocks, 0, slot_offsets] = k
+        kv_cache[slot_blocks, 1, slot_offsets] = v
+        return
+    t, hk, d = k.shape
+    _write_kv_kernel[(t, hk)](kv_cache, k, v, slot_blocks, slot_offsets, kv_cache.stride(0), kv_cache.stride(1),
+                              kv_cache.stride(2), kv_cache.stride(3), k.stride(0), k.stride(1), v.stride(0),
+                              v.stride(1), D=d)
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, residual_ptr, out_ptr, total_ptr, weight_ptr, n, eps, HAS_RESIDUAL: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * n
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(x_ptr + row + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(residual_ptr + row + cols, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(out_ptr.dtype.element_ty)   # the residual stream is kept in the model's dtype
+            tl.store(total_ptr + row + cols, x, mask=mask)
+        h = x.to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        out = h.to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(out_ptr + row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * n
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        g = tl.load(gate_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, num_q_heads, q_stride, k_stride,
+                          cs_stride, eps, HAS_NORM: tl.constexpr, D: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        if head < num_q_heads:
+            base, w_ptr = q_ptr + token * q_stride + head * D, qw_ptr
+        else:
+            base, w_ptr = k_ptr + token * k_stride + (head - num_q_heads) * D, kw_ptr
+        dtype = q_ptr.dtype.element_ty
+        half = tl.arange(0, D // 2)
+        x1 = tl.load(base + half).to(tl.float32)
+        x2 = tl.load(base + D // 2 + half).to(tl.float32)
+        if HAS_NORM:
+            r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+            w1 = tl.load(w_ptr + half).to(tl.float32)
+            w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)
+            x1 = ((x1 * r).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            x2 = ((x2 * r).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        c = tl.load(cos_ptr + token * cs_stride + half).to(tl.float32)   # cos and sin repeat across the halves
+        s = tl.load(sin_ptr + token * cs_stride + half).to(tl.float32)
+        out1 = (x1 * c).to(dtype).to(tl.float32) + (-x2 * s).to(dtype).to(tl.float32)
+        out2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+        tl.store(base + half, out1.to(dtype))
+        tl.store(base + D // 2 + half, out2.to(dtype))
+
+    @triton.jit
+    def _write_kv_kernel(cache_ptr, k_ptr, v_ptr, blocks_ptr, offsets_ptr, s_block, s_kv, s_slot, s_head,
+                         k_token, k_head, v_token, v_head, D: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        block = tl.load(blocks_ptr + token)
+        offset = tl.load(offsets_ptr + token)
+        dims = tl.arange(0, D)
+        dst = cache_ptr + block * s_block + offset * s_slot + head * s_head + dims
+        tl.store(dst, tl.load(k_ptr + token * k_token + head * k_head + dims))
+        tl.store(dst + s_kv, tl.load(v_ptr + token * v_token + head * v_head + dims))

@@ -1,0 +1,60 @@
+"""The Triton kernels of runtime/engine/fused.py against their torch reference paths, in bf16 on the GPU."""
+import pytest
+import torch
+
+from ember.runtime.engine import fused
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(fused.triton is None, reason="needs Triton")]
+
+
+def randn(*shape) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda", generator=torch.Generator("cuda").manual_seed(sum(shape))).bfloat16()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    # The same bf16 roundings in the same order: at most one bf16 step apart (rsqrt's last bit), almost all equal.
+    assert (a.float() - b.float()).abs().max().item() <= 2 ** -6 * b.float().abs().max().item()
+    assert (a == b).float().mean().item() > 0.98
+
+
+@pytest.mark.parametrize("hidden", [1024, 2560, 4096])
+def test_rms_norm_and_residual_add(hidden):
+    x, residual, weight = randn(37, hidden), randn(37, hidden), randn(hidden)
+    close(fused.rms_norm(x, weight, 1e-6), fused._rms_norm_reference(x, weight, 1e-6))
+    out, total = fused.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, residual + x)
+    close(out, fused._rms_norm_reference(residual + x, weight, 1e-6))
+
+
+def test_silu_mul():
+    gate, up = randn(19, 12288), randn(19, 12288)
+    close(fused.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_norm_rope_in_place(with_norm):
+    t, d = 23, 128
+    q, k = randn(t, 32, d), randn(t, 8, d)
+    angles = torch.arange(t, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().bfloat16()[:, None, :], emb.sin().bfloat16()[:, None, :]
+    weights = (randn(d), randn(d)) if with_norm else (None, None)
+    expected = []
+    for x, w in zip((q, k), weights):
+        h = fused._rms_norm_reference(x, w, 1e-6) if w is not None else x
+        expected.append(fused._rope_reference(h, cos, sin))
+    fused.norm_rope_(q, k, cos, sin, *weights, 1e-6)
+    close(q, expected[0])
+    close(k, expected[1])
+
+
+def test_write_kv_lands_in_each_tokens_slot():
+    cache = torch.zeros(10, 2, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = randn(5, 8, 128), randn(5, 8, 128)
+    blocks = torch.tensor([3, 3, 7, 0, 9], device="cuda")
+    offsets = torch.tensor([0, 15, 4, 1, 8], device="cuda")
+    fused.write_kv(cache, k, v, blocks, offsets)
+    assert torch.equal(cache[blocks, 0, offsets], k) and torch.equal(cache[blocks, 1, offsets], v)
+    assert cache.float().abs().sum().item() == pytest.approx((k.float().abs().sum() + v.float().abs().sum()).item(),
+                                                             rel=1e-3)
