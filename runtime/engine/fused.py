@@ -3,7 +3,8 @@
 A decode step is a few large matrix products and, between them, dozens of small elementwise kernels per layer
 (RMSNorm alone is seven in torch). At small batches those launches and round trips through memory cost more
 than the products; fused, each of these is one kernel. Each kernel rounds to the model's dtype where the torch
-reference does, so both paths agree to bf16 rounding; the CPU and every test without a GPU run the reference.
+reference does (RoPE excepted: Triton keeps its products in fp32 up to the sum, one rounding where torch has
+three), so both paths agree to a bf16 rounding step; the CPU and every test without a GPU run the reference.
 
 Triton compiles each kernel on its first call into TRITON_CACHE_DIR, which kernels.install() points into the
 kernel directory that ships with the snapshots (EMBER_HOME/kernels/triton), so a replica's start loads them.
