@@ -38,7 +38,7 @@ def run(model_dir: str, backend: str, device: str, prompts: list[list[int]], out
                                  max_model_len=1024))
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     eng.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))   # warm-up
-    eng.stats = type(eng.stats)()
+    eng.observer.stats = type(eng.stats)()
     start = time.perf_counter()
     eng.generate(prompts, params)
     if device == "cuda":

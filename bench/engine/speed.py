@@ -314,7 +314,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["8B", "4B", "0.6B"], choices=list(SHAPES))
     parser.add_argument("--offline-requests", type=int, default=256)
-    parser.add_argument("--hf-offline-requests", type=int, default=64)
+    parser.add_argument("--hf-offline-requests", type=int, default=16)
     parser.add_argument("--online-requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--skip-online", action="store_true")
@@ -334,7 +334,60 @@ def main() -> None:
               "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "models": rows}
     print(json.dumps(result, indent=1))
     if args.record:
-        (RESULTS / "engine_speed.json").write_text(json.dumps(result, indent=1) + "\n")
+        record(result)
+
+
+def record(result: dict) -> None:
+    """bench/results/engine_speed.json, a bar chart of batch-1 decode (SVG) and the summary in bench/README.md."""
+    (RESULTS / "engine_speed.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / "engine_speed_b1.svg").write_text(bar_chart(result["models"]))
+    rows = ["| model | weights GB | roofline b1 tok/s | Ember b1 tok/s | transformers b1 tok/s | Ember offline out tok/s "
+            "| transformers offline out tok/s | host / GPU ms per step at b64 |", "|---" * 8 + "|"]
+    for m in result["models"]:
+        rows.append(f"| {m['name']} | {m['weight_bytes'] / 1e9:.2f} | {m['roofline_b1_tok_s']} | {m['ember_b1_tok_s']} "
+                    f"({m['ember_b1_tok_s'] / m['roofline_b1_tok_s']:.0%}) | {m.get('transformers_b1_tok_s') or '-'} | "
+                    f"{m['offline_output_tok_s']} | {m.get('transformers_offline_output_tok_s') or '-'} | "
+                    f"{m['host_ms_per_step_b64']} / {m['gpu_ms_per_step_b64']} |")
+    online = [f"| {m['name']} | {o['concurrency']} | {o['output_tok_s']} | {o['ttft_ms_p50']} / {o['ttft_ms_p99']} | "
+              f"{o['itl_ms_p50']} / {o['itl_ms_p99']} |" for m in result["models"] for o in m.get("online", [])]
+    section = "\n".join([
+        MARK_BEGIN, "## Engine speed (`bench/engine/speed.py --record`)", "", f"Machine: {result['machine']}; "
+        f"device copy bandwidth {result['copy_bandwidth_gb_s']} GB/s.", *([result["note"], ""] if "note" in result
+                                                                           else [""]),
+        *rows, "", "![batch-1 decode against the roofline](results/engine_speed_b1.svg)", "",
+        *(["| model | concurrency | output tok/s | TTFT ms p50 / p99 | ITL ms p50 / p99 |", "|---" * 5 + "|", *online]
+          if online else ["Online serving: not measured in this run."]), MARK_END])
+    readme = ROOT / "bench" / "README.md"
+    text = readme.read_text() if readme.exists() else "# Benchmarks\n\n"
+    if MARK_BEGIN in text:
+        text = text[:text.index(MARK_BEGIN)] + section + text[text.index(MARK_END) + len(MARK_END):]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    readme.write_text(text)
+
+
+MARK_BEGIN, MARK_END = "<!-- engine-speed:begin -->", "<!-- engine-speed:end -->"
+
+
+def bar_chart(models: list[dict]) -> str:
+    """Horizontal bars per model: the roofline, Ember and transformers at batch 1 (tok/s), as a plain SVG."""
+    series = [("roofline", "roofline_b1_tok_s", "#bbbbbb"), ("Ember", "ember_b1_tok_s", "#d9534f"),
+              ("transformers", "transformers_b1_tok_s", "#5b8def")]
+    top = max(m["roofline_b1_tok_s"] for m in models)
+    bars, y = [], 10
+    for m in models:
+        bars.append(f'<text x="5" y="{y + 12}" font-size="12">{m["name"]}</text>')
+        y += 18
+        for label, key, color in series:
+            if key in m:
+                width = 400 * m[key] / top
+                bars.append(f'<rect x="110" y="{y}" width="{width:.1f}" height="14" fill="{color}"/>'
+                            f'<text x="5" y="{y + 11}" font-size="11">{label}</text>'
+                            f'<text x="{115 + width:.1f}" y="{y + 11}" font-size="11">{m[key]} tok/s</text>')
+                y += 18
+        y += 8
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="620" height="{y}" font-family="sans-serif">'
+            + "".join(bars) + "</svg>\n")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,23 @@ class _Route:
     index: int
 
 
+@dataclass
+class _Add:
+    """A caller's request for the loop thread; `done` settles once the engine took or refused it."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: object                 # SamplingParams
+    route: _Route
+    done: asyncio.Future
+    trace_context: object | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    reason: str
+
+
 class AsyncLLM:
     def __init__(self, engine, tokenizer):
         self.engine = engine
@@ -128,7 +145,7 @@ class AsyncLLM:
                 self.abort(ids[i])
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        self._send(("abort", request_id, reason))
+        self._send(_Abort(request_id, reason))
 
     def shutdown(self) -> None:
         self._closed = True
@@ -137,9 +154,9 @@ class AsyncLLM:
 
     async def _add(self, request_id, prompt_token_ids, params, route, trace_context) -> None:
         done = asyncio.get_running_loop().create_future()
-        self._send(("add", request_id, prompt_token_ids, params, route, done, trace_context))
+        self._send(_Add(request_id, list(prompt_token_ids), params, route, done, trace_context))
         if self.error is not None:  # the loop died after generate() checked: nobody else will answer
-            self._fail_pending_adds(self.error)
+            self._drain_commands(dead=self.error)
         await done
 
     def _send(self, command) -> None:
@@ -175,7 +192,7 @@ class AsyncLLM:
         for route in self._routes.values():
             _post(route.loop, route.outputs.put_nowait, error)
         self._routes.clear()
-        self._fail_pending_adds(error)
+        self._drain_commands(dead=error)
 
     def _fail_step(self, error: Exception) -> None:
         """Fail and abort the requests the failed step was running (the waiting ones when none ran yet)."""
@@ -189,36 +206,36 @@ class AsyncLLM:
                 _post(route.loop, route.outputs.put_nowait,
                       RequestFailedError(f"the engine failed on this request: {error!r}"))
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self, dead: BaseException | None = None) -> None:
+        """Hands every queued command to the engine; once the loop has died (`dead`), answers adds with that
+        error and drops aborts, without touching the engine."""
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "abort":
-                self._routes.pop(command[1], None)
-                self.engine.abort_request(command[1], command[2])
-                continue
-            _, request_id, prompt_token_ids, params, route, done, trace_context = command
-            try:
-                self.engine.add_request(request_id, list(prompt_token_ids), params, trace_context)
-            except ValueError as e:
-                _post(route.loop, _settle, done, e)
-            except Exception as e:  # a bug this request hit: it fails alone, the loop goes on
-                log.exception("engine refused request %s", request_id)
-                _post(route.loop, _settle, done, RequestFailedError(f"the engine could not add this request: {e!r}"))
+            if isinstance(command, _Abort):
+                if dead is None:
+                    self._routes.pop(command.request_id, None)
+                    self.engine.abort_request(command.request_id, command.reason)
+            elif dead is not None:
+                _post(command.route.loop, _settle, command.done, EngineDeadError(repr(dead)))
             else:
-                self._routes[request_id] = route
-                _post(route.loop, _settle, done, None)
+                self._admit(command)
 
-    def _fail_pending_adds(self, error: BaseException) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                _post(command[4].loop, _settle, command[5], EngineDeadError(repr(error)))
+    def _admit(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    command.trace_context)
+        except ValueError as e:
+            _post(command.route.loop, _settle, command.done, e)
+        except Exception as e:  # a bug this request hit: it fails alone, the loop goes on
+            log.exception("engine refused request %s", command.request_id)
+            _post(command.route.loop, _settle, command.done,
+                  RequestFailedError(f"the engine could not add this request: {e!r}"))
+        else:
+            self._routes[command.request_id] = command.route
+            _post(command.route.loop, _settle, command.done, None)
 
     def _deliver(self, outputs) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}

@@ -1,6 +1,5 @@
 """One request as the engine sees it: its tokens, how many of them are in the KV cache, and its blocks."""
 import enum
-import time
 
 import torch
 
@@ -28,12 +27,6 @@ class Sequence:
         self.num_cached_tokens = 0     # prompt tokens served from the prefix cache on first admission
         self.num_preemptions = 0
         self.finish_reason: str | None = None
-        self.arrival_time = time.monotonic()
-        self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.trace_context = None      # the caller's OpenTelemetry context, only when tracing is on
-        self.preempted_at: list[float] = []  # when tracing is on: the time of each preemption
 
     def __len__(self) -> int:
         return len(self.token_ids)
