@@ -16,4 +16,4 @@ def packages() -> tuple[list[str], dict[str, str]]:
 
 
 names, dirs = packages()
-setup(packages=names, package_dir=dirs)
+setup(packages=names, package_dir=dirs, package_data={"ember.gateway": ["static/*"]})

@@ -258,9 +258,40 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    params = {"lines": args.lines} | ({"replica": args.replica} if args.replica else {})
+    if args.follow:
+        return _follow_logs(args)
+    if args.app or args.function:
+        raise ValueError("--app and --function filter what `ember logs -f` follows; without -f, use --replica")
+    params = {"lines": 200 if args.lines is None else args.lines} | ({"replica": args.replica} if args.replica else {})
     with _admin_client() as client:
         sys.stdout.write(client.request("GET", "/admin/logs", params=params).text)
+    return 0
+
+
+def log_line(record: dict) -> str:
+    """One record of `ember logs -f` as a readable line: time, level, where it came from, message, then ids."""
+    where = "gateway" if record.get("source") == "gateway" else f"{record.get('app')}/{record.get('function', '?')} " \
+        f"{record.get('replica')}"
+    ids = " ".join(f"{k}={record[k]}" for k in ("trace_id", "request_id") if record.get(k))
+    time_of_day = str(record.get("ts", ""))[11:23]
+    level = str(record.get("level", "")).upper()
+    return " ".join(part for part in (time_of_day, f"{level:5}" if level else "", f"[{where}]", str(record.get("msg", "")),
+                                      ids) if part)
+
+
+def _follow_logs(args: argparse.Namespace) -> int:
+    """Print the gateway's and replicas' log lines as they are written, until Ctrl-C."""
+    params = {k: v for k, v in (("app", args.app), ("function", args.function), ("replica", args.replica)) if v}
+    params["lines"] = 10 if args.lines is None else max(0, min(args.lines, 10_000))
+    with _admin_client() as client:
+        try:
+            with client.stream("GET", "/admin/logs/follow", params=params, timeout=httpx.Timeout(10, read=None)) as reply:
+                for line in reply.iter_lines():
+                    if line.strip():
+                        record = json.loads(line)
+                        print(json.dumps(record) if args.json else log_line(record), flush=True)
+        except KeyboardInterrupt:
+            pass
     return 0
 
 
@@ -327,11 +358,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=cmd_status)
 
-    p = sub.add_parser("logs", help="the gateway's log, or one replica's",
+    p = sub.add_parser("logs", help="the gateway's log, or one replica's; -f follows them all",
                        description="Print the tail of the gateway's log (replica starts, failures with their tracebacks, evictions), "
-                                   "or of one replica's log with --replica.")
+                                   "or of one replica's log with --replica. With -f, follow the gateway's and every replica's "
+                                   "log as they are written (JSON lines with trace and request ids), filtered by --app, "
+                                   "--function and --replica.")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until Ctrl-C")
+    p.add_argument("--app", metavar="APP", help="with -f: only lines of this app")
+    p.add_argument("--function", metavar="NAME", help="with -f: only lines of this function (or class)")
     p.add_argument("--replica", metavar="ID", help="a replica id from `ember status`")
-    p.add_argument("-n", "--lines", type=int, default=200, help="how many lines (default 200)")
+    p.add_argument("-n", "--lines", type=int, help="how many lines (default 200; with -f, 10 of each log to begin with)")
+    p.add_argument("--json", action="store_true", help="with -f: print each record as its JSON line")
     p.set_defaults(run=cmd_logs)
 
     # Listed for help only: main() hands `ember snapshot ...` to ember.snapshot.cli before parsing.

@@ -1,7 +1,9 @@
 """The Python client: calls a deployed function over HTTPS, verifying the Ember dev CA."""
+import contextlib
 import json
 import os
 import ssl
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -13,6 +15,15 @@ class RemoteError(RuntimeError):
     def __init__(self, status: int, type: str, message: str):
         super().__init__(f"{status} {type}: {message}")
         self.status, self.type, self.message = status, type, message
+
+
+def _raise_for_error(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        try:
+            error = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            error = {"type": "http_error", "message": response.text[:500]}
+        raise RemoteError(response.status_code, error.get("type", "error"), error.get("message", ""))
 
 
 class Client:
@@ -43,13 +54,18 @@ class Client:
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.key}"} | kwargs.pop("headers", {})
         response = self.http.request(method, f"{self.url}{path}", headers=headers, **kwargs)
-        if response.status_code >= 400:
-            try:
-                error = response.json()["error"]
-            except (ValueError, KeyError, TypeError):
-                error = {"type": "http_error", "message": response.text[:500]}
-            raise RemoteError(response.status_code, error.get("type", "error"), error.get("message", ""))
+        _raise_for_error(response)
         return response
+
+    @contextlib.contextmanager
+    def stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
+        """A response read as it arrives (`iter_lines()`); an error reply raises RemoteError as `request` does."""
+        headers = {"Authorization": f"Bearer {self.key}"} | kwargs.pop("headers", {})
+        with self.http.stream(method, f"{self.url}{path}", headers=headers, **kwargs) as response:
+            if response.status_code >= 400:
+                response.read()
+                _raise_for_error(response)
+            yield response
 
     def call(self, app: str, target: str, kwargs: dict) -> Any:
         return self.request("POST", f"/{app}/{target}", json=kwargs).json()["result"]

@@ -5,6 +5,7 @@ from fastapi import Request
 
 from ember.gateway.errors import ApiError
 from ember.gateway.keys import ApiKey, KeyStore
+from ember.runtime import logs
 
 
 async def authenticate(keys: KeyStore, request: Request, admin: bool = False) -> ApiKey:
@@ -19,6 +20,7 @@ async def authenticate(keys: KeyStore, request: Request, admin: bool = False) ->
         key = await asyncio.to_thread(keys.verify, secret.strip())
     if key is None:
         raise ApiError(401, "unauthorized", "invalid, expired or revoked API key", {"WWW-Authenticate": "Bearer"})
+    logs.annotate(key=key.id, key_name=key.name)
     if admin and not key.admin:
         raise ApiError(403, "forbidden", "this endpoint needs an admin key (`ember keys create --name NAME --admin`)")
     return key

@@ -15,6 +15,7 @@ from ember.gateway.replica import Replica
 from ember.gateway.routing import Call, Forward
 from ember.gateway.settlement import Settlement
 from ember.gateway.usage import UsageMeter
+from ember.runtime import logs
 from ember.runtime.tracing import ClientSpan
 
 log = logging.getLogger("ember.gateway")
@@ -35,8 +36,8 @@ async def send_with_retry(unit: Unit, lease: Lease, key: str | None,
         try:
             with ClientSpan("replica", {"ember.replica.id": replica.id, "ember.attempt": lease.attempt,
                                         "server.address": replica.host, "server.port": replica.port},
-                            carry={"x-ember-replica": replica.id}) as hop:
-                reply = await send(replica, hop.headers)
+                            carry={"x-ember-replica": replica.id, **logs.request_id_header()}) as hop:
+                reply = await send(replica, hop.headers or logs.outgoing_headers())  # ids ride along untraced too
                 hop.reply(reply.status_code if isinstance(reply, Response) else reply.status)
             return reply, lease
         except (proxy.Unreachable, proxy.ReplicaFailed) as exc:

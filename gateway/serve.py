@@ -16,20 +16,23 @@ from ember.gateway.service import Gateway
 from ember.gateway.tls import issue_server_cert
 from ember.home import Home
 from ember.package import build, load_app, read_manifest
-from ember.runtime import tracing
+from ember.runtime import logs, tracing
 
 CLI_KEY_NAME = "ember-cli"
 GRACE = 5
 
 
 def _logging(home: Home) -> None:
-    handlers = [logging.StreamHandler(), logging.FileHandler(home.logs / "gateway.log")]
-    formatter = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
-    logger = logging.getLogger("ember.gateway")
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    """Readable lines on the console; JSON lines (with trace and request ids, and the access log) in gateway.log."""
+    console = logging.StreamHandler()
+    console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log_file = logs.json_handler(home.logs / "gateway.log", source="gateway")
+    gateway, access = logging.getLogger("ember.gateway"), logging.getLogger(logs.ACCESS)
+    gateway.addHandler(console)
+    for logger in (gateway, access):
+        logger.addHandler(log_file)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def _cli_key(gateway: Gateway) -> None:
@@ -69,7 +72,8 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
           backend: str = "local", parked_ram: str | None = None, redis_url: str | None = None, routing: str = "affinity") -> int:
     home = Home()
     _logging(home)
-    tracing.setup("ember-gateway")  # on when EMBER_TRACE_FILE or OTEL_EXPORTER_OTLP_ENDPOINT is set; replicas inherit it
+    if tracing.setup("ember-gateway"):  # on when EMBER_TRACE_FILE or OTEL_EXPORTER_OTLP_ENDPOINT is set; replicas inherit it
+        logs.follow_spans()
     app = load_app(app_path)
     package = build(app, home)
     gateway = Gateway(home, backend_for(backend, home.logs, parked_ram), _limiter(redis_url), routing)

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from ember.gateway import errors, openapi, proxy, retry, spans
+from ember.gateway import dashboard, errors, openapi, proxy, retry, spans
 from ember.gateway.admin import admin_router
 from ember.gateway.auth import authenticate, authorize
 from ember.gateway.body import read_forward, read_kwargs, session_id
@@ -20,6 +20,7 @@ from ember.gateway.deployment import Deployment, Unit
 from ember.gateway.errors import ApiError
 from ember.gateway.header_limit import HeaderLimit
 from ember.gateway.keys import ApiKey
+from ember.gateway.logfeed import logfeed_router
 from ember.gateway.queue import Lease
 from ember.gateway.ratelimit import Admission, headers
 from ember.gateway.record import CallRecord
@@ -27,7 +28,9 @@ from ember.gateway.routing import APP_NAME, Call, Forward, route
 from ember.gateway.service import Gateway
 from ember.gateway.settlement import Settlement, charge
 from ember.gateway.stamp import stamp
-from ember.runtime import tracing
+from ember.runtime import logs, tracing
+
+QUIET = ("/healthz", "/readyz", f"{dashboard.PATH}/api/", f"{dashboard.PATH}/static/")  # polled: ids, no access line
 
 
 def reserved(path: str) -> bool:
@@ -94,6 +97,8 @@ def create_app(gateway: Gateway) -> FastAPI:
                   openapi_url=None, **tracing.fastapi_options())
     errors.install(app)
     app.include_router(admin_router(gateway))
+    app.include_router(logfeed_router(gateway))
+    dashboard.install(app, gateway)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -106,7 +111,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         return JSONResponse({"ok": True, "apps": sorted(gateway.deployments)})
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(request: Request) -> PlainTextResponse:
+        await gateway.metrics.engines.refresh(request.app.state.client, gateway.deployments)
         return PlainTextResponse(gateway.metrics.render(gateway.deployments), media_type="text/plain; version=0.0.4")
 
     @app.get("/openapi.json", include_in_schema=False)
@@ -129,7 +135,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             gateway.metrics.observe(record.app, unit.name, exc.status, None)
             raise
         record.lease = lease
-        gateway.metrics.observe(record.app, unit.name, response.status_code, lease.cold_start)
+        gateway.metrics.observe(record.app, unit.name, response.status_code, lease.cold_start, lease.waited_s)
         return stamp(response, lease, headers(admission) if admission else {})
 
     async def answer(request: Request, key: ApiKey, unit: Unit,
@@ -165,4 +171,5 @@ def create_app(gateway: Gateway) -> FastAPI:
     traced = Middleware(tracing.ServerSpans, describe=spans.describe, finish=spans.finish)
     app.router.routes.append(Route(spans.INVOKE_ROUTE, invoke, methods=openapi.METHODS, middleware=[traced]))
     app.add_middleware(HeaderLimit)
+    app.add_middleware(logs.AccessLog, on_start=gateway.metrics.started, on_end=gateway.metrics.ended, quiet=QUIET)
     return app

@@ -9,6 +9,7 @@ from ember.gateway.errors import ApiError
 from ember.gateway.keys import ApiKey
 from ember.gateway.ratelimit import ERROR_TYPE, Admission, Limiter, Limits, Scope, denial_message, headers
 from ember.gateway.usage import UsageMeter
+from ember.runtime import logs
 
 log = logging.getLogger("ember.gateway")
 
@@ -28,6 +29,7 @@ async def charge(limiter: Limiter, app_limits: AppLimitStore, key: ApiKey, app: 
         raise ApiError(503, "rate_limiter_unavailable", "the rate-limit store (Redis) is not answering; retry shortly",
                        {"Retry-After": "1"}) from None
     if not admission.allowed:
+        logs.annotate(rate_limited=admission.reason)  # counted in /metrics by the limit that refused
         raise ApiError(429, ERROR_TYPE, denial_message(admission), headers(admission))
     return admission
 

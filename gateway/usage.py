@@ -7,6 +7,8 @@
 """
 import json
 
+from ember.runtime import logs
+
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
 DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens is charged until its usage is known
 CHARS_PER_TOKEN = 4
@@ -38,6 +40,7 @@ class UsageMeter:
         self.chunks = 0
         self.usage: int | None = None
         self.tail = bytearray()
+        logs.annotate(usage=self)  # the request's key is charged what it used when the reply ends
 
     def feed(self, data: bytes) -> None:
         if len(self.tail) < JSON_TAIL:

@@ -28,7 +28,7 @@ import traceback  # noqa: E402
 import typing  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
-from ember.runtime import health, tracing  # noqa: E402
+from ember.runtime import health, logs, tracing  # noqa: E402
 
 
 class ControlChannel:
@@ -315,6 +315,7 @@ def rss_bytes() -> int:
 CALL_PATH = "/__ember__/call/"
 CONTROL = "/__ember__/"
 CONTROL_HEADER = "x-ember-control"  # carries the replica's secret on every request to its control routes
+REPLICA_QUIET = ("/__ember__/health", "/metrics")  # polled by the gateway: no access line each time
 
 
 def build_asgi(replica: Replica, secret: str):
@@ -461,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="function or class name inside the app")
     args = parser.parse_args(argv)
     _die_with_parent()
-    tracing.setup("ember-worker")  # before the user's enter hooks, so they can trace too
+    if tracing.setup("ember-worker"):  # before the user's enter hooks, so they can trace too
+        logs.follow_spans()
     control = ControlChannel()
 
     def load() -> tuple[Any, Any]:
@@ -490,7 +492,8 @@ def run_forked(unit: Any, snapped: Any, env: dict[str, str], control_fd: int, lo
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()  # every fork starts from its fork server's generator state: replicas must not sample alike
-    tracing.setup("ember-worker")
+    if tracing.setup("ember-worker"):
+        logs.follow_spans()
     control = ControlChannel()
 
     def load() -> tuple[Any, Any]:
@@ -521,6 +524,7 @@ def serve(control: ControlChannel, started: float, load: Callable[[], tuple[Any,
     phase = "import"
     try:
         unit, snapped = load()
+        logs.setup_replica(unit.name)
         timings["import_ms"] = round((time.monotonic() - started) * 1000)
         phase = "enter"
         began = time.monotonic()
@@ -539,7 +543,7 @@ def serve(control: ControlChannel, started: float, load: Callable[[], tuple[Any,
             timings["gpu_image"] = gpu_image
         phase = "serve"
         secret = secrets.token_urlsafe(32)
-        asgi = build_asgi(Replica(unit, obj), secret)
+        asgi = logs.AccessLog(build_asgi(Replica(unit, obj), secret), quiet=REPLICA_QUIET)
         # IPPROTO_TCP, so asyncio sets TCP_NODELAY: headers and body go out in two sends, and Nagle
         # with delayed ACK would hold every reply ~40 ms.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

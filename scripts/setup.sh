@@ -7,8 +7,10 @@ PYTHON=${PYTHON:-python3}
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
   || { echo "Ember needs Python >= 3.11 (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
 
-# The rate-limit tests start a real redis-server; the quickstart test runs the curl it prints.
-MISSING=$(for tool in redis-server curl; do command -v "$tool" >/dev/null || echo "$tool"; done)
+# The rate-limit tests start a real redis-server; the quickstart test runs the curl it prints; the dashboard test
+# drives Debian's chromium through chromedriver (command:package; apt-get update + install of both took 46 s here).
+MISSING=$(for need in redis-server:redis-server curl:curl chromium:chromium chromedriver:chromium-driver; do
+  command -v "${need%%:*}" >/dev/null || echo "${need#*:}"; done)
 if [ -n "$MISSING" ]; then
   echo "== installing" $MISSING
   SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)

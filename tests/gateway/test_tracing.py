@@ -82,7 +82,8 @@ def test_llm_request_spans_sit_under_the_worker_span(serve, tmp_path, monkeypatc
         assert reply.status_code == 200, reply.text
     usage = reply.json()["usage"]
 
-    spans = _spans(trace_file, lambda spans: any(s["name"] == "POST /chat/Chat" for s in spans))
+    # The worker's SERVER span ends just after the reply's last byte leaves it: wait for both ends.
+    spans = _spans(trace_file, lambda spans: {"POST /chat/Chat", "POST /v1/completions"} <= {s["name"] for s in spans})
     mine = [s for s in spans if s["trace_id"] == CLIENT_TRACE]
     gateway = _one(mine, service="ember-gateway", kind="SERVER")
     hop = _one(mine, service="ember-gateway", kind="CLIENT")
