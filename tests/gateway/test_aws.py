@@ -204,3 +204,40 @@ def test_an_idle_replica_parks_on_its_node_and_the_next_call_wakes_it_there(aws,
     [woken] = wait_for(lambda: [i for i in assignments.scan()["Items"] if "woken" in i], 5, "the wake recorded")
     assert woken["node_id"] == instance and woken["state"] in ("ready", "parked")  # it parks again after 0.5 s idle
     assert desired(autoscaling) == 1
+
+
+def test_a_new_replica_starts_on_the_node_that_holds_its_package(aws, tmp_path):
+    import asyncio
+    import shutil
+
+    from ember.gateway.backends.aws import AwsBackend, AwsSettings
+    from ember.home import Home
+    from ember.package import build, load_app, read_manifest
+    from ember.runtime.aws import sha256_file
+    from ember.spec import FunctionSpec
+
+    autoscaling, _ = aws
+    autoscaling.update_auto_scaling_group(AutoScalingGroupName=GROUP, MaxSize=0)  # only the two nodes started here
+    package = build(load_app(str(APPS / "quick.py")), Home(tmp_path / "laptop"))
+    (tmp_path / "holder" / "packages").mkdir(parents=True)
+    shutil.copy(package, tmp_path / "holder" / "packages" / f"{sha256_file(package)}.pkg")  # deployed here before
+    agents = [subprocess.Popen([sys.executable, "-m", "ember.runtime.node_agent", "--instance-id", f"i-{name}",
+                                "--address", "127.0.0.1", "--work", str(tmp_path / name)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name in ("fresh", "holder")]
+    nodes = boto3.resource("dynamodb").Table("ember-nodes")
+    try:
+        wait_for(lambda: len(nodes.scan()["Items"]) == 2, 20, "both node agents to register")
+        backend = AwsBackend(tmp_path / "logs", AwsSettings(GROUP, BUCKET))
+        replica = backend.new_replica("quick", "add")
+        spec = FunctionSpec(**read_manifest(package)["units"]["add"]["spec"])
+        asyncio.run(backend.start(replica, package, spec))
+        item = boto3.resource("dynamodb").Table("ember-replicas").get_item(Key={"replica_id": replica.id})["Item"]
+        assert (item["prefer"], item["node_id"], replica.tier) == ("i-holder", "i-holder", "node-warm")
+        secret = {"x-ember-control": replica.control_secret}
+        health = httpx.get(f"http://{replica.address}/__ember__/health", headers=secret)
+        assert health.status_code == 200  # the holder's relay reaches the worker
+        asyncio.run(backend.stop(replica))
+    finally:
+        for agent in agents:
+            agent.terminate()
+            agent.wait(10)
