@@ -50,8 +50,8 @@ def example_copy(tmp_path: Path) -> Path:
 def terraform(example: Path, *args: str, timeout: float = 120) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {
         "TF_CLI_CONFIG_FILE": str(TERRAFORM / "cli.tfrc"), "TF_IN_AUTOMATION": "1", "CHECKPOINT_DISABLE": "1"}
-    result = subprocess.run(["terraform", *args, "-no-color"], cwd=example, env=env, capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(["terraform", args[0], "-no-color", *args[1:]], cwd=example, env=env, capture_output=True,
+                            text=True, timeout=timeout)
     assert result.returncode == 0, f"terraform {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
@@ -79,6 +79,12 @@ def test_example_applies_serves_a_deployed_app_and_destroys(tmp_path, serve, mon
         variables = ["-var", f"certificate_arn={certificate}", "-var", f"node_ami_id={image}", "-var",
                      f"gateway_ami_id={image}", "-var", "deletion_protection=false", "-var", "force_destroy=true"]
         terraform(example, "init", "-backend=false", "-input=false")
+        # Two gateways share rate limits: the plan adds Redis, its auth token and the gateway's way in.
+        terraform(example, "plan", "-input=false", "-out=two-gateways.plan", *variables, "-var", "gateway_count=2")
+        planned = json.loads(terraform(example, "show", "-json", "two-gateways.plan"))
+        addresses = {c["address"].removeprefix("module.ember.") for c in planned["resource_changes"]}
+        assert {"aws_elasticache_replication_group.redis[0]", "aws_secretsmanager_secret.redis[0]",
+                "aws_vpc_security_group_egress_rule.gateway_to_redis[0]"} <= addresses
         terraform(example, "apply", "-auto-approve", "-input=false", *variables, timeout=400)
         out = {k: v["value"] for k, v in json.loads(terraform(example, "output", "-json")).items()}
         assert out.get("redis_endpoint") is None  # one gateway: no Redis unless asked
