@@ -248,7 +248,8 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
                 itl = sorted(x for r in results for x in r[1])
                 rows.append({"concurrency": level, "requests": len(results),
                              "output_tok_s": round(len(results) * 128 / elapsed, 1),
-                             "ttft_ms_p50": round(1000 * _pct(ttft, 50), 1), "ttft_ms_p99": round(1000 * _pct(ttft, 99), 1),
+                             "ttft_ms_p50": round(1000 * _pct(ttft, 50), 1),
+                             "ttft_ms_p99": round(1000 * _pct(ttft, 99), 1),
                              "itl_ms_p50": round(1000 * _pct(itl, 50), 2), "itl_ms_p99": round(1000 * _pct(itl, 99), 2)})
                 log("  online", rows[-1])
         return rows
@@ -341,8 +342,9 @@ def record(result: dict) -> None:
     """bench/results/engine_speed.json, a bar chart of batch-1 decode (SVG) and the summary in bench/README.md."""
     (RESULTS / "engine_speed.json").write_text(json.dumps(result, indent=1) + "\n")
     (RESULTS / "engine_speed_b1.svg").write_text(bar_chart(result["models"]))
-    rows = ["| model | weights GB | roofline b1 tok/s | Ember b1 tok/s | transformers b1 tok/s | Ember offline out tok/s "
-            "| transformers offline out tok/s | host / GPU ms per step at b64 |", "|---" * 8 + "|"]
+    rows = ["| model | weights GB | roofline b1 tok/s | Ember b1 tok/s | transformers b1 tok/s "
+            "| Ember offline out tok/s | transformers offline out tok/s | host / GPU ms per step at b64 |",
+            "|---" * 8 + "|"]
     for m in result["models"]:
         rows.append(f"| {m['name']} | {m['weight_bytes'] / 1e9:.2f} | {m['roofline_b1_tok_s']} | {m['ember_b1_tok_s']} "
                     f"({m['ember_b1_tok_s'] / m['roofline_b1_tok_s']:.0%}) | {m.get('transformers_b1_tok_s') or '-'} | "

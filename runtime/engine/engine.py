@@ -38,7 +38,8 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.model_name = Path(config.model).name
         self.eos_token_ids = _eos_token_ids(config.model, self.runner.hf_config)
-        self.block_manager = BlockManager(self.runner.num_request_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_request_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.observer = EngineObserver(self.scheduler, self.model_name)
         self.seqs: dict[str, Sequence] = {}
@@ -64,7 +65,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     trace_context=None) -> None:
-        """`trace_context`: the caller's OpenTelemetry context; when set, the request ends with an `llm.request` span."""
+        """`trace_context`: the caller's OpenTelemetry context; when set, the request ends with an `llm.request`
+        span (written by the observer)."""
         if request_id in self.seqs:
             raise ValueError(f"request_id {request_id!r} is already running: use a unique id per request")
         if not prompt_token_ids:
