@@ -61,8 +61,9 @@ def access(records: list[dict], source: str, trace_id: str) -> list[dict]:
 def test_logs_follow_finds_each_calls_trace_in_the_gateway_and_its_replica(serve, follow):
     served = serve(ROOT / "examples" / "hello.py")
     key = served.key()
-    square = follow(served, "--app", "hello", "--function", "square", "--json")
-    everything = follow(served, "--json")
+    # -n 1000: a follower that connects after the calls (a slow interpreter start) still has their lines
+    square = follow(served, "--app", "hello", "--function", "square", "--json", "-n", "1000")
+    everything = follow(served, "--json", "-n", "1000")
     with served.client(key) as http:
         assert http.post("/hello/Greeter.greet", json={"name": "Ada"}).status_code == 200  # another function
         replies = [http.post("/hello/square", json={"x": i}, headers={"traceparent": f"00-{trace}-b7ad6b7169203331-01"})
