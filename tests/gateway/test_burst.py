@@ -29,7 +29,7 @@ def test_burst_at_zero_scales_out_then_back_to_zero_and_a_full_queue_gets_503(se
             time.sleep(0.3)
         assert [d["action"] for d in functions()["work"]["decisions"]].count("evict") == len(replicas)
 
-        running = pool.submit(http.post, "/burst/slow", json={"seconds": 3.0})
+        running = pool.submit(http.post, "/burst/slow", json={"seconds": 8.0})  # outlasts slow status polls under load
         deadline = time.monotonic() + 20
         while functions()["slow"]["in_flight"] == 0:
             assert time.monotonic() < deadline, "the slow call never started"
