@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import sys
@@ -120,20 +121,34 @@ def verdict(kind: str, tiers: str, e: Report, k: Report) -> tuple[str, bool]:
     return line + (": " + ", ".join(fails) if fails else ": ok"), not fails
 
 
-def suite(seeds: int, duration: float, progress: bool) -> list[dict]:
-    runs, began = [], time.perf_counter()
-    for seed in range(seeds):
-        for kind, options in SUITE:
-            trace = generate(kind, duration, seed, **options)
-            label = kind + "".join(f" {k}={v}" for k, v in options.items())
-            for tiers, model in (("ladder", LADDER), ("13s", SLOW)):
-                reports = compare(trace, model, label, until=duration)
-                line, ok = verdict(kind, tiers, reports["ember"], reports["kpa"])
-                runs.append({"seed": seed, "kind": kind, "options": options, "label": label, "tiers": tiers,
-                             "reports": reports, "verdict": line, "ok": ok})
-                if progress:
-                    print(f"  seed {seed} {label:40} {tiers:6} {line} ({time.perf_counter() - began:.0f}s)", flush=True)
+def one_trace(seed: int, kind: str, options: dict, duration: float) -> list[dict]:
+    trace = generate(kind, duration, seed, **options)
+    label = kind + "".join(f" {k}={v}" for k, v in options.items())
+    runs = []
+    for tiers, model in (("ladder", LADDER), ("13s", SLOW)):
+        reports = compare(trace, model, label, until=duration)
+        line, ok = verdict(kind, tiers, reports["ember"], reports["kpa"])
+        runs.append({"seed": seed, "kind": kind, "options": options, "label": label, "tiers": tiers,
+                     "reports": reports, "verdict": line, "ok": ok})
     return runs
+
+
+def suite(seeds: int, duration: float, progress: bool, jobs: int) -> list[dict]:
+    """Every suite trace under both tier settings, `jobs` traces at a time (each trace is independent)."""
+    tasks = [(seed, kind, options, duration) for seed in range(seeds) for kind, options in SUITE]
+    runs, began = [], time.perf_counter()
+    with multiprocessing.Pool(jobs) as pool:
+        for done in pool.imap(star, tasks):
+            runs += done
+            if progress:
+                for r in done:
+                    print(f"  seed {r['seed']} {r['label']:40} {r['tiers']:6} {r['verdict']} "
+                          f"({time.perf_counter() - began:.0f}s)", flush=True)
+    return runs
+
+
+def star(task: tuple) -> list[dict]:
+    return one_trace(*task)
 
 
 def machine() -> dict:
@@ -193,6 +208,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print only the JSON summary")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the suite (default 3)")
     ap.add_argument("--duration", type=float, default=3600.0, help="seconds of each suite trace (default 3600)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="traces simulated at once (default: CPUs)")
     ap.add_argument("--record", action="store_true", help="write bench/results/autoscale_sim.{md,json,png}")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
@@ -211,7 +227,7 @@ def main() -> None:
         return
 
     began = time.perf_counter()
-    runs = suite(args.seeds, args.duration, progress=not args.json)
+    runs = suite(args.seeds, args.duration, progress=not args.json, jobs=args.jobs)
     elapsed = time.perf_counter() - began
     passed = sum(r["ok"] for r in runs)
     if args.json:

@@ -270,8 +270,9 @@ def decide(
         panic_since = None
 
     stable_avg = mean_concurrency(stable)
-    if have and stable_avg <= have * s.target_concurrency * (1 + TOLERANCE):
-        steady = min(replicas_for(stable_avg, s.target_concurrency), have)  # a few percent over target is noise
+    if quick and have and stable_avg <= have * s.target_concurrency * (1 + TOLERANCE):
+        # a few percent over target is noise, while the capacity it would ask for is seconds away
+        steady = min(replicas_for(stable_avg, s.target_concurrency), have)
     else:
         steady = replicas_for(stable_avg, s.target_concurrency)
     # Capacity is spare only if the peak of the hold window would still fit without it; that peak is of
