@@ -1,5 +1,6 @@
 """The admin API (admin keys only): status, logs, deploys, API keys and per-app limits, which the `ember` CLI calls."""
 import asyncio
+import dataclasses
 import re
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
 from ember.gateway.keys import check_scopes
+from ember.gateway.lifecycle import LIVE, ReplicaState
 from ember.package import PackageError
 from ember.gateway.ratelimit import Limits
 from ember.gateway.routing import APP_NAME
@@ -72,13 +74,14 @@ def admin_router(gateway: "Gateway") -> APIRouter:
                     "kind": unit.kind,
                     "methods": unit.methods,
                     "asgi": unit.asgi,
-                    "replicas": [r.describe(now) | {"pid": r.process.pid if r.process else None} for r in unit.queue.replicas.values()],
-                    "replicas_by_state": {state: sum(r.state == state for r in unit.queue.replicas.values())
-                                          for state in ("starting", "hot", "parked")} | {"failed": len(unit.failures)},
+                    "replicas": [r.describe(now) | {"pid": r.process.pid if r.process else None}
+                                 for r in unit.router.replicas.values()],
+                    "replicas_by_state": {state.value: sum(r.state == state for r in unit.router.replicas.values())
+                                          for state in ReplicaState if state in LIVE} | {"failed": len(unit.failures)},
                     "queue_depth": unit.queue.depth,
-                    "in_flight": unit.queue.in_flight,
+                    "in_flight": unit.router.in_flight,
                     "failed": list(unit.failures),
-                    "decisions": list(unit.decisions),
+                    "decisions": [dataclasses.asdict(d) for d in unit.decisions],
                     "settings": unit.spec.model_dump(),
                 }
             apps[name] = {"package": str(deployment.package), "functions": units}

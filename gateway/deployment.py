@@ -5,8 +5,9 @@ from pathlib import Path
 from typing import Callable
 
 from ember.gateway.autoscaler.costs import CostModel, Measured
-from ember.gateway.autoscaler.policy import PolicyMemo, Sample, ScalingSettings
+from ember.gateway.autoscaler.policy import Evict, Park, PolicyMemo, Sample, ScalingSettings, Start, Wake
 from ember.gateway.queue import FunctionQueue
+from ember.gateway.routing import Router
 from ember.package import read_manifest
 from ember.spec import FunctionSpec
 
@@ -38,6 +39,23 @@ def scaling_settings(spec: FunctionSpec) -> ScalingSettings:
     )
 
 
+@dataclass(frozen=True)
+class ScalingDecision:
+    """One scaling action taken, as `ember status` shows it: the policy's, or an eviction the backend's limits forced."""
+
+    t: float  # wall clock
+    action: str  # start, wake, park or evict
+    reason: str
+    replica: str | None = None
+    count: int | None = None  # replicas started
+
+    @classmethod
+    def of(cls, action: Start | Wake | Park | Evict, t: float) -> "ScalingDecision":
+        if isinstance(action, Start):
+            return cls(t, "start", action.reason, count=action.count)
+        return cls(t, type(action).__name__.lower(), action.reason, replica=action.replica_id)
+
+
 @dataclass(eq=False)
 class Unit:
     """One function or class: the scaling unit (a class's methods share its replicas)."""
@@ -48,12 +66,13 @@ class Unit:
     methods: list[str]
     asgi: bool
     spec: FunctionSpec
+    router: Router
     queue: FunctionQueue
     settings: ScalingSettings
     history: deque[Sample] = field(default_factory=lambda: deque(maxlen=1000))
     memo: PolicyMemo = field(default_factory=PolicyMemo)
     measured: list[Measured] = field(default_factory=list)  # starts, wakes and parks since the last tick
-    decisions: deque[dict] = field(default_factory=lambda: deque(maxlen=20))
+    decisions: deque[ScalingDecision] = field(default_factory=lambda: deque(maxlen=20))
     failures: deque[dict] = field(default_factory=lambda: deque(maxlen=5))
     arrivals_seen: int = 0
     last_failure: tuple[int, float] | None = None  # (arrivals, monotonic time) when a start last failed
@@ -71,9 +90,10 @@ class Deployment:
         units = {}
         for name, info in manifest["units"].items():
             spec = FunctionSpec(**info["spec"])
-            queue = FunctionQueue(spec.max_concurrency, wait_timeout=QUEUE_WAIT, bound=spec.queue_bound, on_demand=on_demand)
+            router = Router(spec.max_concurrency)
+            queue = FunctionQueue(router, wait_timeout=QUEUE_WAIT, bound=spec.queue_bound, on_demand=on_demand)
             # Until its own parks say otherwise, only a GPU function is expected to free something by parking.
             memo = PolicyMemo(costs=CostModel(park_frees_gpu=spec.gpu is not None))
-            units[name] = Unit(manifest["app"], name, info["kind"], info["methods"], info["asgi"], spec, queue,
-                               scaling_settings(spec), memo=memo)
+            units[name] = Unit(manifest["app"], name, info["kind"], info["methods"], info["asgi"], spec, router,
+                               queue, scaling_settings(spec), memo=memo)
         return cls(manifest["app"], package, units)

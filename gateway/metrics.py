@@ -7,11 +7,11 @@ from collections import Counter, defaultdict, deque
 from ember.gateway.deployment import Deployment
 from ember.gateway.engine import EngineSeries, escape
 from ember.gateway.queue import ColdStart
-from ember.gateway.replica import HOT, PARKED, STARTING
+from ember.gateway.lifecycle import LIVE, ReplicaState
 from ember.runtime import logs
 from ember.runtime.engine.stats import Histogram
 
-STATES = (STARTING, HOT, PARKED)
+STATES = [s for s in ReplicaState if s in LIVE]
 # Seconds from a request's arrival to the end of its reply: a streamed LLM reply can last minutes.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -153,8 +153,8 @@ class Metrics:
             for name, unit in sorted(deployment.units.items()):
                 labels = f'app="{app}",function="{name}"'
                 lines.append(f"ember_queue_depth{{{labels}}} {unit.queue.depth}")
-                lines.append(f"ember_in_flight{{{labels}}} {unit.queue.in_flight}")
-                states = Counter(r.state for r in unit.queue.replicas.values())
+                lines.append(f"ember_in_flight{{{labels}}} {unit.router.in_flight}")
+                states = Counter(r.state for r in unit.router.replicas.values())
                 lines += [f'ember_replicas{{{labels},state="{s}"}} {states[s]}' for s in STATES]
                 lines.append(f"ember_replica_failures{{{labels}}} {len(unit.failures)}")
         return lines

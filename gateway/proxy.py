@@ -14,7 +14,7 @@ from starlette.types import Receive, Scope, Send
 from yarl import URL
 
 from ember.gateway.errors import ApiError, error_response
-from ember.gateway.replica import Replica
+from ember.gateway.replica import Drain, GatewayReplica
 from ember.gateway.usage import UsageMeter
 from ember.runtime.worker import CONTROL_HEADER, NOT_STARTED, RECYCLING
 
@@ -46,7 +46,7 @@ class Unreachable(Exception):
     """The request never reached the replica's code (no connection, or the replica refused it before starting):
     safe to send the same request elsewhere."""
 
-    def __init__(self, replica: Replica, why: str):
+    def __init__(self, replica: GatewayReplica, why: str):
         super().__init__(f"replica {replica.id}: {why}")
         self.error = ApiError(503, "replica_unavailable", f"replica {replica.id} did not take the request: {why}",
                               {"Retry-After": "1"})
@@ -56,24 +56,24 @@ class ReplicaFailed(Exception):
     """The replica failed after the request reached it: the call may have run, so it is sent again only where the
     function's spec allows it (`retries=`)."""
 
-    def __init__(self, replica: Replica, exc: Exception):
+    def __init__(self, replica: GatewayReplica, exc: Exception):
         super().__init__(f"replica {replica.id}: {type(exc).__name__}")
         self.error = ApiError(502, "replica_failed", f"replica {replica.id} failed while handling the request "
                               f"({type(exc).__name__}); it may or may not have run: retry only if that is safe",
                               {"Retry-After": "1"})
 
 
-def _failure(replica: Replica, exc: aiohttp.ClientError) -> Exception:
+def _failure(replica: GatewayReplica, exc: aiohttp.ClientError) -> Exception:
     """A connection that could not be made reached nothing; any later failure may have reached the code."""
     if isinstance(exc, aiohttp.ClientConnectorError):
         return Unreachable(replica, f"{type(exc).__name__}: {exc.os_error.strerror or exc}")
     return ReplicaFailed(replica, exc)
 
 
-def _settle_replica(replica: Replica, headers) -> None:
+def _settle_replica(replica: GatewayReplica, headers) -> None:
     """The replica's reply says whether it takes more: refused before starting (Unreachable), or going away."""
     if headers.get(RECYCLING) or headers.get(NOT_STARTED):
-        replica.draining = "evict"  # it exits once its calls end: route nothing new to it
+        replica.drain(Drain.EVICT)  # it exits once its calls end: route nothing new to it
     if headers.get(NOT_STARTED):
         raise Unreachable(replica, "it is being replaced")
 
@@ -82,13 +82,13 @@ def _timeout(timeout: float) -> ApiError:
     return ApiError(504, "timeout", f"the replica did not answer within the function's timeout of {timeout:g} s")
 
 
-def _url(replica: Replica, path: str, query: str = "") -> URL:
+def _url(replica: GatewayReplica, path: str, query: str = "") -> URL:
     """`path` (decoded by the router) quoted again; `query` exactly as the client sent it, not quoted twice."""
     url = URL.build(scheme="http", host=replica.host, port=replica.port, path=path)
     return URL(f"{url}?{query}", encoded=True) if query else url
 
 
-async def call(client: aiohttp.ClientSession, replica: Replica, method: str, body: bytes, timeout: float,
+async def call(client: aiohttp.ClientSession, replica: GatewayReplica, method: str, body: bytes, timeout: float,
                trace: dict | None = None) -> Response:
     """A function call: the replica's JSON reply (result or error) passed through with its status.
     `trace`: the trace context headers of this hop, when tracing is on."""
@@ -105,7 +105,7 @@ async def call(client: aiohttp.ClientSession, replica: Replica, method: str, bod
         raise _failure(replica, exc) from None
 
 
-async def open_stream(client: aiohttp.ClientSession, replica: Replica, request: Request, path: str, body: bytes,
+async def open_stream(client: aiohttp.ClientSession, replica: GatewayReplica, request: Request, path: str, body: bytes,
                       timeout: float, trace: dict | None = None) -> aiohttp.ClientResponse:
     """Start forwarding `request` with the `body` the gateway read to the replica's ASGI app at `path`. `timeout`
     bounds the wait for each response chunk. `trace`, when tracing is on: this hop's trace context headers, which

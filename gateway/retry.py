@@ -11,7 +11,7 @@ from starlette.responses import Response
 from ember.gateway import proxy
 from ember.gateway.deployment import Unit
 from ember.gateway.queue import Lease
-from ember.gateway.replica import Replica
+from ember.gateway.replica import GatewayReplica
 from ember.gateway.routing import Call, Forward
 from ember.gateway.settlement import Settlement
 from ember.gateway.usage import UsageMeter
@@ -24,7 +24,7 @@ Reply = TypeVar("Reply", Response, aiohttp.ClientResponse)  # a call's whole rep
 
 
 async def send_with_retry(unit: Unit, lease: Lease, key: str | None,
-                          send: Callable[[Replica, dict | None], Awaitable[Reply]]) -> tuple[Reply, Lease]:
+                          send: Callable[[GatewayReplica, dict | None], Awaitable[Reply]]) -> tuple[Reply, Lease]:
     """`send(replica, trace_headers)`, at most once by default: a request that never reached a replica's code
     (no connection, or refused before it started) is sent once more to another hot replica; one whose replica failed
     after it arrived is sent again only as often as the function's `retries=` allows. The lease's slot is released on

@@ -1,11 +1,14 @@
 """Where a request goes: which unit a path under /{app}/ reaches (a declared function or method, else the
-app's ASGI endpoint), and which of that unit's replicas serves it (`choose`, by the --routing mode)."""
+app's ASGI endpoint), and which of that unit's replicas serves it (`Router.pick`: the choice among hot replicas
+with a free slot is `choose`, a pure function of the --routing mode)."""
 import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ember.gateway.affinity import ReplicaLoad, pick
+from ember.gateway.lifecycle import HOT, LIVE, PARKED
+from ember.gateway.replica import GatewayReplica
 
 if TYPE_CHECKING:
     from ember.gateway.deployment import Unit
@@ -76,3 +79,58 @@ def choose(mode: str, key: str | None, loads: list[ReplicaLoad], turn: int) -> s
     if mode == "affinity" and key:
         return pick(key, loads)
     return min(loads, key=lambda r: r.load).id
+
+
+class Router:
+    """One function's replicas, and which of them takes the next call: a hot one with a free slot, by the routing
+    mode; when none is, a parked one, woken (waking is the replica's move; the autoscaler may also wake one)."""
+
+    def __init__(self, max_concurrency: int, mode: str = "affinity"):
+        self.max_concurrency = max_concurrency
+        self.mode = mode  # or "round-robin" / "least-loaded": see `choose`
+        self.replicas: dict[str, GatewayReplica] = {}
+        self.turn = 0
+        self.sessions = SessionTable()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas.values())
+
+    def add(self, replica: GatewayReplica) -> None:
+        self.replicas[replica.id] = replica
+
+    def remove(self, replica: GatewayReplica) -> None:
+        self.replicas.pop(replica.id, None)
+
+    def any_live(self) -> bool:
+        """Whether a replica may still serve (starting, hot or parked)."""
+        return any(r.state in LIVE for r in self.replicas.values())
+
+    def pick(self, key: str | None = None, avoid: frozenset[str] = frozenset()) -> GatewayReplica | None:
+        hot = [r for r in self.replicas.values()
+               if r.state == HOT and not r.draining and r.in_flight < self.max_concurrency and r.id not in avoid]
+        if hot:
+            self.turn += 1
+            session = self.mode == "affinity" and key is not None and key.startswith(SESSION)
+            if session:
+                loads = self.sessions.loads(key, [r.id for r in hot])
+            else:
+                loads = [ReplicaLoad(r.id, r.in_flight) for r in hot]
+            chosen = choose(self.mode, key, loads, self.turn)
+            if session:
+                self.sessions.record(key, chosen)
+            return self.replicas[chosen]
+        parked = [r for r in self.replicas.values() if r.state == PARKED]
+        if parked:
+            self.wake(parked[0])
+            return parked[0]
+        return None
+
+    @staticmethod
+    def wake(replica: GatewayReplica) -> None:
+        """Back into routing: a draining replica is still hot, so only its drain is undone; a parked one wakes (on
+        the local CPU backend a parked replica is a live process merely marked parked, so that is all it takes)."""
+        if replica.draining:
+            replica.undrain()
+        else:
+            replica.wake()

@@ -1,31 +1,31 @@
-"""The autoscaler loop: sample every function, ask the pure policy, carry out its actions on the backend."""
+"""The autoscaler loop: sample every function, ask the pure policy, carry out its actions on the backend. Replica
+state changes are the replica's own moves (gateway/replica.py); this loop decides when to ask for them."""
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ember.gateway.autoscaler.costs import ParkMeasured, StartMeasured
 from ember.gateway.autoscaler.policy import Evict, Park, ReplicaView, Sample, Start, Wake, decide
-from ember.gateway.backends.local import LocalBackend, parked_over_budget
-from ember.gateway.deployment import Deployment, Unit
-from ember.gateway.replica import FAILED, HOT, PARKED, STARTING, STOPPING, Replica
-
-if TYPE_CHECKING:
-    from ember.gateway.backends.aws import AwsBackend
+from ember.gateway.backends import Backend
+from ember.gateway.backends.local import parked_over_budget
+from ember.gateway.deployment import Deployment, ScalingDecision, Unit
+from ember.gateway.lifecycle import FAILED, LIVE, PARKED, STOPPING
+from ember.gateway.replica import Drain, GatewayReplica
 
 log = logging.getLogger("ember.gateway")
 INTERVAL = 0.5
 RETRY_AFTER_FAILURE = 30.0  # seconds before a failed unit is started again without a new call
 
 
-def measured_start(replica: Replica) -> StartMeasured | None:
+def measured_start(replica: GatewayReplica) -> StartMeasured | None:
     """What a finished start tells the function's cost model: the tier it came from and its seconds end to end."""
     total_ms = replica.timings.get("total_ms")
     return None if total_ms is None else StartMeasured(replica.tier, total_ms / 1000)
 
 
 class Scaler:
-    def __init__(self, backend: "LocalBackend | AwsBackend", deployments: dict[str, Deployment],
+    def __init__(self, backend: Backend, deployments: dict[str, Deployment],
                  on_start: Callable[[str, str, str, dict], None] | None = None):
         self.backend, self.deployments = backend, deployments
         self.on_start = on_start  # (app, function, tier, breakdown) of each finished start: the gateway's metrics
@@ -51,79 +51,82 @@ class Scaler:
             self._free_gpus()
 
     def tick(self, deployment: Deployment, unit: Unit, now: float) -> None:
-        queue = unit.queue
-        for replica in [r for r in queue.replicas.values() if r.draining and r.in_flight == 0]:
+        router = unit.router
+        for replica in [r for r in router.replicas.values() if r.draining and r.in_flight == 0]:
             self._finish(unit, replica)
-        unit.history.append(Sample(now, queue.depth, queue.in_flight, queue.arrivals - unit.arrivals_seen,
+        unit.history.append(Sample(now, unit.queue.depth, router.in_flight, unit.queue.arrivals - unit.arrivals_seen,
                                    tuple(unit.measured)))
-        unit.arrivals_seen = queue.arrivals
+        unit.arrivals_seen = unit.queue.arrivals
         unit.measured.clear()
-        views = [
-            ReplicaView(r.id, r.state, r.in_flight, r.idle_since, draining=r.draining is not None)
-            for r in queue.replicas.values() if r.state in (STARTING, HOT, PARKED)
-        ]
+        views = [ReplicaView(r.id, r.state, r.in_flight, r.idle_since, draining=r.draining is not None)
+                 for r in router.replicas.values() if r.state in LIVE]
         actions, unit.memo = decide(unit.settings, views, unit.history, now, unit.memo)
         for action in actions:
             if isinstance(action, Start) and self._held(unit):
                 continue
-            unit.decisions.append({"t": time.time(), "action": type(action).__name__.lower(), "reason": action.reason,
-                                   "replica": getattr(action, "replica_id", None), "count": getattr(action, "count", None)})
+            unit.decisions.append(ScalingDecision.of(action, time.time()))
             self.apply(deployment, unit, action)
 
     def apply(self, deployment: Deployment, unit: Unit, action: Start | Wake | Park | Evict) -> None:
         if isinstance(action, Start):
             for _ in range(action.count):
                 replica = self.backend.new_replica(unit.app, unit.name)
-                unit.queue.add(replica)
+                unit.router.add(replica)
                 self._spawn(self._start(deployment, unit, replica))
             return
-        replica = unit.queue.replicas.get(action.replica_id)
+        replica = unit.router.replicas.get(action.replica_id)
         if replica is None:
             return
         if isinstance(action, Wake):
             parked = replica.state == PARKED
-            unit.queue.wake(replica)
-            unit.queue.ready(replica)
+            unit.router.wake(replica)
+            unit.queue.dispatch()
             if parked:
                 self._spawn(self._wake(unit, replica))
             return
-        replica.draining = "park" if isinstance(action, Park) else "evict"
+        replica.drain(Drain.PARK if isinstance(action, Park) else Drain.EVICT)
         log.info("replica %s: %s (%s)", replica.id, replica.draining, action.reason)
         if replica.in_flight == 0:
             self._finish(unit, replica)
 
-    def _finish(self, unit: Unit, replica: Replica) -> None:
+    def _finish(self, unit: Unit, replica: GatewayReplica) -> None:
         """Carry out a drained replica's park or evict."""
-        if replica.draining == "park" and self.backend.can_park:
-            # Parked at once for routing: a call that comes during the park wakes it (the worker serialises the two).
-            replica.state, replica.draining, replica.parked_at = PARKED, None, time.monotonic()
+        if replica.draining == Drain.PARK and self.backend.can_park:
+            replica.park()  # at once for routing: a call that comes during the park wakes it (the worker serialises)
             self._spawn(self._park(unit, replica))
             return
         self._evict(unit, replica)
 
     def _free_gpus(self) -> None:
         """A start waits for a GPU that a parked replica holds: evict the longest parked holder (T1 -> T2)."""
-        pool = getattr(self.backend, "gpus", None)
+        pool = self.backend.gpus
         if pool is None or not pool.waiting:
             return
         holders = [(u, r) for d in self.deployments.values() for u in d.units.values()
-                   for r in u.queue.replicas.values() if r.state == PARKED and r.gpus]
+                   for r in u.router.replicas.values() if r.state == PARKED and r.gpus]
         if holders:
             unit, replica = min(holders, key=lambda h: h[1].parked_at or 0.0)
             reason = f"a start waits for a GPU: parked replica frees GPU {','.join(replica.gpus)}"
             self._evict(unit, replica, reason)
 
-    def _evict(self, unit: Unit, replica: Replica, reason: str | None = None) -> None:
-        """Stop the replica; a `reason` marks an eviction the backend asked for, recorded beside the policy's decisions."""
+    def _evict(self, unit: Unit, replica: GatewayReplica, reason: str | None = None) -> None:
+        """Stop the replica; a `reason` marks an eviction the backend asked for, recorded beside the policy's."""
         if reason:
-            unit.decisions.append({"t": time.time(), "action": "evict", "reason": reason, "replica": replica.id, "count": None})
+            unit.decisions.append(ScalingDecision.of(Evict(replica.id, reason), time.time()))
             log.info("replica %s: evict (%s)", replica.id, reason)
-        replica.state, replica.draining = STOPPING, None
-        unit.queue.remove(replica)
+        replica.stop()
+        self._forget(unit, replica)
         self._spawn(self.backend.stop(replica))
 
-    async def _park(self, unit: Unit, replica: Replica) -> None:
-        """Release the replica's GPU memory; then, if parked replicas hold more host RAM than the budget, evict the oldest."""
+    @staticmethod
+    def _forget(unit: Unit, replica: GatewayReplica) -> None:
+        """Out of routing; when it failed and no other replica is coming, its waiters learn why now."""
+        unit.router.remove(replica)
+        if replica.error and not unit.router.any_live():
+            unit.queue.fail_waiters(replica.error)
+
+    async def _park(self, unit: Unit, replica: GatewayReplica) -> None:
+        """Release its GPU memory; then, if parked replicas hold more host RAM than the budget, evict the oldest."""
         try:
             parked = await self.backend.park(replica)
         except Exception as exc:  # a replica that cannot park is stopped instead: its GPU memory must be freed
@@ -135,14 +138,15 @@ class Scaler:
         unit.measured.append(ParkMeasured(int(parked.get("device_bytes_released", 0))))
         log.info("replica %s parked in %s ms (%s bytes of host RAM)", replica.id, parked["ms"], parked["host_bytes"])
         owners = {r.id: (u, r) for d in self.deployments.values() for u in d.units.values()
-                  for r in u.queue.replicas.values() if r.state == PARKED and r.parked_at is not None}
+                  for r in u.router.replicas.values() if r.state == PARKED and r.parked_at is not None}
         held = sum(r.parked_bytes for _, r in owners.values())
-        for victim in parked_over_budget([(r.id, r.parked_bytes, r.parked_at) for _, r in owners.values()], self.backend.parked_ram):
+        budget = self.backend.parked_ram
+        for victim in parked_over_budget([(r.id, r.parked_bytes, r.parked_at) for _, r in owners.values()], budget):
             owner, evicted = owners[victim]
-            reason = f"parked replicas hold {held} bytes of host RAM > budget {self.backend.parked_ram}: oldest parked goes"
+            reason = f"parked replicas hold {held} bytes of host RAM > budget {budget}: oldest parked goes"
             self._evict(owner, evicted, reason)
 
-    async def _wake(self, unit: Unit, replica: Replica) -> None:
+    async def _wake(self, unit: Unit, replica: GatewayReplica) -> None:
         try:
             woke = await self.backend.wake(replica)
         except Exception as exc:  # the next call wakes it anyway, or fails over to another replica
@@ -164,12 +168,13 @@ class Scaler:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _start(self, deployment: Deployment, unit: Unit, replica: Replica) -> None:
+    async def _start(self, deployment: Deployment, unit: Unit, replica: GatewayReplica) -> None:
         log.info("starting replica %s of %s/%s", replica.id, unit.app, unit.name)
         try:
             await self.backend.start(replica, deployment.package, unit.spec)
         except Exception as exc:  # a spawn error is a failed start, reported like a crash in enter
-            replica.state, replica.error = FAILED, f"start failed: {type(exc).__name__}: {exc}"
+            if replica.state in LIVE:
+                replica.fail(f"start failed: {type(exc).__name__}: {exc}")
         if replica.state == FAILED:
             self._failed(unit, replica)
             return
@@ -181,29 +186,32 @@ class Scaler:
             self.on_start(unit.app, unit.name, replica.tier, replica.timings)
         if (measured := measured_start(replica)) is not None:
             unit.measured.append(measured)
-        unit.queue.ready(replica)
+        unit.queue.dispatch()
         code = await self.backend.wait(replica)
         if replica.state == STOPPING:
             return
         if code == 0:  # it was asked to stop by someone else (Ctrl-C reaches the whole process group)
             log.info("replica %s stopped", replica.id)
-            replica.state = STOPPING
-            unit.queue.remove(replica)
+            replica.stop()
+            self._forget(unit, replica)
             return
         # the backend may know better than the exit code (the AWS backend: a node gone silent)
-        replica.state, replica.error = FAILED, replica.error or f"worker exited with code {code} while serving"
+        replica.fail(replica.error or f"worker exited with code {code} while serving")
         self._failed(unit, replica)
 
-    def _failed(self, unit: Unit, replica: Replica) -> None:
-        tail = "".join(replica.log_path.read_text(errors="replace").splitlines(keepends=True)[-15:]) if replica.log_path.exists() else ""
-        log.error("replica %s of %s/%s failed: %s (log: %s)\n%s", replica.id, unit.app, unit.name, replica.error, replica.log_path, tail)
+    def _failed(self, unit: Unit, replica: GatewayReplica) -> None:
+        tail = ""
+        if replica.log_path.exists():
+            tail = "".join(replica.log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        log.error("replica %s of %s/%s failed: %s (log: %s)\n%s", replica.id, unit.app, unit.name, replica.error,
+                  replica.log_path, tail)
         unit.failures.append(replica.describe(time.monotonic()) | {"at": time.time()})
         unit.last_failure = (unit.queue.arrivals, time.monotonic())
-        unit.queue.remove(replica)
+        self._forget(unit, replica)
 
     async def stop_all(self) -> None:
-        replicas = [r for d in self.deployments.values() for u in d.units.values() for r in u.queue.replicas.values()]
+        replicas = [r for d in self.deployments.values() for u in d.units.values() for r in u.router.replicas.values()]
         for replica in replicas:
-            replica.state = STOPPING
+            replica.stop()
         await asyncio.gather(*(self.backend.stop(r) for r in replicas))
         await self.backend.close()

@@ -11,7 +11,6 @@ from ember.gateway.deployment import Deployment
 from ember.gateway.keys import KeyStore
 from ember.gateway.metrics import Metrics
 from ember.gateway.ratelimit import Limiter, MemoryLimiter
-from ember.gateway.replica import STOPPING
 from ember.gateway.routing import APP_NAME
 from ember.gateway.scaler import Scaler
 from ember.home import Home
@@ -39,7 +38,7 @@ class Gateway:
             raise ValueError(f"app name {deployment.name!r} must match {APP_NAME.pattern} "
                              "(lower-case letters, digits, - and _)")
         for unit in deployment.units.values():
-            unit.queue.routing = self.routing
+            unit.router.mode = self.routing
         previous = self.deployments.get(deployment.name)
         self.deployments[deployment.name] = deployment
         return deployment, previous
@@ -50,8 +49,8 @@ class Gateway:
             replicas = []
             for unit in previous.units.values():
                 unit.queue.fail_waiters(f"app {deployment.name!r} was redeployed while this call waited; retry it")
-                replicas += unit.queue.replicas.values()
+                replicas += unit.router.replicas.values()
             for replica in replicas:
-                replica.state = STOPPING
+                replica.stop()
             await asyncio.gather(*(self.backend.stop(r) for r in replicas))
         return deployment

@@ -111,7 +111,7 @@ RECYCLING = "x-ember-recycling"
 CANCEL_GRACE = 2.0  # seconds a cancelled coroutine may take to unwind before it counts as unstoppable
 
 
-class Replica:
+class LoadedUnit:
     """The loaded unit (a function or a class instance) and the calls it serves.
 
     A call ends when it returns, when it overruns the function's timeout, or when its client hangs up. A coroutine is
@@ -318,7 +318,7 @@ CONTROL_HEADER = "x-ember-control"  # carries the replica's secret on every requ
 REPLICA_QUIET = ("/__ember__/health", "/metrics")  # polled by the gateway: no access line each time
 
 
-def build_asgi(replica: Replica, secret: str):
+def build_asgi(replica: LoadedUnit, secret: str):
     """Internal routes under /__ember__/, for whoever holds the replica's `secret` (the gateway that started it; a
     request a client sent through the gateway never carries it); every other path goes to the user's ASGI app."""
     from starlette.applications import Starlette
@@ -543,7 +543,7 @@ def serve(control: ControlChannel, started: float, load: Callable[[], tuple[Any,
             timings["gpu_image"] = gpu_image
         phase = "serve"
         secret = secrets.token_urlsafe(32)
-        asgi = logs.AccessLog(build_asgi(Replica(unit, obj), secret), quiet=REPLICA_QUIET)
+        asgi = logs.AccessLog(build_asgi(LoadedUnit(unit, obj), secret), quiet=REPLICA_QUIET)
         # IPPROTO_TCP, so asyncio sets TCP_NODELAY: headers and body go out in two sends, and Nagle
         # with delayed ACK would hold every reply ~40 ms.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

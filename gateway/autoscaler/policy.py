@@ -22,9 +22,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ember.gateway.lifecycle import HOT, LIVE, PARKED, STARTING, ReplicaState
+
 from .costs import CostModel, Measured
 
-STARTING, HOT, PARKED = "starting", "hot", "parked"
 TOLERANCE = 0.1  # demand within 10% over target adds no replica, as in Kubernetes' HPA
 IDLE_HOLD = 90.0  # default seconds an idle replica stays when it cannot park: KPA's 60 s window + 30 s grace
 PARKED_HOLD = 600.0  # default seconds a replica stays parked: it holds host RAM only, and the RAM budget comes first
@@ -110,13 +111,13 @@ class Holds:
 @dataclass(frozen=True)
 class ReplicaView:
     id: str
-    state: str  # "starting" | "hot" | "parked"
+    state: ReplicaState  # starting, hot or parked
     in_flight: int
     idle_since: float | None  # None while it has work
     draining: bool = False  # a Park or Evict is waiting for its in-flight requests; routes nothing new
 
     def __post_init__(self) -> None:
-        if self.state not in (STARTING, HOT, PARKED):
+        if self.state not in LIVE:
             raise ValueError(
                 f"replica {self.id}: state {self.state!r} is not one of starting, hot, parked; "
                 "leave stopping and failed replicas out of the policy's view"

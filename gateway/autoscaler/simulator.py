@@ -20,9 +20,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ember.gateway.lifecycle import HOT, PARKED, STARTING, ReplicaState
+
 from .admission import Admit, admit, expired
 from .costs import CostModel, Measured, ParkMeasured, StartMeasured
-from .policy import HOT, PARKED, STARTING, Action, Evict, Park, ReplicaView, Sample, Start, Wake
+from .policy import Action, Evict, Park, ReplicaView, Sample, Start, Wake
 from .trace import Request
 
 TIERS = ("parked", "node-warm", "node-cold", "full-boot")
@@ -76,10 +78,12 @@ class Queue:
 
 
 @dataclass
-class Replica:
+class SimulatedReplica:
+    """A replica as the simulator models it: the gateway's states, a node and GPU, and a drain to finish."""
+
     id: str
     function: str
-    state: str
+    state: ReplicaState
     node: int
     gpu: int | None  # None while parked on a backend whose park frees the GPU
     in_flight: int = 0
@@ -162,7 +166,7 @@ class Simulation:
         self.trace, self.policy, self.model, self.queue, self.tick = trace, policy, model, queue, tick
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
-        self.replicas: dict[str, Replica] = {}
+        self.replicas: dict[str, SimulatedReplica] = {}
         names = sorted({r.function for r in trace}) or ["f"]
         self.functions = {name: FunctionRun(name, policy.memo, set(range(model.warm_nodes)), model.snapshot_built)
                           for name in names}
@@ -177,7 +181,7 @@ class Simulation:
             for _ in range(policy.initial_hot):
                 self.ids += 1
                 gpu = self.free_gpu()
-                rep = Replica(f"r{self.ids}", name, HOT, gpu // model.gpus_per_node, gpu, idle_since=0.0)
+                rep = SimulatedReplica(f"r{self.ids}", name, HOT, gpu // model.gpus_per_node, gpu, idle_since=0.0)
                 self.replicas[rep.id] = rep
 
     def push(self, t: float, kind: str, data: Any) -> None:
@@ -322,7 +326,7 @@ class Simulation:
             rep.drain_to = type(action)
             self.settle(rep, now)
 
-    def settle(self, rep: Replica, now: float) -> None:
+    def settle(self, rep: SimulatedReplica, now: float) -> None:
         """Finish a drain once the replica has nothing in flight."""
         if rep.drain_to is None or rep.in_flight:
             return
@@ -343,7 +347,7 @@ class Simulation:
         candidates = range(node * per, (node + 1) * per) if node is not None else range(len(taken) + 1)
         return next((g for g in candidates if g not in taken), -1)
 
-    def wake(self, rep: Replica, now: float) -> None:
+    def wake(self, rep: SimulatedReplica, now: float) -> None:
         if rep.gpu is None:  # the process stays on its node: it needs a GPU there
             gpu = self.free_gpu(rep.node)
             if gpu < 0:  # none free: what wakes is a fresh replica wherever there is room
@@ -353,7 +357,7 @@ class Simulation:
             rep.gpu = gpu
         self.start(rep, now, "parked")
 
-    def new_replica(self, function: str, now: float) -> Replica:
+    def new_replica(self, function: str, now: float) -> SimulatedReplica:
         fn = self.functions[function]
         gpu = self.free_gpu()
         node = gpu // self.model.gpus_per_node
@@ -363,11 +367,11 @@ class Simulation:
             tier = "node-cold" if fn.snapshot else "full-boot"
             fn.snapshot = True
         self.ids += 1
-        rep = Replica(f"r{self.ids}", function, STARTING, node, gpu)
+        rep = SimulatedReplica(f"r{self.ids}", function, STARTING, node, gpu)
         self.start(rep, now, tier)
         return rep
 
-    def start(self, rep: Replica, now: float, tier: str) -> None:
+    def start(self, rep: SimulatedReplica, now: float, tier: str) -> None:
         rep.state, rep.idle_since, rep.tier = STARTING, None, tier
         rep.ready_at = now + self.model.start_latency(tier)
         self.replicas[rep.id] = rep

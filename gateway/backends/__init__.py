@@ -1,8 +1,48 @@
-"""Where replicas run: worker processes on this machine, or on the nodes of an AWS Auto Scaling Group."""
+"""Where replicas run: worker processes on this machine, or on the nodes of an AWS Auto Scaling Group. `Backend` is
+the contract the autoscaler holds both to."""
 from pathlib import Path
+from typing import Protocol
+
+from ember.gateway.replica import GatewayReplica
+from ember.runtime.supervisor import GpuPool
+from ember.spec import FunctionSpec
 
 
-def backend_for(kind: str, logs: Path, parked_ram: str | None = None):
+class Backend(Protocol):
+    tier: str  # the cold-start tier a fresh replica comes from
+    can_park: bool  # whether `park` and `wake` may be called
+    parked_ram: int  # bytes of host RAM parked replicas may hold together
+    gpus: GpuPool | None  # this machine's GPUs, when the backend hands them out here
+
+    def new_replica(self, app: str, unit: str) -> GatewayReplica:
+        """A replica in state starting, not yet started."""
+        ...
+
+    async def start(self, replica: GatewayReplica, package: Path, spec: FunctionSpec) -> None:
+        """Start it; on return it is hot, failed (with replica.error) or stopping, and has its address and timings."""
+        ...
+
+    async def wait(self, replica: GatewayReplica) -> int:
+        """Until it exits: its exit code (0: asked to stop)."""
+        ...
+
+    async def park(self, replica: GatewayReplica) -> dict:
+        """Release its GPU memory; the reply has `ms` and `host_bytes`, the RAM it holds parked."""
+        ...
+
+    async def wake(self, replica: GatewayReplica) -> dict:
+        """Take its GPU memory back; the reply has `ms`."""
+        ...
+
+    async def stop(self, replica: GatewayReplica, grace: float = 10.0) -> None:
+        ...
+
+    async def close(self) -> None:
+        """After the replicas were stopped: release what the backend itself holds (fork servers, clients)."""
+        ...
+
+
+def backend_for(kind: str, logs: Path, parked_ram: str | None = None) -> Backend:
     """The backend `ember serve --backend KIND` runs replicas on: "local" processes or an "aws" Auto Scaling Group."""
     if kind == "aws":
         from ember.gateway.backends.aws import AwsBackend

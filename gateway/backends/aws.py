@@ -23,8 +23,10 @@ from boto3.dynamodb.conditions import Attr
 from botocore.exceptions import ClientError
 
 from ember.gateway.backends.local import LocalBackend
-from ember.gateway.replica import FAILED, HOT, PARKED, Replica
+from ember.gateway.lifecycle import PARKED, STOPPING
+from ember.gateway.replica import GatewayReplica
 from ember.runtime.aws import scan, upload_package
+from ember.runtime.supervisor import GpuPool
 from ember.runtime.tiers import Tier
 from ember.spec import FunctionSpec
 
@@ -88,6 +90,7 @@ def create_tables(dynamodb, prefix: str) -> None:
 class AwsBackend:
     tier = Tier.NODE_COLD  # until a node says otherwise: a fresh instance pulls the package from the object store
     can_park = True
+    gpus: GpuPool | None = None  # each node's agent hands out its own
 
     def __init__(self, logs: Path, settings: AwsSettings):
         self.logs, self.settings = logs, settings
@@ -102,9 +105,9 @@ class AwsBackend:
     def from_env(cls, logs: Path) -> "AwsBackend":
         return cls(logs, AwsSettings.from_env())
 
-    def new_replica(self, app: str, unit: str) -> Replica:
+    def new_replica(self, app: str, unit: str) -> GatewayReplica:
         replica_id = f"{unit.lower().replace('.', '-')}-{uuid.uuid4().hex[:8]}"
-        return Replica(replica_id, app, unit, self.logs / f"{app}.{replica_id}.log", tier=self.tier)
+        return GatewayReplica(replica_id, app, unit, self.logs / f"{app}.{replica_id}.log", tier=self.tier)
 
     def _upload(self, package: Path) -> tuple[str, str]:
         if package not in self.uploaded:
@@ -112,7 +115,7 @@ class AwsBackend:
             self.uploaded[package] = (key, digest)
         return self.uploaded[package]
 
-    async def start(self, replica: Replica, package: Path, spec: FunctionSpec) -> None:
+    async def start(self, replica: GatewayReplica, package: Path, spec: FunctionSpec) -> None:
         began = time.monotonic()
         key, digest = await asyncio.to_thread(self._upload, package)
         nodes, assignments = await asyncio.gather(asyncio.to_thread(scan, self.nodes),
@@ -130,8 +133,9 @@ class AwsBackend:
             if state == "ready":
                 break
             if state in ("failed", "stopped") or time.monotonic() > deadline:
-                replica.state = FAILED
-                replica.error = item.get("error") if item and state == "failed" else await self._why_not_started(replica, state)
+                if replica.state != STOPPING:  # a replica the gateway stopped meanwhile did not fail
+                    replica.fail(item.get("error") if item and state == "failed"
+                                 else await self._why_not_started(replica, state))
                 await self._forget(replica)
                 return
             replica.note = f"assignment {state}" + (f" on node {item['node_id']}" if item.get("node_id") else ": waiting for a node")
@@ -144,9 +148,10 @@ class AwsBackend:
         replica.timings = {"claim_ms": int(item.get("claim_ms", 0)), "pull_ms": int(item.get("pull_ms", 0)),
                            "boot_ms": int(item.get("boot_ms", 0)), **{k: v for k, v in node_start.items() if k != "total_ms"},
                            "total_ms": round((now - began) * 1000)}
-        replica.state, replica.ready_at, replica.idle_since = HOT, now, now
+        if replica.state != STOPPING:
+            replica.ready()
 
-    async def _why_not_started(self, replica: Replica, state: str) -> str:
+    async def _why_not_started(self, replica: GatewayReplica, state: str) -> str:
         group = await asyncio.to_thread(self._group)
         nodes = [n for n in await asyncio.to_thread(scan, self.nodes) if time.time() - float(n.get("heartbeat", 0)) < self.settings.heartbeat_timeout]
         full = " (at its MaxSize: raise max_size)" if group["DesiredCapacity"] >= group["MaxSize"] else ""
@@ -154,11 +159,11 @@ class AwsBackend:
                 f"{self.settings.group} wants {group['DesiredCapacity']} instances{full}, {len(nodes)} node agents alive: "
                 "check the instances boot and run `python -m ember.runtime.node_agent` (its log is on the instance)")
 
-    async def _item(self, replica: Replica) -> dict | None:
+    async def _item(self, replica: GatewayReplica) -> dict | None:
         reply = await asyncio.to_thread(self.replicas.get_item, Key={"replica_id": replica.id}, ConsistentRead=True)
         return reply.get("Item")
 
-    async def wait(self, replica: Replica) -> int:
+    async def wait(self, replica: GatewayReplica) -> int:
         """Until the replica ends: 0 when it was stopped, 1 when it failed or its node went silent.
 
         A call routed to a parked replica wakes it in the worker; that wake is recorded here, where it is seen first.
@@ -187,7 +192,7 @@ class AwsBackend:
                 await self._forget(replica)
                 return 1
 
-    async def park(self, replica: Replica) -> dict:
+    async def park(self, replica: GatewayReplica) -> dict:
         """Park it on its node (through the node agent's relay to the worker), then record it in its assignment."""
         parked = await LocalBackend._control(replica, "park")
         await self._record(replica, "ready", "parked", parked_bytes=parked["host_bytes"])
@@ -195,12 +200,12 @@ class AwsBackend:
             await self._record(replica, "parked", "ready", woken=str(time.time()))
         return parked
 
-    async def wake(self, replica: Replica) -> dict:
+    async def wake(self, replica: GatewayReplica) -> dict:
         woke = await LocalBackend._control(replica, "wake")
         await self._record(replica, "parked", "ready", woken=str(time.time()))
         return woke
 
-    async def _record(self, replica: Replica, was: str, now: str, **values) -> None:
+    async def _record(self, replica: GatewayReplica, was: str, now: str, **values) -> None:
         """Move the assignment from `was` to `now`; a stop or failure written meanwhile wins."""
         names = {"#s": "state"} | {f"#{k}": k for k in values}
         with contextlib.suppress(ClientError):  # the condition failed: the assignment moved on without us
@@ -210,7 +215,7 @@ class AwsBackend:
                 ExpressionAttributeNames=names,
                 ExpressionAttributeValues={":was": was, ":now": now} | {f":{k}": v for k, v in values.items()})
 
-    async def stop(self, replica: Replica, grace: float = 10.0) -> None:
+    async def stop(self, replica: GatewayReplica, grace: float = 10.0) -> None:
         """Ask its node agent to stop it; once stopped (or after `grace`), forget it and shrink the group."""
         await asyncio.to_thread(self.replicas.update_item, Key={"replica_id": replica.id}, UpdateExpression="SET #s = :stop",
                                 ExpressionAttributeNames={"#s": "state"}, ExpressionAttributeValues={":stop": "stop"})
@@ -225,7 +230,7 @@ class AwsBackend:
     async def close(self) -> None:
         """Nothing runs on this machine: the node agents stop their fork servers when they exit."""
 
-    async def _forget(self, replica: Replica) -> None:
+    async def _forget(self, replica: GatewayReplica) -> None:
         await asyncio.to_thread(self.replicas.delete_item, Key={"replica_id": replica.id})
         await self.resize()
 

@@ -2,14 +2,13 @@
 import logging
 import os
 import re
-import time
 import uuid
 from pathlib import Path
 
 import httpx
 
-from ember.gateway.replica import FAILED, HOT, STOPPING, Replica
-from ember.runtime.supervisor import Supervisor, detect_gpus
+from ember.gateway.replica import GatewayReplica
+from ember.runtime.supervisor import GpuPool, Supervisor, detect_gpus
 from ember.runtime.tiers import Tier
 from ember.runtime.worker import CONTROL_HEADER
 from ember.spec import FunctionSpec
@@ -53,39 +52,40 @@ class LocalBackend:
         self.parked_ram = int(machine_ram() * PARKED_RAM_FRACTION) if parked_ram is None else parked_ram
         # fork: start replicas from a fork server per app (default: unless EMBER_FORK_SERVER=0)
         self.workers = Supervisor(detect_gpus() if gpus is None else gpus, logging.getLogger("ember.gateway"), fork)
-        self.gpus = self.workers.gpus  # the autoscaler evicts a parked holder when a start waits for one
+        self.gpus: GpuPool | None = self.workers.gpus  # the autoscaler evicts a parked holder when a start waits for one
 
-    def new_replica(self, app: str, unit: str) -> Replica:
+    def new_replica(self, app: str, unit: str) -> GatewayReplica:
         replica_id = f"{unit.lower().replace('.', '-')}-{uuid.uuid4().hex[:8]}"
-        return Replica(replica_id, app, unit, self.logs / f"{app}.{replica_id}.log", tier=self.tier)
+        return GatewayReplica(replica_id, app, unit, self.logs / f"{app}.{replica_id}.log", tier=self.tier)
 
-    async def start(self, replica: Replica, package: Path, spec: FunctionSpec) -> None:
+    async def start(self, replica: GatewayReplica, package: Path, spec: FunctionSpec) -> None:
         """Start the replica's worker; sets its state (hot, failed with replica.error, or stopping), port and timings."""
         if await self.workers.start(replica, package, spec):
-            now = time.monotonic()
-            replica.state, replica.ready_at, replica.idle_since = HOT, now, now
+            replica.ready()
+        elif replica.error:
+            replica.fail(replica.error)
         else:
-            replica.state = FAILED if replica.error else STOPPING
+            replica.stop()
 
-    async def wait(self, replica: Replica) -> int:
+    async def wait(self, replica: GatewayReplica) -> int:
         return await self.workers.wait(replica)
 
-    async def park(self, replica: Replica) -> dict:
+    async def park(self, replica: GatewayReplica) -> dict:
         """Ask the worker to release its GPU memory; the reply says how much host RAM it holds parked."""
         return await self._control(replica, "park")
 
-    async def wake(self, replica: Replica) -> dict:
+    async def wake(self, replica: GatewayReplica) -> dict:
         return await self._control(replica, "wake")
 
     @staticmethod
-    async def _control(replica: Replica, action: str) -> dict:
+    async def _control(replica: GatewayReplica, action: str) -> dict:
         async with httpx.AsyncClient(timeout=60) as client:
             reply = await client.post(f"http://{replica.address}/__ember__/{action}",
                                       headers={CONTROL_HEADER: replica.control_secret or ""})
         reply.raise_for_status()
         return reply.json()
 
-    async def stop(self, replica: Replica, grace: float = 10.0) -> None:
+    async def stop(self, replica: GatewayReplica, grace: float = 10.0) -> None:
         await self.workers.stop(replica, grace)
 
     async def close(self) -> None:

@@ -158,8 +158,6 @@ def test_a_start_stopped_while_it_waits_for_a_gpu_never_spawns(tmp_path):
     import asyncio
 
     from ember.gateway.backends.local import LocalBackend
-    from ember.gateway.replica import STOPPING
-
     async def scenario():
         backend = LocalBackend(tmp_path, gpus=["0"])
         holder, waiter = backend.new_replica("a", "f"), backend.new_replica("a", "f")
@@ -168,7 +166,7 @@ def test_a_start_stopped_while_it_waits_for_a_gpu_never_spawns(tmp_path):
         while not backend.gpus.waiting:
             await asyncio.sleep(0.01)
         assert "waiting for 1 free GPU(s): 0 of 1 free" in waiter.note
-        waiter.state = STOPPING
+        waiter.stop()
         await backend.stop(waiter)  # nothing to signal yet
         await backend.gpus.release(holder)
         await asyncio.wait_for(start, 5)

@@ -1,30 +1,37 @@
 """The per-function queue: buffers while replicas start, stamps cold starts, fails waiters when a start fails."""
 import asyncio
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from ember.gateway.errors import ApiError
+from ember.gateway.lifecycle import HOT
 from ember.gateway.queue import FunctionQueue
-from ember.gateway.replica import FAILED, HOT, PARKED, Replica
+from ember.gateway.replica import GatewayReplica
+from ember.gateway.routing import Router
+from ember.gateway.scaler import Scaler
 
 
-def replica(name: str) -> Replica:
-    return Replica(name, "app", "fn", Path("/dev/null"))
+def replica(name: str) -> GatewayReplica:
+    return GatewayReplica(name, "app", "fn", Path("/dev/null"))
 
 
-def ready(queue: FunctionQueue, r: Replica) -> None:
-    r.state, r.ready_at, r.idle_since = HOT, time.monotonic(), time.monotonic()
-    queue.ready(r)
+def function_queue(max_concurrency: int, bound: int, on_demand=lambda: None) -> FunctionQueue:
+    return FunctionQueue(Router(max_concurrency), wait_timeout=5, bound=bound, on_demand=on_demand)
+
+
+def ready(queue: FunctionQueue, r: GatewayReplica) -> None:
+    r.ready()
+    queue.dispatch()
 
 
 def test_waits_for_a_start_then_reuses_the_slot():
     async def scenario():
         demand = []
-        queue = FunctionQueue(max_concurrency=1, wait_timeout=5, bound=4, on_demand=lambda: demand.append(1))
+        queue = function_queue(1, 4, on_demand=lambda: demand.append(1))
         r = replica("r1")
-        queue.add(r)
+        queue.router.add(r)
         first = asyncio.create_task(queue.acquire())
         second = asyncio.create_task(queue.acquire())
         await asyncio.sleep(0.05)
@@ -50,13 +57,13 @@ def test_waits_for_a_start_then_reuses_the_slot():
 
 def test_failed_start_answers_every_waiter_503():
     async def scenario():
-        queue = FunctionQueue(max_concurrency=1, wait_timeout=5, bound=4, on_demand=lambda: None)
+        queue = function_queue(1, 4)
         r = replica("r1")
-        queue.add(r)
+        queue.router.add(r)
         waiters = [asyncio.create_task(queue.acquire()) for _ in range(3)]
         await asyncio.sleep(0.01)
-        r.state, r.error = FAILED, "enter failed: OSError: disk"
-        queue.remove(r)
+        r.fail("enter failed: OSError: disk")
+        Scaler._forget(SimpleNamespace(router=queue.router, queue=queue), r)
         for task in waiters:
             with pytest.raises(ApiError) as error:
                 await task
@@ -68,17 +75,18 @@ def test_failed_start_answers_every_waiter_503():
 
 def test_full_queue_and_wake_of_parked():
     async def scenario():
-        queue = FunctionQueue(max_concurrency=1, wait_timeout=5, bound=1, on_demand=lambda: None)
-        queue.add(replica("starting"))
+        queue = function_queue(1, 1)
+        queue.router.add(replica("starting"))
         waiting = asyncio.create_task(queue.acquire())
         await asyncio.sleep(0.01)
         with pytest.raises(ApiError) as full:
             await queue.acquire()
         assert full.value.status == 503 and "queue full" in full.value.message and full.value.headers["Retry-After"]
         parked = replica("parked")
-        parked.state = PARKED
-        queue.add(parked)
-        queue.ready(parked)
+        parked.ready()
+        parked.park()
+        queue.router.add(parked)
+        queue.dispatch()
         lease = await waiting
         assert lease.replica is parked and parked.state == HOT and lease.cold_start.tier == "parked"
 

@@ -5,7 +5,7 @@ from ember.spec import FunctionSpec
 
 
 def unit(name: str, kind: str, methods: list[str], asgi: bool = False) -> Unit:
-    return Unit("app", name, kind, methods, asgi, FunctionSpec(), queue=None, settings=None)
+    return Unit("app", name, kind, methods, asgi, FunctionSpec(), router=None, queue=None, settings=None)
 
 
 def test_routes():
