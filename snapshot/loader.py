@@ -32,6 +32,7 @@ from ember.snapshot import cudart
 from ember.snapshot.errors import SnapshotCorrupt, SnapshotMismatch
 from ember.snapshot.format import ALIGN, DTYPES, Header
 from ember.snapshot.hostbuffer import HostBuffer
+from ember.snapshot.store import SnapshotSource
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def checksum(data) -> str:
     return hasher.hexdigest()
 
 
-def load(source, targets: Mapping[str, torch.Tensor] | None = None, device: str | torch.device = "cpu",
+def load(source: SnapshotSource, targets: Mapping[str, torch.Tensor] | None = None, device: str | torch.device = "cpu",
          threads: int | None = None, progress: Progress | None = None,
          verify: bool = True) -> tuple[dict[str, torch.Tensor], LoadReport]:
     """Reads every tensor of `source` into `targets` (allocated on `device` when None).

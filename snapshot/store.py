@@ -1,7 +1,7 @@
 """Where snapshots live: a content-addressed directory in EMBER_HOME, or S3 (see s3.py).
 
-Both stores answer the same calls: put, resolve, open, ls, rm, quarantine. An object is
-named by its id (the sha256 of its header); names are refs pointing at ids.
+Both stores answer the same calls, `SnapshotStore`: put, resolve, open, ls, rm, quarantine, and small blobs beside
+the snapshots. An object is named by its id (the sha256 of its header); names are refs pointing at ids.
 """
 import ctypes
 import mmap
@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -35,6 +36,54 @@ class SnapshotRef:
     def to_json(self) -> dict:
         return {"id": self.id, "names": list(self.names), "size": self.size, "tensors": self.tensors,
                 "created": self.created, "store": self.store, "problem": self.problem}
+
+
+class SnapshotSource(Protocol):
+    """One snapshot opened for reading, chunk by chunk (FileSource, s3.S3Source): what the loader needs."""
+
+    id: str
+    url: str  # where it is read from, for reports
+    header: Header
+    direct_io: bool  # whether reads skip the page cache
+    default_threads: int  # reader threads that saturate this kind of source
+
+    def read_chunk(self, index: int, into: memoryview) -> int:
+        """Read chunk `index` into `into`; the bytes read."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class SnapshotStore(Protocol):
+    """Where snapshots live: `LocalStore` (EMBER_HOME) or `s3.S3Store`."""
+
+    def put(self, path: str | os.PathLike, name: str | None = None) -> SnapshotRef:
+        """Take the written snapshot file at `path` (moved or uploaded), named `name` if given."""
+        ...
+
+    def resolve(self, key: str) -> str:
+        """The id that `key` (a name, an id or a unique id prefix) points at."""
+        ...
+
+    def open(self, key: str) -> SnapshotSource:
+        ...
+
+    def ls(self) -> list[SnapshotRef]:
+        ...
+
+    def rm(self, key: str) -> SnapshotRef:
+        ...
+
+    def quarantine(self, snapshot_id: str, reason: str) -> str:
+        """Move a corrupt snapshot aside, kept for inspection, and drop the names pointing at it; where it went."""
+        ...
+
+    def put_blob(self, name: str, data: bytes) -> None:
+        ...
+
+    def get_blob(self, name: str) -> bytes | None:
+        ...
 
 
 def check_name(name: str) -> str:
@@ -240,7 +289,7 @@ class LocalStore:
         self._object(ref.id).unlink()
         return ref
 
-    def quarantine(self, snapshot_id: str, reason: str) -> Path:
+    def quarantine(self, snapshot_id: str, reason: str) -> str:
         """Moves a corrupt snapshot aside (kept for inspection) and drops the names pointing at it."""
         for name, target in self._names().items():
             if target == snapshot_id:
@@ -249,10 +298,10 @@ class LocalStore:
         if self._object(snapshot_id).exists():
             os.replace(self._object(snapshot_id), dest)
         dest.with_suffix(".reason").write_text(reason + "\n")
-        return dest
+        return str(dest)
 
 
-def open_store(spec: str | None = None):
+def open_store(spec: str | None = None) -> SnapshotStore:
     """`local` (or None) for the EMBER_HOME store, `s3://bucket/prefix` for S3."""
     if spec in (None, "", "local"):
         return LocalStore()

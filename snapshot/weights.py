@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ember.snapshot.errors import SnapshotCorrupt, SnapshotError, SnapshotNotFound
 from ember.snapshot.format import CHUNK_SIZE
 from ember.snapshot.loader import LoadReport, Progress, load
-from ember.snapshot.store import SnapshotRef, staging_path
+from ember.snapshot.store import SnapshotRef, SnapshotStore, staging_path
 from ember.snapshot.writer import write_state_dict
 
 log = logging.getLogger("ember.snapshot")
@@ -44,7 +44,7 @@ def state_of(module_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> d
     return dict(module_or_state)
 
 
-def capture(module_or_state: torch.nn.Module | Mapping[str, torch.Tensor], store, key: str,
+def capture(module_or_state: torch.nn.Module | Mapping[str, torch.Tensor], store: SnapshotStore, key: str,
             chunk_size: int = CHUNK_SIZE, progress: Progress | None = None) -> SnapshotRef:
     """Writes the module's state dict as a snapshot into `store` under the name `key`."""
     path = staging_path()
@@ -56,7 +56,7 @@ def capture(module_or_state: torch.nn.Module | Mapping[str, torch.Tensor], store
             os.remove(path)
 
 
-def restore_into(module: torch.nn.Module | Mapping[str, torch.Tensor], store, key: str,
+def restore_into(module: torch.nn.Module | Mapping[str, torch.Tensor], store: SnapshotStore, key: str,
                  device: str | torch.device | None = None, threads: int | None = None,
                  progress: Progress | None = None) -> LoadReport | None:
     """Loads snapshot `key` into the module's own tensors, in place.
@@ -117,7 +117,7 @@ class WeightsStart:
 
 
 def restore_or_boot(make_model: Callable[[], torch.nn.Module], load_weights: Callable[[torch.nn.Module], None],
-                    store, key: str, progress: Progress | None = None) -> tuple[torch.nn.Module, WeightsStart]:
+                    store: SnapshotStore, key: str, progress: Progress | None = None) -> tuple[torch.nn.Module, WeightsStart]:
     """Weights from snapshot `key` when it is there and sound, else a full boot that then writes the snapshot.
 
     `make_model()` builds the model on its device with weights not yet loaded; `load_weights(model)`

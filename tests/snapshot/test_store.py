@@ -1,6 +1,8 @@
 """The local content-addressed store, and how it handles corrupt and truncated snapshots."""
 import os
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -54,7 +56,7 @@ def test_truncated_file_is_caught_at_open(mixed_state):
 def test_quarantine_moves_the_object_aside_and_drops_its_names(mixed_state):
     store = LocalStore()
     ref = capture(mixed_state, store, "m")
-    dest = store.quarantine(ref.id, "chunk 3 fails its checksum")
+    dest = Path(store.quarantine(ref.id, "chunk 3 fails its checksum"))
     assert dest.exists() and "chunk 3" in dest.with_suffix(".reason").read_text()
     assert store.ls() == []
     with pytest.raises(SnapshotNotFound):
