@@ -2,10 +2,12 @@
 import inspect
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+from typing_extensions import Unpack
 
 from ember import hooks
-from ember.spec import FunctionSpec, SpecError, build_spec
+from ember.spec import FunctionSpec, Settings, SpecError, build_spec
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
@@ -14,6 +16,9 @@ def _check_name(kind: str, name: str) -> str:
     if not NAME.match(name):
         raise SpecError(f"{kind} name {name!r} must match {NAME.pattern} (it becomes a URL path segment)")
     return name
+
+
+Unit = TypeVar("Unit", "Function", "Cls")
 
 
 class App:
@@ -28,25 +33,22 @@ class App:
             raise SpecError(f"app {self.name!r} already has a function or class named {unit.name!r}")
         self.units[unit.name] = unit
 
-    def function(self, _fn: object = None, **settings: Any) -> Callable[[Callable], "Function"]:
-        if callable(_fn):
-            raise TypeError("use @app.function() with parentheses")
-        spec = build_spec("@app.function", settings)
+    def function(self, _fn: object = None, **settings: Unpack[Settings]) -> Callable[[Callable], "Function"]:
+        """Serve the decorated function at /{app}/{function}; `settings` are FunctionSpec's fields."""
+        return self._decorator("function", _fn, settings, Function)
 
-        def register(fn: Callable) -> Function:
-            unit = Function(self, fn, spec)
-            self._add(unit)
-            return unit
+    def cls(self, _cls: object = None, **settings: Unpack[Settings]) -> Callable[[type], "Cls"]:
+        """Serve the decorated class's @ember.method()s at /{app}/{Class}.{method}, one instance per replica."""
+        return self._decorator("cls", _cls, settings, Cls)
 
-        return register
+    def _decorator(self, kind: str, first: object, settings: Settings,
+                   make: Callable[["App", Any, FunctionSpec], Unit]) -> Callable[[Any], Unit]:
+        if callable(first):
+            raise TypeError(f"use @app.{kind}() with parentheses")
+        spec = build_spec(f"@app.{kind}", dict(settings))
 
-    def cls(self, _cls: object = None, **settings: Any) -> Callable[[type], "Cls"]:
-        if callable(_cls):
-            raise TypeError("use @app.cls() with parentheses")
-        spec = build_spec("@app.cls", settings)
-
-        def register(user_cls: type) -> Cls:
-            unit = Cls(self, user_cls, spec)
+        def register(target: Any) -> Unit:
+            unit = make(self, target, spec)
             self._add(unit)
             return unit
 
@@ -58,6 +60,8 @@ class App:
 
 
 class Function:
+    """A plain function served as one unit: every call is one invocation."""
+
     def __init__(self, app: App, fn: Callable, spec: FunctionSpec):
         self.app, self.fn, self.spec = app, fn, spec
         self.name = _check_name("function", fn.__name__)
@@ -88,6 +92,7 @@ class Cls:
         self.app, self.user_cls, self.spec = app, user_cls, spec
         self.name = _check_name("class", user_cls.__name__)
         members = inspect.getmembers(user_cls, callable)
+        _check_roles(self.name, members)
         self.methods = [n for n, f in members if getattr(f, hooks.METHOD, False)]
         asgi = [n for n, f in members if getattr(f, hooks.ASGI, False)]
         if len(asgi) > 1:
@@ -171,6 +176,21 @@ class BoundMethod:
         fn = getattr(cls.user_cls, self.name)
         with Client.from_env() as client:
             return client.call(cls.app.name, f"{cls.name}.{self.name}", _as_kwargs(fn, args, kwargs, bound=True))
+
+
+HOOKS = {hooks.ENTER: "enter", hooks.EXIT: "exit", hooks.PARK: "park", hooks.WAKE: "wake"}
+SERVES = {hooks.METHOD: "method", hooks.ASGI: "asgi_app"}
+
+
+def _check_roles(cls_name: str, members: list[tuple[str, Any]]) -> None:
+    """A lifecycle hook runs when the replica starts, stops, parks or wakes; it cannot also serve calls."""
+    for name, member in members:
+        marks = [f"@ember.{d}()" for a, d in (HOOKS | SERVES).items() if hasattr(member, a)]
+        hook = any(hasattr(member, a) for a in HOOKS)
+        serves = any(hasattr(member, a) for a in SERVES)
+        if hook and serves or sum(hasattr(member, a) for a in SERVES) > 1:
+            raise SpecError(f"{cls_name}.{name} is marked {' and '.join(marks)}: a lifecycle hook cannot also serve "
+                            "calls; keep one of them and, to share code, call one method from the other")
 
 
 def _required_params(fn: Callable, bound: bool = False) -> dict[str, str | None]:

@@ -1,7 +1,7 @@
 """FunctionSpec: every setting of a function or class, checked when the app is loaded."""
 import difflib
 import re
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -74,6 +74,33 @@ class FunctionSpec(BaseModel):
                 f"target_concurrency ({self.target_concurrency}) must be <= max_concurrency ({self.max_concurrency})"
             )
         return self
+
+
+class Settings(TypedDict, total=False):
+    """The decorator keywords of @app.function() and @app.cls(), for editors and type checkers; FunctionSpec is
+    what checks them (with the nearest name for a typo). tests/ember/test_spec.py keeps the two in step."""
+
+    gpu: str | None
+    cpu: float
+    memory: int
+    min_replicas: int
+    max_replicas: int
+    buffer_replicas: int
+    scaledown_window: float | None
+    park: bool
+    park_after: float | None
+    stable_window: float | None
+    panic_window: float | None
+    panic_threshold: float
+    park_with: Literal["hooks", "cuda-checkpoint"]
+    target_concurrency: float
+    max_concurrency: int
+    timeout: float
+    retries: int
+    queue_bound: int
+    snapshot: bool
+    secrets: list[str]
+    env: dict[str, str]
 
 
 def build_spec(decorator: str, kwargs: dict[str, Any]) -> FunctionSpec:

@@ -2,6 +2,7 @@
 import pytest
 
 import ember
+from ember.spec import SpecError
 
 
 def make_app(calls: list):
@@ -72,3 +73,16 @@ def test_class_without_methods_is_rejected():
         @app.cls()
         class Empty:
             pass
+
+
+@pytest.mark.parametrize("hook", ["enter", "exit", "park", "wake"])
+def test_a_lifecycle_hook_that_also_serves_calls_is_refused_at_load(hook):
+    app = ember.App("roles")
+    with pytest.raises(SpecError, match=rf"Model.load is marked @ember.{hook}\(\) and @ember.method\(\)"):
+        @app.cls()
+        class Model:
+            @getattr(ember, hook)()
+            @ember.method()
+            def load(self):
+                pass
+    assert app.units == {}

@@ -56,3 +56,14 @@ def test_decorators_need_parentheses_and_names_must_be_url_safe():
         ember.method(lambda self: 1)
     with pytest.raises(SpecError, match="app name 'my app'"):
         ember.App("my app")
+
+
+def test_the_typed_settings_name_every_field_of_the_spec():
+    from typing import get_type_hints
+
+    from ember.spec import FunctionSpec, Settings
+
+    typed = get_type_hints(Settings)
+    assert set(typed) == set(FunctionSpec.model_fields), "add the new FunctionSpec field to ember.spec.Settings too"
+    for name, field in FunctionSpec.model_fields.items():
+        assert typed[name] == field.annotation, name

@@ -1,0 +1,71 @@
+"""`ember deploy`: build an app's package and hand it to the running gateway (through S3 for the AWS backend)."""
+import argparse
+import os
+import sys
+import threading
+from pathlib import Path
+
+from ember.cli.admin import admin_client
+from ember.home import Home
+
+
+def add_to(sub, epilog: str) -> None:
+    p = sub.add_parser("deploy", help="package APP.py and deploy it to the running gateway",
+                       description="Build APP.py's package and hand it to the gateway (EMBER_URL and EMBER_KEY, else "
+                                   "the one `ember serve` runs here). With --target aws the package goes to "
+                                   "EMBER_AWS_BUCKET first and the gateway fetches it from there.")
+    p.add_argument("app", help="the app file")
+    p.add_argument("--target", choices=["local", "aws"], default="local",
+                   help="local: the gateway reads the package from this machine; aws: upload it to S3 for the gateway "
+                        "(default local)")
+    p.set_defaults(run=deploy)
+
+
+def deploy(args: argparse.Namespace) -> int:
+    from ember.package import build, load_app
+
+    package = build(load_app(args.app), Home())
+    with admin_client() as client:  # first: a missing EMBER_URL or EMBER_KEY stops the deploy before an upload
+        request = _upload(package) if args.target == "aws" else {"package": str(package)}
+        reply = client.request("POST", "/admin/deploy", json=request).json()
+    print(f"deployed app {reply['app']!r} ({', '.join(reply['functions'])}) from {request.get('package_url', package)}")
+    return 0
+
+
+def _upload_progress(total: int):
+    """progress(n) for boto3's transfer threads: a line on stderr at every tenth of `total` bytes sent."""
+    sent, shown, lock = 0, 0, threading.Lock()
+
+    def progress(n: int) -> None:
+        nonlocal sent, shown
+        with lock:
+            sent += n
+            tenths = sent * 10 // max(total, 1)
+            if tenths > shown:
+                shown = tenths
+                print(f"  {sent:,} of {total:,} bytes sent ({min(tenths, 10) * 10}%)", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def _upload(package: Path) -> dict:
+    """Put the package in EMBER_AWS_BUCKET (not again when that hash is there): the body of the gateway's deploy call."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from ember.runtime.aws import upload_package
+
+    bucket = os.environ.get("EMBER_AWS_BUCKET")
+    if not bucket:
+        raise RuntimeError("--target aws needs EMBER_AWS_BUCKET: the bucket the gateway's AWS backend uses "
+                           "(terraform output `bucket`)")
+    size = package.stat().st_size
+    print(f"package {package.name} ({size:,} bytes) to s3://{bucket}/packages/", file=sys.stderr, flush=True)
+    try:
+        key, digest, uploaded = upload_package(boto3.client("s3"), bucket, package, _upload_progress(size))
+    except (BotoCoreError, ClientError) as exc:
+        raise RuntimeError(f"cannot upload to s3://{bucket}: {exc}; check the bucket exists and the AWS credentials "
+                           "(AWS_PROFILE or AWS_ACCESS_KEY_ID) and region may write to it") from None
+    if not uploaded:
+        print(f"  already in s3://{bucket}/{key}: upload skipped", file=sys.stderr)
+    return {"package_url": f"s3://{bucket}/{key}", "sha256": digest}

@@ -1,0 +1,74 @@
+"""`ember run`: one call of a function in a fresh replica process, its result printed."""
+import argparse
+import asyncio
+import json
+import sys
+
+from ember.home import Home
+
+
+def add_to(sub, epilog: str) -> None:
+    p = sub.add_parser("run", help="run one call of APP.py::fn in a fresh replica process and print the result",
+                       description="Start a replica of the function from its package, call it once with NAME=VALUE "
+                                   "arguments (VALUE parsed as JSON when it can be), print the JSON result, stop the "
+                                   "replica.")
+    p.add_argument("target", metavar="APP.py::fn", help="APP.py::function or APP.py::Class.method")
+    p.add_argument("args", nargs="*", metavar="NAME=VALUE")
+    p.set_defaults(run=run)
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from ember.gateway.backends.local import LocalBackend
+    from ember.package import build, load_app
+    from ember.runtime.worker import CONTROL_HEADER
+
+    path, sep, target = args.target.partition("::")
+    if not sep or not target:
+        print("error: name the function as APP.py::function or APP.py::Class.method", file=sys.stderr)
+        return 2
+    kwargs = {}
+    for item in args.args:
+        name, eq, value = item.partition("=")
+        if not eq:
+            print(f"error: argument {item!r} must be NAME=VALUE (VALUE is parsed as JSON when it can be)",
+                  file=sys.stderr)
+            return 2
+        kwargs[name] = _parse_value(value)
+    app = load_app(path)
+    unit_name, _, method = target.partition(".")
+    if unit_name not in app.units:
+        print(f"error: {path} has no function or class {unit_name!r}; it has {sorted(app.units)}", file=sys.stderr)
+        return 2
+    home = Home()
+    package = build(app, home)
+
+    async def once() -> int:
+        backend = LocalBackend(home.logs, fork=False)  # one replica, one call: a fork server would only add a process
+        replica = backend.new_replica(app.name, unit_name)
+        await backend.start(replica, package, app.units[unit_name].spec)
+        if replica.error:
+            print(f"error: {replica.error}\nlog: {replica.log_path}", file=sys.stderr)
+            return 1
+        try:
+            async with httpx.AsyncClient(timeout=app.units[unit_name].spec.timeout + 5) as client:
+                reply = await client.post(f"http://127.0.0.1:{replica.port}/__ember__/call/{method or unit_name}",
+                                          json=kwargs, headers={CONTROL_HEADER: replica.control_secret or ""})
+        finally:
+            await backend.stop(replica)
+        body = reply.json()
+        if reply.status_code != 200:
+            print(f"error: {body['error']['type']}: {body['error']['message']}", file=sys.stderr)
+            return 1
+        print(json.dumps(body["result"], indent=2))
+        return 0
+
+    return asyncio.run(once())

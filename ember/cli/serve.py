@@ -1,0 +1,29 @@
+"""`ember serve`: the gateway, autoscaler and a backend for one app, in the foreground."""
+import argparse
+
+
+def add_to(sub, epilog: str) -> None:
+    p = sub.add_parser("serve", help="run gateway, autoscaler and local backend for APP.py in the foreground",
+                       description="Serve APP.py over HTTPS on this machine; prints the URL and the dev CA path.",
+                       epilog=epilog)
+    p.add_argument("app", help="the app file, e.g. examples/hello.py")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8443, help="port to listen on; 0 picks a free one (default 8443)")
+    p.add_argument("--new-key", metavar="NAME", help="also create an API key NAME and print a ready-to-paste curl")
+    p.add_argument("--backend", choices=["local", "aws"], default="local",
+                   help="where replicas run: local processes, or the AWS Auto Scaling Group named by EMBER_AWS_ASG "
+                        "(default local)")
+    p.add_argument("--parked-ram", metavar="SIZE",
+                   help="host RAM parked replicas may hold, e.g. 8GiB (default a quarter of RAM)")
+    p.add_argument("--redis", metavar="URL", help="share rate-limit state with other gateways in this Redis "
+                                                   "(default EMBER_REDIS_URL; else kept in this process)")
+    p.add_argument("--routing", choices=["affinity", "round-robin", "least-loaded"], default="affinity",
+                   help="how a replica is chosen: X-Session-ID or prompt prefix by bounded-load hashing, else least "
+                        "loaded (affinity, the default); in turn; or least loaded")
+    p.set_defaults(run=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from ember.gateway.serve import serve
+
+    return serve(args.app, args.host, args.port, args.new_key, args.backend, args.parked_ram, args.redis, args.routing)
