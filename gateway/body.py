@@ -14,6 +14,7 @@ from ember.gateway.errors import ApiError
 from ember.gateway.inflight import BodyBudget
 from ember.gateway.routing import SESSION, Forward
 from ember.gateway.usage import OPENAI_PATHS, UsageMeter, estimate, max_tokens
+from ember.runtime.call_body import BadCallBody, keyword_arguments
 
 MAX_BODY = 16 * 1024 * 1024
 SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: it only feeds a hash
@@ -54,17 +55,12 @@ async def read_body(request: Request, budget: BodyBudget) -> bytearray:
 
 
 async def read_kwargs(request: Request, budget: BodyBudget) -> bytes:
-    """The call's body, checked to be a JSON object of keyword arguments."""
+    """The call's body, checked to be a JSON object of keyword arguments; forwarded as read."""
     body = await read_body(request, budget) or b"{}"
     try:
-        kwargs = json.loads(body)
-    except RecursionError:
-        raise ApiError(400, "invalid_json", "request body is nested too deeply to be read as JSON") from None
-    except ValueError as exc:
-        raise ApiError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
-    if not isinstance(kwargs, dict):
-        raise ApiError(422, "invalid_arguments",
-                       f"request body must be a JSON object of keyword arguments, got {type(kwargs).__name__}")
+        keyword_arguments(body)
+    except BadCallBody as exc:
+        raise ApiError(exc.status, exc.type, exc.message) from None
     return body
 
 

@@ -29,6 +29,7 @@ import typing  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 from ember.runtime import health, logs, tracing  # noqa: E402
+from ember.runtime.call_body import BadCallBody, keyword_arguments  # noqa: E402
 
 
 class ControlChannel:
@@ -150,11 +151,9 @@ class LoadedUnit:
         if fn is None:
             return _error_response(404, "not_found", f"{self.unit.name} has no method {method!r}")
         try:
-            kwargs = json.loads(await request.body() or b"{}")
-        except (ValueError, RecursionError) as exc:
-            return _error_response(400, "invalid_json", f"request body is not valid JSON: {str(exc)[:200]}")
-        if not isinstance(kwargs, dict):
-            return _error_response(422, "invalid_arguments", "request body must be a JSON object of keyword arguments")
+            kwargs = keyword_arguments(await request.body())
+        except BadCallBody as exc:
+            return _error_response(exc.status, exc.type, exc.message)
         problem = argument_problem(fn, kwargs)
         if problem is None:
             if method not in self.types:
