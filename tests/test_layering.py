@@ -1,5 +1,6 @@
-"""DESIGN.md's dependency direction, read from the source with `ast`: nothing imports ember.gateway except the CLI,
-and the SDK (ember/, the CLI aside) does not import the runtime or snapshot packages when it is imported."""
+"""The dependency rule of docs/architecture.md, read from the source with `ast`: nothing imports ember.gateway except
+the CLI, the SDK (ember/, the CLI aside) does not import the runtime or snapshot packages when it is imported,
+snapshot/ imports neither runtime/ nor gateway/, and the pure parts (lifecycle, autoscaler policy) import no I/O."""
 import ast
 from pathlib import Path
 
@@ -75,3 +76,37 @@ def test_the_sdk_imports_neither_runtime_nor_snapshot_when_loaded():
             if top and (within(name, "ember.runtime") or within(name, "ember.snapshot")):
                 offenders.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert offenders == [], "DESIGN.md: the SDK knows only specs and the client:\n" + "\n".join(offenders)
+
+
+def _offenders(paths: list[Path], forbidden) -> list[str]:
+    found = []
+    for path in paths:
+        for name, line, _ in imports(path.read_text(), module_name(path), path.name == "__init__.py"):
+            if forbidden(name):
+                found.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    return found
+
+
+def test_snapshot_imports_neither_runtime_nor_gateway():
+    offenders = _offenders(sources("snapshot"), lambda n: within(n, "ember.runtime") or within(n, "ember.gateway"))
+    assert offenders == [], "docs/architecture.md: snapshot/ stands below runtime/ and gateway/:\n" + "\n".join(offenders)
+
+
+PURE = ["gateway/lifecycle.py"] + [f"gateway/autoscaler/{m}.py" for m in
+                                    ("policy", "simulator", "admission", "trace", "baselines")]
+
+
+def test_the_pure_parts_import_no_io_of_the_gateway():
+    """The lifecycle imports nothing of Ember; the autoscaler's policy and simulator nothing of the gateway but it."""
+    paths = [ROOT / p for p in PURE]
+    assert all(p.exists() for p in paths)
+    lifecycle = _offenders(paths[:1], lambda n: within(n, "ember"))
+    allowed = ("ember.gateway.autoscaler", "ember.gateway.lifecycle")
+    autoscaler = _offenders(paths[1:], lambda n: within(n, "ember") and not any(within(n, a) for a in allowed))
+    assert lifecycle + autoscaler == [], "docs/architecture.md: pure parts stay pure:\n" + "\n".join(lifecycle + autoscaler)
+
+
+def test_the_architecture_document_states_the_rules_checked_here():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert "tests/test_layering.py" in text and "## The dependency rule" in text
+    assert "docs/architecture.md" in (ROOT / "README.md").read_text()
