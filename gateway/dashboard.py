@@ -22,7 +22,7 @@ from ember.gateway.deployment import Unit
 from ember.gateway.errors import ApiError
 from ember.gateway.keys import ApiKey
 from ember.gateway.metrics import DURATION_BUCKETS
-from ember.gateway.replica import HOT, PARKED, STARTING
+from ember.gateway.lifecycle import HOT, PARKED, STARTING
 
 if TYPE_CHECKING:
     from ember.gateway.service import Gateway
@@ -150,10 +150,10 @@ class Dashboard:
     @staticmethod
     def _sample(unit: Unit, raw: Raw, old: Raw, totals: dict) -> dict:
         span = max(raw.t - old.t, SAMPLE_EVERY)
-        states = {s: sum(r.state == s for r in unit.queue.replicas.values()) for s in (STARTING, HOT, PARKED)}
+        states = {s: sum(r.state == s for r in unit.router.replicas.values()) for s in (STARTING, HOT, PARKED)}
         latency, ttft, itl = delta(raw.latency, old.latency), delta(raw.ttft, old.ttft), delta(raw.itl, old.itl)
         kv = [v for (name, _), v in totals.items() if name == KV]
-        return {"t": round(raw.t, 3), **states, "queue": unit.queue.depth, "in_flight": unit.queue.in_flight,
+        return {"t": round(raw.t, 3), **states, "queue": unit.queue.depth, "in_flight": unit.router.in_flight,
                 "rps": round((raw.requests - old.requests) / span, 3),
                 "eps": round((raw.errors - old.errors) / span, 3),
                 "p50": quantile(0.5, latency), "p99": quantile(0.99, latency),
@@ -163,7 +163,7 @@ class Dashboard:
 
     @staticmethod
     def _note_starts(unit: Unit, history: FunctionHistory, wall: float) -> None:
-        for replica in unit.queue.replicas.values():
+        for replica in unit.router.replicas.values():
             if replica.ready_at is not None and (replica.id, replica.ready_at) not in history.seen:
                 history.seen.add((replica.id, replica.ready_at))
                 history.starts.append({"t": round(wall, 3), "replica": replica.id, "tier": replica.tier,
@@ -176,14 +176,14 @@ class Dashboard:
         for deployment in self.gateway.deployments.values():
             for unit in deployment.units.values():
                 history = self.history[(unit.app, unit.name)]
-                replicas = unit.queue.replicas.values()
+                replicas = unit.router.replicas.values()
                 functions.append({
                     "app": unit.app, "function": unit.name, "kind": unit.kind,
                     "llm": (unit.app, unit.name) in self.gateway.metrics.engines.functions(),
                     "replicas": [r.describe(now) for r in replicas],
                     "by_state": {s: sum(r.state == s for r in replicas) for s in (STARTING, HOT, PARKED)}
                     | {"failed": len(unit.failures)},
-                    "queue_depth": unit.queue.depth, "in_flight": unit.queue.in_flight,
+                    "queue_depth": unit.queue.depth, "in_flight": unit.router.in_flight,
                     "series": list(history.samples),
                     "cold_starts": {"by_tier": {t: n for (a, f, t), n in self.gateway.metrics.cold_starts.items()
                                                 if (a, f) == (unit.app, unit.name)},

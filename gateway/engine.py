@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ember.gateway.deployment import Deployment
-from ember.gateway.replica import HOT
+from ember.gateway.lifecycle import HOT
 
 PREFIX = "ember:"
 SAMPLE = re.compile(r'(ember:[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
@@ -81,7 +81,7 @@ class EngineSeries:
             if time.monotonic() - self.scraped_at < FRESH:
                 return
             replicas = [(unit, r) for d in deployments.values() for unit in d.units.values() if unit.asgi
-                        for r in unit.queue.replicas.values()]
+                        for r in unit.router.replicas.values()]
             hot = [(unit, r) for unit, r in replicas if r.state == HOT]
             await asyncio.gather(*(self._scrape(client, unit.app, unit.name, r) for unit, r in hot))
             alive = {r.id for _, r in replicas}

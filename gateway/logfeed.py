@@ -86,7 +86,7 @@ class LogFeed:
             return None
         source = {"source": "replica", "app": app, "replica": replica}
         unit = next((u for d in self.gateway.deployments.values() for u in d.units.values()
-                     if replica in u.queue.replicas), None)
+                     if replica in u.router.replicas), None)
         return source | ({"function": unit.name} if unit else {})
 
     def discover(self, first: bool) -> None:

@@ -9,7 +9,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from ember.gateway.engine import EngineSeries, parse
-from ember.gateway.replica import HOT, Replica
+from ember.gateway.replica import GatewayReplica
 
 
 def exposition(success: int, running: int, kv: float, ttft: tuple[int, int, int]) -> str:
@@ -61,9 +61,10 @@ def test_engine_series_are_summed_per_function_and_survive_a_replica_leaving(tmp
         runners, ports = await serve_text([exposition(3, 1, 0.2, (1, 3, 3)), exposition(5, 2, 0.6, (2, 4, 5))])
         replicas = {}
         for i, port in enumerate(ports):
-            replica = Replica(f"chat-{i}", "chat", "Chat", tmp_path / f"{i}.log", port=port, state=HOT)
+            replica = GatewayReplica(f"chat-{i}", "chat", "Chat", tmp_path / f"{i}.log", port=port)
+            replica.ready()
             replicas[replica.id] = replica
-        unit = SimpleNamespace(app="chat", name="Chat", asgi=True, queue=SimpleNamespace(replicas=replicas))
+        unit = SimpleNamespace(app="chat", name="Chat", asgi=True, router=SimpleNamespace(replicas=replicas))
         deployments = {"chat": SimpleNamespace(units={"Chat": unit})}
         series = EngineSeries()
         async with aiohttp.ClientSession() as client:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.cli import log_line
+from ember.cli.status import log_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = ["4bf92f3577b34da6a3ce929d0e0e4736", "5bf92f3577b34da6a3ce929d0e0e4736", "6bf92f3577b34da6a3ce929d0e0e4736"]
