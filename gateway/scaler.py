@@ -43,6 +43,7 @@ class Scaler:
                 pass
             self._poke.clear()
             for deployment in list(self.deployments.values()):
+                self.backend.prepare(deployment.name, deployment.package)
                 for unit in deployment.units.values():
                     try:
                         self.tick(deployment, unit, time.monotonic())

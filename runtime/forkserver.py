@@ -100,10 +100,25 @@ def receive(sock: socket.socket, fds: int = 0) -> tuple[Message | None, list[int
     return decode(data), received
 
 
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
 def cuda_initialised() -> bool:
-    """Whether torch initialised CUDA in this process (then a forked child cannot use the GPU)."""
+    """Whether torch, or anything else, initialised CUDA in this process (then a forked child cannot use the GPU).
+    torch.cuda.is_available() initialises the driver without torch's flag, so the driver is asked too."""
     torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    with open("/proc/self/maps") as maps:
+        if not any("/libcuda.so" in line for line in maps):
+            return False  # the driver library is not even loaded
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    context = ctypes.c_void_p()
+    # side-effect free: NOT_INITIALIZED until something called cuInit
+    return libcuda.cuCtxGetCurrent(ctypes.byref(context)) != CUDA_ERROR_NOT_INITIALIZED
 
 
 def fork_hazard(what: str) -> str | None:

@@ -317,6 +317,11 @@ class Supervisor:
             if ours:
                 conn.close()
 
+    def prepare(self, app: str, package: Path, logs: Path) -> None:
+        """Start the app's fork server for `package` ahead of its first replica (no-op when it runs already)."""
+        if self.fork:
+            self._forkserver(app, package, logs)
+
     def _forkserver(self, app: str, package: Path, logs: Path) -> ForkServerProcess:
         """The app's fork server for `package`: the running one, or a new one (replacing another version's)."""
         server = self.forkservers.get(app)

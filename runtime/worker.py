@@ -28,7 +28,7 @@ import traceback  # noqa: E402
 import typing  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
-from ember.runtime import health, logs, tracing  # noqa: E402
+from ember.runtime import health, logs, startup, tracing  # noqa: E402
 from ember.runtime.call_body import BadCallBody, keyword_arguments  # noqa: E402
 
 
@@ -516,6 +516,19 @@ def _end_with_lifeline(fd: int) -> None:
     threading.Thread(target=watch, name="ember-lifeline", daemon=True).start()
 
 
+def cuda_init() -> dict[str, int]:
+    """Initialise CUDA before the enter hooks when this replica has a GPU and torch is loaded, so the start's
+    breakdown shows what it cost (cuda_init_ms) apart from the hooks; {} when there is nothing to initialise."""
+    torch = sys.modules.get("torch")
+    if not os.environ.get("CUDA_VISIBLE_DEVICES") or torch is None:
+        return {}
+    began = time.monotonic()
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.init()
+    return {"cuda_init_ms": round((time.monotonic() - began) * 1000)}
+
+
 def serve(control: ControlChannel, started: float, load: Callable[[], tuple[Any, Any]]) -> int:
     """Load the unit (`load()` -> the unit and its instance when its snap=True hooks already ran), run its enter
     hooks, say ready on the control channel and serve until SIGTERM; the process's exit code."""
@@ -526,6 +539,8 @@ def serve(control: ControlChannel, started: float, load: Callable[[], tuple[Any,
         logs.setup_replica(unit.name)
         timings["import_ms"] = round((time.monotonic() - started) * 1000)
         phase = "enter"
+        startup.phases.clear()  # a forked replica reports its own start, not its template's
+        timings.update(cuda_init())
         began = time.monotonic()
         loader = sys.modules.get("ember.runtime.engine.models.loader")
         weights_before = getattr(loader, "last_start", None)  # a fork's template may have loaded some already
@@ -537,6 +552,7 @@ def serve(control: ControlChannel, started: float, load: Callable[[], tuple[Any,
         weights = getattr(sys.modules.get("ember.runtime.engine.models.loader"), "last_start", None)
         if weights is not None and weights is not weights_before:  # the enter hooks loaded weights: snapshot or full
             timings.update(weights=weights.source, weights_ms=round(weights.seconds * 1000))
+        timings.update(startup.phases)
         gpu_image = getattr(sys.modules.get("ember.runtime.engine.model_runner"), "last_gpu_image", None)
         if gpu_image is not None:  # "reserved": the engine's memory is at the device addresses its image recorded
             timings["gpu_image"] = gpu_image

@@ -227,6 +227,9 @@ class AwsBackend:
             await asyncio.sleep(POLL)
         await self._forget(replica)
 
+    def prepare(self, app: str, package: Path) -> None:
+        """Nothing to warm here: a node starts an app's fork server with its first replica of it."""
+
     async def close(self) -> None:
         """Nothing runs on this machine: the node agents stop their fork servers when they exit."""
 

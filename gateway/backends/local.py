@@ -88,6 +88,10 @@ class LocalBackend:
     async def stop(self, replica: GatewayReplica, grace: float = 10.0) -> None:
         await self.workers.stop(replica, grace)
 
+    def prepare(self, app: str, package: Path) -> None:
+        """Warm the app's fork server for `package` (a deploy replaces the last one), so its first start forks."""
+        self.workers.prepare(app, package, self.logs)
+
     async def close(self) -> None:
         """Stop the fork servers (after the replicas were stopped)."""
         await self.workers.close()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.runtime import startup
 from ember.snapshot import image, open_store
 
 from . import kernels
@@ -88,6 +89,8 @@ class ModelRunner:
                     config.model, self.device, self.dtype, self.num_blocks, self.block_size,
                     type(self.attention).__name__, self.graphs.batch_sizes if self.graphs else "off",
                     {k: round(v, 3) for k, v in self.start_phases.items()})
+        # the worker reports weights itself; the rest joins the replica's start breakdown
+        startup.report({f"{k}_ms": round(v * 1000) for k, v in self.start_phases.items() if k != "weights"})
 
     def _image_snapshot(self) -> str | None:
         """The weight snapshot a GPU memory image sits beside; None where there is none (on a CPU, no store)."""

@@ -36,12 +36,16 @@ def test_hello_remote(serve, monkeypatch):
 def test_hello_served(serve):
     served = serve(EXAMPLE)
     with served.client(served.key()) as http:
-        assert http.post("/hello/square", json={"x": 7}).json() == {"result": 49}
-        first = http.post("/hello/Greeter.greet", json={"name": "Ada", "lang": "fr"}).json()["result"]
+        square = http.post("/hello/square", json={"x": 7})
+        assert square.json() == {"result": 49}
+        greeted = http.post("/hello/Greeter.greet", json={"name": "Ada", "lang": "fr"})
+        first = greeted.json()["result"]
         second = http.post("/hello/Greeter.greet", json={"name": "Bob"}).json()["result"]
         bad = http.post("/hello/Greeter.greet", json={"name": "Ada", "lang": "xx"})
     assert first["greeting"] == "Bonjour, Ada!" and second["greeting"] == "Hello, Bob!"
     assert first["pid"] == second["pid"] != os.getpid()  # one replica, its enter hooks ran once
+    for started in (square, greeted):  # both forked from the app's fork server, Greeter after its snap=True hook ran
+        assert "start=fork" in started.headers["x-ember-start-breakdown"], started.headers["x-ember-start-breakdown"]
     assert bad.status_code == 500 and bad.json()["error"] == {"type": "function_error", "message": "ValueError: unknown lang 'xx'; one of ['de', 'en', 'fr']"}
 
 

@@ -174,3 +174,14 @@ def test_a_start_stopped_while_it_waits_for_a_gpu_never_spawns(tmp_path):
 
     waiter, backend = asyncio.run(scenario())
     assert waiter.process is None and backend.gpus.holders == {}
+
+
+def test_a_deployed_app_gets_a_warm_fork_server_before_its_first_call(serve):
+    served = serve(APPS / "quick.py")
+    gateway_log = served.home / "logs" / "gateway.log"
+    wait_for(lambda: gateway_log.exists() and "fork server of quick ready" in gateway_log.read_text(), 30,
+             "the fork server to warm up at deploy")
+    with served.client(served.key()) as http:
+        first = http.post("/quick/add", json={"a": 1, "b": 2})
+    breakdown = first.headers["x-ember-start-breakdown"]
+    assert "start=fork" in breakdown and "forkserver_wait_ms" not in breakdown, breakdown

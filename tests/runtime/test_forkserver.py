@@ -103,6 +103,9 @@ def test_snap_hooks_run_once_in_the_fork_server_and_every_replica_sees_their_sta
         assert sorted(r["pid"] for r in results) == sorted(w.process.pid for w in workers)
         assert all(r["sum"] == 499500 for r in results)
         assert "snap_ms" in workers[0].timings and "snap_ms" not in workers[1].timings  # only the first waited
+        for worker in workers:  # phases the hooks reported join the breakdown: each replica's own only
+            assert worker.timings["connect_ms"] == 2 and worker.timings["cache"] == "cold"
+            assert "table_ms" not in worker.timings
 
     run(test, tmp_path)
 

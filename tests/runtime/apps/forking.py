@@ -4,6 +4,7 @@ import os
 import torch
 
 import ember
+from ember.runtime import startup
 from tests.runtime.apps import heavy  # by reference: imported (with torch) by each process that loads the package
 
 app = ember.App("forking")
@@ -20,6 +21,7 @@ class Snapped:
     def build(self):
         self.built_in = os.getpid()
         self.table = torch.arange(1000)  # host memory every forked replica shares copy-on-write
+        startup.report({"table_ms": 1})  # the template's, not any replica's start
         if os.environ.get("FORKING_SNAP_LOG"):
             with open(os.environ["FORKING_SNAP_LOG"], "a") as log:
                 log.write(f"{os.getpid()}\n")
@@ -29,6 +31,7 @@ class Snapped:
     @ember.enter(snap=False)
     def connect(self):
         self.pid = os.getpid()
+        startup.report({"connect_ms": 2, "cache": "cold"})  # what an engine adds to its start's breakdown
 
     @ember.method()
     def where(self) -> dict:
