@@ -10,7 +10,7 @@ import html
 import secrets
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs
@@ -189,7 +189,7 @@ class Dashboard:
                                                 if (a, f) == (unit.app, unit.name)},
                                     "recent": list(reversed(history.starts))},
                     "failures": list(unit.failures),
-                    "decisions": list(reversed(unit.decisions))[:10],
+                    "decisions": [asdict(d) for d in reversed(unit.decisions)][:10],
                     "settings": {k: getattr(unit.spec, k) for k in ("min_replicas", "max_replicas", "max_concurrency",
                                                                     "target_concurrency")},
                 })
