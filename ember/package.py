@@ -1,7 +1,8 @@
 """An app shipped to replicas: cloudpickle of the App plus the user's source, content-hashed.
 
 A package is a zip at EMBER_HOME/packages/<sha256>.pkg holding manifest.json (routing and
-scaling settings, readable without user code), app.pkl and the source file.
+scaling settings, readable without user code), app.pkl and the source file. The app file's local imports (modules
+under its folder that loading it imported) are pickled by value with it: a replica has no copy of that folder.
 """
 import hashlib
 import importlib.util
@@ -11,11 +12,15 @@ import linecache
 import sys
 import zipfile
 from pathlib import Path
+from types import ModuleType
 
 import cloudpickle
 
 from ember.app import App
 from ember.home import Home
+
+
+LOCAL_IMPORTS: dict[str, list[str]] = {}  # app module name -> the local modules loading it imported
 
 
 def load_app(path: str | Path, name: str | None = None) -> App:
@@ -26,8 +31,18 @@ def load_app(path: str | Path, name: str | None = None) -> App:
     module_name = f"ember_user_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
+    before = set(sys.modules)
     sys.modules[module_name] = module
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(path.parent))  # as `python APP.py` would: its folder's modules import by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    finally:
+        sys.path.remove(str(path.parent))
+    LOCAL_IMPORTS[module_name] = [m for m in set(sys.modules) - before - {module_name}
+                                  if _is_local(sys.modules[m], path.parent)]
     apps = [value for value in vars(module).values() if isinstance(value, App)]
     if name is not None:
         apps = [app for app in apps if app.name == name]
@@ -37,17 +52,35 @@ def load_app(path: str | Path, name: str | None = None) -> App:
     return apps[0]
 
 
+def _is_local(module: ModuleType | None, folder: Path) -> bool:
+    """A module from a file under `folder` that is not an installed package (a virtualenv may live there too)."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return False
+    path = Path(file).resolve()
+    return path.is_relative_to(folder) and not {"site-packages", "dist-packages"} & set(path.parts)
+
+
+def local_modules(app: App) -> list[ModuleType]:
+    """The app file's module and the local modules loading it imported: what `ember serve` watches for edits."""
+    name = _module_of(app)
+    return [sys.modules[name]] + [sys.modules[m] for m in LOCAL_IMPORTS.get(name, []) if m in sys.modules]
+
+
 def build(app: App, home: Home) -> Path:
     """Write the package for `app` (whose module was loaded by load_app) and return its path."""
     module = sys.modules[_module_of(app)]
     source_path = Path(module.__file__)
-    _pin_class_ids(app, module, source_path.read_bytes())
-    # By value: a replica has the package, not the user's module on its import path.
-    cloudpickle.register_pickle_by_value(module)
+    # By value: a replica has the package, not the user's modules on its import path.
+    by_value = local_modules(app)
+    _pin_class_ids(app, by_value)
+    for each in by_value:
+        cloudpickle.register_pickle_by_value(each)
     try:
         pickled = cloudpickle.dumps(app)
     finally:
-        cloudpickle.unregister_pickle_by_value(module)
+        for each in by_value:
+            cloudpickle.unregister_pickle_by_value(each)
     manifest = json.dumps(app.manifest() | {"source": source_path.name}).encode()
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as zf:
@@ -63,20 +96,21 @@ def build(app: App, home: Home) -> Path:
     return target
 
 
-def _pin_class_ids(app: App, module, source: bytes) -> None:
-    """cloudpickle tags each class it pickles by value with a random id; derive the id from the source
+def _pin_class_ids(app: App, modules: list[ModuleType]) -> None:
+    """cloudpickle tags each class it pickles by value with a random id; derive the id from its module's source
     instead, so one app file always packs to the same bytes and so the same hash."""
     internals = cloudpickle.cloudpickle
     by_class = getattr(internals, "_DYNAMIC_CLASS_TRACKER_BY_CLASS", None)
     by_id = getattr(internals, "_DYNAMIC_CLASS_TRACKER_BY_ID", None)
     if by_class is None or by_id is None:  # another cloudpickle: packages still work, hashes vary
         return
-    classes = {v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__}
+    sources = {m.__name__: Path(m.__file__).read_bytes() for m in modules}
+    classes = {v for m in modules for v in vars(m).values() if isinstance(v, type) and v.__module__ in sources}
     classes |= {unit.user_cls for unit in app.units.values() if hasattr(unit, "user_cls")}
     with internals._DYNAMIC_CLASS_TRACKER_LOCK:
         for cls in classes:
-            if cls not in by_class:
-                tracker_id = hashlib.sha256(source + b"\0" + cls.__qualname__.encode()).hexdigest()[:32]
+            if cls not in by_class and cls.__module__ in sources:
+                tracker_id = hashlib.sha256(sources[cls.__module__] + b"\0" + cls.__qualname__.encode()).hexdigest()[:32]
                 by_class[cls], by_id[tracker_id] = tracker_id, cls
 
 

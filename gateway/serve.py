@@ -11,6 +11,7 @@ from ember.gateway import connections
 from ember.gateway.backends import backend_for
 from ember.gateway.header_limit import MAX_HEADER_BYTES
 from ember.gateway.ratelimit import MemoryLimiter, RedisLimiter
+from ember.gateway.reload import AppWatcher
 from ember.gateway.server import create_app
 from ember.gateway.service import Gateway
 from ember.gateway.tls import issue_server_cert
@@ -69,7 +70,8 @@ def _example_call(package) -> tuple[str, str]:
 
 
 def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str | None = None,
-          backend: str = "local", parked_ram: str | None = None, redis_url: str | None = None, routing: str = "affinity") -> int:
+          backend: str = "local", parked_ram: str | None = None, redis_url: str | None = None, routing: str = "affinity",
+          watch: bool = True) -> int:
     home = Home()
     _logging(home)
     if tracing.setup("ember-gateway"):  # on when EMBER_TRACE_FILE or OTEL_EXPORTER_OTLP_ENDPOINT is set; replicas inherit it
@@ -78,6 +80,10 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
     package = build(app, home)
     gateway = Gateway(home, backend_for(backend, home.logs, parked_ram), _limiter(redis_url), routing)
     deployment, _ = gateway.register(package)
+    watcher = None
+    if watch:
+        watcher = AppWatcher(app_path, package, gateway.deploy, home, lambda line: print(line, flush=True))
+        watcher.watch_loaded(app)
     cert, key = issue_server_cert(home.tls, host)
     _cli_key(gateway)
 
@@ -105,11 +111,14 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
               f"-d '{body}' {url}/{deployment.name}/{path}", flush=True)
     else:
         print("Create an API key with: ember keys create --name NAME", flush=True)
+    if watcher is not None:
+        print(f"Watching {', '.join(p.name for p in watcher.watched)} for edits (--no-watch to turn off)", flush=True)
 
     # On stop, in-flight calls get GRACE seconds; idle TLS keep-alive clients would otherwise hold it for 30 s.
     # h11, whose header buffer is capped at the gateway's header limit; connections guarded (gateway/connections.py).
-    config = uvicorn.Config(create_app(gateway), ssl_certfile=str(cert), ssl_keyfile=str(key), log_level="warning",
-                            timeout_graceful_shutdown=GRACE, http=connections.protocol(),
+    background = [watcher.run] if watcher else []
+    config = uvicorn.Config(create_app(gateway, background), ssl_certfile=str(cert), ssl_keyfile=str(key),
+                            log_level="warning", timeout_graceful_shutdown=GRACE, http=connections.protocol(),
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     try:
         uvicorn.Server(config).run(sockets=[sock])  # uvicorn's loop factory: uvloop where installed

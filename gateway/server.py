@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import posixpath
 import re
+from typing import Awaitable, Callable, Sequence
 from urllib.parse import unquote
 
 from fastapi import FastAPI, Request
@@ -78,18 +79,20 @@ def resolve(deployments: dict[str, Deployment], app_name: str, rest: str) -> tup
     return deployment.units[target.unit], target
 
 
-def create_app(gateway: Gateway) -> FastAPI:
+def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[None]]] = ()) -> FastAPI:
+    """The gateway's ASGI app; `background` tasks (ember serve's file watcher) run while it serves."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async with proxy.client() as client:
             app.state.client = client
-            scaler = asyncio.create_task(gateway.scaler.run())
+            tasks = [asyncio.create_task(gateway.scaler.run())] + [asyncio.create_task(run()) for run in background]
             gateway.ready = True
             try:
                 yield
             finally:
                 gateway.ready = False
-                scaler.cancel()
+                for task in tasks:
+                    task.cancel()
                 await gateway.scaler.stop_all()
                 await asyncio.to_thread(tracing.flush)
 

@@ -20,10 +20,14 @@ def add_to(sub, epilog: str) -> None:
     p.add_argument("--routing", choices=["affinity", "round-robin", "least-loaded"], default="affinity",
                    help="how a replica is chosen: X-Session-ID or prompt prefix by bounded-load hashing, else least "
                         "loaded (affinity, the default); in turn; or least loaded")
+    p.add_argument("--no-watch", dest="watch", action="store_false",
+                   help="do not redeploy when the app file or its local imports change (by default an edit redeploys "
+                        "within a second; in-flight calls finish on the old version)")
     p.set_defaults(run=serve)
 
 
 def serve(args: argparse.Namespace) -> int:
     from ember.gateway.serve import serve
 
-    return serve(args.app, args.host, args.port, args.new_key, args.backend, args.parked_ram, args.redis, args.routing)
+    return serve(args.app, args.host, args.port, args.new_key, args.backend, args.parked_ram, args.redis, args.routing,
+                 args.watch)
