@@ -7,6 +7,7 @@ from typing import Any, Callable, TypeVar
 from typing_extensions import Unpack
 
 from ember import hooks
+from ember.remote import Remote
 from ember.spec import FunctionSpec, Settings, SpecError, build_spec
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
@@ -59,7 +60,7 @@ class App:
         return {"app": self.name, "units": {name: unit.describe() for name, unit in self.units.items()}}
 
 
-class Function:
+class Function(Remote):
     """A plain function served as one unit: every call is one invocation."""
 
     def __init__(self, app: App, fn: Callable, spec: FunctionSpec):
@@ -75,11 +76,8 @@ class Function:
     def local(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        from ember.client import Client
-
-        with Client.from_env() as client:
-            return client.call(self.app.name, self.name, _as_kwargs(self.fn, args, kwargs))
+    def _address(self) -> tuple[str, str, Callable, bool]:
+        return self.app.name, self.name, self.fn, False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -162,20 +160,16 @@ class Instance:
         return self._obj
 
 
-class BoundMethod:
+class BoundMethod(Remote):
     def __init__(self, instance: Instance, name: str):
         self.instance, self.name = instance, name
 
     def local(self, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.instance._local_obj(), self.name)(*args, **kwargs)
 
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        from ember.client import Client
-
+    def _address(self) -> tuple[str, str, Callable, bool]:
         cls = self.instance._cls
-        fn = getattr(cls.user_cls, self.name)
-        with Client.from_env() as client:
-            return client.call(cls.app.name, f"{cls.name}.{self.name}", _as_kwargs(fn, args, kwargs, bound=True))
+        return cls.app.name, f"{cls.name}.{self.name}", getattr(cls.user_cls, self.name), True
 
 
 HOOKS = {hooks.ENTER: "enter", hooks.EXIT: "exit", hooks.PARK: "park", hooks.WAKE: "wake"}
@@ -200,14 +194,3 @@ def _required_params(fn: Callable, bound: bool = False) -> dict[str, str | None]
         p.name: getattr(p.annotation, "__name__", None) if p.annotation is not p.empty else None
         for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     }
-
-
-def _as_kwargs(fn: Callable, args: tuple, kwargs: dict, bound: bool = False) -> dict:
-    """The HTTP contract carries keyword arguments only; bind positionals by the signature."""
-    if not args:
-        return kwargs
-    signature = inspect.signature(fn)
-    if bound:
-        params = list(signature.parameters.values())[1:]
-        signature = signature.replace(parameters=params)
-    return dict(signature.bind(*args, **kwargs).arguments)

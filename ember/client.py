@@ -3,7 +3,7 @@ import contextlib
 import json
 import os
 import ssl
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -12,9 +12,59 @@ from ember.home import Home
 
 
 class RemoteError(RuntimeError):
-    def __init__(self, status: int, type: str, message: str):
+    def __init__(self, status: int, type: str, message: str, retry_after: float | None = None):
         super().__init__(f"{status} {type}: {message}")
-        self.status, self.type, self.message = status, type, message
+        self.status, self.type, self.message, self.retry_after = status, type, message, retry_after
+
+
+MID_STREAM = 500  # the status a RemoteError carries for a generator that failed after its reply began
+
+
+class EventReader:
+    """The values of a generator call's server-sent events, fed line by line: `feed` returns a value for each
+    `data:` event, raises RemoteError for `event: error` or for a stream that ends (`finish`) without `event: done`."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.data: list[str] = []
+        self.done = False
+
+    def feed(self, line: str) -> list[Any]:
+        if line.startswith("event:"):
+            self.name = line[6:].strip()
+        elif line.startswith("data:"):
+            self.data.append(line[5:].removeprefix(" "))
+        elif not line and self.data:
+            name, payload = self.name, json.loads("\n".join(self.data))
+            self.name, self.data = None, []
+            if name == "done":
+                self.done = True
+            elif name == "error":
+                error = payload.get("error", {}) if isinstance(payload, dict) else {}
+                raise RemoteError(MID_STREAM, error.get("type", "error"), error.get("message", ""))
+            else:
+                return [payload]
+        return []
+
+    def finish(self) -> None:
+        if not self.done:
+            raise RemoteError(502, "stream_cut", "the stream of values ended before the function finished; retry")
+
+
+def _is_events(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def _expect_result(response: httpx.Response, target: str) -> None:
+    if _is_events(response):
+        raise RemoteError(response.status_code, "is_generator",
+                          f"{target} is a generator function: iterate its values with .remote_gen()")
+
+
+def _expect_events(response: httpx.Response, target: str) -> None:
+    if not _is_events(response):
+        raise RemoteError(response.status_code, "not_a_generator",
+                          f"{target} is not a generator function: call it with .remote() instead of .remote_gen()")
 
 
 def _raise_for_error(response: httpx.Response) -> None:
@@ -23,12 +73,16 @@ def _raise_for_error(response: httpx.Response) -> None:
             error = response.json()["error"]
         except (ValueError, KeyError, TypeError):
             error = {"type": "http_error", "message": response.text[:500]}
-        raise RemoteError(response.status_code, error.get("type", "error"), error.get("message", ""))
+        try:
+            retry_after = float(response.headers["retry-after"])
+        except (KeyError, ValueError):
+            retry_after = None
+        raise RemoteError(response.status_code, error.get("type", "error"), error.get("message", ""), retry_after)
 
 
 class Client:
     def __init__(self, url: str, key: str, ca: str | os.PathLike | bool = True, timeout: float = 600.0):
-        self.url, self.key = url.rstrip("/"), key
+        self.url, self.key, self.ca = url.rstrip("/"), key, ca
         verify = ca if isinstance(ca, bool) else ssl.create_default_context(cafile=str(ca))
         self.http = httpx.Client(verify=verify, timeout=timeout)
 
@@ -68,4 +122,71 @@ class Client:
             yield response
 
     def call(self, app: str, target: str, kwargs: dict) -> Any:
-        return self.request("POST", f"/{app}/{target}", json=kwargs).json()["result"]
+        with self.stream("POST", f"/{app}/{target}", json=kwargs) as response:
+            _expect_result(response, target)
+            return json.loads(response.read())["result"]
+
+    def iterate(self, app: str, target: str, kwargs: dict) -> Iterator[Any]:
+        """The values a generator function yields, each as soon as the gateway relays it."""
+        with self.stream("POST", f"/{app}/{target}", json=kwargs) as response:
+            _expect_events(response, target)
+            reader = EventReader()
+            for line in response.iter_lines():
+                yield from reader.feed(line)
+                if reader.done:
+                    return
+            reader.finish()
+
+
+class AsyncClient:
+    """The Client's calls for asyncio code (`await f.remote.aio(...)`); same gateway, key and CA."""
+
+    def __init__(self, url: str, key: str, ca: str | os.PathLike | bool = True, timeout: float = 600.0,
+                 connections: int = 1000):
+        self.url, self.key = url.rstrip("/"), key
+        verify = ca if isinstance(ca, bool) else ssl.create_default_context(cafile=str(ca))
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        self.http = httpx.AsyncClient(verify=verify, timeout=timeout, limits=limits)
+
+    @classmethod
+    def from_env(cls, connections: int = 1000) -> "AsyncClient":
+        sync = Client.from_env()
+        sync.http.close()
+        return cls(sync.url, sync.key, sync.ca, connections=connections)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.http.aclose()
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.key}"} | kwargs.pop("headers", {})
+        response = await self.http.request(method, f"{self.url}{path}", headers=headers, **kwargs)
+        _raise_for_error(response)
+        return response
+
+    async def call(self, app: str, target: str, kwargs: dict) -> Any:
+        async with self.stream("POST", f"/{app}/{target}", json=kwargs) as response:
+            _expect_result(response, target)
+            return json.loads(await response.aread())["result"]
+
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
+        headers = {"Authorization": f"Bearer {self.key}"} | kwargs.pop("headers", {})
+        async with self.http.stream(method, f"{self.url}{path}", headers=headers, **kwargs) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                _raise_for_error(response)
+            yield response
+
+    async def iterate(self, app: str, target: str, kwargs: dict) -> AsyncIterator[Any]:
+        async with self.stream("POST", f"/{app}/{target}", json=kwargs) as response:
+            _expect_events(response, target)
+            reader = EventReader()
+            async for line in response.aiter_lines():
+                for value in reader.feed(line):
+                    yield value
+                if reader.done:
+                    return
+            reader.finish()

@@ -88,17 +88,29 @@ def _url(replica: GatewayReplica, path: str, query: str = "") -> URL:
     return URL(f"{url}?{query}", encoded=True) if query else url
 
 
+def is_sse(reply: aiohttp.ClientResponse) -> bool:
+    return reply.headers.get("content-type", "").startswith("text/event-stream")
+
+
 async def call(client: aiohttp.ClientSession, replica: GatewayReplica, method: str, body: bytes, timeout: float,
-               trace: dict | None = None) -> Response:
-    """A function call: the replica's JSON reply (result or error) passed through with its status.
-    `trace`: the trace context headers of this hop, when tracing is on."""
+               trace: dict | None = None) -> Response | aiohttp.ClientResponse:
+    """A function call: the replica's JSON reply (result or error) passed through with its status, or, for a
+    generator's stream of events, the open upstream reply for a `Relay`. `trace`: the trace context headers of this
+    hop, when tracing is on."""
     limit = aiohttp.ClientTimeout(total=None, sock_connect=timeout + 5, sock_read=timeout + 5)
     try:
         headers = CALL_HEADERS | {CONTROL_HEADER: replica.control_secret or ""} | (trace or {})
-        async with client.post(_url(replica, f"/__ember__/call/{method}"), data=body, headers=headers,
-                               timeout=limit, allow_redirects=False) as reply:
+        reply = await client.post(_url(replica, f"/__ember__/call/{method}"), data=body, headers=headers,
+                                  timeout=limit, allow_redirects=False)
+        stream = is_sse(reply) and not reply.headers.get(NOT_STARTED)
+        try:
             _settle_replica(replica, reply.headers)
+            if stream:
+                return reply
             return Response(await reply.read(), status_code=reply.status, media_type="application/json")
+        finally:
+            if not stream:
+                reply.release()
     except asyncio.TimeoutError:
         raise _timeout(timeout) from None
     except aiohttp.ClientError as exc:

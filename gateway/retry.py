@@ -58,14 +58,23 @@ async def send_with_retry(unit: Unit, lease: Lease, key: str | None,
             raise
 
 
-async def call(request: Request, unit: Unit, target: Call, body: bytes, key: str | None) -> tuple[Response, Lease]:
-    """A function call: its slot is free again once the whole reply is here."""
-    client = request.app.state.client
-    response, lease = await send_with_retry(
+async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: bytes, key: str | None,
+               settle: Settlement) -> tuple[Response, Lease]:
+    """A function call: its slot and rate-limit charge are free again once the whole reply is here, or, for a
+    generator's events, once the relayed stream ends."""
+    reply, lease = await send_with_retry(
         unit, await unit.queue.acquire(key), key,
         lambda replica, trace: proxy.call(client, replica, target.method, body, unit.spec.timeout, trace))
+    if isinstance(reply, aiohttp.ClientResponse):
+        async def close() -> None:
+            unit.queue.release(lease.replica)
+            await settle()
+
+        settle.hold()
+        return proxy.Relay(reply, close), lease
     unit.queue.release(lease.replica)
-    return response, lease
+    await settle()
+    return reply, lease
 
 
 async def forward(request: Request, unit: Unit, target: Forward, body: bytes, key: str | None,

@@ -158,9 +158,8 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
             settle = Settlement(gateway.limiter, admission, meter)
             try:
                 if isinstance(target, Call):
-                    response, lease = await unless_disconnected(request,
-                                                                retry.call(request, unit, target, body, affinity))
-                    await settle()
+                    response, lease = await unless_disconnected(
+                        request, retry.call(request.app.state.client, unit, target, body, affinity, settle))
                 else:
                     response, lease = await unless_disconnected(
                         request, retry.forward(request, unit, target, body, affinity, meter, settle))

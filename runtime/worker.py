@@ -29,6 +29,7 @@ import typing  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 from ember.runtime import health, logs, startup, tracing  # noqa: E402
+from ember.runtime.generators import EventStream, ValueSource, is_generator  # noqa: E402
 from ember.runtime.call_body import BadCallBody, keyword_arguments  # noqa: E402
 
 
@@ -161,6 +162,9 @@ class LoadedUnit:
             kwargs, problem = checked_arguments(self.types[method], kwargs)
         if problem is not None:
             return _error_response(422, "invalid_arguments", problem)
+        if is_generator(fn):
+            return EventStream(ValueSource(fn(**kwargs), self.threads), self.unit.name, self.timeout, CANCEL_GRACE,
+                               _error_response, {RECYCLING: "1"})
         return await self._run(fn, kwargs, request)
 
     async def _run(self, fn: Callable, kwargs: dict, request):

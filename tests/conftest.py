@@ -71,6 +71,16 @@ def _stop(process: subprocess.Popen) -> None:
 @pytest.fixture
 def serve(tmp_path):
     """serve(APP.py) starts `ember serve` on a free port and returns a Served once /readyz answers."""
+    yield from _serving(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def serve_module(tmp_path_factory):
+    """`serve`, for a gateway that every test of one module shares (start it in a module-scoped fixture)."""
+    yield from _serving(tmp_path_factory.mktemp("served"))
+
+
+def _serving(tmp_path: Path):
     started: list[subprocess.Popen] = []
 
     def start(app_path: str | Path, *args: str, timeout: float = 60.0) -> Served:

@@ -11,7 +11,7 @@ def add_to(sub, epilog: str) -> None:
     p = sub.add_parser("run", help="run one call of APP.py::fn in a fresh replica process and print the result",
                        description="Start a replica of the function from its package, call it once with NAME=VALUE "
                                    "arguments (VALUE parsed as JSON when it can be), print the JSON result, stop the "
-                                   "replica.")
+                                   "replica. A generator's values are printed one JSON line each as they come.")
     p.add_argument("target", metavar="APP.py::fn", help="APP.py::function or APP.py::Class.method")
     p.add_argument("args", nargs="*", metavar="NAME=VALUE")
     p.set_defaults(run=run)
@@ -60,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
             return 1
         try:
             async with httpx.AsyncClient(timeout=app.units[unit_name].spec.timeout + 5) as client:
-                reply = await client.post(f"http://127.0.0.1:{replica.port}/__ember__/call/{method or unit_name}",
-                                          json=kwargs, headers={CONTROL_HEADER: replica.control_secret or ""})
+                async with client.stream("POST", f"http://127.0.0.1:{replica.port}/__ember__/call/"
+                                         f"{method or unit_name}", json=kwargs,
+                                         headers={CONTROL_HEADER: replica.control_secret or ""}) as reply:
+                    if reply.headers.get("content-type", "").startswith("text/event-stream"):
+                        return await _print_values(reply)
+                    await reply.aread()
         finally:
             await backend.stop(replica)
         body = reply.json()
@@ -72,3 +76,21 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(once())
+
+
+async def _print_values(reply) -> int:
+    """A generator's values, one JSON line each as it yields them."""
+    from ember.client import EventReader, RemoteError
+
+    reader = EventReader()
+    try:
+        async for line in reply.aiter_lines():
+            for value in reader.feed(line):
+                print(json.dumps(value), flush=True)
+            if reader.done:
+                return 0
+        reader.finish()
+    except RemoteError as exc:
+        print(f"error: {exc.type}: {exc.message}", file=sys.stderr)
+        return 1
+    return 0

@@ -84,3 +84,11 @@ def test_deploy_a_second_app_to_the_running_gateway(serve):
         assert second.headers["x-ember-replica"] != first.headers["x-ember-replica"]
     aws = served.cli("deploy", str(other), "--target", "aws", check=False)  # tests/gateway/test_deploy_aws.py deploys for real
     assert aws.returncode == 1 and "--target aws needs EMBER_AWS_BUCKET" in aws.stderr
+
+
+def test_run_prints_a_generators_values_and_its_error(tmp_path):
+    generators = Path(__file__).resolve().parents[1] / "runtime" / "apps" / "generators.py"
+    result = ember("run", f"{generators}::fails_after", "n=3", home=tmp_path)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == ["0", "1", "2"]
+    assert "error: function_error: ValueError: ran out after 3" in result.stderr and "Traceback" not in result.stderr

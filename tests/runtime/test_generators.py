@@ -1,0 +1,110 @@
+"""Generator functions behind a served gateway: values arrive as they are produced, errors end the stream as an
+event, the SDK iterates them (sync and asyncio), and a client that leaves closes the generator in its replica."""
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from ember.client import RemoteError
+
+APPS = Path(__file__).parent / "apps"
+
+
+@pytest.fixture(scope="module")
+def served(serve_module):
+    return serve_module(APPS / "generators.py")
+
+
+@pytest.fixture
+def sdk(served, monkeypatch):
+    """The SDK's functions of the served app, reaching its gateway the way `ember serve`'s user does."""
+    monkeypatch.setenv("EMBER_HOME", str(served.home))
+    for name in ("EMBER_URL", "EMBER_KEY", "EMBER_CA"):
+        monkeypatch.delenv(name, raising=False)
+    from ember.package import load_app
+
+    return load_app(str(APPS / "generators.py"))
+
+
+def events(lines) -> list[tuple[str | None, object]]:
+    """(event name, parsed data) of each server-sent event."""
+    out, name = [], None
+    for line in lines:
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            out.append((name, json.loads(line[5:])))
+            name = None
+    return out
+
+
+def test_values_stream_as_they_are_produced(served, tmp_path):
+    gate = tmp_path / "gate"
+    with served.client(served.key()) as http:
+        with http.stream("POST", "/generators/count", json={"n": 1000, "gate": str(gate)}) as reply:
+            assert reply.status_code == 200
+            assert reply.headers["content-type"].startswith("text/event-stream")
+            assert reply.headers["x-ember-replica"].startswith("count-")
+            lines = reply.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            # The generator is blocked on the gate until here: the first value reached us before the rest existed.
+            assert json.loads(first[5:])["i"] == 0
+            gate.touch()
+            rest = events(lines)
+    values = [data["i"] for name, data in rest if name is None]
+    assert values == list(range(1, 1000))
+    assert rest[-1] == ("done", {})
+
+
+def test_an_error_mid_stream_ends_it_with_an_error_event(served):
+    with served.client(served.key()) as http:
+        with http.stream("POST", "/generators/fails_after", json={"n": 3}) as reply:
+            assert reply.status_code == 200
+            got = events(reply.iter_lines())
+    assert got[:3] == [(None, 0), (None, 1), (None, 2)]
+    assert got[3] == ("error", {"error": {"type": "function_error", "message": "ValueError: ran out after 3"}})
+    assert len(got) == 4  # no `done` after an error
+    with served.client(served.key()) as http:
+        early = http.post("/generators/fails_after", json={"n": 0})  # before any value: a plain error reply
+    assert early.status_code == 500
+    assert early.json() == {"error": {"type": "function_error", "message": "ValueError: ran out after 0"}}
+    assert "Traceback" not in early.text
+
+
+def test_the_sdk_iterates_values_sync_and_async(sdk):
+    assert [v["i"] for v in sdk.units["count"].remote_gen(5)] == [0, 1, 2, 3, 4]
+
+    async def collect():
+        return [v async for v in sdk.units["acount"].remote_gen.aio(n=300)]
+
+    assert asyncio.run(collect()) == list(range(300))
+    with pytest.raises(RemoteError) as failed:
+        list(sdk.units["fails_after"].remote_gen(2))
+    assert failed.value.type == "function_error" and "ran out after 2" in failed.value.message
+    with pytest.raises(RemoteError, match="not a generator function"):
+        list(sdk.units["plain"].remote_gen())
+    with pytest.raises(RemoteError, match="is a generator function"):
+        sdk.units["count"].remote(3)
+    with pytest.raises(RemoteError) as bad:
+        list(sdk.units["count"].remote_gen(n="many"))
+    assert bad.value.status == 422
+
+
+def test_a_client_that_leaves_closes_the_generator_and_frees_its_slot(served, tmp_path):
+    marker = tmp_path / "closed"
+    with served.client(served.key()) as http:
+        with http.stream("POST", "/generators/endless", json={"marker": str(marker)}) as reply:
+            lines = reply.iter_lines()
+            assert [next(lines) for _ in range(3)][0] == "data: 0"
+        deadline = time.monotonic() + 10
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the generator was not closed after its client left"
+            time.sleep(0.05)
+        assert marker.read_text().startswith("closed after")
+        # max_concurrency=1 and max_replicas=1: a second stream runs only if the first one's slot was freed.
+        with http.stream("POST", "/generators/endless", json={"marker": str(tmp_path / "second")}) as again:
+            assert again.status_code == 200
+            assert next(again.iter_lines()) == "data: 0"
+    assert served.status()["apps"]["generators"]["functions"]["endless"]["in_flight"] == 0
