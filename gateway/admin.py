@@ -8,16 +8,17 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from ember.gateway.keys import check_scopes
 from ember.gateway.lifecycle import LIVE, ReplicaState
 from ember.package import PackageError
 from ember.gateway.ratelimit import Limits
 from ember.gateway.routing import APP_NAME
+from ember.gateway.secret_files import MissingSecret, SecretError
 
 from ember.gateway.auth import authenticate
-from ember.gateway.errors import ApiError
+from ember.gateway.errors import ApiError, UnknownField
 
 if TYPE_CHECKING:
     from ember.gateway.service import Gateway
@@ -27,7 +28,22 @@ S3_URL = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<key>
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-class DeployRequest(BaseModel):
+class StrictBody(BaseModel):
+    """A request body whose unknown fields are refused (400, naming the field and the nearest known one), so a typo
+    such as {"rpn": 5} is never read as "no limits"."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: object) -> object:
+        if isinstance(data, dict):
+            known = list(cls.model_fields)
+            for name in data:
+                if name not in known:
+                    raise UnknownField(str(name), known)
+        return data
+
+
+class DeployRequest(StrictBody):
     """One of: a package on this machine, or one in S3 (what `ember deploy --target aws` uploads) and its hash."""
 
     package: str | None = None  # path of a .pkg under EMBER_HOME/packages on this machine
@@ -35,7 +51,7 @@ class DeployRequest(BaseModel):
     sha256: str | None = None  # of the object at package_url, checked once it is downloaded
 
 
-class LimitsBody(BaseModel):
+class LimitsBody(StrictBody):
     rpm: int | None = Field(None, ge=1, le=10**9, description="requests per minute")
     tpm: int | None = Field(None, ge=1, le=10**12, description="LLM tokens (prompt + completion) per minute")
     concurrency: int | None = Field(None, ge=1, le=10**6, description="requests in flight at once")
@@ -49,6 +65,10 @@ class KeyRequest(LimitsBody):
     scopes: list[str] = Field(default_factory=list, max_length=100,
                               description="'admin', 'app:APP' or 'fn:APP/FUNCTION'; none means every app")
     expires_in: float | None = Field(None, gt=0, le=10 * 365 * 86400, description="seconds until the key stops working")
+
+
+class SecretBody(StrictBody):
+    values: dict[str, str] = Field(description="KEY=VALUE pairs a function that lists the secret gets as environment")
 
 
 def tail(path: Path, lines: int) -> str:
@@ -140,6 +160,8 @@ def admin_router(gateway: "Gateway") -> APIRouter:
             deployment = await gateway.deploy(package)
         except PackageError as exc:
             raise ApiError(422, "invalid_package", str(exc)) from None
+        except MissingSecret as exc:
+            raise ApiError(422, "missing_secret", str(exc)) from None
         except ValueError as exc:  # an app name the gateway cannot route
             raise ApiError(422, "invalid_name", str(exc)) from None
         return {"app": deployment.name, "package": str(package), "functions": sorted(deployment.units)}
@@ -175,6 +197,28 @@ def admin_router(gateway: "Gateway") -> APIRouter:
     async def set_app_limits(app: str, body: LimitsBody) -> dict:
         await asyncio.to_thread(gateway.app_limits.set, _app_name(app), body.limits())
         return {"app": app} | body.model_dump()
+
+    @router.get("/secrets")
+    async def list_secrets() -> list[dict]:
+        return await asyncio.to_thread(gateway.secrets.all)
+
+    @router.put("/secrets/{name}")
+    async def set_secret(name: str, body: SecretBody) -> dict:
+        try:
+            keys = await asyncio.to_thread(gateway.secrets.set, name, body.values)
+        except SecretError as exc:
+            raise ApiError(400, "invalid_secret", str(exc)) from None
+        return {"name": name, "keys": keys}
+
+    @router.delete("/secrets/{name}")
+    async def remove_secret(name: str) -> dict:
+        try:
+            removed = await asyncio.to_thread(gateway.secrets.remove, name)
+        except SecretError as exc:
+            raise ApiError(400, "invalid_secret", str(exc)) from None
+        if not removed:
+            raise ApiError(404, "not_found", f"no secret named {name[:100]!r}; `ember secrets list` lists them")
+        return {"name": name, "removed": True}
 
     return router
 

@@ -1,4 +1,5 @@
 """Every error a client sees is JSON {"error": {"type", "message"}}, never a traceback."""
+import difflib
 import logging
 
 from fastapi import FastAPI, Request
@@ -15,6 +16,15 @@ class ApiError(Exception):
     def __init__(self, status: int, type: str, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.type, self.message, self.headers = status, type, message, headers or {}
+
+
+class UnknownField(ValueError):
+    """A request body names a field its model does not have (raised by the model's validator)."""
+
+    def __init__(self, name: str, known: list[str]):
+        near = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        super().__init__(f"unknown field {name[:100]!r} in the request body; {hint}fields are {', '.join(known)}")
 
 
 def error_response(status: int, type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -40,6 +50,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        unknown = [e["ctx"]["error"] for e in exc.errors() if isinstance(e.get("ctx", {}).get("error"), UnknownField)]
+        if unknown:
+            return error_response(400, "unknown_field", str(unknown[0]))
         return error_response(422, "invalid_request", "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
 
     @app.exception_handler(Exception)

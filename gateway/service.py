@@ -13,6 +13,7 @@ from ember.gateway.metrics import Metrics
 from ember.gateway.ratelimit import Limiter, MemoryLimiter
 from ember.gateway.routing import APP_NAME
 from ember.gateway.scaler import Scaler
+from ember.gateway.secret_files import SecretStore
 from ember.home import Home
 
 
@@ -26,6 +27,7 @@ class Gateway:
         self.metrics = Metrics()
         self.scaler = Scaler(self.backend, self.deployments, self.metrics.observe_start)
         self.app_limits = AppLimitStore(home.db)
+        self.secrets = SecretStore(home.secrets)
         self.limiter: Limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits
         self.routing = routing
         self.bodies = BodyBudget()  # request-body bytes held at once, across every request
@@ -37,6 +39,8 @@ class Gateway:
         if not APP_NAME.fullmatch(deployment.name):
             raise ValueError(f"app name {deployment.name!r} must match {APP_NAME.pattern} "
                              "(lower-case letters, digits, - and _)")
+        if self.backend.secrets_here:
+            self.secrets.check(deployment.name, {name: unit.spec for name, unit in deployment.units.items()})
         for unit in deployment.units.values():
             unit.router.mode = self.routing
         previous = self.deployments.get(deployment.name)

@@ -1,6 +1,7 @@
-"""The `ember` command: one module per command group (serve, deploy, run, keys, status and logs), wired here.
+"""The `ember` command: one module per command group, wired here.
 
     ember serve APP.py | ember deploy APP.py | ember run APP.py::fn | ember keys ... | ember status | ember logs
+    ember secrets set|list|rm ... | ember limits get|set APP
     ember snapshot ...   (handed to ember.snapshot.cli)
 """
 import argparse
@@ -8,10 +9,10 @@ import sys
 
 import httpx
 
-from ember.cli import deploy, keys, run, serve, status
+from ember.cli import deploy, keys, limits, run, secrets, serve, status
 
 EPILOG = "EMBER_HOME (default ~/.ember) holds the key database, TLS material, packages and logs."
-GROUPS = [serve, deploy, run, keys, status]  # each adds its commands with add_to(subparsers, epilog)
+GROUPS = [serve, deploy, run, keys, secrets, limits, status]  # each adds its commands with add_to(subparsers, epilog)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ class Backend(Protocol):
     can_park: bool  # whether `park` and `wake` may be called
     parked_ram: int  # bytes of host RAM parked replicas may hold together
     gpus: GpuPool | None  # this machine's GPUs, when the backend hands them out here
+    secrets_here: bool  # replicas read secrets from this gateway's EMBER_HOME, so a deploy can check them
 
     def new_replica(self, app: str, unit: str) -> GatewayReplica:
         """A replica in state starting, not yet started."""

@@ -90,6 +90,7 @@ def create_tables(dynamodb, prefix: str) -> None:
 class AwsBackend:
     tier = Tier.NODE_COLD  # until a node says otherwise: a fresh instance pulls the package from the object store
     can_park = True
+    secrets_here = False  # a node's agent reads its own EMBER_HOME/secrets
     gpus: GpuPool | None = None  # each node's agent hands out its own
 
     def __init__(self, logs: Path, settings: AwsSettings):

@@ -45,6 +45,7 @@ def parked_over_budget(parked: list[tuple[str, int, float]], budget: int) -> lis
 class LocalBackend:
     tier = Tier.NODE_WARM  # the package is on this machine's disk; each start says what it did beside that
     can_park = True
+    secrets_here = True
 
     def __init__(self, logs: Path, parked_ram: int | None = None, gpus: list[str] | None = None,
                  fork: bool | None = None):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hello.py"
-COMMANDS = ["serve", "deploy", "run", "keys", "status", "logs"]
+COMMANDS = ["serve", "deploy", "run", "keys", "secrets", "limits", "status", "logs"]
 
 
 def ember(*args: str, home: Path) -> subprocess.CompletedProcess:
@@ -17,7 +17,7 @@ def ember(*args: str, home: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("command", COMMANDS + ["keys create", "keys list", "keys revoke"])
+@pytest.mark.parametrize("command", COMMANDS + ["keys create", "keys list", "keys revoke", "secrets set", "limits set"])
 def test_every_command_has_help(command, tmp_path):
     result = ember(*command.split(), "--help", home=tmp_path)
     assert result.returncode == 0 and "usage: ember" in result.stdout
