@@ -12,7 +12,11 @@ For each model shape (random weights, the tiny tokenizer; Qwen3-4B's shape is 7.
   fresh kernels    the node's kernel directory and flashinfer's JIT cache deleted and the page cache dropped (a
                    fresh machine whose store holds the snapshot and the kernels); FLASHINFER_DISABLE_JIT=1, so a
                    compile on the request path would fail the request instead of hiding in its time
-  T1 wake          the replica parks after 1 s idle; nvidia-smi's memory.used while parked; the next request
+  T1 wake          the replica parks after 1 s idle; once its park finished, nvidia-smi's memory.used (and each
+                   process's share); the next request
+Each server is measured once its deploy is prepared (fork server imported, the unit's snap=True hooks run, as
+`ember status` shows), and each zero-replica rung once the previous replica's process has exited and given the GPU
+back: a request at zero replicas, not one racing the last replica's exit (which the T2 rows' gpu_wait_ms would show).
 Floors, measured in the same run: the snapshot's bytes over the disk (O_DIRECT), the page cache and pinned PCIe.
 Prints a table; with --record writes bench/results/coldstart.{json,md}. `--seed-kernels DIR`: a
 FLASHINFER_WORKSPACE_BASE whose built modules become the node's kept kernels before the first boot (saves the
@@ -91,6 +95,15 @@ def gpu_memory_used() -> int | None:
     return int(out.stdout.split()[0]) << 20 if out.returncode == 0 else None
 
 
+def gpu_processes() -> str:
+    """pid:MiB of every process holding GPU memory, for the park's record."""
+    if shutil.which("nvidia-smi") is None:
+        return ""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    return " ".join(":".join(x.strip() for x in line.split(",")) for line in out.stdout.splitlines() if line.strip())
+
+
 def drop_page_cache(home: Path, model: Path, whole: bool) -> str:
     """The whole page cache on the GPU machine (as the issue measured); on a shared CPU machine only our files."""
     files = [p for p in [*home.rglob("*.ember"), *model.glob("*.safetensors")] if p.is_file()]
@@ -109,6 +122,7 @@ class Server:
 
     def __init__(self, home: Path, env: dict[str, str]):
         self.home = home
+        began = time.perf_counter()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "serve", str(APP), "--port", "0"],
             env=os.environ | {"EMBER_HOME": str(home)} | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -130,6 +144,15 @@ class Server:
                                   headers={"Authorization": f"Bearer {admin_key}"})
         self.http = httpx.Client(base_url=self.url, verify=verify, timeout=900, headers={
             "Authorization": f"Bearer {KeyStore(home / 'ember.db').create('coldstart')[1]}"})
+        self.wait(self.prepared, "the deploy's fork server and templates", timeout=300)
+        self.prepare_s = time.perf_counter() - began  # serve until the deploy is prepared
+        prepared = self.admin.get("/admin/status").json()["apps"]["chat"]["prepared"]
+        print(f"  deploy prepared in {self.prepare_s:.1f} s: {prepared}", flush=True)
+
+    def prepared(self) -> bool:
+        prepared = (self.admin.get("/admin/status").json()["apps"].get("chat") or {}).get("prepared") or {}
+        server = prepared.get("forkserver") or {}
+        return server.get("state") == "ready" and "Chat" in server.get("templates", {})
 
     def replicas(self) -> list[dict]:
         functions = self.admin.get("/admin/status").json()["apps"].get("chat", {}).get("functions", {})
@@ -157,6 +180,12 @@ class Server:
             raise RuntimeError("the stream ended without a token")
         return first, headers
 
+    def scaled_to_zero(self, baseline: int | None) -> float:
+        """Waits for the gateway to drop every replica and, on a GPU, for their processes to give the memory back
+        (to within 1 GiB of `baseline`); the seconds that second wait took."""
+        self.wait(lambda: not self.replicas(), "scale-down")
+        return wait_gpu_free(baseline)
+
     def stop(self) -> None:
         for c in (self.admin, self.http):
             c.close()
@@ -168,8 +197,21 @@ class Server:
             self.process.wait()
 
 
+def wait_gpu_free(baseline: int | None, timeout: float = 120) -> float:
+    began = time.perf_counter()
+    if baseline is None:
+        return 0.0
+    while (used := gpu_memory_used()) is not None and used > baseline + (1 << 30):
+        if time.perf_counter() - began > timeout:
+            raise RuntimeError(f"the GPU still holds {used / 2**30:.1f} GiB > {baseline / 2**30:.1f} GiB + 1 GiB "
+                               f"after {timeout:g} s: {gpu_processes()}")
+        time.sleep(0.1)
+    return time.perf_counter() - began
+
+
 def kernel_files(home: Path) -> set[str]:
-    return {str(p.relative_to(home)) for p in (home / "kernels").rglob("*.so")} if (home / "kernels").is_dir() else set()
+    folder = home / "kernels"
+    return {str(p.relative_to(home)) for p in folder.rglob("*.so")} if folder.is_dir() else set()
 
 
 def seed_kernels(workspace: Path, home: Path) -> int:
@@ -204,6 +246,7 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
     env = {"EMBER_CHAT_MODEL": str(model), "EMBER_CHAT_SCALEDOWN_WINDOW": "2",
            "FLASHINFER_WORKSPACE_BASE": str(workspace)}
     rows: list[dict] = []
+    baseline = gpu_memory_used()  # nothing of ours on the GPU yet
 
     def record(rung: str, seconds: float, headers: dict, note: str = "") -> None:
         rows.append({"model": name, "rung": rung, "first_token_s": round(seconds, 3),
@@ -213,26 +256,28 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
               f"{headers.get('x-ember-start-breakdown', '')} {note}", flush=True)
 
     server = Server(home, env)
+    prepare_s = server.prepare_s
     try:
         before = kernel_files(home)
         full, headers = server.first_token(name)
         compiled = kernel_files(home) - before
         if compiled:  # that boot compiled kernels: boot again, now that they are kept, without the snapshot
             record("full boot (compiling kernels)", full, headers, f"{len(compiled)} modules compiled")
-            server.wait(lambda: not server.replicas(), "scale-down")
+            server.scaled_to_zero(baseline)
             forget_snapshots(home)
             full, headers = server.first_token(name)
         record("full boot", full, headers)
-        server.wait(lambda: not server.replicas(), "scale-down")
+        released = server.scaled_to_zero(baseline)
         warm, headers = server.first_token(name)
-        record("T2 warm", warm, headers)
-        server.wait(lambda: not server.replicas(), "scale-down")
+        record("T2 warm", warm, headers, f"previous replica's exit gave the GPU back {released:.1f} s after scale-down")
+        released = server.scaled_to_zero(baseline)
         how = drop_page_cache(home, model, whole=gpu)
         cold, headers = server.first_token(name)
-        record("T2 cold", cold, headers, how)
-        server.wait(lambda: not server.replicas(), "scale-down")
+        record("T2 cold", cold, headers, f"{how}; GPU back {released:.1f} s after scale-down")
+        server.scaled_to_zero(baseline)
     finally:
         server.stop()
+    wait_gpu_free(baseline)
 
     shutil.rmtree(home / "kernels", ignore_errors=True)  # a fresh machine: the store has the kernels, the node not
     shutil.rmtree(workspace, ignore_errors=True)
@@ -240,20 +285,27 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
     server = Server(home, env | {"FLASHINFER_DISABLE_JIT": "1"})
     try:
         fresh, headers = server.first_token(name)
-        record("fresh kernels", fresh, headers, how)
+        record("fresh kernels", fresh, headers, f"{how}; deploy prepared in {server.prepare_s:.1f} s before it")
     finally:
         server.stop()
+    wait_gpu_free(baseline)
 
     server = Server(home, env | {"EMBER_CHAT_SCALEDOWN_WINDOW": "600", "EMBER_CHAT_PARK_AFTER": "1"})
     try:
         server.first_token(name)
-        server.wait(lambda: any(r["state"] == "parked" for r in server.replicas()), "a park")
-        time.sleep(2)  # a wake comes some time after the park, not on its heels
-        parked_bytes = gpu_memory_used()
+        # parked_bytes arrives with the worker's answer: the park has finished, not merely begun
+        server.wait(lambda: any(r["state"] == "parked" and r["parked_bytes"] for r in server.replicas()), "a park")
+        time.sleep(1)  # a wake comes some time after the park, not on its heels
+        parked_bytes, holders = gpu_memory_used(), gpu_processes()
+        log = (home / "logs" / "gateway.log").read_text().splitlines()
+        parks = [line.strip() for line in log if " parked " in line]
+        print(f"  parked: {parked_bytes} bytes in use; per process (pid:MiB) {holders}; {parks[-1:]}", flush=True)
         wake, headers = server.first_token(name)
-        record("T1 wake", wake, headers, f"parked GPU memory {parked_bytes / 2**30:.2f} GiB" if parked_bytes else "")
+        record("T1 wake", wake, headers, f"parked GPU memory {parked_bytes / 2**30:.2f} GiB ({holders})"
+               if parked_bytes else "")
     finally:
         server.stop()
+    wait_gpu_free(baseline)
 
     snapshot = max(home.rglob("objects/*.ember"), key=lambda p: p.stat().st_size)
     weight_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
@@ -263,7 +315,8 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
                   t2_warm_s=round(nbytes / min(floors["page_cache_gbps"], floors.get("pcie_gbps") or 1e9) / 1e9, 3),
                   t2_cold_s=round(nbytes / min(floors["disk_gbps"], floors.get("pcie_gbps") or 1e9) / 1e9, 3),
                   snapshot_bytes=nbytes)
-    result = {"name": name, "weight_bytes": weight_bytes, "full_boot_s": round(full, 3), "t2_warm_s": round(warm, 3),
+    result = {"name": name, "weight_bytes": weight_bytes, "deploy_prepare_s": round(prepare_s, 1),
+              "full_boot_s": round(full, 3), "t2_warm_s": round(warm, 3),
               "t2_cold_s": round(cold, 3), "t1_wake_s": round(wake, 3),
               "fresh_kernels_first_request_s": round(fresh, 3), "parked_gpu_bytes": parked_bytes, "floors": floors}
     return result, rows
@@ -318,6 +371,7 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/ember-coldstart", help="models, EMBER_HOMEs and caches go here")
     parser.add_argument("--seed-kernels", help="a FLASHINFER_WORKSPACE_BASE holding modules built before")
     parser.add_argument("--record", action="store_true", help="write bench/results/coldstart.{json,md}")
+    parser.add_argument("--results", default=str(RESULTS), help="where --record writes (default bench/results)")
     args = parser.parse_args()
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -331,11 +385,12 @@ def main() -> None:
     report = table(models, rows)
     print(report)
     if args.record:
-        RESULTS.mkdir(exist_ok=True)
+        out = Path(args.results)
+        out.mkdir(parents=True, exist_ok=True)
         results = {"machine": machine(folder), "models": models}
-        (RESULTS / "coldstart.json").write_text(json.dumps(results, indent=1) + "\n")
+        (out / "coldstart.json").write_text(json.dumps(results, indent=1) + "\n")
         command = f"python bench/coldstart.py --shapes {args.shapes}"
-        (RESULTS / "coldstart.md").write_text(
+        (out / "coldstart.md").write_text(
             f"# Cold starts through `ember serve examples/chat.py`\n\n`{command}` on {results['machine']['gpu']} "
             f"(driver {results['machine']['driver']}). A streamed chat request sent at zero replicas (or to a parked "
             f"one), seconds to its first token.\n\n{report}\n")

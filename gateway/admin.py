@@ -104,7 +104,8 @@ def admin_router(gateway: "Gateway") -> APIRouter:
                     "decisions": [dataclasses.asdict(d) for d in unit.decisions],
                     "settings": unit.spec.model_dump(),
                 }
-            apps[name] = {"package": str(deployment.package), "functions": units}
+            apps[name] = {"package": str(deployment.package), "functions": units,
+                          "prepared": gateway.backend.prepared(name)}
         return {"uptime_s": round(now - gateway.started, 1), "apps": apps}
 
     @router.get("/logs", response_class=PlainTextResponse)

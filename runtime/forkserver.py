@@ -6,9 +6,12 @@ It loads the package once (the user's module and what it imports; torch too when
 GPU (CUDA_VISIBLE_DEVICES=""), prints one JSON line {"event": "ready", "import_ms"} or {"event": "failed", "error"},
 and answers fork requests on the Unix socket PATH. The supervisor (runtime/supervisor.py) starts and replaces it.
 
-For each unit the first request forks a template: a child that runs the unit's `@ember.enter(snap=True)` hooks once
-(Modal's CPU-snapshot semantics: their host memory is then shared copy-on-write by every replica) and refuses to
-fork when they left CUDA initialised or threads running, since a forked child could not use either. The template
+Once ready it forks a template per unit, all at once (a deploy builds them, not the first request): a child that
+runs the unit's `@ember.enter(snap=True)` hooks once (Modal's CPU-snapshot semantics: their host memory is then
+shared copy-on-write by every replica) and refuses to fork when they left CUDA initialised or threads running, since
+a forked child could not use either. Each template's outcome goes to the supervisor as a JSON line on stdout
+({"event": "template", "unit", "snap_ms"} or with "refused"); a start that arrives before its template is ready
+waits for it, and says how long (snap_ms). The template
 forks each replica: the child takes its control pipe, log and lifeline from the request, sets its environment
 (CUDA_VISIBLE_DEVICES first) and runs ember.runtime.worker's start from `enter(snap=False)` on. A unit that was
 refused is started by a plain spawn instead, with the reason in its start breakdown.
@@ -47,12 +50,12 @@ class ForkRequest:
     """Supervisor -> fork server: fork a replica of `unit` with this environment (sent with REQUEST_FDS fds)."""
     unit: str
     env: dict[str, str]
-    snap_ms: int | None = None  # set by the fork server when this request waited for the unit's snap=True hooks
+    snap_ms: int | None = None  # set by the fork server: how long this request waited for the unit's template
 
 
 @dataclass
 class Forked:
-    """The replica runs as `pid`; `snap_ms` when its start waited for the unit's snap=True hooks."""
+    """The replica runs as `pid`; `snap_ms` when its start waited for the unit's snap=True hooks to finish."""
     pid: int
     snap_ms: int | None = None
 
@@ -153,24 +156,33 @@ class Template:
     pid: int | None
     channel: socket.socket | None
     refused: str | None = None
-    snap_ms: int | None = None  # reported with the first replica only: the start that waited for the hooks
-    served: int = 0
+    ready: bool = False       # its snap=True hooks finished (or it refused)
+    snap_ms: int | None = None
 
 
 class ForkServer:
-    """Accepts fork requests and hands each to its unit's template, forking the template on first use."""
+    """Accepts fork requests and hands each to its unit's template; every unit's template is forked at start."""
 
-    def __init__(self, app: Any, listener: socket.socket):
-        self.app, self.listener = app, listener
+    def __init__(self, app: Any, listener: socket.socket, control=None):
+        self.app, self.listener, self.control = app, listener, control
         self.templates: dict[str, Template] = {}
 
     def run(self) -> None:
+        for name in self.app.units:
+            self._begin(name)
         while True:
             self._reap()
             with selectors.DefaultSelector() as selector:
                 selector.register(self.listener, selectors.EVENT_READ)
-                if not selector.select(timeout=1.0):
-                    continue
+                for name, template in self.templates.items():
+                    if not template.ready:
+                        selector.register(template.channel, selectors.EVENT_READ, name)
+                events = selector.select(timeout=1.0)
+            for key, _ in events:
+                if key.data is not None and key.data in self.templates:
+                    self._finish(key.data)
+            if not any(key.fileobj is self.listener for key, _ in events):
+                continue
             conn, _ = self.listener.accept()
             with conn:
                 conn.settimeout(10)
@@ -188,13 +200,16 @@ class ForkServer:
             if request.unit not in self.app.units:
                 send(conn, Refused(f"this fork server's package has no unit {request.unit!r}"))
                 return
-            template = self.templates.get(request.unit) or self._prepare(request.unit)
-            if template.refused is None and template.served == 0:
-                request.snap_ms = template.snap_ms
+            if request.unit not in self.templates:
+                self._begin(request.unit)
+            template = self.templates[request.unit]
+            if not template.ready:  # this start waits for the unit's snap=True hooks
+                began = time.monotonic()
+                template = self._finish(request.unit)
+                request.snap_ms = round((time.monotonic() - began) * 1000)
             if template.refused is None:
                 try:
                     send(template.channel, request, [conn.fileno(), *fds])
-                    template.served += 1
                     return
                 except OSError as exc:  # the template died since: the next request prepares a new one
                     self._forget(request.unit)
@@ -203,8 +218,8 @@ class ForkServer:
         finally:
             close_fds(fds)
 
-    def _prepare(self, unit_name: str) -> Template:
-        """Fork the unit's template, which runs its snap=True hooks; wait for it to say it is ready or refuses."""
+    def _begin(self, unit_name: str) -> None:
+        """Fork the unit's template, which runs its snap=True hooks and then says it is ready or refuses."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -217,6 +232,8 @@ class ForkServer:
                 for other in self.templates.values():
                     if other.channel is not None:
                         other.channel.close()
+                if self.control is not None:
+                    self.control.close()
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 die_with_parent(signal.SIGKILL)  # a template without its fork server has nobody to serve
                 code = UnitTemplate(self.app.units[unit_name], theirs).run()
@@ -226,16 +243,28 @@ class ForkServer:
                 sys.stderr.flush()
                 os._exit(code)
         theirs.close()
-        ready, _ = receive(ours)
+        self.templates[unit_name] = Template(pid, ours)
+
+    def _finish(self, unit_name: str) -> Template:
+        """Wait for the unit's template to say it is ready or refuses; tell the supervisor which."""
+        template = self.templates[unit_name]
+        ready, _ = receive(template.channel)
         if isinstance(ready, TemplateReady):
-            template = Template(pid, ours, snap_ms=ready.snap_ms)
+            template.snap_ms = ready.snap_ms
         else:
-            ours.close()
-            reason = ready.reason if isinstance(ready, Refused) else f"its template process exited while it ran " \
-                f"the snap=True hooks (log: this replica's log has its traceback)"
-            template = Template(None, None, refused=reason)
-            print(f"ember fork server: {unit_name} is started by spawn instead: {reason}", file=sys.stderr, flush=True)
-        self.templates[unit_name] = template
+            template.channel.close()
+            template.pid, template.channel = None, None
+            template.refused = ready.reason if isinstance(ready, Refused) else f"its template process exited while " \
+                f"it ran the snap=True hooks (log: this replica's log has its traceback)"
+            print(f"ember fork server: {unit_name} is started by spawn instead: {template.refused}", file=sys.stderr,
+                  flush=True)
+        template.ready = True
+        event = {"event": "template", "unit": unit_name, "snap_ms": template.snap_ms}
+        if template.refused is not None:
+            event["refused"] = template.refused
+        if self.control is not None:
+            with contextlib.suppress(OSError, ValueError):  # the supervisor stopped reading: only it loses the news
+                self.control.write(json.dumps(event) + "\n")
         return template
 
     def _forget(self, unit_name: str) -> None:
@@ -253,7 +282,7 @@ class ForkServer:
             if pid == 0:
                 return
             for name, template in list(self.templates.items()):
-                if template.pid == pid:
+                if template.pid == pid and template.ready:
                     self._forget(name)
 
 
@@ -378,9 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the supervisor stops this one
     import_ms = round((time.monotonic() - STARTED) * 1000)
     control.write(json.dumps({"event": "ready", "import_ms": import_ms, "preloaded": preloaded}) + "\n")
-    control.close()
     try:
-        ForkServer(app, listener).run()
+        ForkServer(app, listener, control).run()
     finally:
         with contextlib.suppress(OSError):
             os.unlink(args.socket)

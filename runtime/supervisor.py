@@ -167,6 +167,18 @@ class ForkServerProcess:
     process: asyncio.subprocess.Process | None = None
     ready: asyncio.Future | None = None  # resolves to None once it serves, or to why it cannot
     import_ms: int | None = None
+    # unit -> its template's outcome, as the fork server reports them: {"snap_ms": N} or {"refused": why}
+    templates: dict[str, dict] = field(default_factory=dict)
+    reader: asyncio.Task | None = None
+
+    def status(self) -> dict:
+        """For `ember status`: importing, ready (with each unit's template) or why it cannot serve."""
+        if self.ready is None or not self.ready.done() or self.ready.cancelled():
+            return {"state": "importing"}
+        if self.ready.result() is not None:
+            return {"state": "failed", "reason": self.ready.result()}
+        return {"state": "ready" if self.process.returncode is None else "exited", "import_ms": self.import_ms,
+                "templates": dict(self.templates)}
 
     def died(self) -> str | None:
         """Why it no longer serves when it did once, else None."""
@@ -355,6 +367,7 @@ class Supervisor:
         if message.get("event") == "ready":
             server.import_ms = message["import_ms"]
             self.log.info("fork server of %s ready in %s ms (%s)", server.app, server.import_ms, server.package.name)
+            server.reader = asyncio.ensure_future(self._read_templates(server))
             return None
         with contextlib.suppress(ProcessLookupError):
             server.process.kill()
@@ -362,6 +375,17 @@ class Supervisor:
                  f"(log: {server.log_path})"
         self.log.warning("%s; its replicas are spawned", reason)
         return reason
+
+    async def _read_templates(self, server: ForkServerProcess) -> None:
+        """The fork server's later lines: each unit's template, ready (its snap=True hooks ran) or refused."""
+        while line := await server.process.stdout.readline():
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if event.get("event") == "template":
+                    server.templates[event["unit"]] = {k: v for k, v in event.items() if k in ("snap_ms", "refused")}
+                    self.log.info("fork server of %s: template of %s %s", server.app, event["unit"],
+                                  f"refused: {event['refused']}" if "refused" in event else
+                                  f"ready (snap=True hooks {event['snap_ms']} ms)")
 
     def _retire(self, server: ForkServerProcess) -> None:
         """Stop a fork server that was replaced or died; the replicas it forked run on."""
@@ -371,6 +395,8 @@ class Supervisor:
             server.ready.cancel()
         if server.process is not None and server.process.returncode is None:
             server.process.terminate()
+        if server.reader is not None:
+            server.reader.cancel()
 
     async def close(self) -> None:
         """Stop every fork server (their replicas are stopped on their own)."""

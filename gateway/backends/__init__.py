@@ -42,6 +42,11 @@ class Backend(Protocol):
         """After the replicas were stopped: release what the backend itself holds (fork servers, clients)."""
         ...
 
+    def prepared(self, app: str) -> dict | None:
+        """How far the app's deploy-time preparation on this machine is (its fork server and unit templates), for
+        `ember status`; None where nothing is prepared here."""
+        ...
+
 
 def backend_for(kind: str, logs: Path, parked_ram: str | None = None) -> Backend:
     """The backend `ember serve --backend KIND` runs replicas on: "local" processes or an "aws" Auto Scaling Group."""

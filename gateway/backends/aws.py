@@ -234,6 +234,9 @@ class AwsBackend:
     async def close(self) -> None:
         """Nothing runs on this machine: the node agents stop their fork servers when they exit."""
 
+    def prepared(self, app: str) -> dict | None:
+        return None  # the nodes prepare an app when its first replica arrives
+
     async def _forget(self, replica: GatewayReplica) -> None:
         await asyncio.to_thread(self.replicas.delete_item, Key={"replica_id": replica.id})
         await self.resize()

@@ -93,6 +93,10 @@ class LocalBackend:
         """Warm the app's fork server for `package` (a deploy replaces the last one), so its first start forks."""
         self.workers.prepare(app, package, self.logs)
 
+    def prepared(self, app: str) -> dict | None:
+        server = self.workers.forkservers.get(app)
+        return None if server is None else {"forkserver": server.status()}
+
     async def close(self) -> None:
         """Stop the fork servers (after the replicas were stopped)."""
         await self.workers.close()

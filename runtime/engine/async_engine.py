@@ -80,6 +80,7 @@ class AsyncLLM:
         self._wakeup = threading.Event()
         self._routes: dict[str, _Route] = {}  # touched only by the loop thread
         self._closed = False
+        self._idle_capture_failed = False
         self._thread = threading.Thread(target=self._run, name="ember-engine-loop", daemon=True)
         self._thread.start()
 
@@ -169,6 +170,8 @@ class AsyncLLM:
             while not self._closed:
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
+                    if self._commands.empty() and self._capture_idle():
+                        continue  # one graph captured; look for requests before the next
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
@@ -193,6 +196,18 @@ class AsyncLLM:
             _post(route.loop, route.outputs.put_nowait, error)
         self._routes.clear()
         self._drain_commands(dead=error)
+
+    def _capture_idle(self) -> bool:
+        """Use idle time to capture a CUDA graph the engine lacks; a failed capture only leaves that size eager."""
+        capture = getattr(self.engine, "capture_idle", None)
+        if capture is None or self._idle_capture_failed:
+            return False
+        try:
+            return capture()
+        except Exception:  # noqa: BLE001 - serving goes on without the graph
+            log.exception("capturing a CUDA graph while idle failed; batch sizes without a graph run eagerly")
+            self._idle_capture_failed = True
+            return False
 
     def _fail_step(self, error: Exception) -> None:
         """Fail and abort the requests the failed step was running (the waiting ones when none ran yet)."""

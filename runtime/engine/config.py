@@ -24,6 +24,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"    # "flashinfer" on CUDA when importable, else "sdpa"
     enforce_eager: bool = False        # True disables CUDA graphs
+    # "lazy": capture decode graphs of batch size 1 at start and the others on first use or while idle (a cold
+    # start does not wait ~1.5 s for twenty captures); "start": all of them before the engine serves.
+    graph_capture: str = "lazy"
     log_token_ids: bool = False        # log prompt/output token ids per request
     # Weight snapshots: "local" ($EMBER_HOME/snapshots) or "s3://bucket/prefix"; None boots from safetensors
     # every time. A replica of a snapshot=True function gets EMBER_SNAPSHOT_STORE from its worker.
@@ -34,6 +37,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r}: use one of {_DTYPES}")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: use one of {_BACKENDS}")
+        if self.graph_capture not in ("lazy", "start"):
+            raise ValueError(f"graph_capture={self.graph_capture!r}: use 'lazy' or 'start'")
         if self.block_size <= 0 or self.block_size % 8:
             raise ValueError(f"block_size={self.block_size}: use a positive multiple of 8, e.g. 16")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

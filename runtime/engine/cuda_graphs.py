@@ -7,11 +7,17 @@ the attention backend's graph wrappers (planned on the host before each replay),
 are never reallocated (a parked engine unmaps their memory but keeps the addresses). The graphs, their inputs
 and outputs live in torch's allocator, which a park leaves alone.
 
+Capturing every size takes ~1.5 s on an H200 (20 sizes), which a cold start would pay before its first token, so
+graphs are captured lazily: a decode step whose size has no graph yet captures it first (~75 ms, once), and the
+engine captures the rest while it is idle (`capture_next`). The first request of a restored replica, a batch of
+one, costs one capture instead of twenty.
+
 Rows past the real batch are padding: token 0 at position 0, writing its K/V into the scratch block that the
 block manager never hands out, attending to that block only; their logits are dropped.
 """
 import bisect
 import logging
+import time
 
 import torch
 
@@ -27,40 +33,65 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, attention, kv_caches: list[torch.Tensor], batch_sizes: list[int],
-                 max_blocks_per_seq: int, scratch_block: int):
+                 max_blocks_per_seq: int, scratch_block: int, capture: list[int] | None = None):
+        """`capture`: the sizes to capture now (default: all of them, the largest first); the rest wait for
+        `capture_next` or the first step that needs them."""
         self.model, self.attention, self.kv_caches = model, attention, kv_caches
         self.batch_sizes = sorted(batch_sizes)
+        self.max_blocks_per_seq = max_blocks_per_seq
         self.scratch_block = scratch_block
         device = kv_caches[0].device
         # Rows: token ids, positions, block of each token's KV slot, offset in that block.
         self.inputs = torch.zeros(4, self.batch_sizes[-1], dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        pool = None
-        for size in reversed(self.batch_sizes):   # the largest first, so smaller graphs reuse its memory pool
-            attention.add_graph_batch_size(size, max_blocks_per_seq)
-            self.prepare([0] * size, [0] * size, [scratch_block] * size, [0] * size, [[scratch_block]] * size,
-                         [1] * size)
-            self._forward(size)   # warm-up: loads kernels and settles the allocator outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize(device)
+        self.pool = None            # one memory pool for all of them: only one replays at a time
+        self.capture_seconds = 0.0  # spent capturing so far
+        for size in sorted(self.batch_sizes if capture is None else capture, reverse=True):
+            self.capture(size)      # the largest first, so smaller graphs reuse its memory pool
 
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
+    @property
+    def pending(self) -> list[int]:
+        """Sizes not captured yet, the smallest first (small batches are the common ones)."""
+        return [s for s in self.batch_sizes if s not in self.graphs]
+
+    def capture(self, size: int) -> None:
+        """Capture the graph of `size` sequences (no-op when it exists). It writes only the scratch block."""
+        if size in self.graphs:
+            return
+        began = time.perf_counter()
+        self.attention.add_graph_batch_size(size, self.max_blocks_per_seq)
+        self.prepare([0] * size, [0] * size, [self.scratch_block] * size, [0] * size,
+                     [[self.scratch_block]] * size, [1] * size)
+        self._forward(size)   # warm-up: loads kernels and settles the allocator outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.logits[size] = self._forward(size)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
+        torch.cuda.synchronize(self.kv_caches[0].device)
+        self.capture_seconds += time.perf_counter() - began
+
+    def capture_next(self) -> bool:
+        """Capture the smallest pending size; False when none was left."""
+        pending = self.pending
+        if pending:
+            self.capture(pending[0])
+        return bool(pending)
+
     def batch_size_for(self, num_seqs: int) -> int | None:
-        """The smallest graph that holds `num_seqs` sequences, or None when none does."""
+        """The smallest graph size that holds `num_seqs` sequences, or None when none does."""
         i = bisect.bisect_left(self.batch_sizes, num_seqs)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
     def prepare(self, token_ids: list[int], positions: list[int], slot_blocks: list[int], slot_offsets: list[int],
                 block_tables: list[list[int]], context_lens: list[int]) -> int:
-        """Pad one token per sequence to a graph's batch size, copy it in and plan attention; return the size."""
+        """Pad one token per sequence to a graph's batch size, copy it in and plan attention; return the size.
+        The graph of that size must exist or be the one being captured."""
         n = len(token_ids)
         size = self.batch_size_for(n)
         pad = size - n

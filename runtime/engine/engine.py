@@ -2,9 +2,12 @@
 import itertools
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ember.runtime import startup
 
 from . import kernels
 from .block_manager import BlockManager
@@ -45,7 +48,12 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
+        # The device's owner at any moment: a step or a graph capture (the engine loop's thread) or a park or
+        # wake (the worker's); a park must not unmap memory under a running kernel.
+        self._device = threading.RLock()
+        began = time.perf_counter()
         self.warmup()
+        startup.report({"warmup_ms": round((time.perf_counter() - began) * 1000)})
 
     def warmup(self) -> None:
         """One prefill and a few decode steps, greedy and sampled, before the first request: whatever the kernels
@@ -109,16 +117,29 @@ class LLMEngine:
         """Releases the GPU memory of the weights and the KV cache while keeping their addresses, so CUDA graphs and
         kernel workspaces stay valid; the weights wait in pinned host memory. Only an idle engine parks: the KV
         cache's contents are discarded, and with them every cached prefix."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("cannot park an engine with requests in flight: let them finish or abort them first")
-        self.block_manager.forget_cached()
-        return self.runner.park()
+        with self._device:
+            if self.has_unfinished_requests():
+                raise RuntimeError("cannot park an engine with requests in flight: let them finish or abort them "
+                                   "first")
+            self.block_manager.forget_cached()
+            return self.runner.park()
 
     def wake(self) -> WakeReport:
         """Maps the memory back at the same addresses and copies the weights in; a no-op when not parked."""
-        return self.runner.wake()
+        with self._device:
+            return self.runner.wake()
+
+    def capture_idle(self) -> bool:
+        """Capture one decode graph still missing, while there is no request to run; False when none is left
+        (or the engine is parked). Each takes ~75 ms on an H200, so a request arriving meanwhile waits little."""
+        with self._device:
+            return not self.has_unfinished_requests() and self.runner.capture_next_graph()
 
     def step(self) -> list[RequestOutput]:
+        with self._device:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self.parked:  # a request reached a parked engine: serve it rather than fault on unmapped memory
             self.wake()
         started, began = time.monotonic(), time.perf_counter()

@@ -67,8 +67,10 @@ class ModelRunner:
         self.num_kv_heads = hf.num_key_value_heads
         self.num_layers = hf.num_hidden_layers
         began = time.perf_counter()
-        self.num_blocks = config.num_kv_blocks or self._derive_num_blocks(head_dim)
         self.attention = self._make_backend(head_dim)
+        self.start_phases["attention"] = time.perf_counter() - began
+        began = time.perf_counter()
+        self.num_blocks = config.num_kv_blocks or self._derive_num_blocks(head_dim)
         use_graphs = isinstance(self.attention, FlashInferBackend) and not config.enforce_eager
         # Graphs pad their batches with a block no request owns: the block manager gets one block fewer.
         self.num_request_blocks = self.num_blocks - use_graphs
@@ -77,13 +79,16 @@ class ModelRunner:
                              f"sequence of max_model_len={self.max_model_len}: raise num_kv_blocks or lower "
                              "max_model_len")
         kv_shape = (self.num_blocks, 2, self.block_size, self.num_kv_heads, head_dim)
+        mapping = time.perf_counter()
         kv_region = self.arena.region(KV_CACHE, tensor_bytes([(kv_shape, self.dtype)] * self.num_layers), keep=False)
+        self.start_phases["kv_map"] = time.perf_counter() - mapping
         self.kv_caches = [kv_region.take(kv_shape, self.dtype) for _ in range(self.num_layers)]
         self._record_image()
         self.start_phases["kv_cache"] = time.perf_counter() - began
         began = time.perf_counter()
         # Graphs, their buffers and flashinfer's workspaces stay in torch's allocator, which a park leaves alone.
-        self.graphs = self._capture_graphs() if use_graphs else None
+        # Lazily (the default) only batch size 1 is captured here: the rest on first use or while the engine idles.
+        self.graphs = self._capture_graphs(None if config.graph_capture == "start" else [1]) if use_graphs else None
         self.start_phases["graph_capture"] = time.perf_counter() - began
         logger.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s, decode graphs %s; start %s",
                     config.model, self.device, self.dtype, self.num_blocks, self.block_size,
@@ -185,10 +190,15 @@ class ModelRunner:
         return SdpaBackend(*args)
 
     @torch.inference_mode()
-    def _capture_graphs(self) -> DecodeGraphs:
+    def _capture_graphs(self, sizes: list[int] | None) -> DecodeGraphs:
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         return DecodeGraphs(self.model, self.attention, self.kv_caches, graph_batch_sizes(self.config.max_num_seqs),
-                            max_blocks_per_seq, scratch_block=self.num_blocks - 1)
+                            max_blocks_per_seq, scratch_block=self.num_blocks - 1, capture=sizes)
+
+    @torch.inference_mode()
+    def capture_next_graph(self) -> bool:
+        """Capture one decode graph not captured yet (the engine calls this while idle); False when none is left."""
+        return self.graphs is not None and not self.arena.parked and self.graphs.capture_next()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> RunOutput:
@@ -212,6 +222,7 @@ class ModelRunner:
         graph_size = None
         if (self.graphs is not None and len(input_ids) == len(batch.seqs)
                 and len(batch.seqs) <= self.graphs.max_batch_size):   # one new token per sequence: a decode step
+            self.graphs.capture(self.graphs.batch_size_for(len(input_ids)))  # once per size, when not done yet
             graph_size = self.graphs.prepare(input_ids, positions, slot_blocks, slot_offsets, block_tables,
                                              context_lens)
             prepared = time.perf_counter()

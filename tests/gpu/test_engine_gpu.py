@@ -60,10 +60,11 @@ def family(request, tmp_path_factory):
     torch.cuda.empty_cache()
 
 
-def engine(model_dir: str, backend: str = "flashinfer", enforce_eager: bool = False) -> LLMEngine:
+def engine(model_dir: str, backend: str = "flashinfer", enforce_eager: bool = False,
+           graph_capture: str = "start") -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=8192, max_num_seqs=128,
                                   max_num_batched_tokens=4096, max_model_len=1024, attention_backend=backend,
-                                  enforce_eager=enforce_eager))
+                                  enforce_eager=enforce_eager, graph_capture=graph_capture))
 
 
 def run(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[list[dict]]]:
@@ -165,6 +166,22 @@ def test_cuda_graphs_and_eager_agree(family):
     eng = engine(family[1])
     assert eng.runner.graphs is not None and eng.runner.start_phases["graph_capture"] > 0
     compare_engines(family, "graphs vs eager", eng, lambda: engine(family[1], enforce_eager=True))
+
+
+def test_lazy_graph_capture_captures_on_first_use_and_while_idle(family):
+    """The default: batch size 1 at start (and what the warm-up used), a size on the first step that needs it, the
+    rest in idle time; the answers are those of an engine that captured every size before serving."""
+    eng = engine(family[1], graph_capture="lazy")
+    graphs = eng.runner.graphs
+    assert 1 in graphs.graphs and graphs.pending, "a lazy engine captures only the sizes it used so far"
+    assert eng.runner.start_phases["graph_capture"] < 0.5
+    before = set(graphs.graphs)
+    run(eng, prompts(24, seed=5), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert graphs.batch_size_for(24) in set(graphs.graphs) - before, "a decode step of 24 captured its size"
+    while eng.capture_idle():
+        pass
+    assert not graphs.pending
+    compare_engines(family, "lazy vs start graphs", eng, lambda: engine(family[1]))
 
 
 def compare_engines(family, label: str, first: LLMEngine, make_second) -> None:

@@ -102,7 +102,9 @@ def test_snap_hooks_run_once_in_the_fork_server_and_every_replica_sees_their_sta
         assert built_in not in {r["pid"] for r in results} | {node.forkserver_pid()}  # the unit's template
         assert sorted(r["pid"] for r in results) == sorted(w.process.pid for w in workers)
         assert all(r["sum"] == 499500 for r in results)
-        assert "snap_ms" in workers[0].timings and "snap_ms" not in workers[1].timings  # only the first waited
+        assert "snap_ms" not in workers[1].timings  # the template was ready: later starts do not wait for it
+        templates = node.supervisor.forkservers["forking"].status()["templates"]
+        assert templates["Snapped"]["snap_ms"] >= 0 and "refused" not in templates["Snapped"]
         for worker in workers:  # phases the hooks reported join the breakdown: each replica's own only
             assert worker.timings["connect_ms"] == 2 and worker.timings["cache"] == "cold"
             assert "table_ms" not in worker.timings
@@ -202,3 +204,24 @@ def test_messages_cross_the_socket_as_typed_values_with_descriptors():
         ours.close()
         assert forkserver.receive(theirs) == (None, [])  # the other end closed
     forkserver.close_fds([read, write, *fds])
+
+
+def test_a_deploy_builds_every_units_template_before_its_first_start(package, tmp_path, monkeypatch):
+    snaps = tmp_path / "snaps.log"
+    monkeypatch.setenv("FORKING_SNAP_LOG", str(snaps))
+
+    async def test(node: Node):
+        node.supervisor.prepare("forking", package, node.logs)  # what a deploy does
+        server = node.supervisor.forkservers["forking"]
+        for _ in range(300):
+            if server.status().get("templates", {}).keys() >= {"Snapped", "imported_in"}:
+                break
+            await asyncio.sleep(0.1)
+        assert server.status()["state"] == "ready", server.status()
+        assert server.status()["templates"]["Snapped"]["snap_ms"] >= 0
+        assert len(snaps.read_text().split()) == 1  # the snap=True hooks ran at deploy, with no replica yet
+        worker = await node.start(package, "Snapped")
+        assert "snap_ms" not in worker.timings and "forkserver_wait_ms" not in worker.timings, worker.timings
+        assert (await node.call(worker, "where"))["built_in"] == int(snaps.read_text().split()[0])
+
+    run(test, tmp_path)
