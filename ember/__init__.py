@@ -1,7 +1,8 @@
 """Ember: decorate a function or class, get an HTTPS endpoint that scales to zero."""
 from ember.app import App, Cls, Function
 from ember.hooks import asgi_app, enter, exit, method, park, wake
+from ember.remote import FunctionCall
 from ember.spec import FunctionSpec, SpecError
 
-__all__ = ["App", "Cls", "Function", "FunctionSpec", "SpecError", "asgi_app", "enter", "exit", "method", "park",
+__all__ = ["App", "Cls", "Function", "FunctionCall", "FunctionSpec", "SpecError", "asgi_app", "enter", "exit", "method", "park",
            "wake"]

@@ -16,6 +16,7 @@ from starlette.routing import Route
 from ember.gateway import dashboard, errors, openapi, proxy, retry, spans
 from ember.gateway.admin import admin_router
 from ember.gateway.auth import authenticate, authorize
+from ember.gateway.calls import calls_router, wants_spawn
 from ember.gateway.body import read_forward, read_kwargs, session_id
 from ember.gateway.deployment import Deployment, Unit
 from ember.gateway.errors import ApiError
@@ -101,6 +102,7 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
     errors.install(app)
     app.include_router(admin_router(gateway))
     app.include_router(logfeed_router(gateway))
+    app.include_router(calls_router(gateway.keys, gateway.calls))
     dashboard.install(app, gateway)
 
     @app.get("/healthz")
@@ -137,12 +139,17 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
             record.error = exc.type
             gateway.metrics.observe(record.app, unit.name, exc.status, None)
             raise
+        limit_headers = headers(admission) if admission else {}
+        if lease is None:  # spawned: the call runs on after this reply
+            gateway.metrics.observe(record.app, unit.name, response.status_code, None)
+            response.headers.update(limit_headers)
+            return response
         record.lease = lease
         gateway.metrics.observe(record.app, unit.name, response.status_code, lease.cold_start, lease.waited_s)
-        return stamp(response, lease, headers(admission) if admission else {})
+        return stamp(response, lease, limit_headers)
 
     async def answer(request: Request, key: ApiKey, unit: Unit,
-                     target: Call | Forward) -> tuple[Response, Lease, Admission | None]:
+                     target: Call | Forward) -> tuple[Response, Lease | None, Admission | None]:
         authorize(key, unit.app, unit.name)
         session = session_id(request)
         try:
@@ -157,6 +164,8 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
             admission = await charge(gateway.limiter, gateway.app_limits, key, unit.app, tokens)
             settle = Settlement(gateway.limiter, admission, meter)
             try:
+                if isinstance(target, Call) and wants_spawn(request):
+                    return await spawn(request, unit, target, body, affinity, settle), None, admission
                 if isinstance(target, Call):
                     response, lease = await unless_disconnected(
                         request, retry.call(request.app.state.client, unit, target, body, affinity, settle))
@@ -169,6 +178,19 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
         finally:  # the body went upstream (or nowhere): its bytes leave the budget
             gateway.bodies.give(getattr(request.state, "body_held", 0))
         return response, lease, admission
+
+    async def spawn(request: Request, unit: Unit, target: Call, body: bytes, affinity: str | None,
+                    settle: Settlement) -> Response:
+        """Run the call in the background (it holds its rate-limit charge until it ends); 202 and its id now."""
+        client = request.app.state.client
+
+        async def run() -> Response:
+            response, _ = await retry.call(client, unit, target, body, affinity, settle)
+            return response
+
+        path = target.method if unit.kind == "function" else f"{unit.name}.{target.method}"
+        call_id = await gateway.calls.spawn(unit.app, path, run, settle)
+        return JSONResponse({"call_id": call_id}, 202, {"Location": f"/calls/{call_id}"})
 
     traced = Middleware(tracing.ServerSpans, describe=spans.describe, finish=spans.finish)
     app.router.routes.append(Route(spans.INVOKE_ROUTE, invoke, methods=openapi.METHODS, middleware=[traced]))

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 from ember.gateway.app_limits import AppLimitStore
+from ember.gateway.calls import CallStore, SpawnedCalls
 from ember.gateway.inflight import BodyBudget
 from ember.gateway.backends.local import LocalBackend
 from ember.gateway.deployment import Deployment
@@ -15,6 +16,8 @@ from ember.gateway.routing import APP_NAME
 from ember.gateway.scaler import Scaler
 from ember.gateway.secret_files import SecretStore
 from ember.home import Home
+
+GATEWAY_PATHS = {"admin", "calls", "dashboard", "healthz", "readyz", "metrics"}  # no app can be reached under these
 
 
 class Gateway:
@@ -28,6 +31,7 @@ class Gateway:
         self.scaler = Scaler(self.backend, self.deployments, self.metrics.observe_start)
         self.app_limits = AppLimitStore(home.db)
         self.secrets = SecretStore(home.secrets)
+        self.calls = SpawnedCalls(CallStore(home.db))
         self.limiter: Limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits
         self.routing = routing
         self.bodies = BodyBudget()  # request-body bytes held at once, across every request
@@ -39,6 +43,9 @@ class Gateway:
         if not APP_NAME.fullmatch(deployment.name):
             raise ValueError(f"app name {deployment.name!r} must match {APP_NAME.pattern} "
                              "(lower-case letters, digits, - and _)")
+        if deployment.name in GATEWAY_PATHS:
+            raise ValueError(f"app name {deployment.name!r} is taken by the gateway's own /{deployment.name} routes; "
+                             "rename the app")
         if self.backend.secrets_here:
             self.secrets.check(deployment.name, {name: unit.spec for name, unit in deployment.units.items()})
         for unit in deployment.units.values():

@@ -1,0 +1,101 @@
+"""The SDK's calls against a served gateway: .map and .starmap fan out (the autoscaler starts replicas for them),
+.spawn returns a handle whose .get works from another client, .cancel stops the call, and .aio twins of each."""
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from ember.client import RemoteError
+from ember.remote import FunctionCall
+
+APPS = Path(__file__).parent / "apps"
+
+
+@pytest.fixture(scope="module")
+def served(serve_module):
+    return serve_module(APPS / "fanout.py")
+
+
+@pytest.fixture
+def fanout(served, monkeypatch):
+    """The app's SDK objects, reaching the served gateway as `ember serve`'s user does (through EMBER_HOME)."""
+    monkeypatch.setenv("EMBER_HOME", str(served.home))
+    for name in ("EMBER_URL", "EMBER_KEY", "EMBER_CA"):
+        monkeypatch.delenv(name, raising=False)
+    from ember.package import load_app
+
+    return load_app(str(APPS / "fanout.py")).units
+
+
+def test_map_over_200_inputs_scales_out_and_keeps_order(fanout, served):
+    results = list(fanout["square"].map(range(200)))
+    assert [r["square"] for r in results] == [x * x for x in range(200)]
+    pids = {r["pid"] for r in results}
+    assert len(pids) > 1, "the map's queued calls did not make the autoscaler start a second replica"
+    decisions = served.status()["apps"]["fanout"]["functions"]["square"]["decisions"]
+    assert sum(d["count"] or 0 for d in decisions if d["action"] == "start") >= 2
+
+
+def test_starmap_unordered_outputs_and_exceptions(fanout):
+    assert list(fanout["add"].starmap([(1, 2), (3, 4), (5, 6)])) == [3, 7, 11]
+    assert list(fanout["add"].map([1, 2, 3], [10, 20, 30])) == [11, 22, 33]
+    assert list(fanout["add"].map([1, 2], kwargs={"b": 100})) == [101, 102]
+    assert sorted(fanout["add"].map(range(20), order_outputs=False)) == list(range(20))
+
+    outcomes = list(fanout["picky"].map(range(1, 7), return_exceptions=True))
+    assert [o for o in outcomes if not isinstance(o, RemoteError)] == [1, 2, 4, 5]
+    errors = [o for o in outcomes if isinstance(o, RemoteError)]
+    assert [e.message for e in errors] == ["ValueError: no multiples of 3: 3", "ValueError: no multiples of 3: 6"]
+    with pytest.raises(RemoteError, match="no multiples of 3: 3"):
+        list(fanout["picky"].map(range(1, 7)))
+
+
+def test_aio_twins(fanout):
+    async def main():
+        one = await fanout["add"].remote.aio(2, b=3)
+        many = [v async for v in fanout["add"].map.aio([1, 2, 3], [1, 1, 1])]
+        call = await fanout["add"].spawn.aio(40, 2)
+        return one, many, await call.get.aio(timeout=30)
+
+    assert asyncio.run(main()) == (5, [2, 3, 4], 42)
+
+
+def test_spawn_then_get_from_another_client(fanout, served):
+    call = fanout["wait"].spawn(0.5)
+    assert isinstance(call, FunctionCall) and call.call_id.startswith("fc-")
+    assert call.get(timeout=30) == 0.5
+    # Another process knows only the id: a plain HTTPS client with its own key reads the same record.
+    with served.client(served.key("other")) as http:
+        record = http.get(f"/calls/{call.call_id}").json()
+    assert record["state"] == "succeeded" and record["result"] == 0.5 and record["function"] == "wait"
+    assert FunctionCall.from_id(call.call_id).get() == 0.5
+
+    pending = fanout["wait"].spawn(2)
+    with pytest.raises(TimeoutError):
+        pending.get(timeout=0.2)
+    assert pending.get(timeout=30) == 2
+
+    failing = fanout["picky"].spawn(3)
+    with pytest.raises(RemoteError) as failed:
+        failing.get(timeout=30)
+    assert failed.value.status == 500 and failed.value.type == "function_error"
+
+
+def test_cancel_stops_a_running_call(fanout, served, tmp_path):
+    marker = tmp_path / "marker"
+    call = fanout["wait"].spawn(60, marker=str(marker))
+    deadline = time.monotonic() + 30
+    while served.status()["apps"]["fanout"]["functions"]["wait"]["in_flight"] == 0:
+        assert time.monotonic() < deadline, "the spawned call never reached a replica"
+        time.sleep(0.05)
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the call was not cancelled in its replica"
+        time.sleep(0.05)
+    assert marker.read_text() == "cancelled"
+    with pytest.raises(RemoteError) as cancelled:
+        call.get(timeout=5)
+    assert cancelled.value.type == "cancelled"
+    assert served.status()["apps"]["fanout"]["functions"]["wait"]["in_flight"] == 0
