@@ -69,9 +69,18 @@ def _example_call(package) -> tuple[str, str]:
     return "", "{}"
 
 
+def _example_openai_call(model: str, kind: str) -> tuple[str, str]:
+    if kind == "embeddings":
+        return "v1/embeddings", json.dumps({"model": model, "input": ["A cat sits on the mat."]})
+    return "v1/chat/completions", json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                                              "max_tokens": 32})
+
+
 def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str | None = None,
           backend: str = "local", parked_ram: str | None = None, redis_url: str | None = None, routing: str = "affinity",
-          watch: bool = True) -> int:
+          watch: bool = True, openai_model: tuple[str, str] | None = None) -> int:
+    """`openai_model`: (name, "chat" or "embeddings") when the app serves a model's OpenAI API (ember serve --model):
+    the banner then shows that API's curl and openai client line."""
     home = Home()
     _logging(home)
     if tracing.setup("ember-gateway"):  # on when EMBER_TRACE_FILE or OTEL_EXPORTER_OTLP_ENDPOINT is set; replicas inherit it
@@ -103,13 +112,19 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
     print(f"Ember is serving app {deployment.name!r} at {url}", flush=True)
     print(f"CA certificate: {home.ca}", flush=True)
     print(f"Logs: {home.logs} (ember logs; ember status for replicas)", flush=True)
-    path, body = _example_call(package)
+    path, body = _example_call(package) if openai_model is None else _example_openai_call(*openai_model)
+    secret = "$EMBER_KEY"
     if new_key:
         _, secret = gateway.keys.create(new_key)
         print(f"API key {new_key!r} (shown once): {secret}", flush=True)
-        print(f"Try it:\n  curl --cacert {home.ca} -H 'Authorization: Bearer {secret}' -H 'Content-Type: application/json' "
+    if new_key or openai_model:
+        print(f"Try it:\n  curl --cacert {home.ca} -H \"Authorization: Bearer {secret}\" -H 'Content-Type: application/json' "
               f"-d '{body}' {url}/{deployment.name}/{path}", flush=True)
-    else:
+    if openai_model:
+        api_key = f'"{secret}"' if new_key else 'os.environ["EMBER_KEY"]'
+        print(f'  openai.OpenAI(base_url="{url}/{deployment.name}/v1", api_key={api_key}, '
+              f'http_client=httpx.Client(verify="{home.ca}"))', flush=True)
+    if not new_key:
         print("Create an API key with: ember keys create --name NAME", flush=True)
     if watcher is not None:
         print(f"Watching {', '.join(p.name for p in watcher.watched)} for edits (--no-watch to turn off)", flush=True)

@@ -4,9 +4,17 @@ import argparse
 
 def add_to(sub, epilog: str) -> None:
     p = sub.add_parser("serve", help="run gateway, autoscaler and local backend for APP.py in the foreground",
-                       description="Serve APP.py over HTTPS on this machine; prints the URL and the dev CA path.",
+                       description="Serve APP.py (or, with --model DIR, a Hugging Face model directory behind an "
+                                   "OpenAI-compatible API) over HTTPS on this machine; prints the URL and the dev CA "
+                                   "path.",
                        epilog=epilog)
-    p.add_argument("app", help="the app file, e.g. examples/hello.py")
+    p.add_argument("app", nargs="?", help="the app file, e.g. examples/hello.py")
+    p.add_argument("--model", metavar="DIR",
+                   help="serve this Hugging Face model directory with no app file: a causal LM at /NAME/v1/chat/"
+                        "completions and /NAME/v1/completions (weight snapshots on), an encoder (BERT-like) at "
+                        "/NAME/v1/embeddings")
+    p.add_argument("--name", help="with --model: the model's name in requests and the app's in URLs (default the "
+                                  "directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8443, help="port to listen on; 0 picks a free one (default 8443)")
     p.add_argument("--new-key", metavar="NAME", help="also create an API key NAME and print a ready-to-paste curl")
@@ -29,5 +37,17 @@ def add_to(sub, epilog: str) -> None:
 def serve(args: argparse.Namespace) -> int:
     from ember.gateway.serve import serve
 
-    return serve(args.app, args.host, args.port, args.new_key, args.backend, args.parked_ram, args.redis, args.routing,
-                 args.watch)
+    if (args.app is None) == (args.model is None):
+        raise ValueError("give an app file (ember serve APP.py) or a model directory (ember serve --model DIR), "
+                         "one of the two")
+    if args.name and not args.model:
+        raise ValueError("--name names the model of --model DIR; an app file names its app in ember.App(...)")
+    app_path, openai_model, watch = args.app, None, args.watch
+    if args.model:
+        from ember.cli.model import write_model_app
+        from ember.home import Home
+
+        written = write_model_app(args.model, args.name, Home())
+        app_path, openai_model, watch = written.path, (written.served, written.kind), False  # nothing to edit
+    return serve(app_path, args.host, args.port, args.new_key, args.backend, args.parked_ram, args.redis, args.routing,
+                 watch, openai_model)

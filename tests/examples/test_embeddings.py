@@ -1,6 +1,11 @@
-"""examples/embeddings.py served by `ember serve` returns real sentence vectors."""
+"""examples/embeddings.py served by `ember serve` returns real sentence vectors, from its method and from its
+OpenAI-shaped /v1/embeddings (driven by the official openai client)."""
 import math
 from pathlib import Path
+
+import httpx
+import openai
+import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "embeddings.py"
 
@@ -21,6 +26,13 @@ def test_paraphrases_are_closer_than_unrelated_sentences(serve):
         assert reply.status_code == 200, reply.text
         vectors = reply.json()["result"]
         bad = http.post("/embeddings/Embedder.embed", json={"sentences": []})
+    http = httpx.Client(verify=served.tls(), timeout=120)
+    client = openai.OpenAI(base_url=f"{served.url}/embeddings/v1", api_key=served.key(), http_client=http,
+                           max_retries=0)
+    with http, client:
+        shaped = client.embeddings.create(model="all-MiniLM-L6-v2", input=sentences)
+    assert [d.embedding for d in shaped.data] == [pytest.approx(v, abs=1e-5) for v in vectors]
+    assert shaped.usage.prompt_tokens > len(sentences)
     assert len(vectors) == 3 and all(len(v) == 384 for v in vectors)
     assert all(abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-3 for v in vectors)
     paraphrase, unrelated = _cos(vectors[0], vectors[1]), _cos(vectors[0], vectors[2])

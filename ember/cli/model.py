@@ -1,0 +1,135 @@
+"""`ember serve --model DIR`: the app that serves a Hugging Face model directory, written for it (no app file).
+
+A causal LM (config.json's architectures end in ForCausalLM) gets Ember's engine behind /v1/chat/completions,
+/v1/completions and /v1/models, with weight snapshots on (examples/chat.py's shape); an encoder (BERT-like) gets
+/v1/embeddings and /v1/models (ember.runtime.embeddings). The app file goes to EMBER_HOME/apps/NAME.py.
+"""
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ember.home import Home
+
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta-v2", "nomic_bert"}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+CHAT_APP = '''"""Written by `ember serve --model {model_dir}`: the engine's OpenAI-compatible API for {served!r}."""
+import ember
+
+MODEL, SERVED = {model_dir!r}, {served!r}
+app = ember.App({app!r})
+
+
+@app.cls(gpu="H200", snapshot=True, max_concurrency=64, target_concurrency=32, scaledown_window=300, timeout=600,
+         env={env!r})
+class Model:
+    @ember.enter(snap=True)
+    def load(self):
+        # CPU work only, so a fork server can run it once: modules, tokenizer, configuration.
+        from transformers import AutoTokenizer
+
+        import ember.runtime.engine.api  # noqa: F401 - imported before the fork
+        import ember.runtime.engine.engine  # noqa: F401
+        from ember.runtime.engine.config import EngineConfig
+
+        self.config = EngineConfig(model=MODEL)
+        self.tokenizer = AutoTokenizer.from_pretrained(MODEL)
+
+    @ember.enter(snap=False)
+    def serve(self):
+        from ember.runtime.engine.api import create_app
+        from ember.runtime.engine.async_engine import AsyncLLM
+        from ember.runtime.engine.engine import LLMEngine
+
+        self.engine = LLMEngine(self.config)
+        self.api = create_app(AsyncLLM(self.engine, self.tokenizer), SERVED)
+
+    @ember.park()
+    def release_gpu(self):
+        self.engine.park()
+
+    @ember.wake()
+    def restore_gpu(self):
+        self.engine.wake()
+
+    @ember.asgi_app()
+    def web(self):
+        return self.api
+'''
+
+EMBEDDINGS_APP = '''"""Written by `ember serve --model {model_dir}`: OpenAI's /v1/embeddings for {served!r}."""
+import ember
+
+MODEL, SERVED = {model_dir!r}, {served!r}
+app = ember.App({app!r})
+
+
+@app.cls(cpu=2, memory=2048, max_concurrency=8, target_concurrency=4, scaledown_window=300, timeout=120,
+         env={env!r})
+class Model:
+    @ember.enter(snap=True)
+    def load(self):
+        from ember.runtime.embeddings import SentenceEmbedder, create_app
+
+        self.api = create_app(SentenceEmbedder(MODEL), SERVED)
+
+    @ember.asgi_app()
+    def web(self):
+        return self.api
+'''
+
+
+@dataclass(frozen=True)
+class ModelApp:
+    path: Path  # the app file written
+    app: str  # its app name: the URL's first segment
+    served: str  # the model's name in requests
+    kind: str  # "chat" or "embeddings"
+
+
+def model_kind(model_dir: Path) -> str:
+    """'chat' or 'embeddings', from the directory's config.json; ValueError naming what is missing otherwise."""
+    config_path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"--model {model_dir}: no such directory; give a Hugging Face model directory "
+                                "(config.json, *.safetensors and the tokenizer files)")
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--model {model_dir}: no config.json there; give a Hugging Face model directory") from None
+    except ValueError as exc:
+        raise ValueError(f"--model {model_dir}: config.json is not JSON ({exc})") from None
+    if not list(model_dir.glob("*.safetensors")):
+        raise ValueError(f"--model {model_dir}: no *.safetensors weights there (.bin checkpoints are not read); "
+                         "convert them with transformers' save_pretrained(safe_serialization=True)")
+    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
+        raise ValueError(f"--model {model_dir}: no tokenizer files (tokenizer.json or tokenizer_config.json) there")
+    architectures = config.get("architectures") or []
+    if any(a.endswith("ForCausalLM") for a in architectures):
+        return "chat"
+    if config.get("model_type") in ENCODER_TYPES:
+        return "embeddings"
+    raise ValueError(f"--model {model_dir}: cannot serve architectures {architectures} (model_type "
+                     f"{config.get('model_type')!r}); it serves causal LMs (*ForCausalLM: chat and completions) and "
+                     f"encoders ({', '.join(sorted(ENCODER_TYPES))}: embeddings)")
+
+
+def app_name(served: str) -> str:
+    """A URL-safe app name from a model name: 'Qwen3-0.6B' -> 'qwen3-0-6b'."""
+    name = re.sub(r"[^a-z0-9_-]+", "-", served.lower()).strip("-_")[:63]
+    if not name:
+        raise ValueError(f"cannot make an app name from {served!r}; give one with --name (letters, digits, - and _)")
+    return name
+
+
+def write_model_app(model_dir: str | Path, name: str | None, home: Home) -> ModelApp:
+    model_dir = Path(model_dir).resolve()
+    kind = model_kind(model_dir)
+    served = name or model_dir.name
+    app = app_name(served)
+    template = CHAT_APP if kind == "chat" else EMBEDDINGS_APP
+    path = home.root / "apps" / f"{app}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(template.format(model_dir=str(model_dir), served=served, app=app, env=OFFLINE))
+    return ModelApp(path, app, served, kind)
