@@ -2,7 +2,7 @@
 from ember.app import App, Cls, Function
 from ember.hooks import asgi_app, enter, exit, method, park, wake
 from ember.remote import FunctionCall
-from ember.spec import FunctionSpec, SpecError
+from ember.spec import FunctionSpec, Retries, SpecError
 
-__all__ = ["App", "Cls", "Function", "FunctionCall", "FunctionSpec", "SpecError", "asgi_app", "enter", "exit", "method", "park",
-           "wake"]
+__all__ = ["App", "Cls", "Function", "FunctionCall", "FunctionSpec", "Retries", "SpecError", "asgi_app", "enter",
+           "exit", "method", "park", "wake"]

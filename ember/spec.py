@@ -12,6 +12,31 @@ class SpecError(ValueError):
     """A decorator argument is wrong; the message names the argument and the fix."""
 
 
+class Retries(BaseModel):
+    """How often a failed call runs again, and the backoff between attempts: the n-th retry waits
+    min(initial_delay * backoff_coefficient ** (n - 1), max_delay) seconds. A call is retried when the function
+    raised or its replica was lost mid-call, never after it returned a result."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_retries: int = Field(ge=0, le=10)
+    backoff_coefficient: float = Field(2.0, ge=1.0, le=10.0)
+    initial_delay: float = Field(1.0, ge=0.0, le=60.0, description="seconds before the first retry")
+    max_delay: float = Field(60.0, ge=0.0, le=600.0, description="seconds any retry waits at most")
+
+    def __init__(self, max_retries: int, backoff_coefficient: float = 2.0, initial_delay: float = 1.0,
+                 max_delay: float = 60.0, **kwargs: Any):
+        super().__init__(max_retries=max_retries, backoff_coefficient=backoff_coefficient,
+                         initial_delay=initial_delay, max_delay=max_delay, **kwargs)
+
+    def __reduce__(self):
+        return (type(self).model_validate, (self.model_dump(),))
+
+    def delay(self, retry: int) -> float:
+        """Seconds to wait before retry number `retry` (1 for the first)."""
+        return min(self.initial_delay * self.backoff_coefficient ** (retry - 1), self.max_delay)
+
+
 class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -35,8 +60,11 @@ class FunctionSpec(BaseModel):
     target_concurrency: float = Field(1.0, gt=0)
     max_concurrency: int = Field(1, ge=1)
     timeout: float = Field(300.0, gt=0, description="seconds one call may run")
-    retries: int = Field(0, ge=0, le=10, description="times the gateway may run a call again on another replica when "
-                         "its replica fails mid-call; 0 (at most once) unless the function is safe to run twice")
+    retries: int | Retries = Field(
+        0, validate_default=True,
+        description="times the gateway may run a call again when the function raised or its replica was lost "
+                    "mid-call (an int N: Retries(N, backoff_coefficient=1.0), a retry a second after the last); "
+                    "0 (at most once) unless it is safe to run twice")
     queue_bound: int = Field(256, ge=1, description="calls that may wait for a replica before 503 + Retry-After")
     snapshot: bool = False
     secrets: list[str] = Field(default_factory=list)
@@ -46,6 +74,15 @@ class FunctionSpec(BaseModel):
         # pydantic pickles the set of fields given, in hash-seed order; rebuilding from the values
         # in field order keeps a package's bytes, and so its content hash, the same in every process.
         return (type(self).model_validate, (self.model_dump(),))
+
+    @field_validator("retries", mode="after")
+    @classmethod
+    def _retry_policy(cls, value: int | Retries) -> Retries:
+        if isinstance(value, Retries):
+            return value
+        if not 0 <= value <= 10:
+            raise ValueError(f"retries must be from 0 to 10, got {value}")
+        return Retries(value, backoff_coefficient=1.0)
 
     @field_validator("gpu")
     @classmethod
@@ -96,7 +133,7 @@ class Settings(TypedDict, total=False):
     target_concurrency: float
     max_concurrency: int
     timeout: float
-    retries: int
+    retries: int | Retries
     queue_bound: int
     snapshot: bool
     secrets: list[str]

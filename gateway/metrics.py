@@ -52,6 +52,7 @@ class Metrics:
         self.cold_start_seconds: dict[tuple[str, str, str], Histogram] = defaultdict(
             lambda: Histogram(COLD_START_BUCKETS))
         self.rejections: Counter[tuple[str, str, str]] = Counter()  # (app, key id, reason)
+        self.retries: Counter[tuple[str, str, str]] = Counter()  # (app, function, reason)
         self.keys: dict[str, KeyUsage] = {}
         self.live: set[logs.RequestContext] = set()  # requests under way: per-key concurrency
         self.engines = EngineSeries()
@@ -76,6 +77,10 @@ class Metrics:
             self.cold_starts[(app, unit, cold_start.tier)] += 1
             self.cold_start_seconds[(app, unit, cold_start.tier)].observe(cold_start.ms / 1000)
             logs.annotate(cold_start=cold_start.tier, cold_start_ms=cold_start.ms)
+
+    def retried(self, app: str, unit: str, reason: str) -> None:
+        """A call runs again under its function's `retries=` (reason: function_error or replica_lost)."""
+        self.retries[(app, unit, reason)] += 1
 
     def started(self, context: logs.RequestContext) -> None:
         self.live.add(context)
@@ -127,6 +132,10 @@ class Metrics:
                          "Calls refused with 429 by a rate limit, by app, key and the limit that refused them.")
         lines += [f'ember_rate_limited_total{{app="{a}",key="{k}",reason="{r}"}} {n}'
                   for (a, k, r), n in sorted(self.rejections.items())]
+        lines += _family("ember_call_retries_total", "counter", "Calls run again under their function's retries=, by "
+                         "why: the function raised (function_error) or its replica was lost mid-call (replica_lost).")
+        lines += [f'ember_call_retries_total{{app="{a}",function="{u}",reason="{r}"}} {n}'
+                  for (a, u, r), n in sorted(self.retries.items())]
         lines += self._render_keys()
         lines += self._render_units(deployments)
         return "\n".join(lines + self.engines.render()) + "\n"

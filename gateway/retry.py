@@ -1,6 +1,13 @@
 """Sending a request to a replica: a slot from the function's queue, then the request, at most once unless it never
-reached a replica's code or the function's `retries=` allows more. Each attempt is a CLIENT span when tracing is on."""
+reached a replica's code or the function's `retries=` allows more. Each attempt is a CLIENT span when tracing is on.
+
+Retries live here, in the gateway, rather than in the worker: a lost replica cannot retry its own call, the gateway
+can send the retry to another replica and free the slot during the backoff, and one place counts them for /metrics.
+Only a call that did not succeed is run again: the function raised (the worker's 500 `function_error`) or its
+replica was lost mid-call; a result, a timeout or a bad request is final."""
+import asyncio
 import dataclasses
+import json
 import logging
 from typing import Awaitable, Callable, TypeVar
 
@@ -21,15 +28,32 @@ from ember.runtime.tracing import ClientSpan
 log = logging.getLogger("ember.gateway")
 
 Reply = TypeVar("Reply", Response, aiohttp.ClientResponse)  # a call's whole reply, or a stream's head
+REPLICA_LOST, FUNCTION_ERROR = "replica_lost", "function_error"  # why a call ran again, as /metrics counts it
+
+
+@dataclasses.dataclass
+class RetryBudget:
+    """The retries one call has left under its function's `retries=`; each one taken is reported to `on_retry`."""
+
+    left: int
+    on_retry: Callable[[str], None]
+
+    def take(self, reason: str) -> bool:
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        self.on_retry(reason)
+        return True
 
 
 async def send_with_retry(unit: Unit, lease: Lease, key: str | None,
-                          send: Callable[[GatewayReplica, dict | None], Awaitable[Reply]]) -> tuple[Reply, Lease]:
+                          send: Callable[[GatewayReplica, dict | None], Awaitable[Reply]],
+                          budget: RetryBudget) -> tuple[Reply, Lease]:
     """`send(replica, trace_headers)`, at most once by default: a request that never reached a replica's code
     (no connection, or refused before it started) is sent once more to another hot replica; one whose replica failed
-    after it arrived is sent again only as often as the function's `retries=` allows. The lease's slot is released on
+    after it arrived is sent again only while the call's retry `budget` lasts. The lease's slot is released on
     failure; on success the caller owns it."""
-    unreached, failed = 1, unit.spec.retries  # further attempts each kind of failure allows
+    unreached = 1  # a request that reached no code may go elsewhere once, outside the budget
     tried = {lease.replica.id}
     while True:
         replica = lease.replica
@@ -42,14 +66,14 @@ async def send_with_retry(unit: Unit, lease: Lease, key: str | None,
             return reply, lease
         except (proxy.Unreachable, proxy.ReplicaFailed) as exc:
             unit.queue.release(replica)
-            allowed = unreached if isinstance(exc, proxy.Unreachable) else failed
-            retry = unit.queue.try_acquire(key, frozenset(tried)) if allowed > 0 else None
+            allowed = unreached > 0 if isinstance(exc, proxy.Unreachable) else budget.left > 0
+            retry = unit.queue.try_acquire(key, frozenset(tried)) if allowed else None
             if retry is None:
                 raise exc.error from None
             if isinstance(exc, proxy.Unreachable):
                 unreached -= 1
             else:
-                failed -= 1
+                budget.take(REPLICA_LOST)
             log.warning("%s; sending it to %s", exc.error.message, retry.replica.id)
             lease = dataclasses.replace(lease, replica=retry.replica, attempt=lease.attempt + 1)
             tried.add(retry.replica.id)
@@ -58,13 +82,36 @@ async def send_with_retry(unit: Unit, lease: Lease, key: str | None,
             raise
 
 
+def raised(reply: Response) -> bool:
+    """Whether the worker answered that the function raised."""
+    if reply.status_code != 500:
+        return False
+    try:
+        return json.loads(reply.body)["error"]["type"] == FUNCTION_ERROR
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: bytes, key: str | None,
-               settle: Settlement) -> tuple[Response, Lease]:
+               settle: Settlement, on_retry: Callable[[str], None]) -> tuple[Response, Lease]:
     """A function call: its slot and rate-limit charge are free again once the whole reply is here, or, for a
-    generator's events, once the relayed stream ends."""
-    reply, lease = await send_with_retry(
-        unit, await unit.queue.acquire(key), key,
-        lambda replica, trace: proxy.call(client, replica, target.method, body, unit.spec.timeout, trace))
+    generator's events, once the relayed stream ends. A call whose function raised runs again after the backoff
+    of the function's `retries=`, with no slot held while it waits."""
+    policy = unit.spec.retries
+    budget, attempts = RetryBudget(policy.max_retries, on_retry), 0
+    while True:
+        lease = dataclasses.replace(await unit.queue.acquire(key), attempt=attempts + 1)
+        reply, lease = await send_with_retry(
+            unit, lease, key,
+            lambda replica, trace: proxy.call(client, replica, target.method, body, unit.spec.timeout, trace), budget)
+        attempts = lease.attempt
+        if isinstance(reply, aiohttp.ClientResponse) or not raised(reply) or not budget.take(FUNCTION_ERROR):
+            break
+        unit.queue.release(lease.replica)
+        delay = policy.delay(policy.max_retries - budget.left)
+        log.warning("%s/%s raised on attempt %d; running it again in %.3g s", unit.app, target.method, attempts,
+                    delay)
+        await asyncio.sleep(delay)
     if isinstance(reply, aiohttp.ClientResponse):
         async def close() -> None:
             unit.queue.release(lease.replica)
@@ -78,14 +125,16 @@ async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: by
 
 
 async def forward(request: Request, unit: Unit, target: Forward, body: bytes, key: str | None,
-                  meter: UsageMeter | None, settle: Settlement) -> tuple[Response, Lease]:
+                  meter: UsageMeter | None, settle: Settlement,
+                  on_retry: Callable[[str], None]) -> tuple[Response, Lease]:
     """To the app's ASGI endpoint, with the body the gateway read before it took the slot; the replica slot and
-    rate-limit charge are held until the streamed response ends."""
+    rate-limit charge are held until the streamed response ends. Only a lost replica is retried: an ASGI reply
+    has no sign that the function raised."""
     client = request.app.state.client
     upstream, lease = await send_with_retry(
         unit, await unit.queue.acquire(key), key,
         lambda replica, trace: proxy.open_stream(client, replica, request, target.path, body, unit.spec.timeout,
-                                                 trace))
+                                                 trace), RetryBudget(unit.spec.retries.max_retries, on_retry))
 
     async def close() -> None:
         unit.queue.release(lease.replica)

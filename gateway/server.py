@@ -167,11 +167,11 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
                 if isinstance(target, Call) and wants_spawn(request):
                     return await spawn(request, unit, target, body, affinity, settle), None, admission
                 if isinstance(target, Call):
-                    response, lease = await unless_disconnected(
-                        request, retry.call(request.app.state.client, unit, target, body, affinity, settle))
+                    response, lease = await unless_disconnected(request, retry.call(
+                        request.app.state.client, unit, target, body, affinity, settle, retried(unit)))
                 else:
                     response, lease = await unless_disconnected(
-                        request, retry.forward(request, unit, target, body, affinity, meter, settle))
+                        request, retry.forward(request, unit, target, body, affinity, meter, settle, retried(unit)))
             except BaseException:
                 await settle()
                 raise
@@ -179,13 +179,16 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
             gateway.bodies.give(getattr(request.state, "body_held", 0))
         return response, lease, admission
 
+    def retried(unit: Unit):
+        return lambda reason: gateway.metrics.retried(unit.app, unit.name, reason)
+
     async def spawn(request: Request, unit: Unit, target: Call, body: bytes, affinity: str | None,
                     settle: Settlement) -> Response:
         """Run the call in the background (it holds its rate-limit charge until it ends); 202 and its id now."""
         client = request.app.state.client
 
         async def run() -> Response:
-            response, _ = await retry.call(client, unit, target, body, affinity, settle)
+            response, _ = await retry.call(client, unit, target, body, affinity, settle, retried(unit))
             return response
 
         path = target.method if unit.kind == "function" else f"{unit.name}.{target.method}"

@@ -132,7 +132,8 @@ class EventStream:
         message = f"call exceeded the function's timeout of {self.timeout:g} s"
         if started:
             return await send({"type": "http.response.body", "body": error_event("timeout", message)})
-        await self.error_reply(504, "timeout", message, None if stopped else self.recycling)({"type": "http"}, None, send)
+        reply = self.error_reply(504, "timeout", message, None if stopped else self.recycling)
+        await reply({"type": "http"}, None, send)
 
 
 async def _disconnected(receive) -> None:

@@ -67,3 +67,19 @@ def test_the_typed_settings_name_every_field_of_the_spec():
     assert set(typed) == set(FunctionSpec.model_fields), "add the new FunctionSpec field to ember.spec.Settings too"
     for name, field in FunctionSpec.model_fields.items():
         assert typed[name] == field.annotation, name
+
+
+def test_retries_take_an_int_or_a_backoff_policy():
+    from ember.spec import FunctionSpec, Retries, SpecError, build_spec
+
+    assert FunctionSpec().retries == Retries(0, backoff_coefficient=1.0)
+    fixed = build_spec("@app.function", {"retries": 2}).retries
+    assert fixed.max_retries == 2 and [fixed.delay(n) for n in (1, 2)] == [1.0, 1.0]
+    backoff = Retries(5, backoff_coefficient=3.0, initial_delay=0.5, max_delay=4.0)
+    assert [backoff.delay(n) for n in (1, 2, 3, 4)] == [0.5, 1.5, 4.0, 4.0]
+    spec = FunctionSpec(retries=backoff)
+    assert FunctionSpec(**spec.model_dump()) == spec  # the manifest's round trip
+    with pytest.raises(SpecError, match="retries must be from 0 to 10, got 11"):
+        build_spec("@app.function", {"retries": 11})
+    with pytest.raises(SpecError, match="retries.Retries.backoff_coefficient"):
+        build_spec("@app.function", {"retries": {"max_retries": 1, "backoff_coefficient": 0.5}})
