@@ -71,7 +71,9 @@ class Function(Remote):
     def describe(self) -> dict:
         methods = [] if self.is_asgi else [self.name]
         params = {m: _required_params(self.fn) for m in methods}
-        return {"kind": "function", "methods": methods, "params": params, "asgi": self.is_asgi, "spec": self.spec.model_dump()}
+        try_it = getattr(self.fn, hooks.TRY_IT, None)  # what `ember serve` prints to call an ASGI app
+        return {"kind": "function", "methods": methods, "params": params, "asgi": self.is_asgi,
+                "spec": self.spec.model_dump()} | ({"try_it": try_it} if try_it else {})
 
     def local(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -107,7 +109,9 @@ class Cls:
 
     def describe(self) -> dict:
         params = {m: _required_params(getattr(self.user_cls, m), bound=True) for m in self.methods}
-        return {"kind": "class", "methods": self.methods, "params": params, "asgi": self.asgi is not None, "spec": self.spec.model_dump()}
+        try_it = getattr(getattr(self.user_cls, self.asgi), hooks.TRY_IT, None) if self.asgi else None
+        return {"kind": "class", "methods": self.methods, "params": params, "asgi": self.asgi is not None,
+                "spec": self.spec.model_dump()} | ({"try_it": try_it} if try_it else {})
 
     def start(self, on_hook: Callable[[str, float], None] | None = None) -> Any:
         """Create the instance and run its enter hooks (snap=True first)."""

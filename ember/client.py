@@ -4,11 +4,16 @@ import json
 import os
 import ssl
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from ember.home import Home
+
+
+class GatewayUnreachable(RuntimeError):
+    """No gateway answered, or its certificate is not trusted; the message names the fix."""
 
 
 class RemoteError(RuntimeError):
@@ -80,24 +85,64 @@ def _raise_for_error(response: httpx.Response) -> None:
         raise RemoteError(response.status_code, error.get("type", "error"), error.get("message", ""), retry_after)
 
 
+def _trust(ca: str | os.PathLike | None, also: Path | None = None) -> ssl.SSLContext:
+    """The CA file `ca`, else the system's trust store (plus `also`, the dev CA of this EMBER_HOME, where it exists)."""
+    if ca is not None:
+        if not Path(ca).is_file():
+            raise GatewayUnreachable(f"EMBER_CA={ca} is not a file: point it at the gateway's CA certificate (the "
+                                     "'CA certificate:' path `ember serve` printed, copied to this machine)")
+        return ssl.create_default_context(cafile=str(ca))
+    context = ssl.create_default_context()
+    if also is not None and also.is_file():
+        context.load_verify_locations(cafile=str(also))
+    return context
+
+
+def _unreachable(url: str, found_in: str, exc: httpx.ConnectError) -> GatewayUnreachable:
+    """The error for a gateway that did not answer at `url`, found through `found_in`, naming the fix."""
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return GatewayUnreachable(f"the certificate of {url} is not trusted ({exc}): set EMBER_CA to the "
+                                  "gateway's CA file (the 'CA certificate:' path `ember serve` printed)")
+    if found_in == "EMBER_URL":
+        return GatewayUnreachable(f"no gateway answers at EMBER_URL={url} ({exc}): is it running there?")
+    if not found_in:
+        return GatewayUnreachable(f"no gateway answers at {url} ({exc}): is `ember serve` running?")
+    return GatewayUnreachable(f"no gateway answers at {url} ({exc}); it was recorded in {found_in}, "
+                              "which has stopped: start it again with `ember serve APP.py`, or set EMBER_URL")
+
+
 class Client:
-    def __init__(self, url: str, key: str, ca: str | os.PathLike | bool = True, timeout: float = 600.0):
+    def __init__(self, url: str, key: str, ca: str | os.PathLike | bool | ssl.SSLContext = True,
+                 timeout: float = 600.0, found_in: str = ""):
         self.url, self.key, self.ca = url.rstrip("/"), key, ca
-        verify = ca if isinstance(ca, bool) else ssl.create_default_context(cafile=str(ca))
+        self.found_in = found_in  # where the URL came from, for the error when nothing answers there
+        verify = ca if isinstance(ca, (bool, ssl.SSLContext)) else _trust(ca)
         self.http = httpx.Client(verify=verify, timeout=timeout)
 
     @classmethod
     def from_env(cls) -> "Client":
-        """EMBER_URL and EMBER_KEY, else the gateway `ember serve` recorded in EMBER_HOME."""
+        """EMBER_URL and EMBER_KEY (EMBER_CA to trust a dev CA), else the gateway `ember serve` recorded in
+        EMBER_HOME/gateway.json with the admin key it wrote to cli.key."""
         home = Home()
-        url, key = os.environ.get("EMBER_URL"), os.environ.get("EMBER_KEY")
+        url, key, ca = os.environ.get("EMBER_URL"), os.environ.get("EMBER_KEY"), os.environ.get("EMBER_CA")
+        found_in = "EMBER_URL"
         if url is None and home.gateway_file.exists():
-            url = json.loads(home.gateway_file.read_text())["url"]
+            recorded = json.loads(home.gateway_file.read_text())
+            url = recorded["url"]
+            found_in = f"{home.gateway_file}, written by `ember serve` (pid {recorded.get('pid')})"
+            ca = ca or recorded.get("ca")  # None when the gateway serves a certificate of its own (--tls-cert)
         if key is None and home.cli_key_file.exists():
             key = home.cli_key_file.read_text().strip()
         if not url or not key:
-            raise RuntimeError("no Ember gateway found: run `ember serve APP.py`, or set EMBER_URL and EMBER_KEY")
-        return cls(url, key, os.environ.get("EMBER_CA") or home.ca)
+            raise GatewayUnreachable("no Ember gateway found: run `ember serve APP.py` (EMBER_HOME="
+                                     f"{home.root}), or set EMBER_URL and EMBER_KEY (and EMBER_CA for a dev CA)")
+        return cls(url, key, _trust(ca, also=home.root / "tls" / "ca.pem"), found_in=found_in)
+
+    def _send(self, send, method: str, path: str, **kwargs: Any):
+        try:
+            return send(method, f"{self.url}{path}", **kwargs)
+        except httpx.ConnectError as exc:
+            raise _unreachable(self.url, self.found_in, exc) from None
 
     def __enter__(self) -> "Client":
         return self
@@ -107,7 +152,7 @@ class Client:
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.key}"} | kwargs.pop("headers", {})
-        response = self.http.request(method, f"{self.url}{path}", headers=headers, **kwargs)
+        response = self._send(self.http.request, method, path, headers=headers, **kwargs)
         _raise_for_error(response)
         return response
 
@@ -115,7 +160,12 @@ class Client:
     def stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
         """A response read as it arrives (`iter_lines()`); an error reply raises RemoteError as `request` does."""
         headers = {"Authorization": f"Bearer {self.key}"} | kwargs.pop("headers", {})
-        with self.http.stream(method, f"{self.url}{path}", headers=headers, **kwargs) as response:
+        with contextlib.ExitStack() as stack:
+            try:
+                response = stack.enter_context(
+                    self.http.stream(method, f"{self.url}{path}", headers=headers, **kwargs))
+            except httpx.ConnectError as exc:
+                raise _unreachable(self.url, self.found_in, exc) from None
             if response.status_code >= 400:
                 response.read()
                 _raise_for_error(response)
@@ -141,10 +191,10 @@ class Client:
 class AsyncClient:
     """The Client's calls for asyncio code (`await f.remote.aio(...)`); same gateway, key and CA."""
 
-    def __init__(self, url: str, key: str, ca: str | os.PathLike | bool = True, timeout: float = 600.0,
-                 connections: int = 1000):
-        self.url, self.key = url.rstrip("/"), key
-        verify = ca if isinstance(ca, bool) else ssl.create_default_context(cafile=str(ca))
+    def __init__(self, url: str, key: str, ca: str | os.PathLike | bool | ssl.SSLContext = True,
+                 timeout: float = 600.0, connections: int = 1000, found_in: str = ""):
+        self.url, self.key, self.found_in = url.rstrip("/"), key, found_in
+        verify = ca if isinstance(ca, (bool, ssl.SSLContext)) else _trust(ca)
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         self.http = httpx.AsyncClient(verify=verify, timeout=timeout, limits=limits)
 
@@ -152,7 +202,7 @@ class AsyncClient:
     def from_env(cls, connections: int = 1000) -> "AsyncClient":
         sync = Client.from_env()
         sync.http.close()
-        return cls(sync.url, sync.key, sync.ca, connections=connections)
+        return cls(sync.url, sync.key, sync.ca, connections=connections, found_in=sync.found_in)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -162,7 +212,10 @@ class AsyncClient:
 
     async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.key}"} | kwargs.pop("headers", {})
-        response = await self.http.request(method, f"{self.url}{path}", headers=headers, **kwargs)
+        try:
+            response = await self.http.request(method, f"{self.url}{path}", headers=headers, **kwargs)
+        except httpx.ConnectError as exc:
+            raise _unreachable(self.url, self.found_in, exc) from None
         _raise_for_error(response)
         return response
 
@@ -174,7 +227,12 @@ class AsyncClient:
     @contextlib.asynccontextmanager
     async def stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
         headers = {"Authorization": f"Bearer {self.key}"} | kwargs.pop("headers", {})
-        async with self.http.stream(method, f"{self.url}{path}", headers=headers, **kwargs) as response:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                response = await stack.enter_async_context(
+                    self.http.stream(method, f"{self.url}{path}", headers=headers, **kwargs))
+            except httpx.ConnectError as exc:
+                raise _unreachable(self.url, self.found_in, exc) from None
             if response.status_code >= 400:
                 await response.aread()
                 _raise_for_error(response)

@@ -7,6 +7,7 @@ PARK = "__ember_on_park__"
 WAKE = "__ember_on_wake__"
 METHOD = "__ember_method__"
 ASGI = "__ember_asgi__"
+TRY_IT = "__ember_try_it__"  # value: {"path", "body", "openai_base"}, what `ember serve` prints to call the ASGI app
 
 
 def _marker(decorator: str, attribute: str, value: object) -> Callable:
@@ -62,7 +63,21 @@ def method(_fn: object = None) -> Callable:
     return _marker("method", METHOD, True)
 
 
-def asgi_app(_fn: object = None) -> Callable:
-    """The decorated callable returns an ASGI app (e.g. FastAPI) served under /{app}/..."""
+def asgi_app(_fn: object = None, *, try_path: str | None = None, try_body: dict | None = None,
+             openai_base: str | None = None) -> Callable:
+    """The decorated callable returns an ASGI app (e.g. FastAPI) served under /{app}/... . `try_path` (with a JSON
+    `try_body` to POST, else a GET) is the call `ember serve --new-key` prints; `openai_base` (e.g. "/v1") says the
+    app speaks the OpenAI API there, so `ember serve` also prints the settings an OpenAI client needs."""
     _no_bare_use("asgi_app", _fn)
-    return _marker("asgi_app", ASGI, True)
+    for name, path in (("try_path", try_path), ("openai_base", openai_base)):
+        if path is not None and not (isinstance(path, str) and path.startswith("/")):
+            raise TypeError(f"@ember.asgi_app({name}=...) is a path under the app, starting with '/'; got {path!r}")
+    mark = _marker("asgi_app", ASGI, True)
+
+    def mark_with_example(fn: Callable) -> Callable:
+        mark(fn)
+        if try_path or openai_base:
+            setattr(fn, TRY_IT, {"path": try_path, "body": try_body, "openai_base": openai_base})
+        return fn
+
+    return mark_with_example

@@ -8,10 +8,13 @@
     EMBER_CHAT_GPU_MEMORY_UTILIZATION=0.3 ember serve examples/chat.py  # take 30% of the GPU (default 0.9)
     EMBER_CHAT_KV_CACHE_BYTES=8000000000 ember serve examples/chat.py   # or give the KV cache a byte budget
 
-Then point any OpenAI client at https://127.0.0.1:8443/chat/v1 with an Ember key:
+Then point any OpenAI client at https://127.0.0.1:8443/chat/v1 with an Ember key (`ember serve examples/chat.py
+--new-key me` prints the key, a curl and the `export OPENAI_BASE_URL=... OPENAI_API_KEY=... SSL_CERT_FILE=...` line
+the official `openai` package reads):
 
     curl --cacert ~/.ember/tls/ca.pem -H "Authorization: Bearer $KEY" https://127.0.0.1:8443/chat/v1/models
-    curl --cacert ~/.ember/tls/ca.pem -H "Authorization: Bearer $KEY" https://127.0.0.1:8443/chat/v1/chat/completions \\
+    curl --cacert ~/.ember/tls/ca.pem -H "Authorization: Bearer $KEY" -H "Content-Type: application/json" \\
+         https://127.0.0.1:8443/chat/v1/chat/completions \\
          -d '{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
 
 The model's name in requests is its directory's name. With no GPU the engine runs on CPU
@@ -19,10 +22,12 @@ The model's name in requests is its directory's name. With no GPU the engine run
 """
 import logging
 import os
+from pathlib import Path
 
 import ember
 
 app = ember.App("chat")
+MODEL_NAME = Path(os.environ.get("EMBER_CHAT_MODEL") or "tiny-qwen3").name  # what requests call the model
 
 
 @app.cls(
@@ -82,6 +87,7 @@ class Chat:
     def restore_gpu(self):
         self.engine.wake()
 
-    @ember.asgi_app()
+    @ember.asgi_app(try_path="/v1/chat/completions", openai_base="/v1", try_body={
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16})
     def web(self):
         return self.api

@@ -180,6 +180,14 @@ class KeyStore:
             raise self._not_saved(key_id_or_name, exc) from None
         return [replace(self._key(r), revoked=now) for r in rows]
 
+    def delete(self, name: str) -> int:
+        """Remove every key named `name`, live or revoked; for keys a gateway mints for itself (the CLI's), which
+        would otherwise leave a row per restart. Returns how many went."""
+        with connect(self.db, f"delete the keys named {name[:100]!r}") as conn:
+            gone = conn.execute("DELETE FROM api_keys WHERE name = ?", (name,)).rowcount
+        self.cache.clear()
+        return gone
+
     def _hold(self, key_id_or_name: str, when: float) -> None:
         self.pending.setdefault(key_id_or_name, when)
         self.cache.clear()

@@ -42,26 +42,35 @@ def reserved(path: str) -> bool:
     return normal.lower().startswith("/__ember__")
 
 
-async def unless_disconnected(request: Request, work):
+SHUTTING_DOWN = "the gateway is shutting down"
+
+
+async def unless_disconnected(request: Request, work, cut_short: asyncio.Event):
     """Await `work` (its body already read), cancelling it if the client hangs up first: the call is cancelled on the
-    replica (its connection closes) and every slot it held, the replica's and the key's, is freed at once."""
+    replica (its connection closes) and every slot it held, the replica's and the key's, is freed at once. The same
+    when the stopping gateway's grace period ends (`cut_short`), which answers 503."""
     async def hung_up() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(hung_up())
+    cutter = asyncio.ensure_future(cut_short.wait())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher, cutter}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         task.cancel()
         raise
     finally:
         watcher.cancel()
+        cutter.cancel()
     if task.done():
         return task.result()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    if cut_short.is_set():
+        raise ApiError(503, "shutting_down", f"{SHUTTING_DOWN}: this call was cut short after the grace period; "
+                                             "retry it when the gateway is back", {"Retry-After": "5"})
     raise ApiError(499, "client_closed_request", "the client disconnected; its call was cancelled")
 
 
@@ -127,6 +136,8 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
     async def invoke(request: Request) -> Response:
         record = CallRecord(request.path_params["app_name"]).keep(request)
         try:
+            if gateway.stopping:
+                raise ApiError(503, "shutting_down", f"{SHUTTING_DOWN}; retry when it is back", {"Retry-After": "5"})
             key = await authenticate(gateway.keys, request)  # before anything reads the body
             unit, target = resolve(gateway.deployments, record.app, request.path_params["rest"])
         except ApiError as exc:
@@ -168,10 +179,12 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
                     return await spawn(request, unit, target, body, affinity, settle), None, admission
                 if isinstance(target, Call):
                     response, lease = await unless_disconnected(request, retry.call(
-                        request.app.state.client, unit, target, body, affinity, settle, retried(unit)))
+                        request.app.state.client, unit, target, body, affinity, settle, retried(unit)),
+                        gateway.cut_short)
                 else:
                     response, lease = await unless_disconnected(
-                        request, retry.forward(request, unit, target, body, affinity, meter, settle, retried(unit)))
+                        request, retry.forward(request, unit, target, body, affinity, meter, settle, retried(unit)),
+                        gateway.cut_short)
             except BaseException:
                 await settle()
                 raise

@@ -37,6 +37,15 @@ class Gateway:
         self.bodies = BodyBudget()  # request-body bytes held at once, across every request
         self.started = time.monotonic()
         self.ready = False
+        self.stopping = False  # a stop signal came: new calls are refused
+        self.cut_short = asyncio.Event()  # set GRACE seconds later: calls still running answer 503 shutting_down
+
+    def stop_calls(self, grace: float) -> None:
+        """On a stop signal (called in the event loop's thread): refuse new calls now, cut running ones after
+        `grace` seconds."""
+        self.stopping, self.ready = True, False
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(loop.call_later, grace, self.cut_short.set)
 
     def register(self, package: Path) -> tuple[Deployment, Deployment | None]:
         deployment = Deployment.from_package(package, self.scaler.poke)

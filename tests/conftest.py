@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ember.gateway.banner import LAST_LINE
 from ember.gateway.keys import KeyStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +54,7 @@ class Served:
         return json.loads(self.cli("status", "--json").stdout)
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_serve(process: subprocess.Popen) -> None:
     """Stop the gateway and its replicas (one process group); SIGKILL whatever outlives the grace period."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
@@ -66,6 +67,47 @@ def _stop(process: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     process.wait(5)
+
+
+def launch(home: Path, app_path: str | Path, *args: str, timeout: float = 60.0,
+           started: list[subprocess.Popen] | None = None) -> Served:
+    """Start `ember serve APP.py --port 0 ARGS` with EMBER_HOME=home; a Served once its banner is out and /readyz
+    answers. The process is appended to `started` before anything can fail, for the caller to stop."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ember.cli", "serve", str(app_path), "--port", "0", *args],
+        env=os.environ | {"EMBER_HOME": str(home)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True, cwd=ROOT,
+    )
+    if started is not None:
+        started.append(process)
+    lines: list[str] = []
+    url = None
+    deadline = time.monotonic() + timeout
+    while url is None:
+        line = process.stdout.readline()
+        if not line:
+            raise AssertionError("ember serve exited early:\n" + "".join(lines))
+        lines.append(line)
+        if line.startswith("Ember is serving"):
+            url = line.split(" at ")[-1].strip()
+        assert time.monotonic() < deadline, "ember serve printed no URL:\n" + "".join(lines)
+    served = Served(url, home / "tls" / "ca.pem", home, process, lines)
+    while not lines[-1].startswith(LAST_LINE):  # the rest of the banner: key, curl, client settings
+        line = process.stdout.readline()
+        if not line:
+            raise AssertionError("ember serve exited early:\n" + "".join(lines))
+        lines.append(line)
+    # Keep draining its output (gateway log lines) so a full pipe never blocks the server.
+    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+    ready_url = json.loads((home / "gateway.json").read_text())["url"]  # the loopback address the CLI uses
+    while True:
+        try:
+            if httpx.get(f"{ready_url}/readyz", verify=served.tls()).status_code == 200:
+                return served
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "ember serve never became ready"
+        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -84,37 +126,8 @@ def _serving(tmp_path: Path):
     started: list[subprocess.Popen] = []
 
     def start(app_path: str | Path, *args: str, timeout: float = 60.0) -> Served:
-        home = tmp_path / "ember-home"
-        process = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "serve", str(app_path), "--port", "0", *args],
-            env=os.environ | {"EMBER_HOME": str(home)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True, cwd=ROOT,
-        )
-        started.append(process)
-        lines: list[str] = []
-        url = None
-        deadline = time.monotonic() + timeout
-        while url is None:
-            line = process.stdout.readline()
-            if not line:
-                raise AssertionError("ember serve exited early:\n" + "".join(lines))
-            lines.append(line)
-            if line.startswith("Ember is serving"):
-                url = line.split(" at ")[-1].strip()
-            assert time.monotonic() < deadline, "ember serve printed no URL:\n" + "".join(lines)
-        served = Served(url, home / "tls" / "ca.pem", home, process, lines)
-        lines += [process.stdout.readline() for _ in range(5 if "--new-key" in args else 2)]
-        # Keep draining its output (gateway log lines) so a full pipe never blocks the server.
-        threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", verify=served.tls()).status_code == 200:
-                    return served
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "ember serve never became ready"
-            time.sleep(0.1)
+        return launch(tmp_path / "ember-home", app_path, *args, timeout=timeout, started=started)
 
     yield start
     for process in started:
-        _stop(process)
+        stop_serve(process)

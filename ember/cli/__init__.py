@@ -5,6 +5,7 @@
     ember snapshot ...   (handed to ember.snapshot.cli)
 """
 import argparse
+import os
 import sys
 
 import httpx
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except RemoteError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader left (`ember status | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (RuntimeError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,7 +1,7 @@
 """How the CLI reaches a gateway: its admin API, at EMBER_URL with EMBER_KEY, else the one `ember serve` runs here."""
 import httpx
 
-from ember.client import Client
+from ember.client import Client, GatewayUnreachable
 from ember.home import Home
 
 
@@ -17,7 +17,7 @@ def running_gateway() -> Client | None:
     client = Client.from_env()
     try:
         client.request("GET", "/healthz")
-    except httpx.TransportError:
+    except (httpx.TransportError, GatewayUnreachable):
         client.http.close()
         return None
     return client

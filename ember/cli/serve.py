@@ -15,9 +15,19 @@ def add_to(sub, epilog: str) -> None:
                         "/NAME/v1/embeddings")
     p.add_argument("--name", help="with --model: the model's name in requests and the app's in URLs (default the "
                                   "directory's name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1); 0.0.0.0 serves other machines too, and the printed "
+                        "URL then names this machine's address")
     p.add_argument("--port", type=int, default=8443, help="port to listen on; 0 picks a free one (default 8443)")
-    p.add_argument("--new-key", metavar="NAME", help="also create an API key NAME and print a ready-to-paste curl")
+    p.add_argument("--new-key", metavar="NAME",
+                   help="also create an API key NAME (revoking an earlier live key of that name) and print a "
+                        "ready-to-paste curl")
+    p.add_argument("--tls-name", action="append", default=[], metavar="NAME",
+                   help="a DNS name or IP address clients use, added to the dev certificate (repeatable; it already "
+                        "covers localhost, this machine's hostname and addresses, and --host)")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve this certificate (chain) instead of the dev CA's; "
+                                                     "needs --tls-key")
+    p.add_argument("--tls-key", metavar="PEM", help="the unencrypted private key of --tls-cert")
     p.add_argument("--backend", choices=["local", "aws"], default="local",
                    help="where replicas run: local processes, or the AWS Auto Scaling Group named by EMBER_AWS_ASG "
                         "(default local)")
@@ -50,4 +60,4 @@ def serve(args: argparse.Namespace) -> int:
         written = write_model_app(args.model, args.name, Home())
         app_path, openai_model, watch = written.path, (written.served, written.kind), False  # nothing to edit
     return serve(app_path, args.host, args.port, args.new_key, args.backend, args.parked_ram, args.redis, args.routing,
-                 watch, openai_model)
+                 watch, openai_model, args.tls_name, args.tls_cert, args.tls_key)

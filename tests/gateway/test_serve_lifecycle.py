@@ -1,0 +1,127 @@
+"""`ember serve` as a process a user starts and stops (gateway/serve.py, gateway/home_lock.py): one gateway per
+EMBER_HOME, clean SIGTERM/SIGINT with calls in flight, no admin key or gateway.json left behind, a gateway killed
+with kill -9 taken over by the next, and the client's error when the recorded gateway is gone."""
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import ROOT, launch, stop_serve
+
+APP = Path(__file__).parent / "apps" / "slow.py"
+
+
+def _keys(home: Path) -> list[dict]:
+    with sqlite3.connect(home / "ember.db") as db:
+        db.row_factory = sqlite3.Row
+        return [dict(r) for r in db.execute("SELECT id, name, admin, revoked FROM api_keys")]
+
+
+def _ember(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ember.cli", *args], env=os.environ | {"EMBER_HOME": str(home)} | env,
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def _banner_key(served) -> str:
+    return next(line.split(": ")[-1].strip() for line in served.stdout if line.startswith("API key"))
+
+
+def test_one_gateway_per_home_and_sigterm_with_a_call_in_flight(tmp_path):
+    home, started = tmp_path / "home", []
+    try:
+        served = launch(home, APP, "--new-key", "me", started=started)
+        second = _ember(home, "serve", str(APP), "--port", "0")
+        assert second.returncode == 1 and "Traceback" not in second.stderr
+        assert f"another `ember serve` (pid {served.process.pid}, {served.url})" in second.stderr
+        assert "EMBER_HOME" in second.stderr and "stop it first" in second.stderr
+        assert json.loads((home / "gateway.json").read_text())["pid"] == served.process.pid  # not taken over
+
+        admin = [k for k in _keys(home) if k["admin"]]
+        assert [(k["name"], k["revoked"]) for k in admin] == [("ember-cli", None)]
+        replies = []
+        with served.client(_banner_key(served), timeout=30) as http:
+            http.post("/slow/wait", json={"seconds": 0}).raise_for_status()  # a replica is up
+            caller = threading.Thread(target=lambda: replies.append(http.post("/slow/wait", json={"seconds": 30})))
+            caller.start()
+            while not served.status()["apps"]["slow"]["functions"]["wait"]["in_flight"]:
+                pass
+            served.process.send_signal(signal.SIGTERM)
+            caller.join(20)
+        assert served.process.wait(20) == 0  # a clean stop, not death by the signal
+        reply = replies[0]
+        assert reply.status_code == 503 and reply.headers["retry-after"]
+        assert reply.json()["error"]["type"] == "shutting_down"
+        output = "".join(served.stdout)
+        assert "Traceback" not in output and "Exception" not in output, output
+        assert not (home / "gateway.json").exists() and not (home / "cli.key").exists()
+        assert [k for k in _keys(home) if k["admin"]] == []  # the CLI's admin key went with it
+    finally:
+        for process in started:
+            stop_serve(process)
+
+
+def test_killed_gateway_is_taken_over_and_reruns_keep_one_key_per_purpose(tmp_path):
+    home, started = tmp_path / "home", []
+    try:
+        first = launch(home, APP, "--new-key", "me", started=started)
+        old_key = _banner_key(first)
+        first.process.kill()  # kill -9: nothing cleaned up
+        first.process.wait(10)
+
+        # What it left: a gateway.json naming a dead gateway. Calls say what happened and what to do.
+        remote = subprocess.run([sys.executable, "-c", "from ember.package import load_app; "
+                                 f"print(load_app({str(APP)!r}).units['wait'].remote(seconds=0))"],
+                                env=os.environ | {"EMBER_HOME": str(home)}, capture_output=True, text=True, timeout=60)
+        assert remote.returncode == 1
+        last = remote.stderr.strip().splitlines()[-1]
+        assert last.startswith("ember.client.GatewayUnreachable: no gateway answers at https://127.0.0.1:"), last
+        assert "gateway.json" in last and "ember serve APP.py" in last and "ConnectError" not in remote.stderr
+        status = _ember(home, "status")
+        assert status.returncode == 1 and "ember serve" in status.stderr and "Traceback" not in status.stderr
+
+        second = launch(home, APP, "--new-key", "me", started=started)  # the dead one's lock is taken over
+        rows = _keys(home)
+        assert [k["revoked"] for k in rows if k["name"] == "ember-cli"] == [None]  # one row, not one per run
+        assert sorted(k["revoked"] is None for k in rows if k["name"] == "me") == [False, True]
+        assert "replaces key" in "".join(second.stdout)
+        with second.client(old_key) as http:
+            assert http.post("/slow/wait", json={"seconds": 0}).status_code == 401
+        with second.client(_banner_key(second)) as http:
+            assert http.post("/slow/wait", json={"seconds": 0}).json() == {"result": 0}
+
+        second.process.send_signal(signal.SIGINT)  # Ctrl-C
+        assert second.process.wait(20) == 0
+        assert "Traceback" not in "".join(second.stdout)
+        assert not (home / "gateway.json").exists()
+        assert [k for k in _keys(home) if k["admin"]] == []
+    finally:
+        for process in started:
+            stop_serve(process)
+
+
+def test_remote_without_ember_ca_names_the_fix(serve, tmp_path):
+    """EMBER_URL and EMBER_KEY from another machine (its own, empty EMBER_HOME): the dev CA is not trusted there."""
+    served = serve(APP)
+    key = served.key("remote")
+    call = ("from ember.package import load_app; "
+            f"print(load_app({str(APP)!r}).units['wait'].remote(seconds=0))")
+    elsewhere = {"EMBER_HOME": str(tmp_path / "elsewhere"), "EMBER_URL": served.url, "EMBER_KEY": key}
+
+    def remote(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", call], env=os.environ | elsewhere | env, capture_output=True,
+                              text=True, timeout=60)
+
+    untrusted = remote()
+    assert untrusted.returncode == 1 and "FileNotFoundError" not in untrusted.stderr
+    assert "is not trusted" in untrusted.stderr and "set EMBER_CA" in untrusted.stderr
+    missing = remote(EMBER_CA=str(tmp_path / "nope.pem"))
+    assert f"EMBER_CA={tmp_path / 'nope.pem'} is not a file" in missing.stderr
+    assert remote(EMBER_CA=str(served.ca)).stdout.strip() == "0.0"
+    with httpx.Client(verify=served.tls()) as http:  # and the server is fine
+        assert http.get(f"{served.url}/healthz").status_code == 200
