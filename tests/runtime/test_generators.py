@@ -106,5 +106,30 @@ def test_a_client_that_leaves_closes_the_generator_and_frees_its_slot(served, tm
         # max_concurrency=1 and max_replicas=1: a second stream runs only if the first one's slot was freed.
         with http.stream("POST", "/generators/endless", json={"marker": str(tmp_path / "second")}) as again:
             assert again.status_code == 200
-            assert next(again.iter_lines()) == "data: 0"
+            again_lines = again.iter_lines()
+            assert next(again_lines) == "data: 0"
     assert served.status()["apps"]["generators"]["functions"]["endless"]["in_flight"] == 0
+
+
+def test_a_stream_past_its_timeout_ends_with_a_timeout_event(served):
+    with served.client(served.key()) as http:
+        with http.stream("POST", "/generators/slow_ticks", json={"n": 100}) as reply:
+            got = events(reply.iter_lines())
+    values = [data for name, data in got if name is None]
+    assert 2 <= len(values) <= 5 and values == list(range(len(values)))
+    assert got[-1] == ("error", {"error": {"type": "timeout",
+                                           "message": "call exceeded the function's timeout of 1 s"}})
+
+
+def test_a_stream_holds_its_keys_concurrency_until_it_ends(served, tmp_path):
+    key = served.cli("keys", "create", "--quiet", "--name", "one-at-a-time", "--concurrency", "1").stdout.strip()
+    gate = tmp_path / "gate"
+    with served.client(key) as http:
+        with http.stream("POST", "/generators/count", json={"n": 5, "gate": str(gate)}) as reply:
+            lines = reply.iter_lines()  # kept: a dropped line iterator closes the stream
+            assert next(lines).startswith("data:")
+            refused = http.post("/generators/plain", json={})
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_exceeded"
+            gate.touch()
+            assert events(lines)[-1] == ("done", {})
+        assert http.post("/generators/plain", json={}).json() == {"result": 1}

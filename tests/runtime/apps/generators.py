@@ -56,3 +56,11 @@ def endless(marker: str):
 @app.function(scaledown_window=60)
 def plain() -> int:
     return 1
+
+
+@app.function(timeout=1, scaledown_window=60)
+async def slow_ticks(n: int):
+    """One value every 0.3 s: more than its 1 s timeout allows for n > 3."""
+    for i in range(n):
+        yield i
+        await asyncio.sleep(0.3)
