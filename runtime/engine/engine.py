@@ -51,9 +51,12 @@ class LLMEngine:
         # The device's owner at any moment: a step or a graph capture (the engine loop's thread) or a park or
         # wake (the worker's); a park must not unmap memory under a running kernel.
         self._device = threading.RLock()
-        began = time.perf_counter()
-        self.warmup()
-        startup.report({"warmup_ms": round((time.perf_counter() - began) * 1000)})
+        # A GPU replica restored from a snapshot skips the warm-up: the boot that wrote the snapshot compiled and kept
+        # every kernel, and a request waiting on a cold start would only wait longer for kernels to load twice.
+        if self.runner.device.type != "cuda" or self.runner.weights_start.source != "snapshot":
+            began = time.perf_counter()
+            self.warmup()
+            startup.report({"warmup_ms": round((time.perf_counter() - began) * 1000)})
 
     def warmup(self) -> None:
         """One prefill and a few decode steps, greedy and sampled, before the first request: whatever the kernels

@@ -1,7 +1,10 @@
 """Owns the device: the model weights, the KV cache tensors, the attention backend; runs one scheduled batch."""
 import importlib.util
+import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -51,11 +54,19 @@ class ModelRunner:
         # The weights and the KV cache live in the arena, so a park can release them and keep their addresses.
         self.arena = Arena(self.device)
         self.gpu_image = self._reserve_recorded_ranges()
-        began = time.perf_counter()
-        # weights_start: where the weights came from (snapshot or full boot), how long, how fast
-        self.model, self.hf_config, self.weights_start = load_model(config.model, self.dtype, self.device,
-                                                                    config.snapshot_store, self.arena)
-        self.start_phases = {"weights": time.perf_counter() - began}   # seconds per phase of the engine's start
+        self.start_phases: dict[str, float] = {}   # seconds per phase of the engine's start
+        # The attention backend (importing flashinfer, installing its kernels: ~0.7 s on an H200) needs only the
+        # model's shape, so it is made on a thread while the weights stream in.
+        with ThreadPoolExecutor(1, thread_name_prefix="ember-attention") as pool:
+            attention = pool.submit(self._timed_backend, config.model)
+            began = time.perf_counter()
+            # weights_start: where the weights came from (snapshot or full boot), how long, how fast
+            self.model, self.hf_config, self.weights_start = load_model(config.model, self.dtype, self.device,
+                                                                        config.snapshot_store, self.arena)
+            self.start_phases["weights"] = time.perf_counter() - began
+            began = time.perf_counter()
+            self.attention = attention.result()
+            self.start_phases["attention_wait"] = time.perf_counter() - began  # the part the weights did not hide
         hf = self.hf_config
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
@@ -66,9 +77,9 @@ class ModelRunner:
         head_dim = self.model.head_dim
         self.num_kv_heads = hf.num_key_value_heads
         self.num_layers = hf.num_hidden_layers
-        began = time.perf_counter()
-        self.attention = self._make_backend(head_dim)
-        self.start_phases["attention"] = time.perf_counter() - began
+        if self.model.head_dim != self.attention.head_dim:
+            raise ValueError(f"{config.model}: the model's head_dim {self.model.head_dim} is not config.json's "
+                             f"{self.attention.head_dim}")
         began = time.perf_counter()
         self.num_blocks = config.num_kv_blocks or self._derive_num_blocks(head_dim)
         use_graphs = isinstance(self.attention, FlashInferBackend) and not config.enforce_eager
@@ -87,8 +98,9 @@ class ModelRunner:
         self.start_phases["kv_cache"] = time.perf_counter() - began
         began = time.perf_counter()
         # Graphs, their buffers and flashinfer's workspaces stay in torch's allocator, which a park leaves alone.
-        # Lazily (the default) only batch size 1 is captured here: the rest on first use or while the engine idles.
-        self.graphs = self._capture_graphs(None if config.graph_capture == "start" else [1]) if use_graphs else None
+        # Lazily (the default) none is captured here: each size on the first step that needs it or while the engine
+        # idles, so a restored replica takes its first request sooner.
+        self.graphs = self._capture_graphs(None if config.graph_capture == "start" else []) if use_graphs else None
         self.start_phases["graph_capture"] = time.perf_counter() - began
         logger.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s, decode graphs %s; start %s",
                     config.model, self.device, self.dtype, self.num_blocks, self.block_size,
@@ -173,10 +185,19 @@ class ModelRunner:
             raise ValueError("no GPU memory left for the KV cache: raise gpu_memory_utilization or use a smaller model")
         return blocks
 
-    def _make_backend(self, head_dim: int):
-        hf = self.hf_config
+    def _timed_backend(self, model_dir: str):
+        began = time.perf_counter()
+        shape = json.loads((Path(model_dir) / "config.json").read_text())
+        num_heads = shape["num_attention_heads"]
+        head_dim = shape.get("head_dim") or shape["hidden_size"] // num_heads
+        backend = self._make_backend(num_heads, shape.get("num_key_value_heads", num_heads), head_dim)
+        self.start_phases["attention"] = time.perf_counter() - began
+        return backend
+
+    def _make_backend(self, num_heads: int, num_kv_heads: int, head_dim: int):
         name = self.config.attention_backend
-        args = (hf.num_attention_heads, self.num_kv_heads, head_dim, self.block_size, head_dim ** -0.5)
+        block_size = self.config.block_size
+        args = (num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5)
         if name == "auto":
             # flashinfer's paged kernels take half precision only.
             usable = self.device.type == "cuda" and self.dtype != torch.float32
