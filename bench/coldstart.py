@@ -201,7 +201,8 @@ def wait_gpu_free(baseline: int | None, timeout: float = 120) -> float:
     began = time.perf_counter()
     if baseline is None:
         return 0.0
-    while (used := gpu_memory_used()) is not None and used > baseline + (1 << 30):
+    # the memory first, then the process: the supervisor hands the GPU to the next start once the process is gone
+    while (used := gpu_memory_used()) is not None and (used > baseline + (1 << 30) or gpu_processes()):
         if time.perf_counter() - began > timeout:
             raise RuntimeError(f"the GPU still holds {used / 2**30:.1f} GiB > {baseline / 2**30:.1f} GiB + 1 GiB "
                                f"after {timeout:g} s: {gpu_processes()}")
