@@ -99,10 +99,11 @@ def launch(home: Path, app_path: str | Path, *args: str, timeout: float = 60.0,
         lines.append(line)
     # Keep draining its output (gateway log lines) so a full pipe never blocks the server.
     threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
-    ready_url = json.loads((home / "gateway.json").read_text())["url"]  # the loopback address the CLI uses
+    recorded = json.loads((home / "gateway.json").read_text())  # the address the CLI uses, and its CA
+    verify = served.tls() if recorded["ca"] else False  # a certificate of one's own (--tls-cert): only waiting here
     while True:
         try:
-            if httpx.get(f"{ready_url}/readyz", verify=served.tls()).status_code == 200:
+            if httpx.get(f"{recorded['url']}/readyz", verify=verify).status_code == 200:
                 return served
         except httpx.TransportError:
             pass
