@@ -152,3 +152,32 @@ print("cpu-only")
     env = {**os.environ, "EMBER_HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert done.stdout.strip() == "cpu-only", done.stderr[-2000:]
+
+
+def test_the_banner_alone_sets_up_curl_and_the_official_openai_client(serve):
+    """With only what `ember serve examples/chat.py --new-key me` printed: its curl, its export line, its snippet."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    served = serve(EXAMPLE, "--new-key", "me", timeout=120)
+    printed = [line.strip() for line in served.stdout]
+    curl = next(line for line in printed if line.startswith("curl --cacert"))
+    pasted = subprocess.run(["bash", "-c", curl + " -sS -w '\\n%{http_code}'"], capture_output=True, text=True,
+                            timeout=120)
+    assert pasted.stdout.endswith("\n200") and '"object":"chat.completion"' in pasted.stdout.replace(" ", "")
+
+    exported = next(line for line in printed if "export OPENAI_BASE_URL=" in line).split("export ", 1)[1]
+    settings = dict(word.split("=", 1) for word in shlex.split(exported))
+    assert set(settings) == {"OPENAI_BASE_URL", "OPENAI_API_KEY", "SSL_CERT_FILE"}
+    ask = (f"c.chat.completions.create(model={MODEL!r}, messages=[{{'role': 'user', 'content': 'Hi'}}], "
+           "max_tokens=4).choices[0].message.role")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "SSL_CERT", "EMBER_"))}
+    by_env = subprocess.run([sys.executable, "-c", f"import openai; c = openai.OpenAI(max_retries=0); print({ask})"],
+                            env=clean | settings, capture_output=True, text=True, timeout=120)
+    assert by_env.stdout.strip() == "assistant", by_env.stderr
+    snippet = next(line for line in printed if line.startswith("openai.OpenAI("))
+    by_snippet = subprocess.run([sys.executable, "-c", f"import httpx, openai; c = {snippet}; print({ask})"],
+                                env=clean, capture_output=True, text=True, timeout=120)
+    assert by_snippet.stdout.strip() == "assistant", by_snippet.stderr
