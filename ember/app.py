@@ -8,7 +8,7 @@ from typing_extensions import Unpack
 
 from ember import hooks
 from ember.remote import Remote
-from ember.spec import FunctionSpec, Settings, SpecError, build_spec
+from ember.spec import FunctionSpec, Settings, SpecError, build_spec, check_requirements
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
@@ -23,11 +23,17 @@ Unit = TypeVar("Unit", "Function", "Cls")
 
 
 class App:
-    """A named group of functions and classes served under https://<gateway>/{name}/..."""
+    """A named group of functions and classes served under https://<gateway>/{name}/...
 
-    def __init__(self, name: str):
+    `requirements`: pip requirements every function of the app gets (before its own `requirements=`)."""
+
+    def __init__(self, name: str, requirements: list[str] | None = None):
         self.name = _check_name("app", name)
         self.units: dict[str, "Function | Cls"] = {}
+        try:
+            self.requirements = check_requirements(list(requirements or []))
+        except ValueError as exc:
+            raise SpecError(f"App({name!r}): {exc}") from None
 
     def _add(self, unit: "Function | Cls") -> None:
         if unit.name in self.units:
@@ -46,7 +52,10 @@ class App:
                    make: Callable[["App", Any, FunctionSpec], Unit]) -> Callable[[Any], Unit]:
         if callable(first):
             raise TypeError(f"use @app.{kind}() with parentheses")
-        spec = build_spec(f"@app.{kind}", dict(settings))
+        settings = dict(settings)
+        if self.requirements:
+            settings["requirements"] = self.requirements + list(settings.get("requirements", []))
+        spec = build_spec(f"@app.{kind}", settings)
 
         def register(target: Any) -> Unit:
             unit = make(self, target, spec)

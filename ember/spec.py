@@ -1,5 +1,6 @@
 """FunctionSpec: every setting of a function or class, checked when the app is loaded."""
 import difflib
+import os
 import re
 from typing import Any, Literal, TypedDict
 
@@ -69,6 +70,8 @@ class FunctionSpec(BaseModel):
     snapshot: bool = False
     secrets: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
+    requirements: list[str] = Field(default_factory=list, description="pip requirements installed for this function "
+                                    "alone, into a cached environment that shares everything installed here")
 
     def __reduce__(self):
         # pydantic pickles the set of fields given, in hash-seed order; rebuilding from the values
@@ -90,6 +93,11 @@ class FunctionSpec(BaseModel):
         if value is not None and not GPU_PATTERN.match(value):
             raise ValueError(f"gpu must look like 'H200' or 'H200:2', got {value!r}")
         return value
+
+    @field_validator("requirements")
+    @classmethod
+    def _requirements(cls, value: list[str]) -> list[str]:
+        return check_requirements(value)
 
     @model_validator(mode="after")
     def _ranges(self) -> "FunctionSpec":
@@ -138,6 +146,34 @@ class Settings(TypedDict, total=False):
     snapshot: bool
     secrets: list[str]
     env: dict[str, str]
+    requirements: list[str]
+
+
+PATH_SUFFIXES = (".whl", ".tar.gz", ".zip")
+
+
+def check_requirements(requirements: list[str]) -> list[str]:
+    """Each a pip requirement ('name[extra]>=1.0', 'name @ URL') or a local path (a project folder, a wheel or an
+    sdist; a relative one is taken from the current directory and made absolute here)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    checked = []
+    for i, text in enumerate(requirements):
+        text = text.strip()
+        if text.startswith((".", "/", "~")) or os.sep in text.split("@")[0] or text.endswith(PATH_SUFFIXES):
+            path = os.path.abspath(os.path.expanduser(text))
+            if not os.path.exists(path):
+                raise ValueError(f"requirements[{i}]: no file or folder at {path}; give an existing project folder, "
+                                 "wheel or sdist, or a pip requirement such as 'requests>=2'")
+            checked.append(path)
+            continue
+        try:
+            Requirement(text)
+        except InvalidRequirement as exc:
+            raise ValueError(f"requirements[{i}] {text!r} is not a pip requirement ({str(exc).splitlines()[0]}); write it as in "
+                             "requirements.txt, e.g. 'requests>=2' or 'name @ https://...'") from None
+        checked.append(text)
+    return checked
 
 
 def build_spec(decorator: str, kwargs: dict[str, Any]) -> FunctionSpec:

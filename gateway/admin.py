@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, model_validator
 from ember.gateway.keys import check_scopes
 from ember.gateway.lifecycle import LIVE, ReplicaState
 from ember.package import PackageError
+from ember.runtime.environments import InstallError
 from ember.gateway.ratelimit import Limits
 from ember.gateway.routing import APP_NAME
 from ember.gateway.secret_files import MissingSecret, SecretError
@@ -163,6 +164,8 @@ def admin_router(gateway: "Gateway") -> APIRouter:
             raise ApiError(422, "invalid_package", str(exc)) from None
         except MissingSecret as exc:
             raise ApiError(422, "missing_secret", str(exc)) from None
+        except InstallError as exc:
+            raise ApiError(422, "requirements_failed", str(exc)) from None
         except ValueError as exc:  # an app name the gateway cannot route
             raise ApiError(422, "invalid_name", str(exc)) from None
         return {"app": deployment.name, "package": str(package), "functions": sorted(deployment.units)}

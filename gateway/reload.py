@@ -12,6 +12,7 @@ from typing import Awaitable, Callable
 
 from ember.home import Home
 from ember.package import LOCAL_IMPORTS, build, load_app, local_modules
+from ember.runtime import environments
 
 POLL = 0.2  # seconds between looks at the watched files' mtimes
 SETTLE = 0.05  # an editor may write a file in several steps: wait this long after the first change
@@ -103,5 +104,7 @@ class AppWatcher:
         importlib.invalidate_caches()
         app = load_app(self.path)
         self.watch_loaded(app)
-        return app, build(app, self.home)
+        package = build(app, self.home)
+        environments.ensure_for_package(package, lambda line: self.say(f"  {line}"), self.home)
+        return app, package
 

@@ -20,7 +20,7 @@ from ember.gateway.service import Gateway
 from ember.gateway.tls import check_own_certificate, issue_server_cert, primary_address
 from ember.home import Home
 from ember.package import build, load_app
-from ember.runtime import logs, tracing
+from ember.runtime import environments, logs, tracing
 
 CLI_KEY_NAME = "ember-cli"
 GRACE = 5
@@ -120,6 +120,8 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
             logs.follow_spans()
         app = load_app(app_path)
         package = build(app, home)
+        if backend == "local":  # replicas run here: their requirements are installed before anything is served
+            environments.ensure_for_package(package, lambda line: print(f"  {line}", flush=True), home)
         gateway = Gateway(home, backend_for(backend, home.logs, parked_ram), _limiter(redis_url), routing)
         deployment, _ = gateway.register(package)
         watcher = None

@@ -1,6 +1,7 @@
 """The gateway as a service: the keys, deployed apps, backend, autoscaler, metrics and rate limits one
 `ember serve` runs, and deploying an app into it. The HTTP surface over it is gateway/server.py."""
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from ember.gateway.routing import APP_NAME
 from ember.gateway.scaler import Scaler
 from ember.gateway.secret_files import SecretStore
 from ember.home import Home
+from ember.runtime import environments
+
+log = logging.getLogger("ember.gateway")
 
 GATEWAY_PATHS = {"admin", "calls", "dashboard", "healthz", "readyz", "metrics"}  # no app can be reached under these
 
@@ -64,6 +68,8 @@ class Gateway:
         return deployment, previous
 
     async def deploy(self, package: Path) -> Deployment:
+        if isinstance(self.backend, LocalBackend):  # its replicas run here: a failed install fails the deploy
+            await asyncio.to_thread(environments.ensure_for_package, package, log.info, self.home)
         deployment, previous = self.register(package)
         if previous is not None:  # the new version takes new calls; the old one's replicas finish theirs and stop
             replicas = []

@@ -382,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ember.runtime.forkserver", description=__doc__.splitlines()[0])
     parser.add_argument("--package", required=True, help="path of the .pkg file")
     parser.add_argument("--socket", required=True, help="Unix socket path to listen on")
+    parser.add_argument("--units", help="fork only these units (comma-separated): the ones whose environment this "
+                                        "interpreter is; default every unit of the package")
     args = parser.parse_args(argv)
     die_with_parent()
     control = os.fdopen(os.dup(1), "w", buffering=1)
@@ -390,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         from ember.package import unpack
 
         app = unpack(args.package)
+        if args.units:
+            app.units = {name: unit for name, unit in app.units.items() if name in args.units.split(",")}
         preloaded = preload(app)
         hazard = fork_hazard(f"importing the package {os.path.basename(args.package)}")
         if hazard:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ember.runtime import forkserver
+from ember.runtime import environments, forkserver
 from ember.runtime.tiers import Tier, start_tier
 from ember.spec import FunctionSpec
 
@@ -170,6 +170,9 @@ class ForkServerProcess:
     # unit -> its template's outcome, as the fork server reports them: {"snap_ms": N} or {"refused": why}
     templates: dict[str, dict] = field(default_factory=dict)
     reader: asyncio.Task | None = None
+    key: str = ""  # its entry in Supervisor.forkservers: the app, plus its environment's key when it has one
+    python: str = sys.executable  # the interpreter of the units' environment (runtime/environments.py)
+    units: tuple[str, ...] = ()  # the units it forks, when not every unit of the package shares its environment
 
     def status(self) -> dict:
         """For `ember status`: importing, ready (with each unit's template) or why it cannot serve."""
@@ -224,6 +227,13 @@ class Supervisor:
         `pulled`: the package came from the object store (the start's tier says so).
         """
         began = time.monotonic()
+        python = environments.python_for(spec.requirements)
+        if python is None:  # a deploy installs it; a node that got the package from elsewhere installs it now
+            try:
+                python = await asyncio.to_thread(environments.ensure, spec.requirements)
+            except environments.InstallError as exc:
+                worker.error = f"start failed: {exc}"
+                return False
         devices = await self._devices(worker, spec)
         if devices is None:
             return False
@@ -235,12 +245,12 @@ class Supervisor:
         if worker.gpus and (gpu_wait := round((time.monotonic() - began) * 1000)):
             how["gpu_wait_ms"] = gpu_wait
         if self.fork:
-            worker.process = await self._fork(worker, package, env, how)
+            worker.process = await self._fork(worker, package, env, how, spec.requirements)
         if worker.process is None:
             launched = time.monotonic()
             with open(worker.log_path, "ab") as log_file:
                 worker.process = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "ember.runtime.worker", "--package", str(package), "--target", worker.unit,
+                    python, "-m", "ember.runtime.worker", "--package", str(package), "--target", worker.unit,
                     stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL, env=env,
                 )
             how["start"] = "spawn"
@@ -269,17 +279,17 @@ class Supervisor:
         log("replica %s started: %s %s", worker.id, worker.tier, worker.timings)
         return True
 
-    async def _fork(self, worker: WorkerProcess, package: Path, env: dict[str, str],
-                    how: dict[str, int | str]) -> "ForkedProcess | None":
+    async def _fork(self, worker: WorkerProcess, package: Path, env: dict[str, str], how: dict[str, int | str],
+                    requirements: list[str]) -> "ForkedProcess | None":
         """Fork the worker from its app's fork server; None (and how["fallback"] says why) when it cannot be."""
         asked = time.monotonic()
-        server = self._forkserver(worker.app, package, worker.log_path.parent)
+        server = self._forkserver(worker.app, package, worker.log_path.parent, requirements)
         importing = not server.ready.done()
         reason = server.died()
         if reason is not None:  # a fresh one for the next start, a spawn for this one
             reason += "; restarted"
             self._retire(server)
-            self._forkserver(worker.app, package, worker.log_path.parent)
+            self._forkserver(worker.app, package, worker.log_path.parent, requirements)
         else:  # one that could not start (its imports failed, or touched CUDA) stays refused for this package
             reason = await asyncio.shield(server.ready)
         if reason is None:
@@ -290,7 +300,7 @@ class Supervisor:
             except (OSError, ValueError) as exc:
                 reason = f"the fork server of {worker.app} did not answer ({type(exc).__name__}: {exc}); restarting it"
                 self._retire(server)
-                self._forkserver(worker.app, package, worker.log_path.parent)
+                self._forkserver(worker.app, package, worker.log_path.parent, requirements)
         how["fallback"] = reason
         return None
 
@@ -330,32 +340,41 @@ class Supervisor:
                 conn.close()
 
     def prepare(self, app: str, package: Path, logs: Path) -> None:
-        """Start the app's fork server for `package` ahead of its first replica (no-op when it runs already)."""
+        """Start the app's fork servers for `package` ahead of its first replica (no-op when they run already): one
+        per environment whose requirements are installed."""
         if self.fork:
-            self._forkserver(app, package, logs)
+            for requirements in environments.groups(package):
+                if environments.python_for(list(requirements)) is not None:
+                    self._forkserver(app, package, logs, list(requirements))
 
-    def _forkserver(self, app: str, package: Path, logs: Path) -> ForkServerProcess:
-        """The app's fork server for `package`: the running one, or a new one (replacing another version's)."""
-        server = self.forkservers.get(app)
+    def _forkserver(self, app: str, package: Path, logs: Path, requirements: list[str]) -> ForkServerProcess:
+        """The fork server of the app's units with these requirements, for `package`: the running one, or a new one
+        (replacing another version's)."""
+        key = app if not requirements else f"{app}+{environments.environment_key(requirements)}"
+        server = self.forkservers.get(key)
         if server is not None and server.package == package:
             return server
-        if server is not None:
-            self._retire(server)
+        for old in [s for s in self.forkservers.values() if s.app == app and s.package != package]:
+            self._retire(old)
         if self._sockets is None:
             self._sockets = tempfile.mkdtemp(prefix="ember-fork-")
-        version = hashlib.sha256(str(package).encode()).hexdigest()[:12]
+        version = hashlib.sha256(f"{package}\0{key}".encode()).hexdigest()[:12]
+        groups = environments.groups(package)
+        units = tuple(groups.get(tuple(requirements), ())) if len(groups) > 1 else ()
         server = ForkServerProcess(app, package, os.path.join(self._sockets, f"{version}.sock"),
-                                   logs / f"{app}.forkserver-{version}.log")
+                                   logs / f"{app}.forkserver-{version}.log", key=key,
+                                   python=environments.python_for(requirements) or sys.executable, units=units)
         server.ready = asyncio.ensure_future(self._launch(server))
-        self.forkservers[app] = server
+        self.forkservers[key] = server
         return server
 
     async def _launch(self, server: ForkServerProcess) -> str | None:
         """Start the fork server and wait for its ready line: None once it serves, else why it cannot."""
         with open(server.log_path, "ab") as log_file:
             server.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "ember.runtime.forkserver", "--package", str(server.package),
-                "--socket", server.socket_path, stdout=asyncio.subprocess.PIPE, stderr=log_file,
+                server.python, "-m", "ember.runtime.forkserver", "--package", str(server.package),
+                "--socket", server.socket_path, *(["--units", ",".join(server.units)] if server.units else []),
+                stdout=asyncio.subprocess.PIPE, stderr=log_file,
                 stdin=asyncio.subprocess.DEVNULL,
                 env=os.environ | {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},  # no GPU before the fork
             )
@@ -389,8 +408,8 @@ class Supervisor:
 
     def _retire(self, server: ForkServerProcess) -> None:
         """Stop a fork server that was replaced or died; the replicas it forked run on."""
-        if self.forkservers.get(server.app) is server:
-            del self.forkservers[server.app]
+        if self.forkservers.get(server.key) is server:
+            del self.forkservers[server.key]
         if server.ready is not None and not server.ready.done():
             server.ready.cancel()
         if server.process is not None and server.process.returncode is None:

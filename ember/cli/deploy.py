@@ -24,8 +24,13 @@ def add_to(sub, epilog: str) -> None:
 def deploy(args: argparse.Namespace) -> int:
     from ember.package import build, load_app
 
-    package = build(load_app(args.app), Home())
+    home = Home()
+    package = build(load_app(args.app), home)
     with admin_client() as client:  # first: a missing EMBER_URL or EMBER_KEY stops the deploy before an upload
+        if args.target == "local":  # the gateway here then finds the requirements installed, and the user saw it
+            from ember.runtime.environments import ensure_for_package
+
+            ensure_for_package(package, lambda line: print(f"  {line}", file=sys.stderr, flush=True), home)
         request = _upload(package) if args.target == "aws" else {"package": str(package)}
         reply = client.request("POST", "/admin/deploy", json=request).json()
     print(f"deployed app {reply['app']!r} ({', '.join(reply['functions'])}) from {request.get('package_url', package)}")
