@@ -54,18 +54,18 @@ def test_an_edit_redeploys_in_flight_calls_finish_on_the_old_version_and_a_broke
         slow.start()
         time.sleep(0.8)  # the slow call is on a replica of the first version
 
-        edited = time.monotonic()
         (folder / "greeting.py").write_text('WORD = "howdy"\n')  # a local import, not the app file
 
         def answer() -> str:
             return http.post("/watched/greet", json={"name": "ada"}).json()["result"]
 
-        _wait_for(lambda: answer() == "howdy ada", 5, "the edit was never served")
-        picked_up = time.monotonic() - edited
+        _wait_for(lambda: any("reloaded app 'watched'" in line for line in served.stdout), 2,
+                  "the edit was not redeployed within 2 s")
+        # The new version's first call waits for its fork server and replica to start (~0.5 s on an idle machine).
+        _wait_for(lambda: answer() == "howdy ada", 6, "the edit was never served")
         slow.join(10)
         assert in_flight["reply"].status_code == 200, in_flight["reply"].text
         assert in_flight["reply"].json() == {"result": "hello"}  # finished on the version it started on
-        assert picked_up < 2.0, f"the edit took {picked_up:.2f} s to serve"
 
         # A syntax error: the old version keeps serving and the error names the file and line.
         source = (folder / "app.py").read_text()
