@@ -61,6 +61,12 @@ def _is_local(module: ModuleType | None, folder: Path) -> bool:
     return path.is_relative_to(folder) and not {"site-packages", "dist-packages"} & set(path.parts)
 
 
+def _found_in(module: ModuleType, folder: Path) -> bool:
+    """Whether `module` imports from `folder` itself (which the app's loading put first on sys.path)."""
+    top = module.__name__.split(".")[0]
+    return (folder / f"{top}.py").is_file() or (folder / top).is_dir()
+
+
 def local_modules(app: App) -> list[ModuleType]:
     """The app file's module and the local modules loading it imported: what `ember serve` watches for edits."""
     name = _module_of(app)
@@ -71,8 +77,10 @@ def build(app: App, home: Home) -> Path:
     """Write the package for `app` (whose module was loaded by load_app) and return its path."""
     module = sys.modules[_module_of(app)]
     source_path = Path(module.__file__)
-    # By value: a replica has the package, not the user's modules on its import path.
-    by_value = local_modules(app)
+    # By value: a replica has the package, not the user's modules on its import path. A local module that imports
+    # by a name from elsewhere (a package above the app's folder, as `tests.x.y`) stays by reference.
+    folder = source_path.resolve().parent
+    by_value = [m for m in local_modules(app) if m is module or _found_in(m, folder)]
     _pin_class_ids(app, by_value)
     for each in by_value:
         cloudpickle.register_pickle_by_value(each)
