@@ -16,7 +16,9 @@ from ember.snapshot.writer import safetensors_files, write_safetensors
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ember snapshot", description="Build, list and remove weight snapshots.")
     sub = p.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="write a snapshot from a .safetensors file or a Hugging Face model dir")
+    build = sub.add_parser("build", help="write a snapshot from a .safetensors file or a Hugging Face model dir "
+                                         "(a model dir is stored in the LLM engine's layout: q/k/v and gate/up "
+                                         "projections merged)")
     build.add_argument("src")
     build.add_argument("--name", help="name to file it under (default: the source's name)")
     commands = (build, sub.add_parser("ls", help="list snapshots"), sub.add_parser("rm", help="remove a snapshot"),
@@ -37,7 +39,8 @@ def build(args) -> int:
     progress, shown = bar(total, f"build {name}")
     path, began = staging_path(), time.perf_counter()
     try:
-        header = write_safetensors(args.src, path, progress=progress)
+        # The engine restores a model directory's snapshot straight into its merged parameters.
+        header = write_safetensors(args.src, path, progress=progress, merge_projections=Path(args.src).is_dir())
         shown.close()
         ref = store.put(path, name)
     finally:

@@ -1,4 +1,5 @@
 """Writes a snapshot file from tensors: a model's state dict, a safetensors file or a Hugging Face model dir."""
+import contextlib
 import hashlib
 import json
 import os
@@ -87,24 +88,56 @@ def safetensors_files(src: str | os.PathLike) -> list[Path]:
     return files
 
 
+# The projections the LLM engine runs as one product (runtime/engine/models/llama.py, MergedLinear): merged name ->
+# Hugging Face's parts, whose rows it stacks in this order. A snapshot in the engine's layout stores them merged.
+MERGED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def engine_layout(names: list[str]) -> list[tuple[str, list[str]]]:
+    """(snapshot name, source names) in the checkpoint's order; the parts of a merged projection become one entry
+    where its first part was. A projection with a part missing stays as it is."""
+    present = set(names)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        for merged, parts in MERGED_PROJECTIONS.items():
+            sources = [f"{parent}.{part}.{leaf}" for part in parts]
+            if proj in parts and all(source in present for source in sources):
+                groups.setdefault(f"{parent}.{merged}.{leaf}", sources)
+                break
+        else:
+            groups[name] = [name]
+    return list(groups.items())
+
+
 def write_safetensors(src: str | os.PathLike, path: str | os.PathLike, chunk_size: int = CHUNK_SIZE,
-                      progress: Progress | None = None) -> Header:
+                      progress: Progress | None = None, merge_projections: bool = False) -> Header:
+    """`merge_projections`: store the engine's layout (MERGED_PROJECTIONS) instead of the files' own."""
     files = safetensors_files(src)
-    specs = []
+    where, meta = {}, {}   # tensor name -> its file, (its dtype, its shape)
     for file in files:
         with safe_open(file, "pt") as f:
             for name in f.keys():
-                sl = f.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
-                if dtype is None:
-                    raise ValueError(f"{file}: tensor {name!r} has dtype {sl.get_dtype()}, which snapshots do not store")
-                specs.append((name, getattr(torch, dtype), tuple(sl.get_shape())))
+                where[name], meta[name] = file, (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape())
+    entries = engine_layout(list(where)) if merge_projections else [(name, [name]) for name in where]
+    specs = []
+    for name, sources in entries:
+        stored, shape = meta[sources[0]]
+        dtype = _SAFETENSORS_DTYPES.get(stored)
+        if dtype is None:
+            raise ValueError(f"{where[sources[0]]}: tensor {sources[0]!r} has dtype {stored}, which snapshots do "
+                             "not store")
+        if len(sources) > 1:   # the parts' rows stacked
+            shape = [sum(meta[s][1][0] for s in sources), *shape[1:]]
+        specs.append((name, getattr(torch, dtype), tuple(shape)))
 
     def tensors() -> Iterator[torch.Tensor]:
-        for file in files:
-            with safe_open(file, "pt") as f:
-                for name in f.keys():
-                    yield f.get_tensor(name)
+        with contextlib.ExitStack() as stack:
+            opened = {file: stack.enter_context(safe_open(file, "pt")) for file in files}
+            for _, sources in entries:
+                parts = [opened[where[s]].get_tensor(s) for s in sources]
+                yield parts[0] if len(parts) == 1 else torch.cat(parts)
 
     return write(specs, tensors(), path, chunk_size, progress)
 

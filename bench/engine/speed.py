@@ -28,6 +28,7 @@ import shutil
 import signal
 import ssl
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -160,15 +161,34 @@ def ember_batch1(eng, prompt: list[int], new_tokens: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def ember_offline(eng, prompts: list[list[int]], output_lens: list[int]) -> float:
+def ember_offline(eng, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, dict]:
+    """Output tok/s, and where the run's time went: steps replayed from a graph or run eagerly (prefill chunks
+    and mixed steps), their GPU seconds, and the host's seconds outside the waits for the device."""
     from ember.runtime.engine.sampling import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    began = time.perf_counter()
-    outputs = eng.generate(prompts, params)
-    elapsed = time.perf_counter() - began
+    runs = []
+    run = eng.runner.run
+
+    def recorded(*args):
+        runs.append(run(*args))
+        return runs[-1]
+
+    eng.runner.run = recorded
+    try:
+        began = time.perf_counter()
+        outputs = eng.generate(prompts, params)
+        elapsed = time.perf_counter() - began
+    finally:
+        eng.runner.run = run
     assert [len(o) for o in outputs] == output_lens
-    return sum(output_lens) / elapsed
+    graphed = [r for r in runs if r.graph_batch_size is not None]
+    eager = [r for r in runs if r.graph_batch_size is None]
+    split = {"seconds": round(elapsed, 2), "graph_steps": len(graphed), "eager_steps": len(eager),
+             "graph_gpu_s": round(sum(r.gpu_seconds for r in graphed), 2),
+             "eager_gpu_s": round(sum(r.gpu_seconds for r in eager), 2),
+             "host_s": round(elapsed - sum(r.wait_seconds for r in runs), 2)}
+    return sum(output_lens) / elapsed, split
 
 
 def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float]:
@@ -250,7 +270,8 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
                              "output_tok_s": round(len(results) * 128 / elapsed, 1),
                              "ttft_ms_p50": round(1000 * _pct(ttft, 50), 1),
                              "ttft_ms_p99": round(1000 * _pct(ttft, 99), 1),
-                             "itl_ms_p50": round(1000 * _pct(itl, 50), 2), "itl_ms_p99": round(1000 * _pct(itl, 99), 2)})
+                             "itl_ms_p50": round(1000 * _pct(itl, 50), 2),
+                             "itl_ms_p99": round(1000 * _pct(itl, 99), 2)})
                 log("  online", rows[-1])
         return rows
     finally:
@@ -266,11 +287,29 @@ def _pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(len(values) * p / 100))]
 
 
-def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
+def model_directory(workdir: Path, shape: str) -> Path:
+    """The random-weight model of `shape` in `workdir`, built there unless an earlier run left it."""
     model_dir = workdir / f"qwen3-{shape.lower()}-random"
+    if not (model_dir / "config.json").is_file():
+        build_model(shape, model_dir)
+        gc.collect()
+        torch.cuda.empty_cache()
+    return model_dir
+
+
+def saved_weight_bytes(model_dir: Path) -> int:
+    """Bytes of the tensors in the model's safetensors files (each file less its header)."""
+    total = 0
+    for file in model_dir.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            total += file.stat().st_size - 8 - struct.unpack("<Q", f.read(8))[0]
+    return total
+
+
+def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     began = time.perf_counter()
-    hf = build_model(shape, model_dir)
-    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    model_dir = model_directory(workdir, shape)
+    weight_bytes = saved_weight_bytes(model_dir)
     row = {"name": f"Qwen3-{shape} shape (random weights)", "weight_bytes": weight_bytes,
            "roofline_b1_tok_s": round(bandwidth / weight_bytes, 1)}
     log(f"[{shape}] built in {time.perf_counter() - began:.1f} s, {weight_bytes / 1e9:.2f} GB; roofline "
@@ -280,14 +319,18 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     prompts = random_prompts(args.offline_requests, 100, 1024, seed=0)
     output_lens = torch.randint(100, 1025, (args.offline_requests,), generator=g).tolist()
     if not args.skip_transformers:
-        row["transformers_b1_tok_s"] = round(hf_batch1(hf, b1_prompt, 256), 1)
-        log(f"[{shape}] transformers batch 1: {row['transformers_b1_tok_s']} tok/s")
-        hf_prompts = prompts[:args.hf_offline_requests]
-        rate, how = hf_offline(hf, hf_prompts, round(statistics.mean(output_lens)))
-        row["transformers_offline_output_tok_s"] = round(rate, 1)
-        row["transformers_offline_method"] = f"{how} on {len(hf_prompts)} requests"
-        log(f"[{shape}] transformers offline: {rate:.1f} output tok/s ({how})")
-    del hf
+        from transformers import Qwen3ForCausalLM
+
+        hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda").eval()
+        row["transformers_b1_tok_s"] = round(hf_batch1(hf, b1_prompt, args.hf_b1_tokens), 1)
+        log(f"[{shape}] transformers batch 1 ({args.hf_b1_tokens} tokens): {row['transformers_b1_tok_s']} tok/s")
+        if args.hf_offline_requests:
+            hf_prompts = prompts[:args.hf_offline_requests]
+            rate, how = hf_offline(hf, hf_prompts, round(statistics.mean(output_lens)))
+            row["transformers_offline_output_tok_s"] = round(rate, 1)
+            row["transformers_offline_method"] = f"{how} on {len(hf_prompts)} requests"
+            log(f"[{shape}] transformers offline: {rate:.1f} output tok/s ({how})")
+        del hf
     gc.collect()
     torch.cuda.empty_cache()
     began = time.perf_counter()
@@ -297,8 +340,9 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     row["ember_b1_tok_s"] = round(ember_batch1(eng, b1_prompt, 256), 1)
     log(f"[{shape}] ember batch 1: {row['ember_b1_tok_s']} tok/s "
         f"({row['ember_b1_tok_s'] / row['roofline_b1_tok_s']:.0%} of roofline)")
-    row["offline_output_tok_s"] = round(ember_offline(eng, prompts, output_lens), 1)
-    log(f"[{shape}] ember offline: {row['offline_output_tok_s']} output tok/s")
+    rate, split = ember_offline(eng, prompts, output_lens)
+    row["offline_output_tok_s"], row["offline_time_split"] = round(rate, 1), split
+    log(f"[{shape}] ember offline: {row['offline_output_tok_s']} output tok/s; {split}")
     host, gpu = ember_host_vs_gpu(eng)
     row["host_ms_per_step_b64"], row["gpu_ms_per_step_b64"] = round(host, 3), round(gpu, 3)
     log(f"[{shape}] batch 64 decode step: host {host:.3f} ms, GPU {gpu:.3f} ms ({host / gpu:.1%})")
@@ -307,7 +351,8 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     torch.cuda.empty_cache()
     if not args.skip_online:
         row["online"] = online(model_dir, tuple(args.concurrency), args.online_requests)
-    shutil.rmtree(model_dir, ignore_errors=True)
+    if not args.workdir:   # a model in a given --workdir stays for the next run
+        shutil.rmtree(model_dir, ignore_errors=True)
     return row
 
 
@@ -315,12 +360,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["8B", "4B", "0.6B"], choices=list(SHAPES))
     parser.add_argument("--offline-requests", type=int, default=256)
-    parser.add_argument("--hf-offline-requests", type=int, default=16)
+    parser.add_argument("--hf-offline-requests", type=int, default=16, help="0 skips transformers' offline run")
+    parser.add_argument("--hf-b1-tokens", type=int, default=256,
+                        help="tokens transformers decodes at batch 1 (its rate is steady; fewer save minutes)")
     parser.add_argument("--online-requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--skip-online", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument("--workdir", default=None, help="where model directories are written (default: a temp dir)")
+    parser.add_argument("--workdir", default=None,
+                        help="where model directories are written and kept, and reused when present (default: a "
+                             "temp dir, removed)")
     parser.add_argument("--record", action="store_true", help="write bench/results/engine_speed.json")
     args = parser.parse_args()
     import transformers

@@ -34,10 +34,18 @@ def test_build_from_a_hugging_face_model_dir(tmp_path, capsys):
     model.save_pretrained(tmp_path / "qwen3-tiny")
     assert main(["build", str(tmp_path / "qwen3-tiny"), "--name", "qwen"]) == 0
     loaded, _ = load(LocalStore().open("qwen"))
-    for name, t in model.state_dict().items():
+    state = model.state_dict()
+    for name, t in state.items():
         if name in loaded:
             assert torch.equal(loaded[name], t), name
     assert "model.embed_tokens.weight" in loaded
+    # stored in the engine's layout: each layer's q/k/v and gate/up rows stacked in one tensor
+    layer = "model.layers.1."
+    assert torch.equal(loaded[layer + "self_attn.qkv_proj.weight"], torch.cat(
+        [state[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"]))
+    assert torch.equal(loaded[layer + "mlp.gate_up_proj.weight"], torch.cat(
+        [state[layer + "mlp.gate_proj.weight"], state[layer + "mlp.up_proj.weight"]]))
+    assert not any(name.endswith(("q_proj.weight", "gate_proj.weight")) for name in loaded)
 
 
 def test_build_to_s3_and_list_there(tmp_path, s3_env, capsys):

@@ -1,6 +1,9 @@
 """Llama and Qwen2 decoder stacks (GQA, RoPE with scaling, optional QKV bias, tied or untied embeddings).
 
-Module names follow Hugging Face's so safetensors weights load by name.
+Module names follow Hugging Face's so safetensors weights load by name, except two merged projections: q, k and v
+are one `qkv_proj` and gate and up one `gate_up_proj` (at batch 1 one product reads the weights faster than three
+small ones, and launches once). The loader copies each Hugging Face tensor into its rows (the parts are listed in
+ember.snapshot.writer.MERGED_PROJECTIONS, so that a snapshot built from a model directory has this layout too).
 """
 import torch
 from torch import nn
@@ -20,6 +23,18 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x) in one pass."""
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class MergedLinear(nn.Linear):
+    """One product for several of Hugging Face's projections of the same input, their rows stacked in order."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = shard_sizes
+
+    def shard_rows(self, index: int) -> slice:
+        start = sum(self.shard_sizes[:index])
+        return slice(start, start + self.shard_sizes[index])
 
 
 class Rotary:
@@ -60,16 +75,17 @@ class LlamaAttention(nn.Module):
         # Qwen2 configs carry no attention_bias and always have a QKV bias (and none on o_proj).
         qkv_bias, o_bias = getattr(config, "attention_bias", True), getattr(config, "attention_bias", False)
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.qkv_sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
+        self.qkv_proj = MergedLinear(h, self.qkv_sizes, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=o_bias)
 
     def forward(self, x, cos, sin, attention, kv_cache):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        # Views into the one product's rows: RoPE rewrites q and k in place, attention reads them strided.
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         fused.norm_rope_(q, k, cos, sin, *norms, self.eps)
         out = attention.forward(q, k, v, kv_cache)
@@ -82,12 +98,11 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported: only silu")
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -29,16 +29,16 @@ from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig
 
 from ember.snapshot import WeightsStart, open_store, restore_or_boot
+from ember.snapshot.writer import MERGED_PROJECTIONS
 
 from ..gpu_memory import Arena, tensor_bytes
-
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, MergedLinear
 from .qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
-LAYOUT_VERSION = 1  # bump when the model classes change parameter names, shapes or fusing
+LAYOUT_VERSION = 2  # bump when the model classes change parameter names, shapes or fusing (2: merged projections)
 SAMPLES, WINDOW = 16, 256 << 10
 WEIGHTS = "weights"  # the arena region that holds the parameters
 
@@ -123,19 +123,36 @@ def without_tied_head(module, state, prefix, local_metadata) -> None:
 
 
 def load_safetensors(model, files: list[Path], model_dir: str, tied: bool) -> None:
-    params = dict(model.named_parameters(remove_duplicate=False))
-    missing = set(params)
+    targets = weight_targets(model)
+    missing = set(targets)
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name not in params:
+                if name not in targets:
                     continue
-                params[name].data.copy_(f.get_tensor(name))
+                param, rows = targets[name]
+                param.data[rows].copy_(f.get_tensor(name))
                 missing.discard(name)
     if tied:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"weights missing from {model_dir!r}: {sorted(missing)[:5]}")
+
+
+def weight_targets(model) -> dict[str, tuple[torch.nn.Parameter, slice]]:
+    """Each Hugging Face tensor name -> the parameter and rows it fills: a merged projection (MergedLinear) takes
+    its parts' tensors (q_proj, k_proj, v_proj into qkv_proj) in the rows of each."""
+    targets = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not isinstance(module, MergedLinear):
+            targets[name] = (param, slice(None))
+            continue
+        parent, _, merged = module_name.rpartition(".")
+        for index, part in enumerate(MERGED_PROJECTIONS[merged]):
+            targets[f"{parent}.{part}.{leaf}"] = (param, module.shard_rows(index))
+    return targets
 
 
 def snapshot_key(model_dir: str | Path, dtype: torch.dtype) -> str:

@@ -1,0 +1,169 @@
+"""Where a batch-1 decode step's time goes, against the floor of reading every weight once.
+
+    python bench/engine/decode_profile.py --models 8B [--workdir DIR]
+
+On a random-weight model of a Qwen3 shape (bench/engine/speed.py builds it; a model already in --workdir is
+reused) this prints, side by side:
+  - the floor: weight bytes over the device copy bandwidth measured here;
+  - the engine's step (wall) split into schedule / prepare (inputs + attention plan) / GPU wait / postprocess,
+    and the GPU time of one decode graph replayed back to back (no host in between);
+  - each weight shape's product at batch 1 (x[1, in] @ W.T, replayed in a CUDA graph) in GB/s, also for the
+    merged QKV and gate_up shapes;
+  - torch.profiler's kernel table of a few engine steps: which kernels the GPU time goes to, and the host ops.
+"""
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import speed  # noqa: E402 - the bench's model builder and engine settings
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def gpu_ms(fn, repeat: int = 20, rounds: int = 5) -> float:
+    """Median milliseconds of `fn`, captured `repeat` times in one CUDA graph so launches do not count."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / repeat)
+    return statistics.median(times)
+
+
+def products(hf_config, dtype=torch.bfloat16) -> None:
+    """Batch-1 products of each weight shape: achieved GB/s of the weight read."""
+    h, i, hd = hf_config.hidden_size, hf_config.intermediate_size, 128
+    q, kv = hf_config.num_attention_heads * hd, hf_config.num_key_value_heads * hd
+    shapes = {"q": (q, h), "k / v": (kv, h), "qkv merged": (q + 2 * kv, h), "o": (h, q), "gate / up": (i, h),
+              "gate_up merged": (2 * i, h), "down": (h, i), "lm_head": (hf_config.vocab_size, h)}
+    log(f"{'product':16} {'shape':>14} {'us':>8} {'GB/s':>7}")
+    for name, (out_f, in_f) in shapes.items():
+        w = torch.randn(out_f, in_f, dtype=dtype, device="cuda")
+        x = torch.randn(1, in_f, dtype=dtype, device="cuda")
+        ms = gpu_ms(lambda x=x, w=w: F.linear(x, w))
+        log(f"{name:16} {str((out_f, in_f)):>14} {ms * 1000:8.1f} {w.nbytes / ms / 1e6:7.0f}")
+
+
+def step_breakdown(eng, prompt: list[int], steps: int) -> None:
+    """Wall time per decode step of one request, split by the engine's phases (median over `steps`)."""
+    from ember.runtime.engine.sampling import SamplingParams
+
+    parts: dict[str, list[float]] = {"schedule": [], "run": [], "postprocess": [], "observer": []}
+    runs = []
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            began = time.perf_counter()
+            out = fn(*args, **kwargs)
+            parts[name].append(time.perf_counter() - began)
+            if name == "run":
+                runs.append(out)
+            return out
+        return wrapper
+
+    originals = (eng.scheduler.schedule, eng.runner.run, eng._postprocess, eng.observer.stepped)
+    eng.scheduler.schedule = timed("schedule", originals[0])
+    eng.runner.run = timed("run", originals[1])
+    eng._postprocess = timed("postprocess", originals[2])
+    eng.observer.stepped = timed("observer", originals[3])
+    walls = []
+    try:
+        eng.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            began = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - began)
+    finally:
+        eng.scheduler.schedule, eng.runner.run, eng._postprocess, eng.observer.stepped = originals
+    decode = slice(1, None)   # the first step is the prefill
+    med = {k: 1000 * statistics.median(v[decode]) for k, v in parts.items()}
+    prepare = 1000 * statistics.median(r.prepare_seconds for r in runs[decode])
+    wait = 1000 * statistics.median(r.wait_seconds for r in runs[decode])
+    gpu = 1000 * statistics.median(r.gpu_seconds for r in runs[decode])
+    wall = 1000 * statistics.median(walls[decode])
+    log(f"engine decode step at batch 1 (median of {len(walls) - 1}): wall {wall:.3f} ms = schedule "
+        f"{med['schedule']:.3f} + run {med['run']:.3f} (prepare {prepare:.3f}, wait {wait:.3f}; GPU events "
+        f"{gpu:.3f}) + postprocess {med['postprocess']:.3f} + observer {med['observer']:.3f}")
+
+
+def graph_only(eng) -> float:
+    """GPU ms of the batch-1 decode graph replayed back to back (inputs as last prepared)."""
+    graphs = eng.runner.graphs
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.replay(1, 1)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def profile(eng, prompt: list[int], steps: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from ember.runtime.engine.sampling import SamplingParams
+
+    eng.add_request("profiled", prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):   # the prefill and a few decode steps outside the trace
+        eng.step()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    while eng.has_unfinished_requests():
+        eng.step()
+    table = prof.key_averages()
+    log(f"--- GPU time over {steps} decode steps, by kernel ---")
+    log(table.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+    log(f"--- host time over {steps} decode steps, by op ---")
+    log(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["8B"], choices=list(speed.SHAPES))
+    parser.add_argument("--workdir", default=None, help="model directories (reused when present)")
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args()
+    bandwidth = speed.copy_bandwidth()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ember-profile-"))
+    for shape in args.models:
+        model_dir = speed.model_directory(workdir, shape)
+        eng = speed.ember_engine(model_dir, max_num_seqs=256)
+        weight_bytes = sum(p.nbytes for p in eng.runner.model.parameters())
+        floor = 1000 * weight_bytes / bandwidth
+        log(f"[{shape}] weights {weight_bytes / 1e9:.2f} GB; copy {bandwidth / 1e9:.0f} GB/s; "
+            f"weight-read floor {floor:.3f} ms per step ({1000 / floor:.0f} tok/s)")
+        prompt = speed.random_prompts(1, 128, 128, seed=1)[0]
+        step_breakdown(eng, prompt, args.steps)
+        ms = graph_only(eng)
+        log(f"[{shape}] batch-1 decode graph alone: {ms:.3f} ms GPU ({floor / ms:.0%} of the floor)")
+        products(eng.runner.hf_config)
+        profile(eng, prompt, steps=5)
+        del eng
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
