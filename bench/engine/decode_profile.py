@@ -62,6 +62,55 @@ def products(hf_config, dtype=torch.bfloat16) -> None:
         log(f"{name:16} {str((out_f, in_f)):>14} {ms * 1000:8.1f} {w.nbytes / ms / 1e6:7.0f}")
 
 
+def attention(hf_config, max_model_len: int = 4096) -> None:
+    """Decode attention alone, as the graphs run it: flashinfer's graph-safe decode (CUDA cores, and tensor cores
+    through its sm90 prefill kernel) against paged_decode's Triton kernels, per batch size and context."""
+    log(f"{'batch':>5} {'context':>7} {'flashinfer us':>13} {'fi tensor-core us':>17} {'triton us':>9} "
+        f"{'max |triton - fi|':>17}")
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    for batch, context in ((1, 256), (1, 2048), (16, 1024), (64, 512), (256, 1024)):
+        attention_case(hf_config, workspace, batch, context, max_model_len)
+
+
+def attention_case(hf_config, workspace: torch.Tensor, batch: int, context: int, max_model_len: int) -> None:
+    import flashinfer
+
+    from ember.runtime.engine import paged_decode
+
+    heads, kv_heads, d, page = hf_config.num_attention_heads, hf_config.num_key_value_heads, 128, 16
+    max_blocks = max_model_len // page
+    blocks = -(-context // page)
+    cache = torch.randn(batch * blocks + 1, 2, page, kv_heads, d, device="cuda").bfloat16()
+    tables = torch.randperm(batch * blocks).view(batch, blocks).tolist()
+    q = torch.randn(batch, heads + 2 * kv_heads, d, device="cuda").bfloat16()[:, :heads]
+    indptr = torch.arange(0, batch * blocks + 1, blocks, dtype=torch.int32)
+    indices = torch.tensor(tables, dtype=torch.int32).view(-1)
+    last = torch.full((batch,), (context - 1) % page + 1, dtype=torch.int32)
+
+    def buffer(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.int32, device="cuda")
+
+    times, outs = [], []
+    for tensor_cores in (False, True):
+        try:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=buffer(batch + 1), paged_kv_indices_buffer=buffer(batch * max_blocks),
+                paged_kv_last_page_len_buffer=buffer(batch), backend="fa3" if tensor_cores else "auto")
+            wrapper.plan(indptr, indices, last, heads, kv_heads, d, page, q_data_type=torch.bfloat16,
+                         kv_data_type=torch.bfloat16)
+            times.append(gpu_ms(lambda w=wrapper: w.run(q, cache)) * 1000)
+            outs.append(wrapper.run(q, cache))
+        except Exception as e:  # noqa: BLE001 - a variant this flashinfer cannot run is reported, not fatal
+            log(f"  flashinfer (tensor cores={tensor_cores}) failed: {e!r}"[:300])
+            times.append(float("nan"))
+    decode = paged_decode.PagedDecode(batch, max_blocks, page, heads, kv_heads, d, torch.device("cuda"))
+    decode.prepare(tables, [context] * batch)
+    times.append(gpu_ms(lambda: decode.forward(q, cache, d ** -0.5)) * 1000)
+    diff = (decode.forward(q, cache, d ** -0.5).float() - outs[0].float()).abs().max().item() if outs else -1
+    log(f"{batch:5} {context:7} {times[0]:13.1f} {times[1]:17.1f} {times[2]:9.1f} {diff:17.4f}")
+
+
 def step_breakdown(eng, prompt: list[int], steps: int) -> None:
     """Wall time per decode step of one request, split by the engine's phases (median over `steps`)."""
     from ember.runtime.engine.sampling import SamplingParams
@@ -160,6 +209,7 @@ def main() -> None:
         ms = graph_only(eng)
         log(f"[{shape}] batch-1 decode graph alone: {ms:.3f} ms GPU ({floor / ms:.0%} of the floor)")
         products(eng.runner.hf_config)
+        attention(eng.runner.hf_config)
         profile(eng, prompt, steps=5)
         del eng
         torch.cuda.empty_cache()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
+from .paged_decode import PagedDecode
 
 
 @dataclass
@@ -61,26 +62,35 @@ class SdpaBackend:
 class FlashInferBackend:
     """flashinfer's paged kernels: the decode wrapper when every sequence adds one token, else the prefill one.
 
-    A decode batch replayed by a CUDA graph is planned on a wrapper of its own fixed batch size, whose page
-    tables live in buffers the graph captured: `plan` refreshes them on the host side of each step.
+    A decode batch replayed by a CUDA graph runs paged_decode's Triton kernels (graph_kernel="triton") or a
+    flashinfer decode wrapper ("flashinfer"), either of its own fixed batch size, whose page tables live in
+    buffers the graph captured: `plan` refreshes them on the host side of each step.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, graph_kernel: str = "triton"):
         import flashinfer
 
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.scale, self.dtype = block_size, scale, dtype
         self.device = device
+        self.graph_kernel = graph_kernel
         self.workspace = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.graph_decode: dict[int, object] = {}   # batch size -> graph-safe decode wrapper
+        self.graph_decode: dict[int, object] = {}   # batch size -> PagedDecode or graph-safe flashinfer wrapper
+        self.graph: PagedDecode | None = None       # the Triton decode of the batch planned last, if any
 
     def add_graph_batch_size(self, batch_size: int, max_blocks_per_seq: int) -> None:
-        """A decode wrapper for graphs of `batch_size` sequences; only one graph runs at a time, so they share
-        the float workspace."""
+        """The decode attention of graphs of `batch_size` sequences; only one graph runs at a time, so the
+        flashinfer wrappers share the float workspace."""
         import flashinfer
+
+        if self.graph_kernel == "triton":
+            self.graph_decode[batch_size] = PagedDecode(batch_size, max_blocks_per_seq, self.block_size,
+                                                        self.num_heads, self.num_kv_heads, self.head_dim,
+                                                        self.device)
+            return
 
         def buffer(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=self.device)
@@ -91,8 +101,13 @@ class FlashInferBackend:
             paged_kv_last_page_len_buffer=buffer(batch_size))
 
     def plan(self, batch: AttentionBatch, graph_batch_size: int | None = None) -> None:
-        """`graph_batch_size`: plan the graph wrapper of that size (the batch is padded to it)."""
+        """`graph_batch_size`: plan the graph's attention of that size (the batch is padded to it)."""
         self.batch = batch
+        self.graph = None
+        if graph_batch_size and self.graph_kernel == "triton":
+            self.graph = self.graph_decode[graph_batch_size]
+            self.graph.prepare(batch.block_tables, batch.context_lens)
+            return
         blocks_per_seq = [len(t) for t in batch.block_tables]
         kv_indptr = torch.tensor([0] + blocks_per_seq, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         kv_indices = torch.tensor([b for t in batch.block_tables for b in t], dtype=torch.int32)
@@ -111,4 +126,6 @@ class FlashInferBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         write_kv(kv_cache, k, v, self.batch)
+        if self.graph is not None:
+            return self.graph.forward(q, kv_cache, self.scale)
         return self.wrapper.run(q, kv_cache)

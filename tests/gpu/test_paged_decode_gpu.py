@@ -1,0 +1,35 @@
+"""The decode graphs' Triton attention (runtime/engine/paged_decode.py) against attention in fp32 torch."""
+import pytest
+import torch
+
+from ember.runtime.engine import paged_decode
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(paged_decode.triton is None, reason="needs Triton")]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16, 40, 200])
+def test_split_attention_matches_the_reference_over_scattered_blocks(batch_size):
+    """Lengths from one token to past several splits, blocks in random order, q a strided view as the engine's."""
+    g = torch.Generator().manual_seed(batch_size)
+    page, kv_heads, heads, d, max_blocks = 16, 8, 32, 128, 128
+    lengths = [1, 2047, 15, 16, 17, 64, 65, 1000][:batch_size]
+    lengths += torch.randint(1, max_blocks * page, (batch_size - len(lengths),), generator=g).tolist()
+    order = torch.randperm(sum(-(-n // page) for n in lengths) + 1, generator=g).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        tables.append(order[used:used + -(-n // page)])
+        used += len(tables[-1])
+    cache = torch.randn(len(order), 2, page, kv_heads, d, generator=g).bfloat16().cuda()
+    qkv = torch.randn(batch_size, heads + 2 * kv_heads, d, generator=g).bfloat16().cuda()
+    q = qkv[:, :heads]
+    decode = paged_decode.PagedDecode(batch_size, max_blocks, page, heads, kv_heads, d, torch.device("cuda"))
+    decode.prepare(tables, lengths)
+    out = decode.forward(q, cache, d ** -0.5)
+    expected = paged_decode.reference(q, cache, tables, lengths, d ** -0.5)
+    close = dict(atol=2 ** -7, rtol=2 ** -7)   # a bf16 rounding step of the output
+    torch.testing.assert_close(out.float(), expected.float(), **close)
+    # a new step with shorter tables reuses the buffers
+    decode.prepare([t[:1] for t in tables], [min(n, page) for n in lengths])
+    expected = paged_decode.reference(q, cache, [t[:1] for t in tables], [min(n, page) for n in lengths], d ** -0.5)
+    torch.testing.assert_close(decode.forward(q, cache, d ** -0.5).float(), expected.float(), **close)
