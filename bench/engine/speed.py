@@ -287,13 +287,18 @@ def _pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(len(values) * p / 100))]
 
 
-def model_directory(workdir: Path, shape: str) -> Path:
-    """The random-weight model of `shape` in `workdir`, built there unless an earlier run left it."""
+def model_directory(workdir: Path, shape: str, keep_model: bool = False):
+    """The random-weight model of `shape` in `workdir`, built there unless an earlier run left it; with
+    `keep_model`, also (directory, the transformers model on the GPU) as built, or None when it was there."""
     model_dir = workdir / f"qwen3-{shape.lower()}-random"
+    model = None
     if not (model_dir / "config.json").is_file():
-        build_model(shape, model_dir)
-        gc.collect()
-        torch.cuda.empty_cache()
+        model = build_model(shape, model_dir)
+    if keep_model:
+        return model_dir, model
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
     return model_dir
 
 
@@ -308,7 +313,7 @@ def saved_weight_bytes(model_dir: Path) -> int:
 
 def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     began = time.perf_counter()
-    model_dir = model_directory(workdir, shape)
+    model_dir, hf = model_directory(workdir, shape, keep_model=True)
     weight_bytes = saved_weight_bytes(model_dir)
     row = {"name": f"Qwen3-{shape} shape (random weights)", "weight_bytes": weight_bytes,
            "roofline_b1_tok_s": round(bandwidth / weight_bytes, 1)}
@@ -321,7 +326,8 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     if not args.skip_transformers:
         from transformers import Qwen3ForCausalLM
 
-        hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to("cuda").eval()
+        if hf is None:   # a model an earlier run left: loaded straight onto the GPU
+            hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda").eval()
         row["transformers_b1_tok_s"] = round(hf_batch1(hf, b1_prompt, args.hf_b1_tokens), 1)
         log(f"[{shape}] transformers batch 1 ({args.hf_b1_tokens} tokens): {row['transformers_b1_tok_s']} tok/s")
         if args.hf_offline_requests:
@@ -330,7 +336,7 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
             row["transformers_offline_output_tok_s"] = round(rate, 1)
             row["transformers_offline_method"] = f"{how} on {len(hf_prompts)} requests"
             log(f"[{shape}] transformers offline: {rate:.1f} output tok/s ({how})")
-        del hf
+    hf = None   # its GPU memory goes before the engine sizes its KV cache
     gc.collect()
     torch.cuda.empty_cache()
     began = time.perf_counter()
