@@ -17,6 +17,8 @@ from ember.runtime.environments import InstallError
 from ember.gateway.ratelimit import Limits
 from ember.gateway.routing import APP_NAME
 from ember.gateway.secret_files import MissingSecret, SecretError
+from ember.gateway.service import DeployFailed
+from ember.gateway.versions import VersionError
 
 from ember.gateway.auth import authenticate
 from ember.gateway.errors import ApiError, UnknownField
@@ -50,6 +52,10 @@ class DeployRequest(StrictBody):
     package: str | None = None  # path of a .pkg under EMBER_HOME/packages on this machine
     package_url: str | None = None  # s3://BUCKET/KEY
     sha256: str | None = None  # of the object at package_url, checked once it is downloaded
+
+
+class RollbackRequest(StrictBody):
+    version: int | None = Field(None, ge=1, description="the version to go back to; default the one live before")
 
 
 class LimitsBody(StrictBody):
@@ -105,7 +111,7 @@ def admin_router(gateway: "Gateway") -> APIRouter:
                     "decisions": [dataclasses.asdict(d) for d in unit.decisions],
                     "settings": unit.spec.model_dump(),
                 }
-            apps[name] = {"package": str(deployment.package), "functions": units,
+            apps[name] = {"package": str(deployment.package), "version": deployment.version, "functions": units,
                           "prepared": gateway.backend.prepared(name)}
         return {"uptime_s": round(now - gateway.started, 1), "apps": apps}
 
@@ -154,21 +160,51 @@ def admin_router(gateway: "Gateway") -> APIRouter:
             raise ApiError(502, "s3_error", f"cannot fetch {url[:200]}: {exc}; check the gateway's AWS credentials and region") from None
 
     @router.post("/deploy")
-    async def deploy(body: DeployRequest) -> dict:
+    async def deploy(body: DeployRequest, request: Request) -> dict:
         if (body.package is None) == (body.package_url is None):
             raise ApiError(400, "invalid_request", 'send {"package": PATH} or {"package_url": "s3://BUCKET/KEY", "sha256": HASH}')
         package = local_package(body.package) if body.package is not None else await s3_package(body.package_url, body.sha256)
+        return await deployed(gateway.deploy(package, await deployer(request)))
+
+    async def deployer(request: Request) -> str:
+        key = await authenticate(gateway.keys, request, admin=True)
+        return f"{key.name} ({key.id})"
+
+    async def deployed(deploying) -> dict:
         try:
-            deployment = await gateway.deploy(package)
+            deployment = await deploying
         except PackageError as exc:
             raise ApiError(422, "invalid_package", str(exc)) from None
         except MissingSecret as exc:
             raise ApiError(422, "missing_secret", str(exc)) from None
         except InstallError as exc:
             raise ApiError(422, "requirements_failed", str(exc)) from None
+        except DeployFailed as exc:
+            raise ApiError(422, "deploy_failed", str(exc)) from None
+        except VersionError as exc:
+            raise ApiError(409, "no_such_version", str(exc)) from None
         except ValueError as exc:  # an app name the gateway cannot route
             raise ApiError(422, "invalid_name", str(exc)) from None
-        return {"app": deployment.name, "package": str(package), "functions": sorted(deployment.units)}
+        return {"app": deployment.name, "version": deployment.version, "package": str(deployment.package),
+                "functions": sorted(deployment.units)}
+
+    @router.get("/apps")
+    async def apps() -> list[dict]:
+        live = {v.app: v for v in await asyncio.to_thread(gateway.versions.live)}
+        return [live[name].describe() if name in live else {"app": name, "version": None, "functions":
+                                                             sorted(deployment.units), "package": str(deployment.package)}
+                for name, deployment in sorted(gateway.deployments.items())]
+
+    @router.get("/apps/{app}/versions")
+    async def versions(app: str) -> list[dict]:
+        history = await asyncio.to_thread(gateway.versions.history, _app_name(app))
+        if not history:
+            raise ApiError(404, "not_found", f"no app named {app!r} was ever deployed; `ember apps list` lists them")
+        return [v.describe() for v in history]
+
+    @router.post("/apps/{app}/rollback")
+    async def rollback(app: str, body: RollbackRequest, request: Request) -> dict:
+        return await deployed(gateway.rollback(_app_name(app), body.version, await deployer(request)))
 
     @router.post("/keys", status_code=201)
     async def create_key(body: KeyRequest) -> dict:

@@ -83,6 +83,7 @@ class Deployment:
     name: str
     package: Path
     units: dict[str, Unit]
+    version: int | None = None  # its number in the gateway's version history (gateway/versions.py)
 
     @classmethod
     def from_package(cls, package: Path, on_demand: Callable[[], None]) -> "Deployment":

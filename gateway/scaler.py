@@ -31,6 +31,7 @@ class Scaler:
         self.on_start = on_start  # (app, function, tier, breakdown) of each finished start: the gateway's metrics
         self._poke = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self.checking: set[str] = set()  # apps a new version of which is starting its trial replicas
 
     def poke(self) -> None:
         self._poke.set()
@@ -43,7 +44,8 @@ class Scaler:
                 pass
             self._poke.clear()
             for deployment in list(self.deployments.values()):
-                self.backend.prepare(deployment.name, deployment.package)
+                if deployment.name not in self.checking:  # a new version's check has the app's fork server
+                    self.backend.prepare(deployment.name, deployment.package)
                 for unit in deployment.units.values():
                     try:
                         self.tick(deployment, unit, time.monotonic())
@@ -169,7 +171,23 @@ class Scaler:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def trial(self, deployment: Deployment, unit: Unit) -> GatewayReplica:
+        """Start one replica of a function of a version not yet taking calls (its enter runs); the replica comes back
+        hot, serving once the version goes live, or failed with its error and out of routing."""
+        replica = self.backend.new_replica(unit.app, unit.name)
+        unit.router.add(replica)
+        if await self._boot(deployment, unit, replica):
+            # The check counts as one call: the policy keeps the replica warm for its hold, as after any call.
+            unit.history.append(Sample(time.monotonic(), 0, 1, 0))
+            self._spawn(self._serve(unit, replica))
+        return replica
+
     async def _start(self, deployment: Deployment, unit: Unit, replica: GatewayReplica) -> None:
+        if await self._boot(deployment, unit, replica):
+            await self._serve(unit, replica)
+
+    async def _boot(self, deployment: Deployment, unit: Unit, replica: GatewayReplica) -> bool:
+        """Start the replica; True when it is hot."""
         log.info("starting replica %s of %s/%s", replica.id, unit.app, unit.name)
         try:
             await self.backend.start(replica, deployment.package, unit.spec)
@@ -178,9 +196,9 @@ class Scaler:
                 replica.fail(f"start failed: {type(exc).__name__}: {exc}")
         if replica.state == FAILED:
             self._failed(unit, replica)
-            return
+            return False
         if replica.state == STOPPING:
-            return
+            return False
         log.info("replica %s ready on port %s (%s)", replica.id, replica.port, replica.timings)
         unit.last_failure = None
         if self.on_start is not None:
@@ -188,6 +206,10 @@ class Scaler:
         if (measured := measured_start(replica)) is not None:
             unit.measured.append(measured)
         unit.queue.dispatch()
+        return True
+
+    async def _serve(self, unit: Unit, replica: GatewayReplica) -> None:
+        """Until the hot replica exits: a stop asked for, or a failure while serving."""
         code = await self.backend.wait(replica)
         if replica.state == STOPPING:
             return

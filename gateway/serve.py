@@ -1,5 +1,6 @@
 """`ember serve`: gateway, autoscaler and local backend for one app, in the foreground, over HTTPS."""
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -123,10 +124,16 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
         if backend == "local":  # replicas run here: their requirements are installed before anything is served
             environments.ensure_for_package(package, lambda line: print(f"  {line}", flush=True), home)
         gateway = Gateway(home, backend_for(backend, home.logs, parked_ram), _limiter(redis_url), routing)
-        deployment, _ = gateway.register(package)
+        for warning in gateway.restore():
+            print(f"warning: {warning}", flush=True)
+        deployment, _ = gateway.register(package, note=f"ember serve {app_path}")
+        restored = sorted(name for name in gateway.deployments if name != deployment.name)
+        if restored:
+            print(f"Restored apps deployed before: {', '.join(restored)} (ember apps list)", flush=True)
         watcher = None
         if watch:
-            watcher = AppWatcher(app_path, package, gateway.deploy, home, lambda line: print(line, flush=True))
+            redeploy = functools.partial(gateway.deploy, deployed_by="ember serve", note=f"edit of {app_path}")
+            watcher = AppWatcher(app_path, package, redeploy, home, lambda line: print(line, flush=True))
             watcher.watch_loaded(app)
         cert, key = (tls_cert, tls_key) if tls_cert else issue_server_cert(home.tls, host, tls_names)
         ca = None if tls_cert else home.ca

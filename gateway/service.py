@@ -13,13 +13,27 @@ from ember.gateway.deployment import Deployment
 from ember.gateway.keys import KeyStore
 from ember.gateway.metrics import Metrics
 from ember.gateway.ratelimit import Limiter, MemoryLimiter
+from ember.gateway.lifecycle import HOT
 from ember.gateway.routing import APP_NAME
 from ember.gateway.scaler import Scaler
 from ember.gateway.secret_files import SecretStore
+from ember.gateway.versions import VersionStore
 from ember.home import Home
+from ember.package import PackageError, read_manifest
 from ember.runtime import environments
 
 log = logging.getLogger("ember.gateway")
+CLI_USER = "ember serve"  # who deployed the app `ember serve FILE` starts with
+
+
+class DeployFailed(RuntimeError):
+    """A new version failed its check: it is recorded failed and the version that was live keeps serving."""
+
+    def __init__(self, app: str, version: int, error: str, serving: int | None):
+        kept = f"version {serving} keeps serving" if serving else "nothing was serving it before"
+        super().__init__(f"version {version} of app {app!r} failed to start ({kept}): {error}")
+        self.app, self.version, self.error, self.serving = app, version, error, serving
+
 
 GATEWAY_PATHS = {"admin", "calls", "dashboard", "healthz", "readyz", "metrics"}  # no app can be reached under these
 
@@ -36,6 +50,8 @@ class Gateway:
         self.app_limits = AppLimitStore(home.db)
         self.secrets = SecretStore(home.secrets)
         self.calls = SpawnedCalls(CallStore(home.db))
+        self.versions = VersionStore(home.db)
+        self._deploying: dict[str, asyncio.Lock] = {}  # one deploy of an app at a time
         self.limiter: Limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits
         self.routing = routing
         self.bodies = BodyBudget()  # request-body bytes held at once, across every request
@@ -51,7 +67,8 @@ class Gateway:
         loop = asyncio.get_running_loop()
         loop.call_soon_threadsafe(loop.call_later, grace, self.cut_short.set)
 
-    def register(self, package: Path) -> tuple[Deployment, Deployment | None]:
+    def _load(self, package: Path) -> Deployment:
+        """The app in `package`, its settings validated and the secrets it needs found; not yet serving."""
         deployment = Deployment.from_package(package, self.scaler.poke)
         if not APP_NAME.fullmatch(deployment.name):
             raise ValueError(f"app name {deployment.name!r} must match {APP_NAME.pattern} "
@@ -63,20 +80,108 @@ class Gateway:
             self.secrets.check(deployment.name, {name: unit.spec for name, unit in deployment.units.items()})
         for unit in deployment.units.values():
             unit.router.mode = self.routing
+        return deployment
+
+    def _swap(self, deployment: Deployment) -> Deployment | None:
         previous = self.deployments.get(deployment.name)
         self.deployments[deployment.name] = deployment
-        return deployment, previous
+        return previous
 
-    async def deploy(self, package: Path) -> Deployment:
-        if isinstance(self.backend, LocalBackend):  # its replicas run here: a failed install fails the deploy
-            await asyncio.to_thread(environments.ensure_for_package, package, log.info, self.home)
-        deployment, previous = self.register(package)
+    def restore(self) -> list[str]:
+        """Serve again the version of each app that was live when the gateway last ran; the warnings for those whose
+        package is gone."""
+        warnings = []
+        for version in self.versions.live():
+            try:
+                deployment = self._load(Path(version.package))
+            except (PackageError, ValueError) as exc:
+                warnings.append(f"app {version.app!r} version {version.version} not restored: {exc}")
+                continue
+            deployment.version = version.version
+            self._swap(deployment)
+        return warnings
+
+    def register(self, package: Path, note: str | None = None) -> tuple[Deployment, Deployment | None]:
+        """Serve `package` at once, without a check (the app `ember serve FILE` starts with): a new live version
+        unless it is the code already live."""
+        deployment = self._load(package)
+        live = self.deployments.get(deployment.name)
+        if live is not None and live.package == package:
+            return live, None
+        version = self.versions.add(deployment.name, package, read_manifest(package), CLI_USER, note)
+        self.versions.go_live(deployment.name, version.version)
+        deployment.version = version.version
+        return deployment, self._swap(deployment)
+
+    async def deploy(self, package: Path, deployed_by: str | None = None, note: str | None = None) -> Deployment:
+        """Check a new version of an app (one replica of each function started, its enter run) and only then route
+        new calls to it, draining the old version's replicas; a version that fails its check raises DeployFailed and
+        the old one keeps serving. Deploying the code already live changes nothing."""
+        deployment = self._load(package)
+        name = deployment.name
+        lock = self._deploying.setdefault(name, asyncio.Lock())
+        async with lock:
+            live = self.deployments.get(name)
+            if live is not None and live.package == package:
+                return live
+            if isinstance(self.backend, LocalBackend):  # its replicas run here: a failed install fails the deploy
+                await asyncio.to_thread(environments.ensure_for_package, package, log.info, self.home)
+            version = await asyncio.to_thread(self.versions.add, name, package, read_manifest(package), deployed_by,
+                                              note)
+            deployment.version = version.version
+            error = await self._check(deployment)
+            if error is not None:
+                await asyncio.to_thread(self.versions.fail, name, version.version, error)
+                log.warning("app %s version %s failed its check; version %s keeps serving: %s", name,
+                            version.version, live.version if live else None, error)
+                raise DeployFailed(name, version.version, error, live.version if live else None)
+            await asyncio.to_thread(self.versions.go_live, name, version.version)
+            previous = self._swap(deployment)
+        log.info("app %s version %s live (%s)", name, version.version, ", ".join(sorted(deployment.units)))
         if previous is not None:  # the new version takes new calls; the old one's replicas finish theirs and stop
-            replicas = []
-            for unit in previous.units.values():
-                unit.queue.fail_waiters(f"app {deployment.name!r} was redeployed while this call waited; retry it")
-                replicas += unit.router.replicas.values()
-            for replica in replicas:
-                replica.stop()
-            await asyncio.gather(*(self.backend.stop(r) for r in replicas))
+            await self._drain(previous)
         return deployment
+
+    async def rollback(self, app: str, to: int | None, deployed_by: str | None) -> Deployment:
+        """Deploy again the code of an earlier version (`to`, else the one live before the current one), checked
+        like any deploy; it becomes a new version."""
+        target = await asyncio.to_thread(self.versions.rollback_target, app, to)
+        return await self.deploy(Path(target.package), deployed_by, note=f"rollback to version {target.version}")
+
+    async def _check(self, deployment: Deployment) -> str | None:
+        """Start one replica of each function of a version not yet taking calls: None when all came up, else what
+        failed, with the end of its log (the user's traceback). The failed ones' siblings are stopped."""
+        self.scaler.checking.add(deployment.name)
+        try:
+            replicas = await asyncio.gather(*(self.scaler.trial(deployment, unit)
+                                              for unit in deployment.units.values()))
+        finally:
+            self.scaler.checking.discard(deployment.name)
+        hot = [r for r in replicas if r.state == HOT]
+        if len(hot) == len(replicas):
+            return None
+        for replica in hot:
+            replica.stop()
+        await asyncio.gather(*(self.backend.stop(r) for r in hot))
+        failed = [r for r in replicas if r.error]
+        if not failed:
+            return "its replicas were stopped before they were ready (the gateway is stopping)"
+        replica = failed[0]
+        return f"{replica.unit}: {replica.error}{log_tail(replica.log_path)}"
+
+    async def _drain(self, previous: Deployment) -> None:
+        replicas = []
+        for unit in previous.units.values():
+            unit.queue.fail_waiters(f"app {previous.name!r} was redeployed while this call waited; retry it")
+            replicas += unit.router.replicas.values()
+        for replica in replicas:
+            replica.stop()
+        await asyncio.gather(*(self.backend.stop(r) for r in replicas))
+
+
+def log_tail(path: Path, lines: int = 12) -> str:
+    """The last lines of a replica's log (where its traceback is), indented under the error."""
+    if not path.exists():
+        return ""
+    tail = path.read_text(errors="replace").splitlines()[-lines:]
+    return "\n" + "\n".join(f"    {line}" for line in tail) if tail else ""

@@ -291,7 +291,12 @@ class Supervisor:
             self._retire(server)
             self._forkserver(worker.app, package, worker.log_path.parent, requirements)
         else:  # one that could not start (its imports failed, or touched CUDA) stays refused for this package
-            reason = await asyncio.shield(server.ready)
+            try:
+                reason = await asyncio.shield(server.ready)
+            except asyncio.CancelledError:
+                if not server.ready.cancelled():  # this start itself was cancelled
+                    raise
+                reason = f"the fork server of {worker.app} was replaced by another version's while this start waited"
         if reason is None:
             if importing:  # this start waited for the fork server's imports
                 how["forkserver_wait_ms"] = round((time.monotonic() - asked) * 1000)

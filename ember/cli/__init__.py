@@ -1,7 +1,7 @@
 """The `ember` command: one module per command group, wired here.
 
     ember serve APP.py | ember deploy APP.py | ember run APP.py::fn | ember keys ... | ember status | ember logs
-    ember secrets set|list|rm ... | ember limits get|set APP
+    ember apps list|history APP | ember deploy --rollback APP | ember secrets set|list|rm | ember limits get|set APP
     ember snapshot ...   (handed to ember.snapshot.cli)
 """
 import argparse
@@ -10,10 +10,10 @@ import sys
 
 import httpx
 
-from ember.cli import deploy, keys, limits, run, secrets, serve, status
+from ember.cli import apps, deploy, keys, limits, run, secrets, serve, status
 
 EPILOG = "EMBER_HOME (default ~/.ember) holds the key database, TLS material, packages and logs."
-GROUPS = [serve, deploy, run, keys, secrets, limits, status]  # each adds its commands with add_to(subparsers, epilog)
+GROUPS = [serve, deploy, apps, run, keys, secrets, limits, status]  # each adds its commands with add_to(subparsers, epilog)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,8 +13,13 @@ def add_to(sub, epilog: str) -> None:
     p = sub.add_parser("deploy", help="package APP.py and deploy it to the running gateway",
                        description="Build APP.py's package and hand it to the gateway (EMBER_URL and EMBER_KEY, else "
                                    "the one `ember serve` runs here). With --target aws the package goes to "
-                                   "EMBER_AWS_BUCKET first and the gateway fetches it from there.")
-    p.add_argument("app", help="the app file")
+                                   "EMBER_AWS_BUCKET first and the gateway fetches it from there. The new version "
+                                   "takes calls only once one replica of each function started; if one fails, the "
+                                   "version live before keeps serving and the error is printed.")
+    p.add_argument("app", nargs="?", help="the app file")
+    p.add_argument("--rollback", metavar="APP", help="go back to an earlier version of the deployed app APP (the one "
+                                                     "live before the current one, or --to VERSION)")
+    p.add_argument("--to", type=int, metavar="VERSION", help="with --rollback: the version (`ember apps history APP`)")
     p.add_argument("--target", choices=["local", "aws"], default="local",
                    help="local: the gateway reads the package from this machine; aws: upload it to S3 for the gateway "
                         "(default local)")
@@ -22,6 +27,12 @@ def add_to(sub, epilog: str) -> None:
 
 
 def deploy(args: argparse.Namespace) -> int:
+    if (args.app is None) == (args.rollback is None):
+        raise ValueError("give the app file (`ember deploy APP.py`) or --rollback APP, not both")
+    if args.to is not None and args.rollback is None:
+        raise ValueError("--to VERSION goes with --rollback APP")
+    if args.rollback is not None:
+        return rollback(args.rollback, args.to)
     from ember.package import build, load_app
 
     home = Home()
@@ -33,7 +44,19 @@ def deploy(args: argparse.Namespace) -> int:
             ensure_for_package(package, lambda line: print(f"  {line}", file=sys.stderr, flush=True), home)
         request = _upload(package) if args.target == "aws" else {"package": str(package)}
         reply = client.request("POST", "/admin/deploy", json=request).json()
-    print(f"deployed app {reply['app']!r} ({', '.join(reply['functions'])}) from {request.get('package_url', package)}")
+    print(f"deployed app {reply['app']!r} version {reply['version']} ({', '.join(reply['functions'])}) from "
+          f"{request.get('package_url', package)}")
+    return 0
+
+
+def rollback(app: str, to: int | None) -> int:
+    from ember.gateway.routing import APP_NAME
+
+    if not APP_NAME.fullmatch(app):
+        raise ValueError(f"--rollback takes an app name (`ember apps list`), matching {APP_NAME.pattern}; got {app!r}")
+    with admin_client() as client:
+        reply = client.request("POST", f"/admin/apps/{app}/rollback", json={"version": to}).json()
+    print(f"rolled app {reply['app']!r} back: version {reply['version']} ({', '.join(reply['functions'])}) now serves")
     return 0
 
 

@@ -1,0 +1,120 @@
+"""Versions of an app through the CLI against a real gateway: each deploy a version, a failing one never replacing
+the live one, rollbacks, and the live versions served again after a restart."""
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import stop_serve
+
+APPS = Path(__file__).resolve().parent / "apps"
+SOURCE = '''import ember
+
+app = ember.App("versioned")
+
+
+@app.cls(scaledown_window=30)
+class Greeter:
+    @ember.enter()
+    def load(self):
+        {enter}
+
+    @ember.method()
+    def greet(self, name: str) -> str:
+        return self.greeting + " " + name
+'''
+
+
+def write(folder: Path, name: str, enter: str) -> Path:
+    path = folder / f"{name}.py"
+    path.write_text(SOURCE.format(enter=enter))
+    return path
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("versions")
+    return {"hello": write(folder, "hello", 'self.greeting = "hello"'),
+            "howdy": write(folder, "howdy", 'self.greeting = "howdy"'),
+            "broken": write(folder, "broken", 'raise RuntimeError("weights file missing")')}
+
+
+@pytest.fixture(scope="module")
+def served(serve_module):
+    return serve_module(APPS / "quick.py", "--no-watch")
+
+
+def greet(served) -> str:
+    with served.client(served.key()) as http:
+        reply = http.post("/versioned/Greeter.greet", json={"name": "ada"})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["result"]
+
+
+def history(served) -> list[tuple[int, str, str | None]]:
+    rows = json.loads(served.cli("apps", "history", "versioned", "--json").stdout)
+    return [(row["version"], row["state"], row["note"]) for row in rows]
+
+
+def test_a_failing_version_never_replaces_the_live_one_and_rollbacks_go_back(served, versions):
+    assert "version 1 (Greeter)" in served.cli("deploy", str(versions["hello"])).stdout
+    with served.client(served.key()) as http:
+        first = http.post("/versioned/Greeter.greet", json={"name": "ada"})
+    assert first.json()["result"] == "hello ada"
+    assert "x-ember-cold-start" not in first.headers  # the replica the deploy's check started serves it, warm
+    assert "version 2 (Greeter)" in served.cli("deploy", str(versions["howdy"])).stdout
+    assert greet(served) == "howdy ada"
+
+    failed = served.cli("deploy", str(versions["broken"]), check=False)
+    assert failed.returncode == 1, failed.stdout
+    first_line = failed.stderr.splitlines()[0]
+    assert first_line == ("error: 422 deploy_failed: version 3 of app 'versioned' failed to start (version 2 keeps "
+                          "serving): Greeter: enter failed: RuntimeError: weights file missing")
+    assert 'line 10, in load\n        raise RuntimeError("weights file missing")' in failed.stderr  # the user's line
+    assert greet(served) == "howdy ada"
+    assert history(served) == [(3, "failed", None), (2, "live", None), (1, "retired", None)]
+    assert served.status()["apps"]["versioned"]["version"] == 2
+
+    assert "version 4 (Greeter) now serves" in served.cli("deploy", "--rollback", "versioned").stdout
+    assert greet(served) == "hello ada"
+    served.cli("deploy", "--rollback", "versioned", "--to", "2")
+    assert greet(served) == "howdy ada"
+    assert history(served)[:2] == [(5, "live", "rollback to version 2"), (4, "retired", "rollback to version 1")]
+
+    to_failed = served.cli("deploy", "--rollback", "versioned", "--to", "3", check=False)
+    assert to_failed.returncode == 1 and "version 3 of app 'versioned' failed its check" in to_failed.stderr
+    assert "409" in served.cli("deploy", "--rollback", "versioned", "--to", "9", check=False).stderr
+
+    listed = served.cli("apps", "list").stdout.splitlines()
+    assert [line.split()[:2] for line in listed[1:]] == [["quick", "1"], ["versioned", "5"]]
+    assert listed[1].endswith("add, sleepy") and listed[2].endswith("Greeter")
+
+
+def test_deploying_the_live_code_again_adds_no_version(served, versions):
+    before = history(served)
+    again = served.cli("deploy", str(versions["howdy"])).stdout
+    assert f"version {before[0][0]}" in again and history(served) == before
+
+
+def test_deployed_apps_are_served_again_after_a_restart(serve, versions):
+    served = serve(APPS / "quick.py", "--no-watch")
+    served.cli("deploy", str(versions["hello"]))
+    served.cli("deploy", str(versions["broken"]), check=False)
+    stop_serve(served.process)
+
+    again = serve(APPS / "quick.py", "--no-watch")
+    assert any("Restored apps deployed before: versioned" in line for line in again.stdout), again.stdout
+    assert greet(again) == "hello ada"
+    assert [line.split()[:2] for line in again.cli("apps", "list").stdout.splitlines()[1:]] == [
+        ["quick", "1"], ["versioned", "1"]]  # the same quick.py served again is the same version
+
+
+@pytest.mark.parametrize("args, message", [
+    (["deploy"], "give the app file"),
+    (["deploy", "--rollback", "nothing-here"], "no app named 'nothing-here' was ever deployed"),
+    (["deploy", "--rollback", "Bad..Name"], "--rollback takes an app name"),
+    (["apps", "history", "nothing-here"], "no app named 'nothing-here'"),
+])
+def test_bad_requests_say_what_to_do(served, args, message):
+    result = served.cli(*args, check=False)
+    assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
