@@ -5,7 +5,7 @@
 Starts `ember serve bench/affinity_llm_app.py` (the chat example's engine, a tiny random-weight Qwen3, with
 --replicas warm replicas) once with `--routing affinity` and once with `--routing round-robin`, runs the same
 multi-turn workload through each (every turn resends the growing history, with X-Session-ID), then reads
-`ember:prefix_cache_hits` / `ember:prefix_cache_queries` from each replica's /metrics. Prints a table and writes
+`ember:prefix_cache_hits` / `ember:prefix_cache_queries` from each replica's /metrics. Prints a table; with --record writes
 bench/results/affinity_llm.{md,json} with the machine.
 """
 import argparse
@@ -135,6 +135,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--parallel", type=int, default=4, help="conversations in flight at once")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--record", action="store_true",
+                        help="write the results to --out (.json and .md); without it they are only printed")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "affinity_llm"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ember-bench-") as tmp:
@@ -144,7 +146,7 @@ def main() -> None:
     machine = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                "torch": torch.__version__, "device": "cuda" if torch.cuda.is_available() else "cpu",
                "model": "tiny-qwen3 (random weights, examples' tiny config)"}
-    result = {"machine": machine, "workload": vars(args) | {"out": None}, "results": rows,
+    result = {"machine": machine, "workload": vars(args) | {"out": None, "record": None}, "results": rows,
               "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     header = "| routing | requests | prompt tokens | cached tokens | prefix hit rate | mean latency ms | wall s |"
     lines = [header, "|---|---|---|---|---|---|---|"]
@@ -152,6 +154,8 @@ def main() -> None:
               f"{r['mean_latency_ms']} | {r['wall_s']} |" for r in rows]
     table = "\n".join(lines)
     print(table)
+    if not args.record:
+        return
     Path(args.out + ".json").write_text(json.dumps(result, indent=2) + "\n")
     Path(args.out + ".md").write_text(
         "# Prefix-cache hits: session affinity vs round robin\n\n"

@@ -7,7 +7,7 @@ For each strategy: the share of sessions that move when a 5th replica joins 4 (i
 1/5) or when one of 4 leaves (ideal: only its own); the peak/mean load over uniform
 sessions and over a Zipf-skewed request stream (hot sessions, the case the bound is
 for; each request adds one unit of load and none completes, the worst case); the share of a session's requests that reach its usual replica (a proxy for
-prefix-cache hits); and the cost of one pick. Prints a table and writes
+prefix-cache hits); and the cost of one pick. Prints a table; with --record writes
 bench/results/affinity_movement.{md,json} with the machine.
 """
 
@@ -94,6 +94,7 @@ def main():
     ap.add_argument("--sessions", type=int, default=1000)
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--record", action="store_true", help="write affinity_movement.{md,json} to --out")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
 
@@ -126,6 +127,8 @@ def main():
     table = "\n".join(lines)
     print(table)
     print(note)
+    if not args.record:
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "affinity_movement.md").write_text(f"# Session routing: movement and balance\n\n{table}\n\n{note}\n")
     (args.out / "affinity_movement.json").write_text(

@@ -5,7 +5,7 @@
 
 A random-weight Llama (hidden 2048, 16 heads of 128, 4 KV heads, MLP 5632, vocab 32000) is saved as a
 Hugging Face directory; every request has a random prompt of 128-512 tokens and generates exactly
---output-len tokens. Writes bench/results/engine_throughput.json and prints a table.
+--output-len tokens. Prints a table; with --record writes bench/results/engine_throughput.json.
 """
 import argparse
 import json
@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--record", action="store_true", help="write bench/results/engine_throughput.json")
     args = ap.parse_args()
     config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=args.layers,
                          num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=32000,
@@ -82,8 +83,9 @@ def main():
               f"{args.layers} layers, 16x128 heads, 4 KV heads, vocab 32000",
               "requests": args.requests, "prompt_tokens": sum(map(len, prompts)), "output_len": args.output_len,
               "runs": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "engine_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.record:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "engine_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
     header = ["backend", "seconds", "output_tok_per_s", "total_tok_per_s", "steps", "mean_step_ms",
               "mean_step_host_ms", "mean_ttft_s"]
     print(f"\n{result['machine']}; {result['model']}; {args.requests} requests, "

@@ -625,7 +625,7 @@ def main() -> int:
     parser.add_argument("--connections", type=int, default=32, help="wrk connections for the saturation run (default 32)")
     parser.add_argument("--pin", action="store_true", help="pin the client and wrk to cpu 0 and the servers to cpu 1")
     parser.add_argument("--keep", action="store_true", help="keep the servers' logs and configs (their folder is printed at the start)")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave bench/results alone")
+    parser.add_argument("--record", action="store_true", help="write bench/results/gateway_load.{md,json}")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         print("error: wrk is not installed: apt-get install -y wrk", file=sys.stderr)
@@ -636,7 +636,7 @@ def main() -> int:
     data = run(args)
     report = markdown(data)
     print("\n" + report)
-    if not args.no_write:
+    if args.record:
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / "gateway_load.json").write_text(json.dumps(data, indent=2) + "\n")
         (RESULTS / "gateway_load.md").write_text(report)

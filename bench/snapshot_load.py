@@ -9,7 +9,7 @@ with buffered reads in place of O_DIRECT (cold).
 Models are random bf16 tensors with Llama-2-7B names and shapes (hidden 4096, MLP 11008,
 vocab 32000), as many layers as the size needs; each is written as model.safetensors plus
 config.json, then built into a snapshot with the code `ember snapshot build` runs.
-Writes bench/results/snapshot_load.{json,md} (after every measurement, so a cut-short run keeps its numbers).
+With --record writes bench/results/snapshot_load.{json,md} (after every measurement, so a cut-short run keeps its numbers).
 """
 import argparse
 import json
@@ -190,7 +190,8 @@ def run(args) -> None:
         def record(key: str, value) -> None:
             row[key] = value
             print(f"[{size} GB] {key}: {value}", flush=True)
-            write_results(results, out)
+            if args.record:
+                write_results(results, out)
 
         record("drop_method", drop_caches(files))
         record("disk_read_gbps", read_file(snap, direct=True))
@@ -320,6 +321,7 @@ def main() -> None:
     p.add_argument("--sizes", default="8,16", help="model sizes in GB, comma separated")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dir", default="/var/tmp/ember-bench", help="scratch folder on the disk under test")
+    p.add_argument("--record", action="store_true", help="write snapshot_load.{md,json} to --out as rows finish")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     args.sizes = [float(s) for s in args.sizes.split(",")]

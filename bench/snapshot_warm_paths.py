@@ -4,7 +4,7 @@ memory; beside them, raw page-cache reads into each kind of buffer. Picks the lo
 
     python bench/snapshot_warm_paths.py --size 8        # on the GPU machine
 
-Writes bench/results/snapshot_warm_paths.{json,md}.
+With --record writes bench/results/snapshot_warm_paths.{json,md}.
 """
 import argparse
 import json
@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--verify", default="1,0", help="1: check each chunk's xxh3; 0: no check (the bound)")
     p.add_argument("--buffers", default="huge,torch", help="huge: the loader's huge-page buffers; torch: torch's pinned")
     p.add_argument("--dir", default="/var/tmp/ember-warm")
+    p.add_argument("--record", action="store_true", help="write snapshot_warm_paths.{md,json} to --out")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     root = Path(args.dir)
@@ -89,8 +90,6 @@ def main() -> None:
     loader.host_buffer = chosen
     store.rm(ref.id)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "snapshot_warm_paths.json").write_text(json.dumps(results, indent=2))
     lines = ["# Warm snapshot loads by variant", "", f"machine: {json.dumps(results['machine'])}", "",
              f"{ref.size / 1e9:.1f} GB bf16 snapshot in the page cache. Transparent huge pages: "
              f"{results['transparent_hugepage']}.", "",
@@ -100,8 +99,11 @@ def main() -> None:
     names = {"huge": "huge pages (hostbuffer.py)", "torch": "torch's pinned memory"}
     lines += [f"| {names[r['buffers']]} | {'yes' if r['verify'] else 'no'} | {r['threads']} | {r['gbps']:.1f} |"
               for r in results["loads"]]
-    (out / "snapshot_warm_paths.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if args.record:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "snapshot_warm_paths.json").write_text(json.dumps(results, indent=2))
+        (out / "snapshot_warm_paths.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

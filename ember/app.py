@@ -11,6 +11,7 @@ from ember.remote import Remote
 from ember.spec import FunctionSpec, Settings, SpecError, build_spec, check_requirements
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+APP_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")  # the gateway checks the same on deploy and on every request
 
 
 def _check_name(kind: str, name: str) -> str:
@@ -28,7 +29,11 @@ class App:
     `requirements`: pip requirements every function of the app gets (before its own `requirements=`)."""
 
     def __init__(self, name: str, requirements: list[str] | None = None):
-        self.name = _check_name("app", name)
+        if not isinstance(name, str) or not APP_NAME.fullmatch(name):
+            hint = re.sub(r"[^a-z0-9_-]", "-", str(name).lower()).strip("-_")[:63] or "my-app"
+            raise SpecError(f"app name {name!r} must be 1-63 lower-case letters, digits, '-' or '_', starting with a "
+                            f"letter or digit (it is the first part of every URL); e.g. ember.App({hint!r})")
+        self.name = name
         self.units: dict[str, "Function | Cls"] = {}
         try:
             self.requirements = check_requirements(list(requirements or []))

@@ -10,6 +10,7 @@ import io
 import json
 import linecache
 import sys
+import types
 import zipfile
 from pathlib import Path
 from types import ModuleType
@@ -147,7 +148,46 @@ def unpack(package: str | Path) -> App:
     with zipfile.ZipFile(package) as zf:
         source = zf.read(f"source/{json.loads(zf.read('manifest.json'))['source']}").decode()
         app = cloudpickle.loads(zf.read("app.pkl"))
-    # cloudpickle names by-value code "<dynamic-code>"; it all comes from the one source file shipped
-    # here, so tracebacks in a replica can show the user's lines.
-    linecache.cache["<dynamic-code>"] = (len(source), None, source.splitlines(keepends=True), "<dynamic-code>")
+    return _with_user_filenames(app, source)
+
+
+DYNAMIC = "<dynamic-code>"  # the file name cloudpickle gives all code it pickles by value
+
+
+def _renamed(code: types.CodeType, filename: str) -> types.CodeType:
+    consts = tuple(_renamed(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def _with_user_filenames(app: App, main_source: str) -> App:
+    """Give the user's by-value code back its file name (cloudpickle calls it all "<dynamic-code>"), so a traceback in
+    a replica reads `File "/path/app.py", line 12, in fn`: each function's module keeps `__file__` in the globals
+    cloudpickle rebuilt. The app file's source rides in the package, so its lines show even where the path does not
+    exist (another machine)."""
+    seen: set[int] = set()
+    todo: list = [getattr(unit, "fn", None) or unit.user_cls for unit in app.units.values()]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, type):
+            todo += list(vars(item).values())
+        elif isinstance(item, (staticmethod, classmethod)):
+            todo.append(item.__func__)
+        elif isinstance(item, property):
+            todo += [f for f in (item.fget, item.fset, item.fdel) if f]
+        elif isinstance(item, types.FunctionType) and item.__code__.co_filename == DYNAMIC:
+            filename = item.__globals__.get("__file__")
+            if filename:
+                item.__code__ = _renamed(item.__code__, filename)
+            # The helpers and classes it calls were pickled by value with it; a closure's cells too.
+            todo += [v for v in item.__globals__.values() if isinstance(v, (type, types.FunctionType))]
+            todo += [c.cell_contents for c in item.__closure__ or () if c.cell_contents is not None]
+    first = next(iter(app.units.values()))
+    owner = getattr(first, "fn", None) or next(
+        (f for f in vars(first.user_cls).values() if isinstance(f, types.FunctionType)), None)
+    main_file = owner.__globals__.get("__file__") if owner is not None else None
+    if main_file and not Path(main_file).exists():  # built on another machine: its lines from the package
+        linecache.cache[main_file] = (len(main_source), None, main_source.splitlines(keepends=True), main_file)
     return app

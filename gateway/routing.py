@@ -6,6 +6,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ember import app
 from ember.gateway.affinity import ReplicaLoad, pick
 from ember.gateway.lifecycle import HOT, LIVE, PARKED
 from ember.gateway.replica import GatewayReplica
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from ember.gateway.deployment import Unit
 
 
-APP_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")  # checked at deploy and on every request
+APP_NAME = app.APP_NAME  # one rule: ember.App refuses the names the gateway would, checked again here
 
 
 @dataclass(frozen=True)

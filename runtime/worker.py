@@ -26,6 +26,7 @@ import stat  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 import typing  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 from ember.runtime import health, logs, startup, tracing  # noqa: E402
@@ -98,6 +99,18 @@ def checked_arguments(adapters: dict[str, Any], kwargs: dict) -> tuple[dict, str
                 where = ".".join([name, *map(str, error["loc"])])
                 problems.append(f"{where}: {error['msg']} (got {json.dumps(error['input'], default=repr)[:80]})")
     return values, "; ".join(problems) or None
+
+
+RUNTIME_FILES = (str(Path(__file__).resolve().parent), str(Path(asyncio.__file__).resolve().parent.parent))
+
+
+def print_user_traceback(exc: BaseException) -> None:
+    """The traceback from the user's first frame on: the worker's and the thread pool's frames above it say nothing
+    about the user's code (all of them when no user frame is there)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(RUNTIME_FILES):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
 def _error_response(status: int, type: str, message: str, headers: dict[str, str] | None = None):
@@ -197,7 +210,7 @@ class LoadedUnit:
         try:
             result = work.result()
         except Exception as exc:  # the user's error goes to the caller as JSON, the traceback to the log
-            traceback.print_exception(exc)
+            print_user_traceback(exc)
             return _error_response(500, "function_error", f"{type(exc).__name__}: {exc}")
         try:
             body = json.dumps({"result": result}, allow_nan=False)

@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from ember.snapshot.errors import SnapshotCorrupt, SnapshotError
 from ember.snapshot.loader import audit
 from ember.snapshot.store import open_store, staging_path
@@ -48,9 +50,18 @@ def build(args) -> int:
         if path.exists():
             os.remove(path)
     seconds = time.perf_counter() - began
-    print(f"built {name} {ref.id[:12]}: {len(header.tensors)} tensors, {ref.size / 1e9:.2f} GB "
+    print(f"built {name} {ref.id[:12]}: {len(header.tensors)} tensors, {human_size(ref.size)} "
           f"in {seconds:.1f} s -> {ref.store}")
     return 0
+
+
+def human_size(size: int) -> str:
+    """Bytes in the largest unit that keeps a number >= 1: 512 B, 3.4 KB, 87.1 MB, 16.02 GB (powers of 1000, as ls
+    -h --si and the build line)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}" if unit == "GB" else f"{size / scale:.1f} {unit}"
+    return f"{size} B"
 
 
 def ls(args) -> int:
@@ -58,11 +69,11 @@ def ls(args) -> int:
     if args.json:
         print(json.dumps([r.to_json() for r in refs], indent=2))
         return 0
-    print(f"{'ID':<12}  {'NAME':<24}  {'SIZE':>10}  {'TENSORS':>7}  CREATED")
-    for r in refs:
-        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created))
-        tensors = "corrupt" if r.problem else r.tensors
-        print(f"{r.id[:12]:<12}  {','.join(r.names) or '-':<24}  {r.size / 1e9:>8.2f}GB  {tensors:>7}  {created}")
+    rows = [(r.id[:12], ",".join(r.names) or "-", human_size(r.size), "corrupt" if r.problem else str(r.tensors),
+             time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created))) for r in refs]
+    name_width = max([len("NAME")] + [len(row[1]) for row in rows])  # a long name widens the column, not the row
+    for row in [("ID", "NAME", "SIZE", "TENSORS", "CREATED")] + rows:
+        print(f"{row[0]:<12}  {row[1]:<{name_width}}  {row[2]:>9}  {row[3]:>7}  {row[4]}")
     for r in refs:
         if r.problem:
             print(f"{r.id[:12]} is corrupt ({r.problem}): `ember snapshot verify {r.id[:12]}` quarantines it; "
@@ -89,12 +100,36 @@ def verify(args) -> int:
     return 0
 
 
+def _explain(err: Exception, args) -> str | None:
+    """One line naming the fix for what a user's input or environment causes; None for a bug (its traceback shows)."""
+    if isinstance(err, (SnapshotError, ValueError, FileNotFoundError)):
+        return str(err)
+    if isinstance(err, SafetensorError):
+        return (f"{getattr(args, 'src', 'the source')} is not a readable safetensors file ({err}); re-download it "
+                "(a partial download or a Git LFS pointer looks like this), or point at the model's directory")
+    if "botocore" in sys.modules:
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, NoRegionError
+
+        if isinstance(err, NoCredentialsError):
+            return (f"no AWS credentials for --store {args.store}: set AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY (AWS_ENDPOINT_URL for an emulator); or use --store local")
+        if isinstance(err, NoRegionError):
+            return f"no AWS region for --store {args.store}: set AWS_DEFAULT_REGION (e.g. us-east-1)"
+        if isinstance(err, (BotoCoreError, ClientError)):
+            return (f"--store {args.store}: {err}; check the bucket exists and the AWS credentials and region may use "
+                    "it")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return {"build": build, "ls": ls, "rm": rm, "verify": verify}[args.command](args)
-    except (SnapshotError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except Exception as err:
+        message = _explain(err, args)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         return 1
 
 

@@ -3,6 +3,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from ember.home import Home
 
@@ -70,12 +71,29 @@ def run(args: argparse.Namespace) -> int:
             await backend.stop(replica)
         body = reply.json()
         if reply.status_code != 200:
+            if body["error"]["type"] == "function_error":
+                sys.stderr.write(_last_traceback(replica.log_path))
             print(f"error: {body['error']['type']}: {body['error']['message']}", file=sys.stderr)
             return 1
         print(json.dumps(body["result"], indent=2))
         return 0
 
     return asyncio.run(once())
+
+
+def _last_traceback(log: Path) -> str:
+    """The replica's last traceback in its log (the worker writes the user's frames there): from its first line to
+    the exception's own line."""
+    lines = log.read_text(errors="replace").splitlines(keepends=True) if log.exists() else []
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return ""
+    block = [lines[starts[-1]]]
+    for line in lines[starts[-1] + 1:]:
+        block.append(line)
+        if not line.startswith(" "):  # the exception's line ends the traceback
+            break
+    return "".join(block)
 
 
 async def _print_values(reply) -> int:

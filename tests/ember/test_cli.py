@@ -92,3 +92,39 @@ def test_run_prints_a_generators_values_and_its_error(tmp_path):
     assert result.returncode == 1
     assert result.stdout.splitlines() == ["0", "1", "2"]
     assert "error: function_error: ValueError: ran out after 3" in result.stderr and "Traceback" not in result.stderr
+
+
+SLOW_APP = Path(__file__).resolve().parents[1] / "gateway" / "apps" / "slow.py"
+
+
+def test_run_of_a_failing_function_prints_the_users_traceback(tmp_path):
+    result = ember("run", f"{SLOW_APP}::boom", "x=3", home=tmp_path)
+    assert result.returncode == 1
+    err = result.stderr
+    assert err.startswith("Traceback (most recent call last):\n"), err
+    assert f'File "{SLOW_APP}", line 17, in boom\n    return divide(x)' in err  # the user's file, line and source
+    assert f'File "{SLOW_APP}", line 21, in divide\n    return x // 0' in err
+    assert "<dynamic-code>" not in err and "worker.py" not in err and "concurrent" not in err
+    assert err.rstrip().endswith("error: function_error: ZeroDivisionError: integer division or modulo by zero")
+
+
+def test_a_bad_app_name_is_refused_the_same_way_by_run_and_serve(tmp_path):
+    app = tmp_path / "bad.py"
+    app.write_text("import ember\napp = ember.App('Bad_Name')\n\n@app.function()\ndef f() -> int:\n    return 1\n")
+    ran, served = ember("run", f"{app}::f", home=tmp_path), ember("serve", str(app), "--port", "0", home=tmp_path)
+    assert ran.returncode == served.returncode == 1
+    assert ran.stderr == served.stderr
+    assert ran.stderr.startswith("error: app name 'Bad_Name' must be") and "ember.App('bad_name')" in ran.stderr
+
+
+def test_output_cut_short_by_head_ends_quietly(tmp_path):
+    from ember.gateway.keys import KeyStore
+
+    store = KeyStore(tmp_path / "ember.db")
+    for n in range(1500):  # ~200 KB of listing: more than a pipe holds, so the writer meets the closed pipe
+        store.create(f"key-{n}")
+    piped = subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} -m ember.cli keys list | head -1; "
+                                          "echo status=${PIPESTATUS[0]}"],
+                           env=os.environ | {"EMBER_HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    assert piped.stdout.splitlines()[-1] == "status=0" and "key-0" in piped.stdout
+    assert piped.stderr == ""  # no BrokenPipeError, no "Exception ignored"

@@ -111,3 +111,45 @@ def test_errors_name_the_fix_and_exit_nonzero(argv, message, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_small_snapshots_list_in_readable_units_and_aligned_columns(tmp_path, capsys):
+    save_file({"w": torch.zeros(10, 10)}, tmp_path / "small.safetensors")  # ~8 KB
+    save_file({"w": torch.zeros(600, 1000)}, tmp_path / "mid.safetensors")  # ~2.4 MB
+    assert main(["build", str(tmp_path / "small.safetensors"), "--name", "a-name-longer-than-the-old-24-columns"]) == 0
+    assert main(["build", str(tmp_path / "mid.safetensors")]) == 0
+    assert " KB in " in capsys.readouterr().out.splitlines()[0]
+    assert main(["ls"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split() == ["ID", "NAME", "SIZE", "TENSORS", "CREATED"] and len(rows) == 2
+    sizes = {row.split()[1]: " ".join(row.split()[2:4]) for row in rows}
+    assert sizes["mid"].endswith(" MB") and sizes["a-name-longer-than-the-old-24-columns"].endswith(" KB")
+    assert "0.00" not in "".join(rows)
+    for column in ("SIZE", "TENSORS", "CREATED"):  # every row's value ends (or starts) where the header's does
+        end = header.index(column) + len(column)
+        assert all(len(row) >= end for row in rows)
+    assert len({row.index(" 1 ") for row in rows}) == 1  # the tensors column lines up despite the long name
+
+
+def test_a_bad_safetensors_file_is_one_line_naming_the_fix(tmp_path, capsys):
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 10\n")  # an LFS pointer
+    assert main(["build", str(bad)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {bad} is not a readable safetensors file") and "re-download" in err
+
+
+def test_missing_aws_credentials_are_one_line_naming_the_fix(monkeypatch, capsys):
+    import boto3
+
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # an earlier test's session keeps the emulator's credentials
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    assert main(["ls", "--store", "s3://some-bucket/snaps"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: no AWS credentials for --store s3://some-bucket")
+    assert "AWS_ACCESS_KEY_ID" in err and "--store local" in err
