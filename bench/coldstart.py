@@ -280,6 +280,8 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
         server.stop()
     wait_gpu_free(baseline)
 
+    if args.t2_only:  # a quick look at the restore path: no fresh-kernel or park rungs, no floors, nothing recorded
+        return {}, rows
     shutil.rmtree(home / "kernels", ignore_errors=True)  # a fresh machine: the store has the kernels, the node not
     shutil.rmtree(workspace, ignore_errors=True)
     how = drop_page_cache(home, model, whole=gpu)
@@ -372,14 +374,20 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/ember-coldstart", help="models, EMBER_HOMEs and caches go here")
     parser.add_argument("--seed-kernels", help="a FLASHINFER_WORKSPACE_BASE holding modules built before")
     parser.add_argument("--record", action="store_true", help="write bench/results/coldstart.{json,md}")
+    parser.add_argument("--t2-only", action="store_true", help="only the full boot and T2 rungs, printed (a check "
+                        "of the restore path; cannot --record)")
     parser.add_argument("--results", default=str(RESULTS), help="where --record writes (default bench/results)")
     args = parser.parse_args()
+    if args.t2_only and args.record:
+        parser.error("--t2-only measures part of the ladder: it cannot --record")
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
     gpu = shutil.which("nvidia-smi") is not None
     models, rows = [], []
     for shape in args.shapes.split(","):
         result, shape_rows = measure_shape(shape.strip(), folder, args, gpu)
+        if not result:
+            continue
         models.append(result)
         rows += shape_rows
         print(json.dumps(result), flush=True)

@@ -27,6 +27,7 @@ STARTED = time.monotonic()  # before heavy imports: import_ms counts from here
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
 import ctypes  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -313,7 +314,8 @@ class UnitTemplate:
         while True:
             with selectors.DefaultSelector() as selector:
                 selector.register(self.channel, selectors.EVENT_READ)
-                ready = selector.select(timeout=0.5)
+                # short: a replica's exit reaches the supervisor (which then frees its GPU) within this
+                ready = selector.select(timeout=0.05)
             if ready:
                 request, fds = receive(self.channel, 1 + REQUEST_FDS)
                 if request is None:
@@ -368,14 +370,44 @@ class UnitTemplate:
 
 def preload(app: Any) -> list[str]:
     """Import what every replica of `app` needs before a fork: torch when a unit asks for a GPU (what the user's
-    module imports is loaded already). The modules imported."""
+    module imports is loaded already), and flashinfer, the engine's attention (~1 s to import), when the
+    supervisor named the GPU architecture: otherwise its import would ask the GPU, which a fork server must not
+    touch. The modules imported."""
     loaded = []
     if any(unit.spec.gpu for unit in app.units.values()):
         with contextlib.suppress(ImportError):
             import torch  # noqa: F401
 
             loaded.append("torch")
+        arch_known = bool(os.environ.get("FLASHINFER_CUDA_ARCH_LIST"))
+        if arch_known and importlib.util.find_spec("flashinfer") is not None and _safe_to_import("flashinfer"):
+            import flashinfer  # noqa: F401
+
+            loaded.append("flashinfer")
     return loaded
+
+
+def _safe_to_import(module: str) -> bool:
+    """Whether importing `module` leaves this process fit to fork, tried first in a child (which then exits), so a
+    module that touches CUDA or starts a thread on import is left for each replica to import instead."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            importlib.import_module(module)
+            hazard = fork_hazard(f"importing {module}")
+            if hazard:
+                print(f"ember fork server: {module} not preloaded: {hazard}", file=sys.stderr)
+            code = 0 if hazard is None else 3
+        except BaseException as exc:  # noqa: BLE001 - reported, and the parent does not import it
+            print(f"ember fork server: {module} not preloaded ({type(exc).__name__}: {exc})", file=sys.stderr)
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def main(argv: list[str] | None = None) -> int:

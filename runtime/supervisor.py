@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -58,6 +59,22 @@ def detect_gpus() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def gpu_architectures() -> str | None:
+    """The GPUs' compute capabilities as flashinfer's FLASHINFER_CUDA_ARCH_LIST wants them ("9.0"), from
+    `nvidia-smi` (never CUDA): with it a fork server can import flashinfer without a GPU. None when unknown."""
+    if os.environ.get("FLASHINFER_CUDA_ARCH_LIST"):
+        return os.environ["FLASHINFER_CUDA_ARCH_LIST"]
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    caps = sorted({line.strip() for line in out.stdout.splitlines() if re.fullmatch(r"\d+\.\d+", line.strip())})
+    return " ".join(caps) if out.returncode == 0 and caps else None
 
 
 def gpu_count(spec: FunctionSpec) -> int:
@@ -375,14 +392,14 @@ class Supervisor:
 
     async def _launch(self, server: ForkServerProcess) -> str | None:
         """Start the fork server and wait for its ready line: None once it serves, else why it cannot."""
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}  # no GPU before the fork
+        if self.gpus.gpus and (archs := await asyncio.to_thread(gpu_architectures)):
+            env["FLASHINFER_CUDA_ARCH_LIST"] = archs  # what it would ask the GPU: the fork server may import it
         with open(server.log_path, "ab") as log_file:
             server.process = await asyncio.create_subprocess_exec(
                 server.python, "-m", "ember.runtime.forkserver", "--package", str(server.package),
                 "--socket", server.socket_path, *(["--units", ",".join(server.units)] if server.units else []),
-                stdout=asyncio.subprocess.PIPE, stderr=log_file,
-                stdin=asyncio.subprocess.DEVNULL,
-                env=os.environ | {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""},  # no GPU before the fork
-            )
+                stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL, env=env)
         try:
             line = await asyncio.wait_for(server.process.stdout.readline(), START_TIMEOUT)
             message = json.loads(line) if line.strip() else {}

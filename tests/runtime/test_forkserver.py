@@ -225,3 +225,16 @@ def test_a_deploy_builds_every_units_template_before_its_first_start(package, tm
         assert (await node.call(worker, "where"))["built_in"] == int(snaps.read_text().split()[0])
 
     run(test, tmp_path)
+
+
+def test_a_module_is_preloaded_only_when_importing_it_leaves_the_fork_server_fit_to_fork(tmp_path, monkeypatch):
+    from ember.runtime import forkserver
+
+    (tmp_path / "calm_module.py").write_text("VALUE = 1\n")
+    (tmp_path / "threading_module.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert forkserver._safe_to_import("calm_module")
+    assert not forkserver._safe_to_import("threading_module")  # a thread would not survive the fork
+    assert not forkserver._safe_to_import("no_such_module_here")
+    assert "threading_module" not in __import__("sys").modules  # tried in a child only
