@@ -1,4 +1,4 @@
-"""Maps runtime/, snapshot/ and gateway/ into the one `ember` namespace (see DESIGN.md)."""
+"""Maps runtime/, snapshot/ and gateway/ into the one `ember` namespace (see docs/design.md)."""
 from setuptools import find_packages, setup
 
 ROOTS = {"ember": "ember", "ember.runtime": "runtime", "ember.snapshot": "snapshot", "ember.gateway": "gateway"}

@@ -99,6 +99,8 @@ class Gateway:
                 continue
             deployment.version = version.version
             self._swap(deployment)
+            log.info("app %s version %s restored", version.app, version.version, extra={"fields": {
+                "kind": "deploy", "app": version.app, "version": version.version, "restored": True}})
         return warnings
 
     def register(self, package: Path, note: str | None = None) -> tuple[Deployment, Deployment | None]:
@@ -111,6 +113,9 @@ class Gateway:
         version = self.versions.add(deployment.name, package, read_manifest(package), CLI_USER, note)
         self.versions.go_live(deployment.name, version.version)
         deployment.version = version.version
+        log.info("app %s version %s live (%s; package %s)", deployment.name, version.version,
+                 ", ".join(sorted(deployment.units)), package.name, extra={"fields": {
+                     "kind": "deploy", "app": deployment.name, "version": version.version, "package": package.name}})
         return deployment, self._swap(deployment)
 
     async def deploy(self, package: Path, deployed_by: str | None = None, note: str | None = None) -> Deployment:
@@ -137,7 +142,9 @@ class Gateway:
                 raise DeployFailed(name, version.version, error, live.version if live else None)
             await asyncio.to_thread(self.versions.go_live, name, version.version)
             previous = self._swap(deployment)
-        log.info("app %s version %s live (%s)", name, version.version, ", ".join(sorted(deployment.units)))
+        log.info("app %s version %s live (%s; by %s)", name, version.version, ", ".join(sorted(deployment.units)),
+                 deployed_by or "-", extra={"fields": {"kind": "deploy", "app": name, "version": version.version,
+                                                       "package": package.name, "by": deployed_by}})
         if previous is not None:  # the new version takes new calls; the old one's replicas finish theirs and stop
             await self._drain(previous)
         return deployment

@@ -64,7 +64,7 @@ def test_only_the_cli_imports_the_gateway():
             if within(name, "ember.gateway"):
                 offenders.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert "runtime/node_agent.py" in checked and "snapshot/store.py" in checked and "ember/app.py" in checked
-    assert offenders == [], "DESIGN.md: nothing imports ember.gateway except the CLI; move what they share into runtime/:\n" + "\n".join(offenders)
+    assert offenders == [], "docs/design.md: nothing imports ember.gateway except the CLI; move what they share into runtime/:\n" + "\n".join(offenders)
 
 
 def test_the_sdk_imports_neither_runtime_nor_snapshot_when_loaded():
@@ -75,7 +75,7 @@ def test_the_sdk_imports_neither_runtime_nor_snapshot_when_loaded():
         for name, line, top in imports(path.read_text(), module_name(path), path.name == "__init__.py"):
             if top and (within(name, "ember.runtime") or within(name, "ember.snapshot")):
                 offenders.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
-    assert offenders == [], "DESIGN.md: the SDK knows only specs and the client:\n" + "\n".join(offenders)
+    assert offenders == [], "docs/design.md: the SDK knows only specs and the client:\n" + "\n".join(offenders)
 
 
 def _offenders(paths: list[Path], forbidden) -> list[str]:

@@ -92,8 +92,10 @@ def test_killed_gateway_is_taken_over_and_reruns_keep_one_key_per_purpose(tmp_pa
         assert "replaces key" in "".join(second.stdout)
         with second.client(old_key) as http:
             assert http.post("/slow/wait", json={"seconds": 0}).status_code == 401
-        with second.client(_banner_key(second)) as http:
-            assert http.post("/slow/wait", json={"seconds": 0}).json() == {"result": 0}
+        secret = _banner_key(second)
+        with second.client(secret) as http:
+            assert http.post("/slow/wait", json={"seconds": 0.0314159}).json() == {"result": 0.0314159}
+        _operator_sees_calls_and_deploys(home, secret)
 
         second.process.send_signal(signal.SIGINT)  # Ctrl-C
         assert second.process.wait(20) == 0
@@ -103,6 +105,22 @@ def test_killed_gateway_is_taken_over_and_reruns_keep_one_key_per_purpose(tmp_pa
     finally:
         for process in started:
             stop_serve(process)
+
+
+def _operator_sees_calls_and_deploys(home: Path, secret: str) -> None:
+    """The gateway log a day-one operator reads: one access line per call (who, what, how it went, how long; never
+    the key or the body) and a line per deploy."""
+    text = (home / "logs" / "gateway.log").read_text()
+    records = [json.loads(line) for line in text.splitlines()]
+    calls = [r for r in records if r.get("kind") == "access" and r.get("path") == "/slow/wait"]
+    ok = [r for r in calls if r["status"] == 200]
+    assert ok and {"method", "status", "ms", "app", "function", "key"} <= set(ok[-1])
+    assert ok[-1]["app"] == "slow" and ok[-1]["function"] == "wait" and ok[-1]["method"] == "POST"
+    assert ok[-1]["key"] == secret.split("_")[1]  # the key's id
+    assert [r for r in calls if r["status"] == 401]  # the revoked key's refusal is logged too
+    deploys = [r for r in records if r.get("kind") == "deploy" and r.get("app") == "slow"]
+    assert deploys and deploys[-1]["version"] >= 1
+    assert secret not in text and "0.0314159" not in text  # no key, no body
 
 
 def test_remote_without_ember_ca_names_the_fix(serve, tmp_path):
