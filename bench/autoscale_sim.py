@@ -45,7 +45,23 @@ RAY = ScalingSettings(**SHAPE)
 SLO_TTFT = 2.0
 TICK = 0.5  # the gateway calls every policy twice a second
 LADDER = ReplicaModel(wake=0.3, node_warm=1.5, node_cold=4.0)  # the cold-start ladder's targets
-SLOW = ReplicaModel(wake=13.0, node_warm=13.0, node_cold=13.0, park_frees_gpu=False)  # measured on the H200 today
+# the H200 when the issue was filed: 13 s starts, parks that freed nothing
+SLOW = ReplicaModel(wake=13.0, node_warm=13.0, node_cold=13.0, park_frees_gpu=False)
+COLDSTART = Path(__file__).parent / "results" / "coldstart.json"
+
+
+def measured_tiers(path: Path = COLDSTART) -> ReplicaModel | None:
+    """The ladder as bench/coldstart.py last measured it on the GPU machine (its first model, Qwen3-4B's shape): T1
+    wake, T2 warm and T2 cold to the first token, and whether a parked replica gave its GPU memory back (<= 2 GiB)."""
+    try:
+        model = json.loads(path.read_text())["models"][0]
+        return ReplicaModel(wake=model["t1_wake_s"], node_warm=model["t2_warm_s"], node_cold=model["t2_cold_s"],
+                            park_frees_gpu=(model.get("parked_gpu_bytes") or 0) <= 2 << 30)
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+MEASURED = measured_tiers()
 NAMES = {"ember": "ember", "kpa": "kpa-like", "ray": "ray-default"}
 
 # The suite: each kind at the issue's parameters, and variations that move rates and shapes around.
@@ -80,6 +96,10 @@ def summary(reports: dict[str, Report]) -> dict:
 
 
 def parse_tiers(text: str) -> ReplicaModel:
+    if text.strip() == "measured":
+        if MEASURED is None:
+            raise ValueError(f"--tiers measured reads {COLDSTART}, which is missing or not bench/coldstart.py's output")
+        return MEASURED
     seconds = {}
     for part in text.split(","):
         key, _, value = part.partition("=")
@@ -126,7 +146,8 @@ def one_trace(seed: int, kind: str, options: dict, duration: float) -> list[dict
     trace = generate(kind, duration, seed, **options)
     label = kind + "".join(f" {k}={v}" for k, v in options.items())
     runs = []
-    for tiers, model in (("ladder", LADDER), ("13s", SLOW)):
+    tier_sets = [("ladder", LADDER)] + ([("measured", MEASURED)] if MEASURED else []) + [("13s", SLOW)]
+    for tiers, model in tier_sets:
         reports = compare(trace, model, label, until=duration)
         line, ok = verdict(kind, tiers, reports["ember"], reports["kpa"])
         runs.append({"seed": seed, "kind": kind, "options": options, "label": label, "tiers": tiers,
@@ -222,7 +243,8 @@ NOTES = """## How to read this
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, help="JSON-lines trace to replay")
-    ap.add_argument("--tiers", default="wake=0.3,warm=1.5,cold=4", help="seconds per tier (default: the ladder)")
+    ap.add_argument("--tiers", default="wake=0.3,warm=1.5,cold=4",
+                    help="seconds per tier (default: the ladder's goals), or 'measured': bench/results/coldstart.json")
     ap.add_argument("--parked-holds", choices=("host", "gpu"), default="host",
                     help="what a parked replica keeps: pinned host RAM (default) or its GPU (a park frees nothing)")
     ap.add_argument("--json", action="store_true", help="print only the JSON summary")
@@ -268,7 +290,9 @@ def main() -> None:
         f"{len(runs) * 3} simulations in {elapsed:.0f} s on {host['cpu']} ({host['cpus']} CPUs), "
         f"{host['platform']}, Python {host['python']}.",
         "",
-        f"Tiers: ladder = {asdict(LADDER)}; 13s = wake, node-warm and node-cold 13 s, a park keeps the GPU. "
+        f"Tiers: ladder = {asdict(LADDER)} (the issue's goals); measured = "
+        f"{asdict(MEASURED) if MEASURED else 'n/a'} (bench/results/coldstart.json, Qwen3-4B shape); "
+        "13s = wake, node-warm and node-cold 13 s, a park keeps the GPU. "
         f"Policies decide every {TICK:g} s and at once when a request finds no replica. SLO: TTFT <= {SLO_TTFT:g} s "
         "over all requests (503s count as misses). KPA-like: "
         f"{KPA_SETTINGS}; Ray Serve default: target_ongoing_requests=2, look-back 30 s, upscale delay 30 s, "
@@ -293,6 +317,7 @@ def main() -> None:
     (args.out / "autoscale_sim.json").write_text(json.dumps({
         "machine": host, "seconds": elapsed, "duration": args.duration, "tick": TICK, "slo_ttft": SLO_TTFT,
         "ember": asdict(EMBER), "kpa_like": asdict(KPA), "ladder": asdict(LADDER), "slow": asdict(SLOW),
+        "measured": asdict(MEASURED) if MEASURED else None,
         "runs": [{"seed": r["seed"], "trace": r["label"], "tiers": r["tiers"], "ok": r["ok"], **summary(r["reports"])}
                  for r in runs],
     }, indent=1))
