@@ -201,7 +201,7 @@ def test_an_idle_replica_parks_on_its_node_and_the_next_call_wakes_it_there(aws,
     assert second.headers["x-ember-cold-start"].startswith("parked; ms=")
     assert second.json()["result"] == {"pid": first.json()["result"]["pid"], "parks": 1, "wakes": 1}  # same process
     [instance] = instances.launched
-    [woken] = wait_for(lambda: [i for i in assignments.scan()["Items"] if "woken" in i], 5, "the wake recorded")
+    [woken] = wait_for(lambda: [i for i in assignments.scan()["Items"] if "woken" in i], 20, "the wake recorded")
     assert woken["node_id"] == instance and woken["state"] in ("ready", "parked")  # it parks again after 0.5 s idle
     assert desired(autoscaling) == 1
 
