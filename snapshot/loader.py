@@ -173,7 +173,8 @@ class _Run:
 
     def work(self, device: torch.device | None) -> None:
         spent = dict.fromkeys(self.busy, 0.0)
-        stream, held = None, []
+        stream = None
+        held: list[tuple[torch.Tensor, Callable[[], None]]] = []  # this worker's buffer and how to free it
         try:
             if device is not None:
                 torch.cuda.set_device(device)  # the runtime's current device is per thread; the ctypes calls use it
@@ -191,7 +192,7 @@ class _Run:
                 for k, dt in spent.items():
                     self.busy[k] += dt
 
-    def stream_chunks(self, stream, held: list, spent: dict) -> None:
+    def stream_chunks(self, stream, held: list[tuple[torch.Tensor, Callable[[], None]]], spent: dict) -> None:
         events: list = [None, None]
         for turn in itertools.count():
             with self.lock:
@@ -216,7 +217,7 @@ class _Run:
     def copy(self, index: int, buf: torch.Tensor, stream, spent: dict) -> int:
         """Reads chunk `index` into `buf`, checks it, and queues its copies into the targets."""
         t0 = time.perf_counter()
-        n = self.source.read_chunk(index, memoryview(buf.numpy()))
+        n = self.source.read_chunk(index, buf.numpy().data)
         t1 = time.perf_counter()
         if self.verify and checksum(buf[:n].numpy()) != self.header.xxh3[index]:
             raise SnapshotCorrupt(self.source.id,
@@ -242,8 +243,8 @@ def audit(source, threads: int | None = None) -> None:
 
     def check(index: int) -> None:
         buf = aligned_buffer(header.chunk_size, pin=False)
-        n = source.read_chunk(index, memoryview(buf.numpy()))
-        if hashlib.sha256(buf[:n].numpy()).hexdigest() != header.chunks[index]:
+        n = source.read_chunk(index, buf.numpy().data)
+        if hashlib.sha256(buf[:n].numpy().data).hexdigest() != header.chunks[index]:
             raise SnapshotCorrupt(source.id, f"chunk {index} (bytes {header.chunk_span(index)}) fails its sha256")
 
     with ThreadPoolExecutor(threads or source.default_threads, thread_name_prefix="snapshot-audit") as pool:

@@ -197,8 +197,7 @@ class FileSource:
     def read_chunk(self, index: int, into: memoryview) -> int:
         start, end = self.header.chunk_span(index)
         want, done, at = end - start, 0, self.header.data_offset + start
-        direct = self.direct_fd is not None and not self.cache.holds(at, want)
-        fd = self.direct_fd if direct else self.fd
+        fd = self.fd if self.direct_fd is None or self.cache.holds(at, want) else self.direct_fd
         while done < want:
             got = os.preadv(fd, [into[done:want]], at + done)
             if got == 0:

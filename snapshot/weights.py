@@ -125,9 +125,10 @@ def restore_or_boot(make_model: Callable[[], torch.nn.Module], load_weights: Cal
     """
     began = time.perf_counter()
     model, reason = make_model(), None
+    not_restorable: tuple[type[BaseException], ...] = (SnapshotError, *_store_errors())
     try:
         report = restore_into(model, store, key, progress=progress)
-    except (SnapshotError, *_store_errors()) as err:  # corrupt, or the store is unreachable: boot from the files
+    except not_restorable as err:  # corrupt, or the store is unreachable: boot from the files
         report, reason = None, f"{type(err).__name__}: {err}"
         log.warning("snapshot %s not restored, booting from the model files: %s", key, reason)
         model = make_model()
@@ -136,7 +137,7 @@ def restore_or_boot(make_model: Callable[[], torch.nn.Module], load_weights: Cal
     load_weights(model)
     try:
         captured = capture(model, store, key, progress=progress)
-    except (SnapshotError, *_store_errors()) as err:  # a full disk or an unreachable store must not fail the start
+    except not_restorable as err:  # a full disk or an unreachable store must not fail the start
         log.warning("could not write snapshot %s: %s", key, err)
         captured = None
     return model, WeightsStart("full", time.perf_counter() - began, captured=captured, fallback_reason=reason)

@@ -35,7 +35,7 @@ def digest_chunks(path: str | os.PathLike, header: Header, threads: int = min(16
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 def write(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors: Iterator[torch.Tensor], path: str | os.PathLike,
