@@ -192,14 +192,14 @@ class AsyncClient:
     """The Client's calls for asyncio code (`await f.remote.aio(...)`); same gateway, key and CA."""
 
     def __init__(self, url: str, key: str, ca: str | os.PathLike | bool | ssl.SSLContext = True,
-                 timeout: float = 600.0, connections: int = 1000, found_in: str = ""):
+                 timeout: float = 600.0, connections: int = 100, found_in: str = ""):
         self.url, self.key, self.found_in = url.rstrip("/"), key, found_in
         verify = ca if isinstance(ca, (bool, ssl.SSLContext)) else _trust(ca)
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         self.http = httpx.AsyncClient(verify=verify, timeout=timeout, limits=limits)
 
     @classmethod
-    def from_env(cls, connections: int = 1000) -> "AsyncClient":
+    def from_env(cls, connections: int = 100) -> "AsyncClient":
         sync = Client.from_env()
         sync.http.close()
         return cls(sync.url, sync.key, sync.ca, connections=connections, found_in=sync.found_in)

@@ -10,9 +10,10 @@ from typing import Any
 
 from ember.client import AsyncClient, Client, RemoteError
 
-# Calls of one map in flight at once: generous, so the gateway's queue (and so the autoscaler) sees the fan-out;
-# a call the gateway refuses because its queue is full or a rate limit is hit never ran, and is sent again.
-MAP_WINDOW = 1000
+# Calls of one map in flight at once: generous, so the gateway's queue (and so the autoscaler) sees the fan-out
+# (a function's queue holds 256 by default), yet one connection each fits a 1,024-descriptor limit; a call the
+# gateway refuses because its queue is full or a rate limit is hit never ran, and is sent again.
+MAP_WINDOW = 512
 REFUSED = {(503, "overloaded"), (429, "rate_limit_exceeded")}
 RESUBMIT_DELAY = 1.0  # seconds, when the refusal names no Retry-After
 GET_WAIT = 30.0  # seconds one poll of a spawned call waits at the gateway for it to finish
@@ -133,7 +134,7 @@ class Remote:
                 for done in (tasks if order_outputs else asyncio.as_completed(tasks)):
                     try:
                         yield await done
-                    except RemoteError as exc:
+                    except Exception as exc:  # a RemoteError, or the gateway could not be reached
                         if not return_exceptions:
                             raise
                         yield exc
