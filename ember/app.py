@@ -8,6 +8,7 @@ from typing_extensions import Unpack
 
 from ember import hooks
 from ember.remote import Remote
+from ember.signature import call_schemas
 from ember.spec import FunctionSpec, Settings, SpecError, build_spec, check_requirements
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
@@ -85,8 +86,9 @@ class Function(Remote):
     def describe(self) -> dict:
         methods = [] if self.is_asgi else [self.name]
         params = {m: _required_params(self.fn) for m in methods}
+        schemas = {m: call_schemas(self.fn, f"{m} arguments", f"{self.app.name}.{m}") for m in methods}
         try_it = getattr(self.fn, hooks.TRY_IT, None)  # what `ember serve` prints to call an ASGI app
-        return {"kind": "function", "methods": methods, "params": params, "asgi": self.is_asgi,
+        return {"kind": "function", "methods": methods, "params": params, "schemas": schemas, "asgi": self.is_asgi,
                 "spec": self.spec.model_dump()} | ({"try_it": try_it} if try_it else {})
 
     def local(self, *args: Any, **kwargs: Any) -> Any:
@@ -123,8 +125,11 @@ class Cls:
 
     def describe(self) -> dict:
         params = {m: _required_params(getattr(self.user_cls, m), bound=True) for m in self.methods}
+        schemas = {m: call_schemas(getattr(self.user_cls, m), f"{self.name}.{m} arguments",
+                                   f"{self.app.name}.{self.name}.{m}", bound=True) for m in self.methods}
         try_it = getattr(getattr(self.user_cls, self.asgi), hooks.TRY_IT, None) if self.asgi else None
-        return {"kind": "class", "methods": self.methods, "params": params, "asgi": self.asgi is not None,
+        return {"kind": "class", "methods": self.methods, "params": params, "schemas": schemas,
+                "asgi": self.asgi is not None,
                 "spec": self.spec.model_dump()} | ({"try_it": try_it} if try_it else {})
 
     def start(self, on_hook: Callable[[str, float], None] | None = None) -> Any:

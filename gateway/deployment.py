@@ -74,6 +74,8 @@ class Unit:
     measured: list[Measured] = field(default_factory=list)  # starts, wakes and parks since the last tick
     decisions: deque[ScalingDecision] = field(default_factory=lambda: deque(maxlen=20))
     failures: deque[dict] = field(default_factory=lambda: deque(maxlen=5))
+    schemas: dict[str, dict] = field(default_factory=dict)  # method -> its arguments' and result's JSON schemas
+    openai_base: str | None = None  # an ASGI unit that serves the OpenAI API under this path (ember serve --model)
     arrivals_seen: int = 0
     last_failure: tuple[int, float] | None = None  # (arrivals, monotonic time) when a start last failed
 
@@ -96,5 +98,6 @@ class Deployment:
             # Until its own parks say otherwise, only a GPU function is expected to free something by parking.
             memo = PolicyMemo(costs=CostModel(park_frees_gpu=spec.gpu is not None))
             units[name] = Unit(manifest["app"], name, info["kind"], info["methods"], info["asgi"], spec, router,
-                               queue, scaling_settings(spec), memo=memo)
+                               queue, scaling_settings(spec), memo=memo, schemas=info.get("schemas", {}),
+                               openai_base=(info.get("try_it") or {}).get("openai_base"))
         return cls(manifest["app"], package, units)

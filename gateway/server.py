@@ -113,6 +113,7 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
     app.include_router(logfeed_router(gateway))
     app.include_router(calls_router(gateway.keys, gateway.calls))
     dashboard.install(app, gateway)
+    app.include_router(openapi.docs_router())
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -131,7 +132,7 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi_document() -> JSONResponse:
-        return JSONResponse(openapi.document(app))
+        return JSONResponse(openapi.document(app, gateway.deployments))
 
     async def invoke(request: Request) -> Response:
         record = CallRecord(request.path_params["app_name"]).keep(request)

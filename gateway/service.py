@@ -35,7 +35,7 @@ class DeployFailed(RuntimeError):
         self.app, self.version, self.error, self.serving = app, version, error, serving
 
 
-GATEWAY_PATHS = {"admin", "calls", "dashboard", "healthz", "readyz", "metrics"}  # no app can be reached under these
+GATEWAY_PATHS = {"admin", "calls", "dashboard", "docs", "healthz", "readyz", "metrics"}  # apps cannot use these
 
 
 class Gateway:

@@ -25,7 +25,6 @@ import socket  # noqa: E402
 import stat  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
-import typing  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -64,24 +63,6 @@ def argument_problem(fn, kwargs: dict) -> str | None:
         if not parts:
             return str(exc)
         return f"{'; '.join(parts)}; it takes ({', '.join(named)})"
-
-
-def argument_types(fn) -> dict[str, Any]:
-    """A pydantic TypeAdapter for each parameter of `fn` whose type hint pydantic can check (others pass as sent)."""
-    from pydantic import TypeAdapter
-
-    try:
-        hints = typing.get_type_hints(fn)
-    except Exception:  # a forward reference that does not resolve: check nothing rather than fail every call
-        hints = {}
-    adapters = {}
-    for name in inspect.signature(fn).parameters:
-        if name in hints and hints[name] is not Any:
-            try:
-                adapters[name] = TypeAdapter(hints[name])
-            except Exception:  # a type pydantic cannot build from JSON (a torch.Tensor, say)
-                continue
-    return adapters
 
 
 def checked_arguments(adapters: dict[str, Any], kwargs: dict) -> tuple[dict, str | None]:
@@ -171,6 +152,8 @@ class LoadedUnit:
         problem = argument_problem(fn, kwargs)
         if problem is None:
             if method not in self.types:
+                from ember.signature import argument_types  # pydantic is imported on the first call, not at start
+
                 self.types[method] = argument_types(fn)
             kwargs, problem = checked_arguments(self.types[method], kwargs)
         if problem is not None:
