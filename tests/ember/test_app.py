@@ -50,8 +50,15 @@ def test_manifest_describes_routes_and_settings():
     assert manifest["units"]["double"]["methods"] == ["double"]
     assert manifest["units"]["double"]["params"] == {"double": {"x": "int"}}
     assert manifest["units"]["double"]["spec"]["max_replicas"] == 2
-    assert manifest["units"]["Model"] | {"spec": None} == {
-        "kind": "class", "methods": ["predict"], "params": {"predict": {"text": "str"}}, "asgi": False, "spec": None}
+    assert manifest["units"]["Model"] | {"spec": None, "schemas": None} == {
+        "kind": "class", "methods": ["predict"], "params": {"predict": {"text": "str"}}, "asgi": False, "spec": None,
+        "schemas": None}
+    double = manifest["units"]["double"]["schemas"]["double"]
+    assert double["arguments"]["properties"] == {"x": {"title": "X", "type": "integer"},
+                                                  "scale": {"default": 1.0, "title": "Scale", "type": "number"}}
+    assert double["arguments"]["required"] == ["x"] and double["result"] == {"type": "number"}
+    predict = manifest["units"]["Model"]["schemas"]["predict"]
+    assert list(predict["arguments"]["properties"]) == ["text"] and predict["result"] == {"type": "string"}
 
 
 def test_local_calls_and_errors():
