@@ -1,6 +1,7 @@
 """`ember deploy APP.py --target aws` against moto_server: the CLI uploads the package to the bucket (once per hash),
 the gateway named by EMBER_URL fetches it from S3, checks its sha256 and deploys it, and a node agent serves it."""
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,10 @@ def test_deploy_uploads_once_and_a_node_serves_the_app(aws, serve, tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"already in s3://{BUCKET}/packages/{digest}.pkg: upload skipped" in again.stderr and "bytes sent" not in again.stderr
     assert s3.head_object(Bucket=BUCKET, Key=f"packages/{digest}.pkg")["LastModified"] == stored["LastModified"]
+    # The AWS mode's gateway keeps its versions in its own database too; the same package again is no new version.
+    [version] = json.loads(served.cli("apps", "history", "other", "--json").stdout)
+    assert (version["version"], version["state"], version["digest"]) == (1, "live", digest)
+    assert version["deployed_by"].startswith("deployer (")
 
 
 def test_deploy_errors_say_what_is_wrong(aws, serve, tmp_path):
