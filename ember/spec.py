@@ -78,6 +78,12 @@ class FunctionSpec(BaseModel):
         # in field order keeps a package's bytes, and so its content hash, the same in every process.
         return (type(self).model_validate, (self.model_dump(),))
 
+    @property
+    def retry_policy(self) -> Retries:
+        """`retries` as validation left it: always a Retries."""
+        assert isinstance(self.retries, Retries)
+        return self.retries
+
     @field_validator("retries", mode="after")
     @classmethod
     def _retry_policy(cls, value: int | Retries) -> Retries:

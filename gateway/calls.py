@@ -9,8 +9,8 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
@@ -147,13 +147,17 @@ class SpawnedCalls:
 def calls_router(keys: KeyStore, calls: SpawnedCalls) -> APIRouter:
     router = APIRouter(prefix="/calls")
 
-    async def owned(request: Request, call_id: str) -> dict:
-        """The call's record, for a key that may call its function."""
-        key = await authenticate(keys, request)
+    async def read(call_id: str) -> dict:
         record = await asyncio.to_thread(calls.store.get, call_id)
         if record is None:
             raise ApiError(404, "not_found", f"no spawned call {call_id[:100]!r} (finished calls are kept "
                                              f"{RETENTION / 86400:g} days)")
+        return record
+
+    async def owned(request: Request, call_id: str) -> dict:
+        """The call's record, for a key that may call its function."""
+        key = await authenticate(keys, request)
+        record = await read(call_id)
         authorize(key, record["app"], record["function"].partition(".")[0])  # a method's unit is its class
         return record
 
@@ -163,7 +167,7 @@ def calls_router(keys: KeyStore, calls: SpawnedCalls) -> APIRouter:
         record = await owned(request, call_id)
         if record["state"] == PENDING and wait > 0:
             await calls.wait(call_id, min(wait, MAX_WAIT))
-            record = await asyncio.to_thread(calls.store.get, call_id)
+            record = await read(call_id)
         return JSONResponse(describe(record))
 
     @router.delete("/{call_id}")
@@ -172,6 +176,6 @@ def calls_router(keys: KeyStore, calls: SpawnedCalls) -> APIRouter:
         left as it ended."""
         await owned(request, call_id)
         await calls.cancel(call_id)
-        return JSONResponse(describe(await asyncio.to_thread(calls.store.get, call_id)))
+        return JSONResponse(describe(await read(call_id)))
 
     return router

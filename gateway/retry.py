@@ -9,7 +9,8 @@ import asyncio
 import dataclasses
 import json
 import logging
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import aiohttp
 from starlette.requests import Request
@@ -27,7 +28,7 @@ from ember.runtime.tracing import ClientSpan
 
 log = logging.getLogger("ember.gateway")
 
-Reply = TypeVar("Reply", Response, aiohttp.ClientResponse)  # a call's whole reply, or a stream's head
+Reply = TypeVar("Reply", bound=Response | aiohttp.ClientResponse)  # a call's whole reply, or a stream's head
 REPLICA_LOST, FUNCTION_ERROR = "replica_lost", "function_error"  # why a call ran again, as /metrics counts it
 
 
@@ -87,7 +88,7 @@ def raised(reply: Response) -> bool:
     if reply.status_code != 500:
         return False
     try:
-        return json.loads(reply.body)["error"]["type"] == FUNCTION_ERROR
+        return json.loads(bytes(reply.body))["error"]["type"] == FUNCTION_ERROR
     except (ValueError, KeyError, TypeError):
         return False
 
@@ -97,7 +98,7 @@ async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: by
     """A function call: its slot and rate-limit charge are free again once the whole reply is here, or, for a
     generator's events, once the relayed stream ends. A call whose function raised runs again after the backoff
     of the function's `retries=`, with no slot held while it waits."""
-    policy = unit.spec.retries
+    policy = unit.spec.retry_policy
     budget, attempts = RetryBudget(policy.max_retries, on_retry), 0
     while True:
         lease = dataclasses.replace(await unit.queue.acquire(key), attempt=attempts + 1)
@@ -134,7 +135,7 @@ async def forward(request: Request, unit: Unit, target: Forward, body: bytes, ke
     upstream, lease = await send_with_retry(
         unit, await unit.queue.acquire(key), key,
         lambda replica, trace: proxy.open_stream(client, replica, request, target.path, body, unit.spec.timeout,
-                                                 trace), RetryBudget(unit.spec.retries.max_retries, on_retry))
+                                                 trace), RetryBudget(unit.spec.retry_policy.max_retries, on_retry))
 
     async def close() -> None:
         unit.queue.release(lease.replica)

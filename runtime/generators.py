@@ -8,8 +8,9 @@ import inspect
 import json
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from ember.runtime import health
 
@@ -64,7 +65,7 @@ class ValueSource:
             else:
                 await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
                     self.threads, lambda: self.context.run(self.generator.close)), grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         except Exception as exc:  # its cleanup raised: the stream is over either way
             traceback.print_exception(exc)

@@ -28,8 +28,7 @@ def count(n: int, gate: str = ""):
 
 @app.function(max_concurrency=4, scaledown_window=60)
 def fails_after(n: int):
-    for i in range(n):
-        yield i
+    yield from range(n)
     raise ValueError(f"ran out after {n}")
 
 
