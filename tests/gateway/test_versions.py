@@ -70,7 +70,8 @@ def test_a_failing_version_never_replaces_the_live_one_and_rollbacks_go_back(ser
     first_line = failed.stderr.splitlines()[0]
     assert first_line == ("error: 422 deploy_failed: version 3 of app 'versioned' failed to start (version 2 keeps "
                           "serving): Greeter: enter failed: RuntimeError: weights file missing")
-    assert 'line 10, in load\n        raise RuntimeError("weights file missing")' in failed.stderr  # the user's line
+    user_line = f'File "{versions["broken"]}", line 10, in load\n        raise RuntimeError("weights file missing")'
+    assert user_line in failed.stderr, failed.stderr  # the user's file and line
     assert greet(served) == "howdy ada"
     assert history(served) == [(3, "failed", None), (2, "live", None), (1, "retired", None)]
     assert served.status()["apps"]["versioned"]["version"] == 2
