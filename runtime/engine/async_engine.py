@@ -16,10 +16,14 @@ import queue
 import threading
 import uuid
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
 
 from ember.runtime import health, tracing
 from ember.runtime.engine.detokenizer import Detokenizer
+
+if TYPE_CHECKING:
+    from ember.runtime.engine.engine import RequestOutput
 
 log = logging.getLogger("ember.engine")
 MAX_FAILED_STEPS = 3  # failed steps with no token made between them: the engine (a sticky CUDA error) cannot go on
@@ -47,10 +51,14 @@ class Completion:
     prompt_index: int = 0          # which prompt of a batched request this choice answers
 
 
+# What the loop thread hands a caller: (choice index, that choice's step output), or the error that ended it.
+Delivery = tuple[int, "RequestOutput"] | BaseException
+
+
 @dataclass
 class _Route:
     loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
+    outputs: "asyncio.Queue[Delivery]"
     index: int
 
 
@@ -72,7 +80,7 @@ class _Abort:
 
 
 class AsyncLLM:
-    def __init__(self, engine, tokenizer):
+    def __init__(self, engine, tokenizer) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.error: BaseException | None = None
@@ -98,7 +106,7 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], params, *, n: int = 1, stop=(),
                        include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                       request_id: str | None = None) -> AsyncIterator[Completion]:
+                       request_id: str | None = None) -> AsyncGenerator[Completion, None]:
         """Run `n` samples of one prompt; yields each choice's increments as they come.
 
         Raises ValueError (before the first yield) when the engine refuses the request.
@@ -109,7 +117,7 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         trace_context = tracing.current_context() if tracing.enabled else None  # the engine's spans join this trace
         ids = [request_id if n == 1 else f"{request_id}-{i}" for i in range(n)]
-        loop, outputs = asyncio.get_running_loop(), asyncio.Queue()
+        loop, outputs = asyncio.get_running_loop(), asyncio.Queue[Delivery]()
         detokenizers = [Detokenizer(self.tokenizer, prompt_token_ids, stop, include_stop_str_in_output,
                                     skip_special_tokens) for _ in range(n)]
         running: set[int] = set()

@@ -4,6 +4,7 @@ KV cache layout per layer: [num_blocks, 2 (K, V), block_size, num_kv_heads, head
 Tokens of a step are flattened: sequence after sequence, each sequence's new tokens in order.
 """
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,8 @@ class FlashInferBackend:
         self.workspace = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.graph_decode: dict[int, object] = {}   # batch size -> PagedDecode or graph-safe flashinfer wrapper
+        self.triton_graph_decode: dict[int, PagedDecode] = {}   # batch size -> decode of graphs this small
+        self.graph_decode: dict[int, Any] = {}    # batch size -> graph-safe flashinfer wrapper (flashinfer is untyped)
         self.graph: PagedDecode | None = None       # the Triton decode of the batch planned last, if any
 
     def add_graph_batch_size(self, batch_size: int, max_blocks_per_seq: int) -> None:
@@ -89,9 +91,9 @@ class FlashInferBackend:
         import flashinfer
 
         if batch_size <= self.triton_graph_max_batch:
-            self.graph_decode[batch_size] = PagedDecode(batch_size, max_blocks_per_seq, self.block_size,
-                                                        self.num_heads, self.num_kv_heads, self.head_dim,
-                                                        self.device)
+            self.triton_graph_decode[batch_size] = PagedDecode(batch_size, max_blocks_per_seq, self.block_size,
+                                                               self.num_heads, self.num_kv_heads, self.head_dim,
+                                                               self.device)
             return
 
         def buffer(n: int) -> torch.Tensor:
@@ -107,7 +109,7 @@ class FlashInferBackend:
         self.batch = batch
         self.graph = None
         if graph_batch_size and graph_batch_size <= self.triton_graph_max_batch:
-            self.graph = self.graph_decode[graph_batch_size]
+            self.graph = self.triton_graph_decode[graph_batch_size]
             self.graph.prepare(batch.block_tables, batch.context_lens)
             return
         blocks_per_seq = [len(t) for t in batch.block_tables]

@@ -147,7 +147,7 @@ class BlockManager:
     def _evict(self) -> int:
         block_id, _ = self.evictable.popitem(last=False)
         block = self.blocks[block_id]
-        if self.cached.get(block.hash) == block_id:
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
         block.hash, block.token_ids = None, None
         return block_id

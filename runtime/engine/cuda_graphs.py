@@ -45,7 +45,7 @@ class DecodeGraphs:
         self.inputs = torch.zeros(4, self.batch_sizes[-1], dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None            # one memory pool for all of them: only one replays at a time
+        self.pool = torch.cuda.graph_pool_handle()  # one memory pool for all of them: only one replays at a time
         self.capture_seconds = 0.0  # spent capturing so far
         for size in sorted(self.batch_sizes if capture is None else capture, reverse=True):
             self.capture(size)      # the largest first, so smaller graphs reuse its memory pool
@@ -71,7 +71,6 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.logits[size] = self._forward(size)
-        self.pool = graph.pool()
         self.graphs[size] = graph
         torch.cuda.synchronize(self.kv_caches[0].device)
         self.capture_seconds += time.perf_counter() - began
@@ -94,6 +93,8 @@ class DecodeGraphs:
         The graph of that size must exist or be the one being captured."""
         n = len(token_ids)
         size = self.batch_size_for(n)
+        if size is None:
+            raise ValueError(f"{n} sequences are more than the largest graph holds ({self.batch_sizes[-1]})")
         pad = size - n
         rows = torch.tensor([token_ids + [0] * pad, positions + [0] * pad,
                              slot_blocks + [self.scratch_block] * pad, slot_offsets + [0] * pad])

@@ -157,7 +157,7 @@ class LLMEngine:
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
         for request_id, prompt, p in zip(ids, prompts, params_list):
             self.add_request(request_id, prompt, p)
-        results = {request_id: [] for request_id in ids}
+        results: dict[str, list[int]] = {request_id: [] for request_id in ids}
         while self.has_unfinished_requests():
             for out in self.step():
                 if out.request_id in results:

@@ -17,8 +17,12 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ember.snapshot.hostbuffer import HostBuffer
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +193,7 @@ class Region:
     mapping: _Mapping | None = None    # GPU: the address range and the physical memory backing it now
     base: torch.Tensor = field(init=False)
     host: torch.Tensor | None = None   # the pinned copy of a kept region, made at its first park
-    host_buffer: object = None         # what holds that copy's memory, closed when the region is freed
+    host_buffer: "HostBuffer | None" = None  # what holds that copy's memory, closed when the region is freed
     used: int = 0
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -208,6 +212,8 @@ class Region:
 
     @handle.setter
     def handle(self, value: int | None) -> None:
+        if self.mapping is None:
+            raise ValueError(f"region {self.name!r} has no device mapping to hold a handle")
         self.mapping.handle = value
 
     @property
@@ -323,9 +329,10 @@ class Arena:
                     r.host.copy_(r.base)
                     copied += r.size
             for r in self.regions:
-                self.driver.unmap(r.address, r.size, r.handle)
-                r.handle = None
-                released += r.size
+                if r.handle is not None:
+                    self.driver.unmap(r.address, r.size, r.handle)
+                    r.handle = None
+                    released += r.size
             torch.cuda.empty_cache()
         self.parked = True
         seconds = time.perf_counter() - began
@@ -348,7 +355,7 @@ class Arena:
                 for r in sorted(self.regions, key=lambda r: not r.keep):
                     r.handle = self.driver.map(r.address, r.size)
                     mapped += r.size
-                    if r.keep:
+                    if r.keep and r.host is not None:
                         with torch.cuda.stream(stream):
                             r.base.copy_(r.host, non_blocking=True)
                         copied += r.size
@@ -372,8 +379,9 @@ class Arena:
 
     def release_reservations(self) -> None:
         """Frees reserved ranges that no region took."""
-        if self.driver is not None and self.reserved:
-            self.driver.make_current()
+        if self.driver is None or not self.reserved:
+            return
+        self.driver.make_current()
         for address, size in self.reserved.values():
             self.driver.free_addresses(address, size)
         self.reserved.clear()
@@ -398,7 +406,7 @@ class Arena:
             region.host, region.host_buffer = None, None
 
 
-def _pinned(nbytes: int):
+def _pinned(nbytes: int) -> "tuple[torch.Tensor, HostBuffer | None]":
     """Page-locked host memory for a region's copy, and what holds it (None when torch does): huge pages pinned in
     place, else torch's pinned allocator."""
     from ember.snapshot import cudart

@@ -15,6 +15,7 @@ import os
 import shutil
 import tarfile
 from pathlib import Path
+from typing import Any
 
 from ember.home import Home
 
@@ -33,11 +34,11 @@ def install(root: Path | None = None) -> Path | None:
     root = root or kernel_dir()
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     import sys
-    jit_env = sys.modules.get("flashinfer.jit.env")
+    jit_env: Any = sys.modules.get("flashinfer.jit.env")  # Any: the module's settings are not typed
     if jit_env is None:
         return None
-    jit_env.FLASHINFER_AOT_DIR = flashinfer_dir(root, jit_env)
-    return jit_env.FLASHINFER_AOT_DIR
+    jit_env.FLASHINFER_AOT_DIR = aot_dir = flashinfer_dir(root, jit_env)
+    return aot_dir
 
 
 def flashinfer_dir(root: Path, jit_env) -> Path:
@@ -127,13 +128,14 @@ def unpack(archive: bytes, root: Path | None = None) -> int:
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
         for member in tar.getmembers():
             target = root / member.name
-            if not member.isfile() or target.exists():
+            source = tar.extractfile(member) if member.isfile() else None
+            if source is None or target.exists():
                 continue
             if not target.resolve().is_relative_to(root.resolve()):
                 raise ValueError(f"kernel archive member {member.name!r} points outside {root}")
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f".{target.name}.partial")
-            with tar.extractfile(member) as src, open(partial, "wb") as dst:
+            with source as src, open(partial, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             partial.rename(target)
             count += 1

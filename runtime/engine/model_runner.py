@@ -11,6 +11,7 @@ import torch
 
 from ember.runtime import startup
 from ember.snapshot import image, open_store
+from ember.snapshot.store import SnapshotStore
 
 from . import kernels
 from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
@@ -109,23 +110,24 @@ class ModelRunner:
         # the worker reports weights itself; the rest joins the replica's start breakdown
         startup.report({f"{k}_ms": round(v * 1000) for k, v in self.start_phases.items() if k != "weights"})
 
-    def _image_snapshot(self) -> str | None:
-        """The weight snapshot a GPU memory image sits beside; None where there is none (on a CPU, no store)."""
+    def _image_place(self) -> tuple[SnapshotStore, str] | None:
+        """The store and weight snapshot a GPU memory image sits beside; None where there is none (CPU, no store)."""
         if self.store is None or self.arena.driver is None:
             return None
-        return snapshot_key(self.config.model, self.dtype)
+        return self.store, snapshot_key(self.config.model, self.dtype)
 
     def _reserve_recorded_ranges(self) -> str:
         """The device address ranges the last replica of this snapshot held (its GPU memory image), reserved
         before anything else allocates, so the weights and the KV cache land where they were. Returns "reserved",
         "new" (and logs why) or "none" (no image on a CPU or without a store)."""
         global last_gpu_image
-        snapshot = self._image_snapshot()
-        if snapshot is None:
+        place = self._image_place()
+        if place is None:
             last_gpu_image = "none"
             return last_gpu_image
+        store, snapshot = place
         try:
-            recorded = self.store.get_blob(image.blob_name(snapshot))
+            recorded = store.get_blob(image.blob_name(snapshot))
             regions, reason = image.GpuImage.usable(recorded, snapshot, self.arena.identity)
             for r in regions:
                 self.arena.reserve(r.name, r.address, r.size)
@@ -140,14 +142,15 @@ class ModelRunner:
     def _record_image(self) -> None:
         """Records where the arena's regions are, for the next replica, unless the image says so already."""
         self.arena.release_reservations()
-        snapshot = self._image_snapshot()
-        if snapshot is None:
+        place = self._image_place()
+        if place is None:
             return
+        store, snapshot = place
         now = image.GpuImage(snapshot, self.arena.identity, tuple(
             image.ImageRegion(r.name, r.address, r.size, r.keep) for r in self.arena.regions)).encode()
         try:
-            if self.store.get_blob(image.blob_name(snapshot)) != now:
-                self.store.put_blob(image.blob_name(snapshot), now)
+            if store.get_blob(image.blob_name(snapshot)) != now:
+                store.put_blob(image.blob_name(snapshot), now)
         except Exception as err:  # noqa: BLE001 - without an image the next replica only gets new addresses
             logger.warning("could not record the GPU memory image: %s", err)
 
@@ -226,8 +229,12 @@ class ModelRunner:
         """Compute the batch's new tokens; sample for every sequence whose tokens are now all in the cache."""
         began = time.perf_counter()
         bs = self.block_size
-        input_ids, positions, slot_blocks, slot_offsets = [], [], [], []
-        sample_index, rows = [], []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        sample_index: list[int] = []
+        rows: list[SamplingRow] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, table = seq.num_computed_tokens, seq.block_table
             input_ids += seq.token_ids[start:start + n]
@@ -241,9 +248,10 @@ class ModelRunner:
         block_tables = [s.block_table for s in batch.seqs]
         timer = _GpuTimer(self.device.type == "cuda")
         graph_size = None
-        if (self.graphs is not None and len(input_ids) == len(batch.seqs)
-                and len(batch.seqs) <= self.graphs.max_batch_size):   # one new token per sequence: a decode step
-            self.graphs.capture(self.graphs.batch_size_for(len(input_ids)))  # once per size, when not done yet
+        if self.graphs is not None and len(input_ids) == len(batch.seqs):  # one new token per sequence: a decode step
+            graph_size = self.graphs.batch_size_for(len(input_ids))  # None above the largest graph
+        if self.graphs is not None and graph_size is not None:
+            self.graphs.capture(graph_size)  # once per size, when not done yet
             graph_size = self.graphs.prepare(input_ids, positions, slot_blocks, slot_offsets, block_tables,
                                              context_lens)
             prepared = time.perf_counter()

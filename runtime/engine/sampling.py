@@ -64,23 +64,29 @@ class SamplingRow:
 
 
 @dataclass
+class DrawnLogprobs:
+    """The logprobs of the rows that asked for them, still on the device."""
+    rows: dict[int, int]                     # row -> how many top alternatives it asked for
+    chosen: torch.Tensor                     # [len(rows)]
+    top_values: torch.Tensor                 # [len(rows), width]
+    top_ids: torch.Tensor
+
+
+@dataclass
 class Draws:
     """One token per row, still on the device; `to_host` is the step's one synchronisation."""
     token_ids: torch.Tensor                  # [B]
     rows: list[SamplingRow]
-    logprob_rows: list[int]                  # rows that asked for logprobs
-    chosen_logprobs: torch.Tensor | None     # [len(logprob_rows)]
-    top_logprobs: torch.Tensor | None        # [len(logprob_rows), width]
-    top_ids: torch.Tensor | None
+    logprobs: DrawnLogprobs | None           # None when no row asked for logprobs
 
     def to_host(self) -> tuple[list[int], list[dict | None]]:
         token_ids = self.token_ids.tolist()
         out: list[dict | None] = [None] * len(self.rows)
-        if not self.logprob_rows:
+        if self.logprobs is None:
             return token_ids, out
-        chosen, values, ids = self.chosen_logprobs.tolist(), self.top_logprobs.tolist(), self.top_ids.tolist()
-        for j, i in enumerate(self.logprob_rows):
-            n = self.rows[i].params.logprobs
+        drawn = self.logprobs
+        chosen, values, ids = drawn.chosen.tolist(), drawn.top_values.tolist(), drawn.top_ids.tolist()
+        for j, (i, n) in enumerate(drawn.rows.items()):
             out[i] = {"token_id": token_ids[i], "logprob": chosen[j], "top": list(zip(ids[j][:n], values[j][:n]))}
         return token_ids, out
 
@@ -93,10 +99,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
 def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> Draws:
     """The batch's tokens on the device: a handful of batched kernels, whatever the mix of parameters, and no
     synchronisation (the per-row parameters go over as one small copy each)."""
-    logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    asked = {i: r.params.logprobs for i, r in enumerate(rows) if r.params.logprobs is not None}
     # fp32 log-softmax of the rows that asked only: a full-vocabulary copy per row is 0.6 MB at 151936 tokens
-    logprob_index = _device(logits, logprob_rows, torch.long) if logprob_rows else None
-    raw_logprobs = torch.log_softmax(logits[logprob_index].float(), dim=-1) if logprob_rows else None
+    logprob_index = _device(logits, list(asked), torch.long) if asked else None
+    raw_logprobs = torch.log_softmax(logits[logprob_index].float(), dim=-1) if logprob_index is not None else None
     penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
     banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
     random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0]
@@ -113,12 +119,11 @@ def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> Draws:
         if random_rows:
             index = _device(logits, random_rows, torch.long)
             token_ids[index] = _sample_random(logits[index], [rows[i] for i in random_rows])
-    if not logprob_rows:
-        return Draws(token_ids, rows, [], None, None, None)
-    width = max(1, max(rows[i].params.logprobs for i in logprob_rows))
-    top_values, top_ids = raw_logprobs.topk(width, dim=-1)
+    if logprob_index is None or raw_logprobs is None:
+        return Draws(token_ids, rows, None)
+    top_values, top_ids = raw_logprobs.topk(max(1, *asked.values()), dim=-1)
     chosen = raw_logprobs.gather(1, token_ids[logprob_index].unsqueeze(1)).squeeze(1)
-    return Draws(token_ids, rows, logprob_rows, chosen, top_values, top_ids)
+    return Draws(token_ids, rows, DrawnLogprobs(asked, chosen, top_values, top_ids))
 
 
 def _device(like: torch.Tensor, values: list, dtype: torch.dtype) -> torch.Tensor:

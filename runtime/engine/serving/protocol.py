@@ -18,7 +18,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-SEED_RANGE = {"ge": -(2**63), "le": 2**63 - 1}  # what torch.Generator.manual_seed takes, with room for seed + n
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes, with room for seed + n
 
 
 class SamplingRequest(BaseModel):
@@ -30,7 +30,7 @@ class SamplingRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = Field(None, max_length=16)
-    seed: int | None = Field(None, **SEED_RANGE)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
@@ -156,9 +156,10 @@ class CompletionRequest(SamplingRequest):
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):
             return [self.prompt]
-        if all(isinstance(p, int) for p in self.prompt):
-            return [list(self.prompt)]
-        return list(self.prompt)
+        token_ids = [p for p in self.prompt if isinstance(p, int)]
+        if len(token_ids) == len(self.prompt):  # one prompt given as token ids
+            return [token_ids]
+        return [p for p in self.prompt if not isinstance(p, int)]
 
 
 def _default(value, default):

@@ -3,7 +3,7 @@
 import time
 import uuid
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from ember.runtime.engine.async_engine import AsyncLLM, Completion
 from ember.runtime.engine.detokenizer import token_text
@@ -44,7 +44,8 @@ class OpenAIServer:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return event_stream(self._chat_events(req, response_id, stream))
-        choices, usage = {}, Usage()
+        choices: dict[int, dict[str, Any]] = {}
+        usage = Usage()
         async with aclosing(stream):
             async for c in stream:
                 usage.add(c)
@@ -76,7 +77,8 @@ class OpenAIServer:
         response_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return event_stream(self._completion_events(req, response_id, merged, echoes))
-        choices, usage = {}, Usage()
+        choices: dict[int, dict[str, Any]] = {}
+        usage = Usage()
         async with aclosing(merged):
             async for c in merged:
                 usage.add(c)
@@ -187,7 +189,7 @@ class OpenAIServer:
 class Usage:
     """Prompt tokens count once per prompt (not per choice), as OpenAI counts them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.prompts: dict[int, tuple[int, int]] = {}
         self.completion_tokens = 0
 

@@ -3,14 +3,14 @@
 import asyncio
 import json
 from contextlib import aclosing
-from typing import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
 from ember.runtime.engine.async_engine import Completion, EngineDeadError, RequestFailedError
 
 
-async def start(streams: list[AsyncIterator[Completion]]) -> list[AsyncIterator[Completion]]:
+async def start(streams: list[AsyncGenerator[Completion, None]]) -> list[AsyncGenerator[Completion, None]]:
     """Wait for every stream's first item, so a refused request fails before any response byte is sent."""
     tasks = [asyncio.ensure_future(anext(s)) for s in streams]
     try:
@@ -25,14 +25,14 @@ async def start(streams: list[AsyncIterator[Completion]]) -> list[AsyncIterator[
     return [_prepend(first, s) for first, s in zip(firsts, streams)]
 
 
-async def _prepend(first: Completion, rest: AsyncIterator[Completion]) -> AsyncIterator[Completion]:
+async def _prepend(first: Completion, rest: AsyncGenerator[Completion, None]) -> AsyncGenerator[Completion, None]:
     async with aclosing(rest):
         yield first
         async for c in rest:
             yield c
 
 
-async def renumber(stream: AsyncIterator[Completion], offset: int) -> AsyncIterator[Completion]:
+async def renumber(stream: AsyncGenerator[Completion, None], offset: int) -> AsyncGenerator[Completion, None]:
     """Prompt i of a batch answers as choices i*n .. i*n+n-1, as OpenAI numbers them."""
     async with aclosing(stream):
         async for c in stream:
@@ -41,7 +41,7 @@ async def renumber(stream: AsyncIterator[Completion], offset: int) -> AsyncItera
             yield c
 
 
-async def merge(streams: list[AsyncIterator[Completion]]) -> AsyncIterator[Completion]:
+async def merge(streams: list[AsyncGenerator[Completion, None]]) -> AsyncGenerator[Completion, None]:
     """Interleave several streams in arrival order; closing the merge closes them all."""
     if len(streams) == 1:
         async with aclosing(streams[0]):
