@@ -99,3 +99,14 @@ def test_cancel_stops_a_running_call(fanout, served, tmp_path):
         call.get(timeout=5)
     assert cancelled.value.type == "cancelled"
     assert served.status()["apps"]["fanout"]["functions"]["wait"]["in_flight"] == 0
+
+
+def test_a_class_methods_map_and_spawn(fanout, served):
+    doubler = fanout["Doubler"]()
+    assert list(doubler.double.map([1, 2, 3])) == [2, 4, 6]
+    call = doubler.double.spawn(x=21)
+    assert call.get(timeout=30) == 42
+    scoped = served.cli("keys", "create", "--quiet", "--name", "doubler-only", "--scope", "fn:fanout/Doubler").stdout
+    with served.client(scoped.strip()) as http:
+        record = http.get(f"/calls/{call.call_id}").json()  # a key for the class may read its methods' calls
+    assert record["function"] == "Doubler.double" and record["result"] == 42

@@ -13,8 +13,16 @@ APPS = Path(__file__).parent / "apps"
 
 
 @pytest.fixture(scope="module")
-def served(serve_module):
-    return serve_module(APPS / "generators.py")
+def trace_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("traces") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def served(serve_module, trace_file):
+    """One gateway for the module, tracing to `trace_file` (the gateway and its replicas inherit the setting)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("EMBER_TRACE_FILE", str(trace_file))
+        return serve_module(APPS / "generators.py")
 
 
 @pytest.fixture
@@ -133,3 +141,28 @@ def test_a_stream_holds_its_keys_concurrency_until_it_ends(served, tmp_path):
             gate.touch()
             assert events(lines)[-1] == ("done", {})
         assert http.post("/generators/plain", json={}).json() == {"result": 1}
+
+
+def test_a_stream_is_one_trace_whose_replica_span_lasts_to_its_end(served, trace_file):
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with served.client(served.key()) as http:
+        with http.stream("POST", "/generators/slow_ticks", json={"n": 3},
+                         headers={"traceparent": f"00-{trace_id}-{parent}-01"}) as reply:
+            got = events(reply.iter_lines())
+    assert got[-1] == ("done", {})
+    deadline = time.monotonic() + 20
+    while True:
+        spans = [json.loads(line) for line in trace_file.read_text().splitlines()] if trace_file.exists() else []
+        mine = {(s["service"], s["kind"]): s for s in spans if s["trace_id"] == trace_id}
+        if len(mine) >= 3:
+            break
+        assert time.monotonic() < deadline, f"spans never arrived: {sorted(mine)}"
+        time.sleep(0.05)
+    gateway, hop = mine["ember-gateway", "SERVER"], mine["ember-gateway", "CLIENT"]
+    worker = mine["ember-worker", "SERVER"]
+    assert gateway["parent_span_id"] == parent and hop["parent_span_id"] == gateway["span_id"]
+    assert worker["parent_span_id"] == hop["span_id"]
+    assert gateway["attributes"]["ember.function"] == "slow_ticks"
+    assert worker["attributes"]["ember.function"] == "slow_ticks"
+    # Three values 0.3 s apart: the replica's span covers the whole stream, not just its first reply.
+    assert worker["end_ns"] - worker["start_ns"] >= 0.6e9

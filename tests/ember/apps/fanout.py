@@ -40,3 +40,10 @@ async def wait(seconds: float, marker: str = "") -> float:
     if marker:
         Path(marker).write_text("finished")
     return seconds
+
+
+@app.cls(max_concurrency=8, scaledown_window=60)
+class Doubler:
+    @ember.method()
+    def double(self, x: int) -> int:
+        return 2 * x
