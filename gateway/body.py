@@ -3,7 +3,6 @@ time limit and the gateway's in-flight byte budget as it arrives; a call's keywo
 estimate and routing key, the X-Session-ID."""
 import asyncio
 import json
-import os
 import re
 from dataclasses import dataclass
 
@@ -20,37 +19,41 @@ MAX_BODY = 16 * 1024 * 1024
 SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: it only feeds a hash
 
 
-BODY_TIMEOUT = float(os.environ.get("EMBER_BODY_TIMEOUT", "60"))  # seconds a request body may take to arrive
-
-
 def too_large(limit: int = MAX_BODY) -> ApiError:
     return ApiError(413, "body_too_large", f"request body is over {limit} bytes")
 
 
 async def read_body(request: Request, budget: BodyBudget) -> bytearray:
-    """The whole body, counted as it arrives (Content-Length alone is not trusted) against MAX_BODY and the
-    gateway's body budget, within BODY_TIMEOUT; the bytes taken from the budget are in request.state.body_held."""
+    """The whole body, within MAX_BODY and the budget's read timeout. Its bytes are taken from the gateway's body
+    budget before they are read: all its Content-Length at once, into one buffer of that size filled in place; a
+    chunked body as it grows (Content-Length alone is not trusted: h11 ends the body there). The bytes taken are in
+    request.state.body_held."""
     try:
         declared = int(request.headers.get("content-length") or 0)
     except ValueError:
         raise ApiError(400, "invalid_request", "Content-Length is not a number") from None
     if declared > MAX_BODY:
         raise too_large()
-    budget.take(declared)
+    request.state.body_held = 0
+    await budget.take(declared)  # may wait, its body unread, while the budget is full
     request.state.body_held = declared
-    body = bytearray()  # one buffer, not a list of chunks: a large one is its own mapping, handed back when freed
+    body, filled = bytearray(declared), 0
     try:
-        async with asyncio.timeout(BODY_TIMEOUT):
+        async with asyncio.timeout(budget.read_timeout):
             async for chunk in request.stream():
-                if len(body) + len(chunk) > MAX_BODY:
+                end = filled + len(chunk)
+                if end > MAX_BODY:
                     raise too_large()
-                if len(body) + len(chunk) > request.state.body_held:  # chunked, or more than it declared
-                    extra = len(body) + len(chunk) - request.state.body_held
-                    budget.take(extra)
-                    request.state.body_held += extra
-                body += chunk
+                if end <= declared:
+                    body[filled:end] = chunk
+                else:  # chunked
+                    await budget.take(end - request.state.body_held)
+                    request.state.body_held = end
+                    body += chunk
+                filled = end
     except TimeoutError:
-        raise ApiError(408, "body_timeout", f"the request body did not arrive within {BODY_TIMEOUT:g} s") from None
+        raise ApiError(408, "body_timeout", f"the request body did not arrive within {budget.read_timeout:g} s "
+                       "(--body-timeout)") from None
     return body
 
 

@@ -1,5 +1,5 @@
 """The gateway's client connections, guarded the way Envoy and nginx guard theirs: a request's headers must arrive
-within HEADER_TIMEOUT, and the connections held at once are capped below the file-descriptor limit. At the cap a new
+within the header timeout, and the connections held at once are capped below the file-descriptor limit. At the cap a new
 connection is still taken (a health check or a normal client sends its headers at once); to make room, the
 connection that has waited longest for its headers is closed, so slow-header clients only ever push out each other.
 HTTP parse errors answer JSON like every other error: 431 when the request line and headers are too large.
@@ -8,7 +8,6 @@ HTTP parse errors answer JSON like every other error: 431 when the request line 
 import asyncio
 import json
 import logging
-import os
 import resource
 
 import h11
@@ -18,14 +17,13 @@ from ember.gateway.header_limit import MAX_HEADER_BYTES
 
 log = logging.getLogger("ember.gateway")
 
-HEADER_TIMEOUT = float(os.environ.get("EMBER_HEADER_TIMEOUT", "10"))  # seconds from the first byte to the last header
 LINGER = 1.0  # seconds an error reply's connection stays open, its input read and dropped
 FD_RESERVE = 512  # descriptors kept for replicas' sockets, log files and the database
 
 
-def connection_cap() -> int:
-    """EMBER_MAX_CONNECTIONS, else what the descriptor limit allows after FD_RESERVE (the soft limit is raised to
-    the hard one first)."""
+def connection_cap(configured: int | None) -> int:
+    """`configured` (--max-connections), else what the descriptor limit allows after FD_RESERVE (the soft limit is
+    raised to the hard one first)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         try:
@@ -33,8 +31,7 @@ def connection_cap() -> int:
             soft = hard
         except (ValueError, OSError):
             pass
-    configured = os.environ.get("EMBER_MAX_CONNECTIONS")
-    return int(configured) if configured else max(64, soft - FD_RESERVE)
+    return configured or max(64, soft - FD_RESERVE)
 
 
 class Guard:
@@ -130,6 +127,6 @@ class GuardedH11(H11Protocol):
         self.loop.call_later(LINGER, self.close, "unparseable request")
 
 
-def protocol(cap: int | None = None, header_timeout: float = HEADER_TIMEOUT) -> type[GuardedH11]:
+def protocol(cap: int | None, header_timeout: float) -> type[GuardedH11]:
     """A GuardedH11 class with a Guard of its own, for one uvicorn server."""
-    return type("GatewayH11", (GuardedH11,), {"guard": Guard(connection_cap() if cap is None else cap, header_timeout)})
+    return type("GatewayH11", (GuardedH11,), {"guard": Guard(connection_cap(cap), header_timeout)})

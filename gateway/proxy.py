@@ -30,6 +30,7 @@ WHOLE_BODY = 256 * 1024  # a non-SSE reply up to this size (by its Content-Lengt
 CALL_HEADERS = {"content-type": "application/json"}
 TRACE_HEADERS = {"traceparent", "tracestate", "x-ember-replica"}  # a traced hop sends its own
 MAX_HEADER_LINE = 64 * 1024
+BODY_SLICE = 256 * 1024  # a held body goes upstream in slices of this size, each written once the last has drained
 
 
 def client() -> aiohttp.ClientSession:
@@ -40,6 +41,26 @@ def client() -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
     return aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                  max_line_size=MAX_HEADER_LINE, max_field_size=MAX_HEADER_LINE)
+
+
+class HeldBody(aiohttp.payload.Payload):
+    """A request body the gateway holds, sent from its one buffer without a copy: aiohttp hands a bytes body to the
+    transport whole, and asyncio copies what the socket does not take at once (twice, on Python 3.11), so each body
+    on its way to a slow replica would be held two or three times."""
+
+    _autoclose = True  # memory only: nothing to close
+
+    def __init__(self, body: bytes | bytearray, content_type: str = "application/octet-stream"):
+        super().__init__(body, content_type=content_type)
+        self._size = len(body)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return bytes(self._value).decode(encoding, errors)
+
+    async def write(self, writer) -> None:
+        with memoryview(self._value) as view:
+            for start in range(0, len(view), BODY_SLICE):
+                await writer.write(view[start:start + BODY_SLICE], LIMIT=0)  # waits for the transport to drain
 
 
 class Unreachable(Exception):
@@ -100,7 +121,7 @@ async def call(client: aiohttp.ClientSession, replica: GatewayReplica, method: s
     limit = aiohttp.ClientTimeout(total=None, sock_connect=timeout + 5, sock_read=timeout + 5)
     try:
         headers = CALL_HEADERS | {CONTROL_HEADER: replica.control_secret or ""} | (trace or {})
-        reply = await client.post(_url(replica, f"/__ember__/call/{method}"), data=body, headers=headers,
+        reply = await client.post(_url(replica, f"/__ember__/call/{method}"), data=HeldBody(body), headers=headers,
                                   timeout=limit, allow_redirects=False)
         stream = is_sse(reply) and not reply.headers.get(NOT_STARTED)
         try:
@@ -128,7 +149,7 @@ async def open_stream(client: aiohttp.ClientSession, replica: GatewayReplica, re
     try:
         upstream = await client.request(
             request.method, _url(replica, path, request.scope["query_string"].decode("latin-1")), headers=headers,
-            data=body if body or request.method not in ("GET", "HEAD", "OPTIONS", "DELETE") else None,
+            data=HeldBody(body) if body or request.method not in ("GET", "HEAD", "OPTIONS", "DELETE") else None,
             allow_redirects=False, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=timeout),
         )
     except asyncio.TimeoutError:

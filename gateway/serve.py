@@ -1,4 +1,5 @@
 """`ember serve`: gateway, autoscaler and local backend for one app, in the foreground, over HTTPS."""
+import asyncio
 import contextlib
 import functools
 import json
@@ -9,8 +10,9 @@ import socket
 
 import uvicorn
 
-from ember.gateway import banner, connections
+from ember.gateway import banner, connections, memory
 from ember.gateway.backends import backend_for
+from ember.gateway.client_limits import ClientLimits
 from ember.gateway.database import DatabaseError
 from ember.gateway.header_limit import MAX_HEADER_BYTES
 from ember.gateway.home_lock import HomeLock
@@ -63,9 +65,19 @@ class _Server(uvicorn.Server):
     running are cut short with a JSON 503 after the grace period) and is not raised again afterwards, so `serve`
     cleans up (gateway.json, the CLI's key, the lock) and exits 0 instead of dying by the signal."""
 
-    def __init__(self, config: uvicorn.Config, on_stop):
+    def __init__(self, config: uvicorn.Config, on_stop, handshake_timeout: float):
         super().__init__(config)
-        self.on_stop = on_stop
+        self.on_stop, self.handshake_timeout = on_stop, handshake_timeout
+
+    async def startup(self, sockets=None) -> None:
+        """uvicorn's, with the TLS handshake given `handshake_timeout` instead of asyncio's 60 s (uvicorn has no
+        option for it): a client that connects and never completes the handshake is cut when a slow header is."""
+        loop = asyncio.get_running_loop()
+        loop.create_server = functools.partial(loop.create_server, ssl_handshake_timeout=self.handshake_timeout)
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            del loop.create_server  # the loop's own method again
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -106,9 +118,13 @@ def _limiter(redis_url: str | None):
 def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str | None = None,
           backend: str = "local", parked_ram: str | None = None, redis_url: str | None = None,
           routing: str = "affinity", watch: bool = True, openai_model: tuple[str, str] | None = None,
-          tls_names: list[str] = (), tls_cert: str | None = None, tls_key: str | None = None) -> int:
+          tls_names: list[str] = (), tls_cert: str | None = None, tls_key: str | None = None,
+          limits: ClientLimits | None = None) -> int:
     """`openai_model`: (name, "chat" or "embeddings") when the app serves a model's OpenAI API (ember serve --model):
-    the banner then shows that API's curl and openai client line."""
+    the banner then shows that API's curl and openai client line. `limits`: what one client may take (default: the
+    environment's, gateway/client_limits.py)."""
+    limits = limits or ClientLimits.resolve()
+    memory.keep_large_blocks_mapped()
     home = Home()
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("give --tls-cert and --tls-key together (the certificate and its private key)")
@@ -123,7 +139,7 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
         package = build(app, home)
         if backend == "local":  # replicas run here: their requirements are installed before anything is served
             environments.ensure_for_package(package, lambda line: print(f"  {line}", flush=True), home)
-        gateway = Gateway(home, backend_for(backend, home.logs, parked_ram), _limiter(redis_url), routing)
+        gateway = Gateway(home, backend_for(backend, home.logs, parked_ram), _limiter(redis_url), routing, limits)
         for warning in gateway.restore():
             print(f"warning: {warning}", flush=True)
         deployment, _ = gateway.register(package, note=f"ember serve {app_path}")
@@ -154,10 +170,12 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
         lock.record(url)
         # On stop, in-flight calls get GRACE seconds, then a JSON 503 (the gateway cuts them); uvicorn's own
         # deadline, a little later, only closes what is left once those replies are written. h11, whose header
-        # buffer is capped at the gateway's header limit; connections guarded (gateway/connections.py).
+        # buffer is capped at the gateway's header limit; connections guarded (gateway/connections.py). asyncio's
+        # loop, also where uvloop is installed: _Server sets the TLS handshake timeout on it.
         background = [watcher.run] if watcher else []
         config = uvicorn.Config(create_app(gateway, background), ssl_certfile=str(cert), ssl_keyfile=str(key),
-                                log_level="warning", timeout_graceful_shutdown=GRACE + 2, http=connections.protocol(),
+                                log_level="warning", timeout_graceful_shutdown=GRACE + 2, loop="asyncio",
+                                http=connections.protocol(limits.max_connections, limits.header_timeout),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         try:
             _cli_key(gateway)
@@ -175,7 +193,7 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
             for line in banner.lines(deployment.name, url, ca, tls_cert, home.logs, package, made, replaced, GRACE,
                                      watching, openai_model):
                 print(line, flush=True)
-            _Server(config, lambda: gateway.stop_calls(GRACE)).run(sockets=[sock])  # uvloop where installed
+            _Server(config, lambda: gateway.stop_calls(GRACE), limits.header_timeout).run(sockets=[sock])
         finally:
             home.gateway_file.unlink(missing_ok=True)  # the lock says this run owns it
             _forget_cli_key(gateway)

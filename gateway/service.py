@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ember.gateway.app_limits import AppLimitStore
 from ember.gateway.calls import CallStore, SpawnedCalls
+from ember.gateway.client_limits import ClientLimits
 from ember.gateway.inflight import BodyBudget
 from ember.gateway.backends.local import LocalBackend
 from ember.gateway.deployment import Deployment
@@ -40,7 +41,7 @@ GATEWAY_PATHS = {"admin", "calls", "dashboard", "docs", "healthz", "readyz", "me
 
 class Gateway:
     def __init__(self, home: Home, backend: LocalBackend | None = None, limiter: Limiter | None = None,
-                 routing: str = "affinity"):
+                 routing: str = "affinity", limits: ClientLimits | None = None):
         self.home = home
         self.keys = KeyStore(home.db)
         self.deployments: dict[str, Deployment] = {}
@@ -54,7 +55,8 @@ class Gateway:
         self._deploying: dict[str, asyncio.Lock] = {}  # one deploy of an app at a time
         self.limiter: Limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits
         self.routing = routing
-        self.bodies = BodyBudget()  # request-body bytes held at once, across every request
+        limits = limits or ClientLimits()
+        self.bodies = BodyBudget(limits.body_budget, limits.body_timeout)  # request-body bytes held at once
         self.started = time.monotonic()
         self.ready = False
         self.stopping = False  # a stop signal came: new calls are refused

@@ -41,15 +41,31 @@ def add_to(sub, epilog: str) -> None:
     p.add_argument("--no-watch", dest="watch", action="store_false",
                    help="do not redeploy when the app file or its local imports change (by default an edit redeploys "
                         "within a second; in-flight calls finish on the old version)")
+    limits = p.add_argument_group("what one client may take (each also an environment variable; the flag wins)")
+    limits.add_argument("--header-timeout", metavar="SECONDS",
+                        help="seconds a connection may take to finish its TLS handshake, and again to send a "
+                             "request's headers, before it is closed (EMBER_HEADER_TIMEOUT; default 10)")
+    limits.add_argument("--max-connections", metavar="N",
+                        help="client connections held at once; past it the one waiting longest for its headers is "
+                             "closed (EMBER_MAX_CONNECTIONS; default what the file-descriptor limit allows, less 512)")
+    limits.add_argument("--body-timeout", metavar="SECONDS",
+                        help="seconds a request body may take to arrive before a 408 (EMBER_BODY_TIMEOUT; default 60)")
+    limits.add_argument("--body-budget", metavar="SIZE",
+                        help="request-body bytes held at once across all requests, e.g. 512MiB; past it a request "
+                             "waits up to 10 s, its body unread, then gets 503 (EMBER_BODY_BUDGET; default 256MiB, "
+                             "at least 16MiB)")
     p.set_defaults(run=serve)
 
 
 def serve(args: argparse.Namespace) -> int:
+    from ember.gateway.client_limits import ClientLimits
     from ember.gateway.serve import serve
 
     if (args.app is None) == (args.model is None):
         raise ValueError("give an app file (ember serve APP.py) or a model directory (ember serve --model DIR), "
                          "one of the two")
+    limits = ClientLimits.resolve(header_timeout=args.header_timeout, max_connections=args.max_connections,
+                                  body_timeout=args.body_timeout, body_budget=args.body_budget)
     if args.name and not args.model:
         raise ValueError("--name names the model of --model DIR; an app file names its app in ember.App(...)")
     app_path, openai_model, watch = args.app, None, args.watch
@@ -60,4 +76,4 @@ def serve(args: argparse.Namespace) -> int:
         written = write_model_app(args.model, args.name, Home())
         app_path, openai_model, watch = written.path, (written.served, written.kind), False  # nothing to edit
     return serve(app_path, args.host, args.port, args.new_key, args.backend, args.parked_ram, args.redis, args.routing,
-                 watch, openai_model, args.tls_name, args.tls_cert, args.tls_key)
+                 watch, openai_model, args.tls_name, args.tls_cert, args.tls_key, limits)

@@ -93,3 +93,42 @@ def test_oversized_headers_answer_json_431_however_they_arrive(serve, piece):
     for filler in (40_000, 70_000, 200_000):
         status, body = asyncio.run(send(filler))
         assert status == 431 and body["error"]["type"] == "headers_too_large", (filler, piece, status, body)
+
+
+def test_connections_that_never_finish_the_tls_handshake_are_closed_within_the_header_timeout(serve):
+    served = serve(APPS / "quick.py", "--header-timeout", "2")
+    key = served.key()
+    host, port = served.url.removeprefix("https://").rsplit(":", 1)
+
+    async def stalled(index: int) -> float | None:
+        """Connects, sends nothing or the first bytes of a TLS record, and waits; seconds until the server closed it."""
+        reader, writer = await asyncio.open_connection(host, int(port))
+        began = time.monotonic()
+        if index % 2:
+            writer.write(b"\x16\x03\x01\x02")  # a handshake record's header, its body never sent
+        try:
+            await asyncio.wait_for(reader.read(), 20)
+        except ConnectionError:
+            pass
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            writer.close()
+        return time.monotonic() - began
+
+    async def normal_calls() -> list[int]:
+        statuses = []
+        for _ in range(5):
+            await asyncio.sleep(0.3)
+            with served.client(key, timeout=10) as http:
+                reply = await asyncio.to_thread(http.post, "/quick/add", json={"a": 1, "b": 2})
+            statuses.append(reply.status_code)
+        return statuses
+
+    async def scenario():
+        return await asyncio.gather(asyncio.gather(*(stalled(i) for i in range(500))), normal_calls())
+
+    closed, statuses = asyncio.run(scenario())
+    assert closed.count(None) == 0, f"{closed.count(None)} of 500 stalled handshakes were still open after 20 s"
+    assert 1.5 < min(closed) and max(closed) < 2 + 4, (min(closed), max(closed))  # asyncio's own limit is 60 s
+    assert statuses == [200] * 5
