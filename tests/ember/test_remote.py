@@ -110,3 +110,22 @@ def test_a_class_methods_map_and_spawn(fanout, served):
     with served.client(scoped.strip()) as http:
         record = http.get(f"/calls/{call.call_id}").json()  # a key for the class may read its methods' calls
     assert record["function"] == "Doubler.double" and record["result"] == 42
+
+
+def test_cancel_of_a_queued_call_means_it_never_runs(fanout, served, tmp_path):
+    running, queued = tmp_path / "running", tmp_path / "queued"
+    first = fanout["one_at_a_time"].spawn(60, str(running))
+    deadline = time.monotonic() + 30
+    while not running.exists():
+        assert time.monotonic() < deadline, "the first call never started"
+        time.sleep(0.05)
+    second = fanout["one_at_a_time"].spawn(0, str(queued))  # max_replicas=1, max_concurrency=1: it waits
+    second.cancel()
+    first.cancel()
+    time.sleep(0.5)  # the slot the first call held is free now: a queued call that survived would start
+    assert not queued.exists()
+    for call in (first, second):
+        with pytest.raises(RemoteError) as cancelled:
+            call.get(timeout=5)
+        assert cancelled.value.type == "cancelled"
+    assert served.status()["apps"]["fanout"]["functions"]["one_at_a_time"]["queue_depth"] == 0

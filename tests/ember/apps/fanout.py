@@ -12,7 +12,7 @@ app = ember.App("fanout")
 
 @app.function(max_concurrency=4, target_concurrency=4, max_replicas=4, scaledown_window=60)
 def square(x: int) -> dict:
-    time.sleep(0.1)
+    time.sleep(0.05)
     return {"square": x * x, "pid": os.getpid()}
 
 
@@ -47,3 +47,11 @@ class Doubler:
     @ember.method()
     def double(self, x: int) -> int:
         return 2 * x
+
+
+@app.function(max_concurrency=1, max_replicas=1, scaledown_window=60, timeout=120)
+async def one_at_a_time(seconds: float, marker: str) -> float:
+    """Writes `marker` when it starts: a call that waited in the queue and was cancelled there never does."""
+    Path(marker).write_text("started")
+    await asyncio.sleep(seconds)
+    return seconds
