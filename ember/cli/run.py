@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ember.gateway.backends.local import LocalBackend
     from ember.package import build, load_app
+    from ember.runtime.environments import ensure_for_package
     from ember.runtime.worker import CONTROL_HEADER
 
     path, sep, target = args.target.partition("::")
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     home = Home()
     package = build(app, home)
+    ensure_for_package(package, lambda line: print(f"  {line}", file=sys.stderr, flush=True), home)
 
     async def once() -> int:
         backend = LocalBackend(home.logs, fork=False)  # one replica, one call: a fork server would only add a process

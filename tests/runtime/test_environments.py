@@ -77,6 +77,20 @@ def test_a_function_imports_its_own_requirement_and_another_does_not_see_it(serv
     # The gateway process itself never saw the requirement either.
     assert subprocess.run([sys.executable, "-c", "import ember_probe"], capture_output=True).returncode != 0
 
+    # A deploy whose requirement cannot install fails before anything changes: in the CLI, and in the gateway.
+    broken = make_wheel(tmp_path / "broken", name="ember_broken", requires_python=">=4")
+    (tmp_path / "broken.py").write_text(APP.format(wheel=str(broken)).replace('"deps"', '"broken"'))
+    refused = served.cli("deploy", str(tmp_path / "broken.py"), check=False)
+    assert refused.returncode == 1 and "requires a different Python" in refused.stderr, refused.stderr
+    from ember.package import build, load_app
+
+    package = build(load_app(tmp_path / "broken.py"), Home(served.home))
+    with served.client(served.key(admin=True), timeout=120) as admin:
+        reply = admin.post("/admin/deploy", json={"package": str(package)})
+    assert reply.status_code == 422 and reply.json()["error"]["type"] == "requirements_failed", reply.text
+    assert "requires a different Python" in reply.json()["error"]["message"]
+    assert "broken" not in served.status()["apps"]
+
 
 def test_a_failed_install_fails_the_deploy_with_pips_reason(tmp_path):
     wheel = make_wheel(tmp_path / "wheels", requires_python=">=4")
