@@ -27,8 +27,8 @@ STARTED = time.monotonic()  # before heavy imports: import_ms counts from here
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import importlib.util  # noqa: E402
 import ctypes  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import selectors  # noqa: E402
@@ -37,6 +37,7 @@ import socket  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -145,6 +146,26 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
 
 
+def fork_child(child: Callable[[], int]) -> int:
+    """Fork; the child runs `child()` and exits with what it returns (1 and its traceback on stderr if it raises),
+    never returning into the parent's code. Returns the child's pid in the parent."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = child()
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
 def close_fds(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -222,27 +243,20 @@ class ForkServer:
     def _begin(self, unit_name: str) -> None:
         """Fork the unit's template, which runs its snap=True hooks and then says it is ready or refuses."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                ours.close()
-                self.listener.close()
-                for other in self.templates.values():
-                    if other.channel is not None:
-                        other.channel.close()
-                if self.control is not None:
-                    self.control.close()
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                die_with_parent(signal.SIGKILL)  # a template without its fork server has nobody to serve
-                code = UnitTemplate(self.app.units[unit_name], theirs).run()
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stderr.flush()
-                os._exit(code)
+
+        def template() -> int:
+            ours.close()
+            self.listener.close()
+            for other in self.templates.values():
+                if other.channel is not None:
+                    other.channel.close()
+            if self.control is not None:
+                self.control.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            die_with_parent(signal.SIGKILL)  # a template without its fork server has nobody to serve
+            return UnitTemplate(self.app.units[unit_name], theirs).run()
+
+        pid = fork_child(template)
         theirs.close()
         self.templates[unit_name] = Template(pid, ours)
 
@@ -255,8 +269,8 @@ class ForkServer:
         else:
             template.channel.close()
             template.pid, template.channel = None, None
-            template.refused = ready.reason if isinstance(ready, Refused) else f"its template process exited while " \
-                f"it ran the snap=True hooks (log: this replica's log has its traceback)"
+            template.refused = ready.reason if isinstance(ready, Refused) else "its template process exited while " \
+                "it ran the snap=True hooks (log: this replica's log has its traceback)"
             print(f"ember fork server: {unit_name} is started by spawn instead: {template.refused}", file=sys.stderr,
                   flush=True)
         template.ready = True
@@ -326,27 +340,18 @@ class UnitTemplate:
     def _fork(self, request: ForkRequest, fds: list[int]) -> None:
         conn = socket.socket(fileno=fds[0])
         control, log, lifeline = fds[1:]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            forked_at = time.monotonic()
-            code = 1
-            try:
-                conn.close()
-                self.channel.close()
-                for other in self.replicas.values():
-                    other.close()
-                from ember.runtime.worker import run_forked
 
-                code = run_forked(self.unit, self.obj, request.env, control, log, lifeline, forked_at)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                with contextlib.suppress(Exception):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                os._exit(code)
+        def replica() -> int:
+            forked_at = time.monotonic()
+            conn.close()
+            self.channel.close()
+            for other in self.replicas.values():
+                other.close()
+            from ember.runtime.worker import run_forked
+
+            return run_forked(self.unit, self.obj, request.env, control, log, lifeline, forked_at)
+
+        pid = fork_child(replica)
         close_fds([control, log, lifeline])
         try:
             send(conn, Forked(pid, request.snap_ms))
@@ -390,23 +395,18 @@ def preload(app: Any) -> list[str]:
 def _safe_to_import(module: str) -> bool:
     """Whether importing `module` leaves this process fit to fork, tried first in a child (which then exits), so a
     module that touches CUDA or starts a thread on import is left for each replica to import instead."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
+    def attempt() -> int:
         try:
             importlib.import_module(module)
-            hazard = fork_hazard(f"importing {module}")
-            if hazard:
-                print(f"ember fork server: {module} not preloaded: {hazard}", file=sys.stderr)
-            code = 0 if hazard is None else 3
-        except BaseException as exc:  # noqa: BLE001 - reported, and the parent does not import it
+        except Exception as exc:  # noqa: BLE001 - reported, and the parent does not import it
             print(f"ember fork server: {module} not preloaded ({type(exc).__name__}: {exc})", file=sys.stderr)
-        finally:
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
+            return 1
+        hazard = fork_hazard(f"importing {module}")
+        if hazard:
+            print(f"ember fork server: {module} not preloaded: {hazard}", file=sys.stderr)
+        return 0 if hazard is None else 3
+
+    _, status = os.waitpid(fork_child(attempt), 0)
     return os.waitstatus_to_exitcode(status) == 0
 
 
