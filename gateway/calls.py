@@ -88,20 +88,24 @@ Run = Callable[[], Awaitable[Response]]  # the call through the queue: its whole
 
 
 class SpawnedCalls:
-    """The spawned calls this gateway is running, each an asyncio task that writes its record when it ends."""
+    """The spawned calls this gateway is running, each an asyncio task that writes its record when it ends and
+    reports how it ended to `on_end(app, unit, state)` (the gateway's metrics)."""
 
-    def __init__(self, store: CallStore):
-        self.store = store
+    def __init__(self, store: CallStore, on_end: Callable[[str, str, str], None] = lambda *_: None):
+        self.store, self.on_end = store, on_end
         self.running: dict[str, asyncio.Task] = {}
 
     async def spawn(self, app: str, function: str, run: Run, settle: Callable[[], Awaitable[None]]) -> str:
         call_id = await asyncio.to_thread(self.store.create, app, function)
-        task = asyncio.create_task(self._run(call_id, run, settle), name=f"spawned {call_id}")
+        unit = function.partition(".")[0]  # a method's unit is its class
+        task = asyncio.create_task(self._run(call_id, run, settle, lambda state: self.on_end(app, unit, state)),
+                                   name=f"spawned {call_id}")
         self.running[call_id] = task
         task.add_done_callback(lambda _: self.running.pop(call_id, None))
         return call_id
 
-    async def _run(self, call_id: str, run: Run, settle: Callable[[], Awaitable[None]]) -> None:
+    async def _run(self, call_id: str, run: Run, settle: Callable[[], Awaitable[None]],
+                   ended: Callable[[str], None]) -> None:
         try:
             state, status, reply = await self._attempt(run)
         except asyncio.CancelledError:
@@ -111,7 +115,8 @@ class SpawnedCalls:
             state, status, reply = FAILED, 500, _error_reply("internal_error", f"{type(exc).__name__} in the gateway")
         finally:
             await settle()
-        await asyncio.to_thread(self.store.finish, call_id, state, status, reply)
+        if await asyncio.to_thread(self.store.finish, call_id, state, status, reply):
+            ended(state)
 
     @staticmethod
     async def _attempt(run: Run) -> tuple[str, int, str]:

@@ -53,6 +53,7 @@ class Metrics:
             lambda: Histogram(COLD_START_BUCKETS))
         self.rejections: Counter[tuple[str, str, str]] = Counter()  # (app, key id, reason)
         self.retries: Counter[tuple[str, str, str]] = Counter()  # (app, function, reason)
+        self.spawned: Counter[tuple[str, str, str]] = Counter()  # (app, function, how it ended)
         self.keys: dict[str, KeyUsage] = {}
         self.live: set[logs.RequestContext] = set()  # requests under way: per-key concurrency
         self.engines = EngineSeries()
@@ -81,6 +82,10 @@ class Metrics:
     def retried(self, app: str, unit: str, reason: str) -> None:
         """A call runs again under its function's `retries=` (reason: function_error or replica_lost)."""
         self.retries[(app, unit, reason)] += 1
+
+    def spawned_call_ended(self, app: str, unit: str, state: str) -> None:
+        """A spawned call finished in the background: succeeded, failed or cancelled."""
+        self.spawned[(app, unit, state)] += 1
 
     def started(self, context: logs.RequestContext) -> None:
         self.live.add(context)
@@ -136,6 +141,10 @@ class Metrics:
                          "why: the function raised (function_error) or its replica was lost mid-call (replica_lost).")
         lines += [f'ember_call_retries_total{{app="{a}",function="{u}",reason="{r}"}} {n}'
                   for (a, u, r), n in sorted(self.retries.items())]
+        lines += _family("ember_spawned_calls_total", "counter", "Spawned calls (Prefer: respond-async) that ended "
+                         "in the background, by state: succeeded, failed or cancelled.")
+        lines += [f'ember_spawned_calls_total{{app="{a}",function="{u}",state="{s}"}} {n}'
+                  for (a, u, s), n in sorted(self.spawned.items())]
         lines += self._render_keys()
         lines += self._render_units(deployments)
         return "\n".join(lines + self.engines.render()) + "\n"

@@ -50,7 +50,7 @@ class Gateway:
         self.scaler = Scaler(self.backend, self.deployments, self.metrics.observe_start)
         self.app_limits = AppLimitStore(home.db)
         self.secrets = SecretStore(home.secrets)
-        self.calls = SpawnedCalls(CallStore(home.db))
+        self.calls = SpawnedCalls(CallStore(home.db), self.metrics.spawned_call_ended)
         self.versions = VersionStore(home.db)
         self._deploying: dict[str, asyncio.Lock] = {}  # one deploy of an app at a time
         self.limiter: Limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits

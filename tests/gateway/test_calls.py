@@ -58,3 +58,18 @@ def test_calls_a_stopped_gateway_left_pending_are_failed_when_it_starts_again(tm
     reopened = CallStore(db)
     assert reopened.get(pending)["state"] == FAILED and "gateway_restarted" in reopened.get(pending)["reply"]
     assert reopened.get(done)["state"] == "succeeded"
+
+
+def test_spawned_calls_are_counted_by_how_they_ended(served):
+    def counted(state: str, function: str) -> int:
+        text = served.client(None).get("/metrics").text
+        line = f'ember_spawned_calls_total{{app="generators",function="{function}",state="{state}"}} '
+        return next((int(row[len(line):]) for row in text.splitlines() if row.startswith(line)), 0)
+
+    before_ok, before_failed = counted("succeeded", "plain"), counted("failed", "fails_after")
+    with served.client(served.key()) as http:
+        for path, body in [("plain", {}), ("fails_after", {"n": 0})]:
+            call_id = http.post(f"/generators/{path}", json=body, headers=SPAWN).json()["call_id"]
+            assert http.get(f"/calls/{call_id}", params={"wait": 30}).json()["state"] != "pending"
+    assert counted("succeeded", "plain") == before_ok + 1
+    assert counted("failed", "fails_after") == before_failed + 1

@@ -166,3 +166,21 @@ def test_a_stream_is_one_trace_whose_replica_span_lasts_to_its_end(served, trace
     assert worker["attributes"]["ember.function"] == "slow_ticks"
     # Three values 0.3 s apart: the replica's span covers the whole stream, not just its first reply.
     assert worker["end_ns"] - worker["start_ns"] >= 0.6e9
+
+
+def test_the_sdk_hands_over_each_value_as_it_arrives(sdk, tmp_path):
+    gate = tmp_path / "gate"
+    values = sdk.units["count"].remote_gen(1000, gate=str(gate))
+    assert next(values)["i"] == 0  # the generator waits on the gate: this value was not held back for the rest
+    gate.touch()
+    assert [v["i"] for v in values] == list(range(1, 1000))
+
+    async_gate = tmp_path / "async-gate"
+
+    async def first_then_rest():
+        stream = sdk.units["count"].remote_gen.aio(50, gate=str(async_gate))
+        first = await anext(stream)
+        async_gate.touch()
+        return first["i"], [v["i"] async for v in stream]
+
+    assert asyncio.run(first_then_rest()) == (0, list(range(1, 50)))
