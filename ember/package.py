@@ -20,7 +20,6 @@ import cloudpickle
 from ember.app import App
 from ember.home import Home
 
-
 LOCAL_IMPORTS: dict[str, list[str]] = {}  # app module name -> the local modules loading it imported
 
 
@@ -113,13 +112,14 @@ def _pin_class_ids(app: App, modules: list[ModuleType]) -> None:
     by_id = getattr(internals, "_DYNAMIC_CLASS_TRACKER_BY_ID", None)
     if by_class is None or by_id is None:  # another cloudpickle: packages still work, hashes vary
         return
-    sources = {m.__name__: Path(m.__file__).read_bytes() for m in modules}
+    sources = {m.__name__: Path(file).read_bytes() for m in modules if (file := m.__file__)}
     classes = {v for m in modules for v in vars(m).values() if isinstance(v, type) and v.__module__ in sources}
     classes |= {unit.user_cls for unit in app.units.values() if hasattr(unit, "user_cls")}
     with internals._DYNAMIC_CLASS_TRACKER_LOCK:
         for cls in classes:
             if cls not in by_class and cls.__module__ in sources:
-                tracker_id = hashlib.sha256(sources[cls.__module__] + b"\0" + cls.__qualname__.encode()).hexdigest()[:32]
+                pinned = sources[cls.__module__] + b"\0" + cls.__qualname__.encode()
+                tracker_id = hashlib.sha256(pinned).hexdigest()[:32]
                 by_class[cls], by_id[tracker_id] = tracker_id, cls
 
 

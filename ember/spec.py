@@ -176,7 +176,8 @@ def check_requirements(requirements: list[str]) -> list[str]:
         try:
             Requirement(text)
         except InvalidRequirement as exc:
-            raise ValueError(f"requirements[{i}] {text!r} is not a pip requirement ({str(exc).splitlines()[0]}); write it as in "
+            reason = str(exc).splitlines()[0]
+            raise ValueError(f"requirements[{i}] {text!r} is not a pip requirement ({reason}); write it as in "
                              "requirements.txt, e.g. 'requests>=2' or 'name @ https://...'") from None
         checked.append(text)
     return checked

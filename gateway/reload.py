@@ -7,8 +7,8 @@ import importlib
 import sys
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 from ember.home import Home
 from ember.package import LOCAL_IMPORTS, build, load_app, local_modules
@@ -59,7 +59,7 @@ class AppWatcher:
 
     def watch_loaded(self, app) -> None:
         """Watch the files `app`'s load read: its module and the local modules it imported."""
-        self.watched = [Path(m.__file__).resolve() for m in local_modules(app)]
+        self.watched = [Path(file).resolve() for m in local_modules(app) if (file := m.__file__)]
 
     async def run(self) -> None:
         seen = fingerprint(self.watched)

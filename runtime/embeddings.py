@@ -54,7 +54,7 @@ class SentenceEmbedder:
         self.model = SentenceTransformer(str(model_dir), device=device)
         size = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
         self.dimensions = size()  # the method's name changed in sentence-transformers 5
-        self.max_tokens = self.model.max_seq_length
+        self.max_tokens: int = self.model.max_seq_length or self.model.tokenizer.model_max_length
 
     def token_counts(self, texts: list[str]) -> list[int]:
         return [len(ids) for ids in self.model.tokenizer(texts, add_special_tokens=True)["input_ids"]]

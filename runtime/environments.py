@@ -19,8 +19,8 @@ import sys
 import sysconfig
 import time
 import venv
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ember.home import Home
 
@@ -103,7 +103,7 @@ def _install(folder: Path, requirements: list[str], progress: Progress) -> None:
     lines = []
     with subprocess.Popen(command + requirements, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           stdin=subprocess.DEVNULL) as installer:
-        for line in installer.stdout:
+        for line in installer.stdout or []:
             lines.append(line.rstrip())
             if line.strip():
                 progress(line.rstrip())

@@ -1,7 +1,6 @@
 """`ember serve` redeploys on edits to the app file and its local imports (gateway/reload.py)."""
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
