@@ -56,6 +56,13 @@ class SentenceEmbedder:
         self.dimensions = size()  # the method's name changed in sentence-transformers 5
         self.max_tokens: int = self.model.max_seq_length or self.model.tokenizer.model_max_length
 
+    def to_gpu_if_any(self) -> None:
+        """Move the weights to this process's GPU when it has one (CUDA_VISIBLE_DEVICES names it)."""
+        import torch
+
+        if torch.cuda.is_available():
+            self.model.to("cuda")
+
     def token_counts(self, texts: list[str]) -> list[int]:
         return [len(ids) for ids in self.model.tokenizer(texts, add_special_tokens=True)["input_ids"]]
 

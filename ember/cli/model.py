@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember.home import Home
+from ember.runtime.supervisor import detect_gpus
 
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta-v2", "nomic_bert"}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -65,14 +66,20 @@ MODEL, SERVED = {model_dir!r}, {served!r}
 app = ember.App({app!r})
 
 
-@app.cls(cpu=2, memory=2048, max_concurrency=8, target_concurrency=4, scaledown_window=300, timeout=120,
-         env={env!r})
+@app.cls(gpu={gpu!r}, cpu=2, memory=2048, max_concurrency=8, target_concurrency=4, scaledown_window=300,
+         timeout=120, env={env!r})
 class Model:
     @ember.enter(snap=True)
     def load(self):
+        # On the CPU, so a fork server can run it once; each replica moves the weights to its GPU, if it has one.
         from ember.runtime.embeddings import SentenceEmbedder, create_app
 
-        self.api = create_app(SentenceEmbedder(MODEL), SERVED)
+        self.embedder = SentenceEmbedder(MODEL)
+        self.api = create_app(self.embedder, SERVED)
+
+    @ember.enter(snap=False)
+    def place(self):
+        self.embedder.to_gpu_if_any()
 
     @ember.asgi_app()
     def web(self):
@@ -131,5 +138,7 @@ def write_model_app(model_dir: str | Path, name: str | None, home: Home) -> Mode
     template = CHAT_APP if kind == "chat" else EMBEDDINGS_APP
     path = home.root / "apps" / f"{app}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(template.format(model_dir=str(model_dir), served=served, app=app, env=OFFLINE))
+    # An encoder takes a GPU only on a machine that has one (a whole GPU, as vllm serve would); else it runs on CPU.
+    gpu = "H200" if kind == "embeddings" and detect_gpus() else None
+    path.write_text(template.format(model_dir=str(model_dir), served=served, app=app, env=OFFLINE, gpu=gpu))
     return ModelApp(path, app, served, kind)
