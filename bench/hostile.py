@@ -379,7 +379,8 @@ def machine() -> str:
 def markdown(rows: list[Row], args) -> str:
     lines = ["# Hostile clients, faults and load against one `ember serve`", "",
              f"Machine: {machine()}. Command: `python bench/hostile.py {' '.join(sys.argv[1:])}`. "
-             "Gateway: header timeout 5 s, connection cap 1,000, body budget 256 MiB, body timeout 60 s. "
+             "Gateway: header timeout 5 s (also the TLS handshake's), connection cap 1,000, body budget 256 MiB, body "
+             "timeout 60 s. "
              "Lost: requests that should have been answered and were not (or, for load, not with 200). "
              "Duplicated: calls whose function ran more than once. RSS and fds are the gateway process's: "
              "before / peak during / 1 s after.", "",
