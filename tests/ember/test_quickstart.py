@@ -53,3 +53,17 @@ def test_fresh_clone_and_venv_run_the_readme_serve_command(tmp_path):
     which = subprocess.run([str(clone / ".venv/bin/python"), "-I", "-c", "import ember.gateway as g; print(g.__file__)"],
                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert which.stdout.strip().startswith(str(clone)), which
+
+
+def test_setup_errors_suggest_a_fix_that_works(tmp_path):
+    """A PYTHON that is not there, or one too old, gets a line saying what to run instead (a venv, PYTHON=...)."""
+    missing = subprocess.run(["bash", "scripts/setup.sh", "--serve"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60, env=os.environ | {"PYTHON": str(tmp_path / "no-python")})
+    assert missing.returncode == 1 and f"no Python at PYTHON={tmp_path / 'no-python'}" in missing.stderr
+    old = tmp_path / "python3.9"  # answers like an old interpreter
+    old.write_text("#!/bin/sh\nexit 1\n")
+    old.chmod(0o755)
+    too_old = subprocess.run(["bash", "scripts/setup.sh", "--serve"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60, env=os.environ | {"PYTHON": str(old)})
+    assert too_old.returncode == 1 and "Ember needs Python >= 3.11" in too_old.stderr
+    assert "-m venv .venv, then: PYTHON=.venv/bin/python bash scripts/serve-quickstart.sh" in too_old.stderr
