@@ -180,11 +180,13 @@ class KeyStore:
             raise self._not_saved(key_id_or_name, exc) from None
         return [replace(self._key(r), revoked=now) for r in rows]
 
-    def delete(self, name: str) -> int:
-        """Remove every key named `name`, live or revoked; for keys a gateway mints for itself (the CLI's), which
-        would otherwise leave a row per restart. Returns how many went."""
+    def delete(self, name: str, key_id: str | None = None) -> int:
+        """Remove the key `key_id` of that name and every revoked key named `name`: for a key a gateway mints for
+        itself (the CLI's), which would otherwise leave a row per restart. Others' live keys of the name stay (another
+        gateway sharing this database has its own). Returns how many went."""
         with connect(self.db, f"delete the keys named {name[:100]!r}") as conn:
-            gone = conn.execute("DELETE FROM api_keys WHERE name = ?", (name,)).rowcount
+            gone = conn.execute("DELETE FROM api_keys WHERE name = ? AND (id = ? OR revoked IS NOT NULL)",
+                                (name, key_id)).rowcount
         self.cache.clear()
         return gone
 

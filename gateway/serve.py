@@ -42,21 +42,27 @@ def _logging(home: Home) -> None:
         logger.propagate = False
 
 
-def _cli_key(gateway: Gateway) -> None:
-    """A fresh admin key for the CLI on this machine. The previous run's row goes (deleted, not revoked: one row, not
-    one per restart), also when that run was killed before it could remove its own."""
-    gateway.keys.delete(CLI_KEY_NAME)
-    _, secret = gateway.keys.create(CLI_KEY_NAME, admin=True)
+def _key_id(secret: str) -> str:
+    return secret.split("_")[1] if secret.count("_") >= 2 else ""  # ek_<id>_<random>
+
+
+def _cli_key(gateway: Gateway) -> str:
+    """A fresh admin key for the CLI on this machine; its id. The row of this home's previous run goes (deleted, not
+    revoked: one row, not one per restart), also when that run was killed before it could delete its own."""
     path = gateway.home.cli_key_file
+    previous = path.read_text().strip() if path.exists() else ""
+    gateway.keys.delete(CLI_KEY_NAME, _key_id(previous))
+    _, secret = gateway.keys.create(CLI_KEY_NAME, admin=True)
     path.touch(mode=0o600)
     path.chmod(0o600)
     path.write_text(secret + "\n")
+    return _key_id(secret)
 
 
-def _forget_cli_key(gateway: Gateway) -> None:
+def _forget_cli_key(gateway: Gateway, key_id: str | None) -> None:
     """On stop: no admin key outlives the gateway that minted it."""
     with contextlib.suppress(DatabaseError):
-        gateway.keys.delete(CLI_KEY_NAME)
+        gateway.keys.delete(CLI_KEY_NAME, key_id)
     gateway.home.cli_key_file.unlink(missing_ok=True)
 
 
@@ -177,8 +183,9 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
                                 log_level="warning", timeout_graceful_shutdown=GRACE + 2, loop="asyncio",
                                 http=connections.protocol(limits.max_connections, limits.header_timeout),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+        cli_key_id = None
         try:
-            _cli_key(gateway)
+            cli_key_id = _cli_key(gateway)
             # The CLI on this machine calls the loopback address, which the dev certificate covers; one's own
             # certificate names the host, so the CLI uses the printed URL.
             recorded = url if tls_cert else _url(local, port)
@@ -196,5 +203,5 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
             _Server(config, lambda: gateway.stop_calls(GRACE), limits.header_timeout).run(sockets=[sock])
         finally:
             home.gateway_file.unlink(missing_ok=True)  # the lock says this run owns it
-            _forget_cli_key(gateway)
+            _forget_cli_key(gateway, cli_key_id)
     return 0

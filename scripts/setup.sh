@@ -13,7 +13,8 @@ command -v "$PYTHON" >/dev/null \
   || { echo "Ember needs Python >= 3.11; $PYTHON is older. Make a venv from a newer one and use it:" >&2
        echo "  python3.11 -m venv .venv, then: PYTHON=.venv/bin/python bash scripts/serve-quickstart.sh" >&2; exit 1; }
 VENV_FIX="python3 -m venv .venv, then run this again with PYTHON=.venv/bin/python in front"
-VENV_FIX="$VENV_FIX (e.g. PYTHON=.venv/bin/python bash scripts/serve-quickstart.sh; Debian/Ubuntu: apt-get install python3-venv)"
+VENV_FIX="$VENV_FIX (e.g. PYTHON=.venv/bin/python bash scripts/serve-quickstart.sh;"
+VENV_FIX="$VENV_FIX Debian/Ubuntu: apt-get install python3-venv)"
 "$PYTHON" -m pip --version >/dev/null 2>&1 \
   || { echo "$PYTHON has no pip; use a virtual environment: $VENV_FIX" >&2; exit 1; }
 pip_install() {  # an externally managed system Python (PEP 668) refuses installs: say how to use a venv instead
@@ -43,7 +44,8 @@ fi
 if [ -n "$SERVE_ONLY" ]; then
   # Installed, and from this checkout (a venv with --system-site-packages may see another one).
   "$PYTHON" -I -c 'import pathlib as p, sys, ember.gateway as g
-sys.exit(p.Path(g.__file__).resolve().parent != p.Path(sys.argv[1]).resolve())' "$PWD/gateway" 2>/dev/null || { echo "== installing ember (editable)"; pip_install -e .; }
+sys.exit(p.Path(g.__file__).resolve().parent != p.Path(sys.argv[1]).resolve())' "$PWD/gateway" 2>/dev/null \
+    || { echo "== installing ember (editable)"; pip_install -e .; }
   exit 0
 fi
 echo "== installing ember (editable, with dev extras)"

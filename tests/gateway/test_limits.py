@@ -5,6 +5,7 @@ import socket
 import time
 from pathlib import Path
 
+from tests.conftest import launch, stop_serve
 from tests.redis_server import redis_url  # noqa: F401  (pytest fixture)
 
 APPS = Path(__file__).parent / "apps"
@@ -70,9 +71,22 @@ def test_a_redis_that_does_not_answer_fails_limited_requests_closed(serve):
         assert http.post("/quick/add", json={"a": 1, "b": 1}).status_code == 200
 
 
-def test_two_gateways_sharing_redis_admit_exactly_the_limit_together(serve, redis_url):  # noqa: F811
+def test_two_gateways_sharing_redis_admit_exactly_the_limit_together(serve, redis_url, tmp_path):  # noqa: F811
     first = serve(APPS / "quick.py", "--redis", redis_url)
-    second = serve(APPS / "quick.py", "--redis", redis_url)  # same EMBER_HOME: same key database
+    # One gateway per EMBER_HOME: the second has a home of its own whose key database is the first's.
+    second_home = tmp_path / "second-home"
+    second_home.mkdir()
+    (second_home / "ember.db").symlink_to(first.home / "ember.db")
+    started: list = []
+    try:
+        _share_limits_and_revocations(first, launch(second_home, APPS / "quick.py", "--redis", redis_url,
+                                                    started=started))
+    finally:
+        for process in started:
+            stop_serve(process)
+
+
+def _share_limits_and_revocations(first, second) -> None:
     for served in (first, second):  # start each gateway's replica with a key that has no limit
         with served.client(first.key("warm")) as http:
             assert http.post("/quick/add", json={"a": 0, "b": 0}).status_code == 200
