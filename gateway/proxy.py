@@ -171,6 +171,7 @@ class Relay(Response):
     def __init__(self, upstream: aiohttp.ClientResponse, on_close: Callable[[], Awaitable[None]], meter: UsageMeter | None = None):
         self.upstream, self.on_close, self.meter = upstream, on_close, meter
         self.closed = False
+        self.cut = False  # ended by a stopping gateway, not by the replica
         self.status_code = upstream.status
         self.background = None
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
@@ -191,17 +192,30 @@ class Relay(Response):
                         self.meter.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except aiohttp.ClientError as exc:
-                log.warning("upstream failed mid-response: %s: %s", type(exc).__name__, exc)
-                if not self.sse:
-                    raise
-                error = {"error": {"type": "replica_failed", "message": f"the replica failed mid-stream ({type(exc).__name__}); retry the request"}}
-                await send({"type": "http.response.body", "body": f"event: error\ndata: {json.dumps(error)}\n\n".encode(), "more_body": True})
+                if not self.cut:
+                    log.warning("upstream failed mid-response: %s: %s", type(exc).__name__, exc)
+                    if not self.sse:
+                        raise
+                    error = {"error": {"type": "replica_failed", "message": f"the replica failed mid-stream ({type(exc).__name__}); retry the request"}}
+                    await send({"type": "http.response.body", "body": f"event: error\ndata: {json.dumps(error)}\n\n".encode(), "more_body": True})
+            if self.cut and self.sse:
+                error = {"error": {"type": "shutting_down", "message": "the gateway is shutting down: this stream was "
+                                                                        "cut short after the grace period; retry it"}}
+                await send({"type": "http.response.body", "body": f"event: error\ndata: {json.dumps(error)}\n\n".encode(),
+                            "more_body": True})
             await self.close()  # before the client sees the end, so its next request finds the slot and tokens settled
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         async def watch_disconnect() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
+
+        async def watch_stop(cut_short: asyncio.Event) -> None:
+            """A stopping gateway's grace period ended: the stream ends here (for SSE with an error event), so the
+            client sees a finished reply rather than a dropped connection."""
+            await cut_short.wait()
+            self.cut = True
+            self.upstream.close()  # pump's read ends; it finishes the reply
 
         try:
             async with anyio.create_task_group() as group:
@@ -211,6 +225,9 @@ class Relay(Response):
 
                 group.start_soon(first_done, pump)
                 group.start_soon(first_done, watch_disconnect)
+                cut_short = getattr(getattr(scope.get("app"), "state", None), "cut_short", None)
+                if cut_short is not None:
+                    group.start_soon(watch_stop, cut_short)
         except OSError:
             pass  # the client went away mid-send
         finally:

@@ -143,3 +143,31 @@ def test_remote_without_ember_ca_names_the_fix(serve, tmp_path):
     assert remote(EMBER_CA=str(served.ca)).stdout.strip() == "0.0"
     with httpx.Client(verify=served.tls()) as http:  # and the server is fine
         assert http.get(f"{served.url}/healthz").status_code == 200
+
+
+def test_a_stream_running_at_sigterm_ends_with_a_shutting_down_event(tmp_path):
+    home, started = tmp_path / "home", []
+    try:
+        served = launch(home, Path(__file__).parent / "apps" / "streaming.py", "--new-key", "me", "--no-watch",
+                        started=started)
+        lines = []
+
+        def read_stream() -> None:
+            with served.client(_banner_key(served), timeout=30) as http:
+                with http.stream("GET", "/streaming/v1/stream", params={"n": 400}) as reply:  # 20 s of events
+                    lines.extend(reply.iter_lines())
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        while not served.status()["apps"]["streaming"]["functions"]["Web"]["in_flight"]:
+            pass
+        served.process.send_signal(signal.SIGTERM)
+        reader.join(30)
+        assert served.process.wait(20) == 0
+    finally:
+        for process in started:
+            stop_serve(process)
+    assert "data: 0" in lines and "data: 399" not in lines  # it was streaming, and was cut short
+    events = [line for line in lines if line]
+    assert events[-2] == "event: error" and json.loads(events[-1][6:])["error"]["type"] == "shutting_down"
+    assert "Traceback" not in "".join(served.stdout)
