@@ -4,7 +4,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from botocore.exceptions import ClientError
 
@@ -20,7 +20,8 @@ class PackageMismatch(ValueError):
 
 
 def scan(table, **kwargs) -> list[dict]:
-    items, start = [], {}
+    items: list[dict] = []
+    start: dict[str, Any] = {}  # the next page's ExclusiveStartKey, once there is one
     while True:
         page = table.scan(**kwargs, **start)
         items += page["Items"]

@@ -37,7 +37,7 @@ import socket  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -96,7 +96,7 @@ def decode(data: bytes) -> Message | None:
     return MESSAGES[fields.pop("type")](**fields)
 
 
-def send(sock: socket.socket, message: Message, fds: list[int] = ()) -> None:
+def send(sock: socket.socket, message: Message, fds: Sequence[int] = ()) -> None:
     socket.send_fds(sock, [encode(message)], list(fds))
 
 
@@ -197,7 +197,7 @@ class ForkServer:
             with selectors.DefaultSelector() as selector:
                 selector.register(self.listener, selectors.EVENT_READ)
                 for name, template in self.templates.items():
-                    if not template.ready:
+                    if not template.ready and template.channel is not None:
                         selector.register(template.channel, selectors.EVENT_READ, name)
                 events = selector.select(timeout=1.0)
             for key, _ in events:
@@ -229,14 +229,14 @@ class ForkServer:
                 began = time.monotonic()
                 template = self._finish(request.unit)
                 request.snap_ms = round((time.monotonic() - began) * 1000)
-            if template.refused is None:
+            if template.refused is None and template.channel is not None:
                 try:
                     send(template.channel, request, [conn.fileno(), *fds])
                     return
                 except OSError as exc:  # the template died since: the next request prepares a new one
                     self._forget(request.unit)
                     template.refused = f"the template of {request.unit} is gone ({exc})"
-            send(conn, Refused(template.refused))
+            send(conn, Refused(template.refused or f"the template of {request.unit} is gone"))
         finally:
             close_fds(fds)
 
@@ -263,6 +263,8 @@ class ForkServer:
     def _finish(self, unit_name: str) -> Template:
         """Wait for the unit's template to say it is ready or refuses; tell the supervisor which."""
         template = self.templates[unit_name]
+        if template.channel is None:  # it refused already: nothing more comes
+            return template
         ready, _ = receive(template.channel)
         if isinstance(ready, TemplateReady):
             template.snap_ms = ready.snap_ms
@@ -334,7 +336,8 @@ class UnitTemplate:
                 request, fds = receive(self.channel, 1 + REQUEST_FDS)
                 if request is None:
                     return 0  # the fork server is gone
-                self._fork(request, fds)
+                if isinstance(request, ForkRequest):  # the only message the fork server sends a template
+                    self._fork(request, fds)
             self._reap()
 
     def _fork(self, request: ForkRequest, fds: list[int]) -> None:

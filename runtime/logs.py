@@ -68,8 +68,9 @@ def context_from(headers: dict[str, str]) -> RequestContext:
 def follow_spans() -> None:
     """With tracing on, a request's trace id is the one its first span has: the SERVER span continues the caller's
     `traceparent` or, when there was none, starts a trace of its own whose id the log lines must carry."""
-    from opentelemetry import trace
     from opentelemetry.sdk.trace import SpanProcessor
+
+    from ember.runtime import tracing
 
     class FirstSpan(SpanProcessor):
         def on_start(self, span, parent_context=None) -> None:
@@ -77,7 +78,8 @@ def follow_spans() -> None:
             if context is not None and not context.traced:
                 context.trace_id, context.traced = format(span.context.trace_id, "032x"), True
 
-    trace.get_tracer_provider().add_span_processor(FirstSpan())
+    if tracing.sdk_provider is not None:
+        tracing.sdk_provider.add_span_processor(FirstSpan())
 
 
 class JsonFormatter(logging.Formatter):

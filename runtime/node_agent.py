@@ -142,6 +142,7 @@ class NodeAgent:
                 if replica.error:  # else it was stopped while it started, and _stop wrote that
                     self._set(replica, state="failed", error=replica.error)
                 return
+            assert replica.port is not None  # start() returned True: it serves on its port
             relay = await publish(self.address, replica.port)
             public = relay.sockets[0].getsockname()[1]
             self._set(replica, state="ready", host=self.address, port=public, control_secret=replica.control_secret,
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         task = asyncio.current_task()
+        assert task is not None  # run() is a task of asyncio.run
         for sig in (signal.SIGTERM, signal.SIGINT):  # stop the replicas (their exit hooks run) before leaving
             asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
         try:

@@ -36,7 +36,7 @@ class WorkerProcess:
     app: str
     unit: str
     log_path: Path
-    process: asyncio.subprocess.Process | None = None
+    process: "asyncio.subprocess.Process | ForkedProcess | None" = None
     port: int | None = None  # where it serves once ready (on 127.0.0.1 when a supervisor here runs it)
     control_secret: str | None = None  # the worker's, sent with every request to its /__ember__/ routes
     gpus: list[str] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES it was given
@@ -128,9 +128,10 @@ class ForkedProcess:
     stdout (the control channel), wait(), send_signal() and kill(). Its exit code comes over the fork request's
     connection; if that closes first (the fork server died), its pid is watched and the code is EXIT_UNKNOWN."""
 
-    def __init__(self, pid: int, stdout: asyncio.StreamReader, conn: socket.socket, lifeline: int, requested: float):
-        self.pid, self.stdout, self.returncode = pid, stdout, None
-        self.requested = requested  # when the fork was asked for
+    def __init__(self, pid: int, stdout: asyncio.StreamReader, conn: socket.socket, lifeline: int, launched: float):
+        self.pid, self.stdout = pid, stdout
+        self.returncode: int | None = None
+        self.launched = launched  # when the fork began: once the unit's snap=True hooks ran, if it waited for them
         self._conn, self._lifeline = conn, lifeline  # the lifeline's write end: the worker ends when it closes
         self._exit = asyncio.ensure_future(self._watch())
 
@@ -182,7 +183,7 @@ class ForkServerProcess:
     socket_path: str
     log_path: Path
     process: asyncio.subprocess.Process | None = None
-    ready: asyncio.Future | None = None  # resolves to None once it serves, or to why it cannot
+    ready: "asyncio.Future[str | None]" = field(init=False)  # None once it serves, or why it cannot; set at creation
     import_ms: int | None = None
     # unit -> its template's outcome, as the fork server reports them: {"snap_ms": N} or {"refused": why}
     templates: dict[str, dict] = field(default_factory=dict)
@@ -193,17 +194,18 @@ class ForkServerProcess:
 
     def status(self) -> dict:
         """For `ember status`: importing, ready (with each unit's template) or why it cannot serve."""
-        if self.ready is None or not self.ready.done() or self.ready.cancelled():
+        if not self.ready.done() or self.ready.cancelled():
             return {"state": "importing"}
         if self.ready.result() is not None:
             return {"state": "failed", "reason": self.ready.result()}
-        return {"state": "ready" if self.process.returncode is None else "exited", "import_ms": self.import_ms,
+        running = self.process is not None and self.process.returncode is None
+        return {"state": "ready" if running else "exited", "import_ms": self.import_ms,
                 "templates": dict(self.templates)}
 
     def died(self) -> str | None:
         """Why it no longer serves when it did once, else None."""
-        served = self.ready is not None and self.ready.done() and self.ready.result() is None
-        if served and self.process.returncode is not None:
+        served = self.ready.done() and self.ready.result() is None
+        if served and self.process is not None and self.process.returncode is not None:
             return f"the fork server of {self.app} exited with code {self.process.returncode} (log: {self.log_path})"
         return None
 
@@ -261,26 +263,29 @@ class Supervisor:
         how: dict[str, int | str] = {}  # how the process came to be: fork or spawn, a fallback's reason, waits
         if worker.gpus and (gpu_wait := round((time.monotonic() - began) * 1000)):
             how["gpu_wait_ms"] = gpu_wait
-        if self.fork:
-            worker.process = await self._fork(worker, package, env, how, spec.requirements)
-        if worker.process is None:
+        forked = await self._fork(worker, package, env, how, spec.requirements) if self.fork else None
+        process: asyncio.subprocess.Process | ForkedProcess
+        if forked is not None:
+            process, stdout, launched = forked, forked.stdout, forked.launched
+        else:
             launched = time.monotonic()
             with open(worker.log_path, "ab") as log_file:
-                worker.process = await asyncio.create_subprocess_exec(
+                process = await asyncio.create_subprocess_exec(
                     python, "-m", "ember.runtime.worker", "--package", str(package), "--target", worker.unit,
                     stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL, env=env,
                 )
+            stdout = piped_stdout(process)
             how["start"] = "spawn"
-        else:
-            launched = worker.process.requested + how.get("snap_ms", 0) / 1000
+        worker.process = process
         try:
-            line = await asyncio.wait_for(worker.process.stdout.readline(), START_TIMEOUT)
+            line = await asyncio.wait_for(stdout.readline(), START_TIMEOUT)
         except asyncio.TimeoutError:
-            line = json.dumps({"event": "failed", "phase": "enter", "error": f"no ready signal within {START_TIMEOUT:g} s"}).encode()
-            worker.process.kill()
+            line = json.dumps({"event": "failed", "phase": "enter",
+                               "error": f"no ready signal within {START_TIMEOUT:g} s"}).encode()
+            process.kill()
         message = json.loads(line) if line.strip() else {}
         if message.get("event") != "ready":
-            code = await worker.process.wait()
+            code = await process.wait()
             await self.gpus.release(worker)
             if not worker.stopping:  # a worker that exits because it was told to is not a failed start
                 error = message.get("error") or f"worker exited with code {code} before it was ready"
@@ -355,7 +360,7 @@ class Supervisor:
             pipe = open(control_read, "rb", buffering=0)
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), pipe)
             ours = []
-            return ForkedProcess(reply.pid, stdout, conn, lifeline_write, requested)
+            return ForkedProcess(reply.pid, stdout, conn, lifeline_write, requested + (reply.snap_ms or 0) / 1000)
         finally:
             forkserver.close_fds(theirs + ours)
             if ours:
@@ -396,30 +401,31 @@ class Supervisor:
         if self.gpus.gpus and (archs := await asyncio.to_thread(gpu_architectures)):
             env["FLASHINFER_CUDA_ARCH_LIST"] = archs  # what it would ask the GPU: the fork server may import it
         with open(server.log_path, "ab") as log_file:
-            server.process = await asyncio.create_subprocess_exec(
+            server.process = process = await asyncio.create_subprocess_exec(
                 server.python, "-m", "ember.runtime.forkserver", "--package", str(server.package),
                 "--socket", server.socket_path, *(["--units", ",".join(server.units)] if server.units else []),
                 stdout=asyncio.subprocess.PIPE, stderr=log_file, stdin=asyncio.subprocess.DEVNULL, env=env)
+        stdout = piped_stdout(process)
         try:
-            line = await asyncio.wait_for(server.process.stdout.readline(), START_TIMEOUT)
+            line = await asyncio.wait_for(stdout.readline(), START_TIMEOUT)
             message = json.loads(line) if line.strip() else {}
         except (asyncio.TimeoutError, ValueError):
             message = {}
         if message.get("event") == "ready":
             server.import_ms = message["import_ms"]
             self.log.info("fork server of %s ready in %s ms (%s)", server.app, server.import_ms, server.package.name)
-            server.reader = asyncio.ensure_future(self._read_templates(server))
+            server.reader = asyncio.ensure_future(self._read_templates(server, stdout))
             return None
         with contextlib.suppress(ProcessLookupError):
-            server.process.kill()
+            process.kill()
         reason = f"the fork server of {server.app} could not start: {message.get('error') or 'no ready line'} " \
                  f"(log: {server.log_path})"
         self.log.warning("%s; its replicas are spawned", reason)
         return reason
 
-    async def _read_templates(self, server: ForkServerProcess) -> None:
+    async def _read_templates(self, server: ForkServerProcess, stdout: asyncio.StreamReader) -> None:
         """The fork server's later lines: each unit's template, ready (its snap=True hooks ran) or refused."""
-        while line := await server.process.stdout.readline():
+        while line := await stdout.readline():
             with contextlib.suppress(ValueError):
                 event = json.loads(line)
                 if event.get("event") == "template":
@@ -432,7 +438,7 @@ class Supervisor:
         """Stop a fork server that was replaced or died; the replicas it forked run on."""
         if self.forkservers.get(server.key) is server:
             del self.forkservers[server.key]
-        if server.ready is not None and not server.ready.done():
+        if not server.ready.done():
             server.ready.cancel()
         if server.process is not None and server.process.returncode is None:
             server.process.terminate()
@@ -448,6 +454,8 @@ class Supervisor:
 
     async def wait(self, worker: WorkerProcess) -> int:
         """Until the worker exits; its exit code."""
+        if worker.process is None:
+            raise ValueError(f"replica {worker.id} has no process to wait for: start it first")
         code = await worker.process.wait()
         await self.gpus.release(worker)
         return code
@@ -466,6 +474,13 @@ class Supervisor:
             process.kill()
             await process.wait()
         await self.gpus.release(worker)
+
+
+def piped_stdout(process: asyncio.subprocess.Process) -> asyncio.StreamReader:
+    """The stdout of a process started with stdout=PIPE (asyncio types it Optional for the other cases)."""
+    if process.stdout is None:
+        raise ValueError("the process was started without stdout=PIPE")
+    return process.stdout
 
 
 def start_breakdown(how: dict[str, int | str], ready: dict, began: float, launched: float,

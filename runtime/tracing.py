@@ -7,24 +7,25 @@ Requests are traced by one ASGI middleware, `ServerSpans`, which the gateway and
 apps; an outgoing hop is a `client_span`. Both test `enabled` first, so a process without tracing pays one
 attribute read per hop; the SDK (absent on GPU nodes that carry only the API) is imported only when configured.
 """
-import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:  # the worker imports this module before anything heavy
+    from opentelemetry.sdk.trace import TracerProvider
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("ember.tracing")
 
 enabled = False  # read on hot paths: True once setup() installed a TracerProvider in this process
+sdk_provider: "TracerProvider | None" = None  # the provider setup() installed
 OTLP_PACKAGE = "opentelemetry-exporter-otlp-proto-http"
 
 
 def setup(service_name: str) -> bool:
     """Install the process's TracerProvider when EMBER_TRACE_FILE or an OTLP endpoint is set; True when tracing is on.
     OTEL_SERVICE_NAME overrides `service_name`; OTEL_SDK_DISABLED=true turns it all off."""
-    global enabled
+    global enabled, sdk_provider
     if enabled:
         return True
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -33,16 +34,18 @@ def setup(service_name: str) -> bool:
     otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if not trace_file and not otlp:
         return False
-    processors = []
     try:
         from opentelemetry import trace
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+        from ember.runtime.span_file import SpanFile
     except ImportError:
         log.warning("tracing asked for, but opentelemetry-sdk is not installed: pip install opentelemetry-sdk; "
                     "running without tracing")
         return False
+    processors: list[SpanProcessor] = []
     if otlp:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -64,17 +67,15 @@ def setup(service_name: str) -> bool:
     for processor in processors:
         provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
-    enabled = True
+    sdk_provider, enabled = provider, True
     return True
 
 
 def flush() -> None:
     """Export the spans still batched. A server stopped by SIGTERM must call this itself: uvicorn ends by re-raising
     the signal, so the provider's atexit hook never runs."""
-    if enabled:
-        from opentelemetry import trace
-
-        trace.get_tracer_provider().force_flush()
+    if sdk_provider is not None:
+        sdk_provider.force_flush()
 
 
 def fastapi_options() -> dict:
@@ -222,44 +223,3 @@ def current_context():
     from opentelemetry import context
 
     return context.get_current()
-
-
-class SpanFile:
-    """A span exporter that appends one JSON line per span, each with one os.write on an O_APPEND descriptor,
-    so the gateway and its worker processes (which inherit EMBER_TRACE_FILE) can share one file."""
-
-    def __init__(self, path: str):
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def export(self, spans):
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        for span in spans:
-            os.write(self.fd, (json.dumps(span_record(span), default=str) + "\n").encode())
-        return SpanExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
-
-    def shutdown(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def span_record(span) -> dict:
-    """A finished SDK span as plain JSON: ids in hex, times in ns since the epoch."""
-    parent = span.parent
-    return {
-        "service": span.resource.attributes.get("service.name"),
-        "name": span.name,
-        "trace_id": format(span.context.trace_id, "032x"),
-        "span_id": format(span.context.span_id, "016x"),
-        "parent_span_id": format(parent.span_id, "016x") if parent is not None else None,
-        "kind": span.kind.name,
-        "start_ns": span.start_time,
-        "end_ns": span.end_time,
-        "status": {"code": span.status.status_code.name, "description": span.status.description},
-        "attributes": dict(span.attributes or {}),
-        "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events],
-    }

@@ -25,6 +25,7 @@ import socket  # noqa: E402
 import stat  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -229,7 +230,8 @@ class Parking:
     instead of Ember moving modules (runtime/cuda_checkpoint.py).
     """
 
-    def __init__(self, obj: Any, park_hooks: list[str] = (), wake_hooks: list[str] = (), checkpoint: bool = False):
+    def __init__(self, obj: Any, park_hooks: Sequence[str] = (), wake_hooks: Sequence[str] = (),
+                 checkpoint: bool = False):
         self.obj, self.parked, self.checkpoint = obj, False, checkpoint
         self.park_hooks, self.wake_hooks = list(park_hooks), list(wake_hooks)
         self.lock = asyncio.Lock()
@@ -350,12 +352,13 @@ def build_asgi(replica: LoadedUnit, secret: str):
 
     # The gateway's CLIENT span reaches here as `traceparent`; the user's code runs inside this SERVER span.
     traced_internal = tracing.ServerSpans(internal, describe_call)
-    traced_user_app = tracing.ServerSpans(user_app, lambda scope: describe_request(scope, replica.unit.name))
+    traced_user_app = None if user_app is None else \
+        tracing.ServerSpans(user_app, lambda scope: describe_request(scope, replica.unit.name))
 
     async def root(scope, receive, send):
         if scope["type"] == "lifespan":
             await (user_app or internal)(scope, receive, send)
-        elif scope["path"].startswith(CONTROL) or user_app is None:
+        elif scope["path"].startswith(CONTROL) or traced_user_app is None:
             if not authorised(scope):
                 if scope["type"] == "http":
                     await _error_response(404, "not_found", f"no route {scope['path'][:200]!r}")(scope, receive, send)
@@ -532,7 +535,7 @@ def cuda_init() -> dict[str, int]:
 def serve(control: ControlChannel, started: float, load: Callable[[], tuple[Any, Any]]) -> int:
     """Load the unit (`load()` -> the unit and its instance when its snap=True hooks already ran), run its enter
     hooks, say ready on the control channel and serve until SIGTERM; the process's exit code."""
-    timings = {}
+    timings: dict[str, int | str] = {}
     phase = "import"
     try:
         unit, snapped = load()
