@@ -162,6 +162,12 @@ async def open_stream(client: aiohttp.ClientSession, replica: GatewayReplica, re
     return upstream
 
 
+def _sse_error(type: str, message: str) -> dict:
+    """The body message that ends an SSE stream with an error event."""
+    error = json.dumps({"error": {"type": type, "message": message}})
+    return {"type": "http.response.body", "body": f"event: error\ndata: {error}\n\n".encode(), "more_body": True}
+
+
 class Relay(Response):
     """Streams an upstream response to the client as it arrives (SSE untouched, backpressure by awaiting
     each send); a client disconnect closes the upstream connection, which cancels the request there.
@@ -196,13 +202,11 @@ class Relay(Response):
                     log.warning("upstream failed mid-response: %s: %s", type(exc).__name__, exc)
                     if not self.sse:
                         raise
-                    error = {"error": {"type": "replica_failed", "message": f"the replica failed mid-stream ({type(exc).__name__}); retry the request"}}
-                    await send({"type": "http.response.body", "body": f"event: error\ndata: {json.dumps(error)}\n\n".encode(), "more_body": True})
+                    await send(_sse_error("replica_failed", f"the replica failed mid-stream ({type(exc).__name__}); "
+                                                            "retry the request"))
             if self.cut and self.sse:
-                error = {"error": {"type": "shutting_down", "message": "the gateway is shutting down: this stream was "
-                                                                        "cut short after the grace period; retry it"}}
-                await send({"type": "http.response.body", "body": f"event: error\ndata: {json.dumps(error)}\n\n".encode(),
-                            "more_body": True})
+                await send(_sse_error("shutting_down", "the gateway is shutting down: this stream was cut short after "
+                                                       "the grace period; retry it"))
             await self.close()  # before the client sees the end, so its next request finds the slot and tokens settled
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -6,7 +6,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -51,7 +50,8 @@ def test_fresh_clone_and_venv_run_the_readme_serve_command(tmp_path):
     assert live == [("quickstart", 0)]  # the user's key stays; no admin key outlives the gateway
     # The venv's own interpreter runs this clone's Ember (not the one these tests run).
     which = subprocess.run([str(clone / ".venv/bin/python"), "-I", "-c",
-                            "import ember.gateway as g; print(g.__file__)"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+                            "import ember.gateway as g; print(g.__file__)"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert which.stdout.strip().startswith(str(clone)), which
 
 
