@@ -58,10 +58,10 @@ class App:
                    make: Callable[["App", Any, FunctionSpec], Unit]) -> Callable[[Any], Unit]:
         if callable(first):
             raise TypeError(f"use @app.{kind}() with parentheses")
-        settings = dict(settings)
+        kwargs: dict[str, Any] = dict(settings)
         if self.requirements:
-            settings["requirements"] = self.requirements + list(settings.get("requirements", []))
-        spec = build_spec(f"@app.{kind}", settings)
+            kwargs["requirements"] = self.requirements + list(settings.get("requirements", []))
+        spec = build_spec(f"@app.{kind}", kwargs)
 
         def register(target: Any) -> Unit:
             unit = make(self, target, spec)

@@ -14,10 +14,11 @@ import types
 import zipfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import cloudpickle
 
-from ember.app import App
+from ember.app import App, Cls, Function
 from ember.home import Home
 
 LOCAL_IMPORTS: dict[str, list[str]] = {}  # app module name -> the local modules loading it imported
@@ -30,6 +31,8 @@ def load_app(path: str | Path, name: str | None = None) -> App:
         raise FileNotFoundError(f"no app file at {path}")
     module_name = f"ember_user_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} cannot be imported as a Python module (is it a .py file?)")
     module = importlib.util.module_from_spec(spec)
     before = set(sys.modules)
     sys.modules[module_name] = module
@@ -76,6 +79,8 @@ def local_modules(app: App) -> list[ModuleType]:
 def build(app: App, home: Home) -> Path:
     """Write the package for `app` (whose module was loaded by load_app) and return its path."""
     module = sys.modules[_module_of(app)]
+    if module.__file__ is None:
+        raise ValueError(f"app {app.name!r} comes from module {module.__name__}, which has no file to package")
     source_path = Path(module.__file__)
     # By value: a replica has the package, not the user's modules on its import path. A local module that imports
     # by a name from elsewhere (a package above the app's folder, as `tests.x.y`) stays by reference.
@@ -123,10 +128,14 @@ def _pin_class_ids(app: App, modules: list[ModuleType]) -> None:
                 by_class[cls], by_id[tracker_id] = tracker_id, cls
 
 
+def _owner(unit: Function | Cls) -> Any:
+    """The user's function or class behind a unit."""
+    return unit.fn if isinstance(unit, Function) else unit.user_cls
+
+
 def _module_of(app: App) -> str:
     for unit in app.units.values():
-        owner = getattr(unit, "fn", None) or unit.user_cls
-        return owner.__module__
+        return _owner(unit).__module__
     raise ValueError(f"app {app.name!r} declares no functions or classes")
 
 
@@ -165,7 +174,7 @@ def _with_user_filenames(app: App, main_source: str) -> App:
     cloudpickle rebuilt. The app file's source rides in the package, so its lines show even where the path does not
     exist (another machine)."""
     seen: set[int] = set()
-    todo: list = [getattr(unit, "fn", None) or unit.user_cls for unit in app.units.values()]
+    todo: list = [_owner(unit) for unit in app.units.values()]
     while todo:
         item = todo.pop()
         if id(item) in seen:
@@ -185,7 +194,7 @@ def _with_user_filenames(app: App, main_source: str) -> App:
             todo += [v for v in item.__globals__.values() if isinstance(v, (type, types.FunctionType))]
             todo += [c.cell_contents for c in item.__closure__ or () if c.cell_contents is not None]
     first = next(iter(app.units.values()))
-    owner = getattr(first, "fn", None) or next(
+    owner = first.fn if isinstance(first, Function) else next(
         (f for f in vars(first.user_cls).values() if isinstance(f, types.FunctionType)), None)
     main_file = owner.__globals__.get("__file__") if owner is not None else None
     if main_file and not Path(main_file).exists():  # built on another machine: its lines from the package
