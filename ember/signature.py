@@ -4,7 +4,8 @@ document. Unannotated parameters (and types pydantic cannot build from JSON, suc
 """
 import inspect
 import typing
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter, create_model
 

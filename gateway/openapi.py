@@ -56,7 +56,7 @@ def call_operation(app: str, unit: Unit, method: str) -> dict:
 
 def asgi_paths(app: str, unit: Unit) -> dict:
     """The app's ASGI endpoint: any path under /{app}/, and the OpenAI routes of a model it serves."""
-    paths = {}
+    paths: dict[str, dict] = {}
     if unit.openai_base is not None:
         base = f"/{app}{unit.openai_base.rstrip('/')}"
         for verb, route, summary in OPENAI_ROUTES:
@@ -65,9 +65,11 @@ def asgi_paths(app: str, unit: Unit) -> dict:
             paths[base + route] = {verb: {"tags": [app], "operationId": f"{app}.openai{route.replace('/', '.')}",
                                           "summary": summary} | body | {
                 "responses": {"200": {"description": "as OpenAI's API answers"}} | _errors()}}
-    any_path = {"tags": [app], "summary": f"the ASGI app {unit.name} of {app}: any method and path under /{app}/",
-                "parameters": [{"name": "path", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "the app's reply"}} | _errors()}
+    any_path: dict[str, object] = {"tags": [app],
+                                   "summary": f"the ASGI app {unit.name} of {app}: any method and path under /{app}/",
+                                   "parameters": [{"name": "path", "in": "path", "required": True,
+                                                   "schema": {"type": "string"}}],
+                                   "responses": {"200": {"description": "the app's reply"}} | _errors()}
     paths[f"/{app}/{{path}}"] = {m.lower(): any_path | {"operationId": f"{app}.asgi.{m.lower()}"} for m in METHODS}
     return paths
 

@@ -12,9 +12,10 @@ from ember.gateway.inflight import BodyBudget
 from ember.gateway.backends.local import LocalBackend
 from ember.gateway.deployment import Deployment
 from ember.gateway.keys import KeyStore
+from ember.gateway.lifecycle import HOT
 from ember.gateway.metrics import Metrics
 from ember.gateway.ratelimit import Limiter, MemoryLimiter
-from ember.gateway.lifecycle import HOT
+from ember.gateway.replica import GatewayReplica
 from ember.gateway.routing import APP_NAME
 from ember.gateway.scaler import Scaler
 from ember.gateway.secret_files import SecretStore
@@ -179,7 +180,7 @@ class Gateway:
         return f"{replica.unit}: {replica.error}{log_tail(replica.log_path)}"
 
     async def _drain(self, previous: Deployment) -> None:
-        replicas = []
+        replicas: list[GatewayReplica] = []
         for unit in previous.units.values():
             unit.queue.fail_waiters(f"app {previous.name!r} was redeployed while this call waited; retry it")
             replicas += unit.router.replicas.values()

@@ -64,7 +64,8 @@ class VersionStore:
         with connect(db, "open the app-versions table") as conn:
             conn.execute(SCHEMA)
             # A version still checking belongs to a gateway that stopped mid-deploy: it never took traffic.
-            conn.execute("UPDATE app_versions SET state = ?, error = ? WHERE state = ?", (FAILED, INTERRUPTED, CHECKING))
+            conn.execute("UPDATE app_versions SET state = ?, error = ? WHERE state = ?",
+                         (FAILED, INTERRUPTED, CHECKING))
 
     def add(self, app: str, package: Path, manifest: dict, deployed_by: str | None, note: str | None) -> Version:
         """A new version of `app`, numbered after its last one, in state checking."""
