@@ -136,10 +136,18 @@ class SpawnedCalls:
             state = SUCCEEDED if response.status_code == 200 else FAILED
             return state, response.status_code, bytes(response.body).decode()
 
-    async def wait(self, call_id: str, seconds: float) -> None:
+    async def wait(self, call_id: str, seconds: float, stop: asyncio.Event | None = None) -> None:
+        """Until the call finishes, `seconds` pass, or `stop` is set (a stopping gateway's grace period ended)."""
         task = self.running.get(call_id)
-        if task is not None and seconds > 0:
-            await asyncio.wait({task}, timeout=seconds)
+        if task is None or seconds <= 0:
+            return
+        stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
+        try:
+            await asyncio.wait({task} | ({stopped} if stopped else set()), timeout=seconds,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if stopped is not None:
+                stopped.cancel()
 
     async def cancel(self, call_id: str) -> None:
         task = self.running.get(call_id)
@@ -171,7 +179,7 @@ def calls_router(keys: KeyStore, calls: SpawnedCalls) -> APIRouter:
         """The call's state, and its result or error once finished; `wait` seconds (at most 60) for it to finish."""
         record = await owned(request, call_id)
         if record["state"] == PENDING and wait > 0:
-            await calls.wait(call_id, min(wait, MAX_WAIT))
+            await calls.wait(call_id, min(wait, MAX_WAIT), getattr(request.app.state, "cut_short", None))
             record = await read(call_id)
         return JSONResponse(describe(record))
 

@@ -107,7 +107,9 @@ class LogFeed:
         self.discover(first=True)
         quiet_since = time.monotonic()
         first = True
-        while True:  # until the client leaves: a send to it then fails, which ends this generator
+        # Until the client leaves (a send to it then fails, which ends this generator) or the gateway stops: the
+        # follower then sees the stream end instead of its connection cut when the stop's grace period is over.
+        while not self.gateway.stopping:
             if not first:
                 self.discover(first=False)
             records = [r for f in list(self.files.values()) for r in f.read() if self.wanted(r)]

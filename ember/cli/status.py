@@ -93,6 +93,7 @@ def _follow_logs(args: argparse.Namespace) -> int:
                     if line.strip():
                         record = json.loads(line)
                         print(json.dumps(record) if args.json else log_line(record), flush=True)
+            print("the gateway stopped; run `ember logs -f` again once it is back", file=sys.stderr)
         except KeyboardInterrupt:
             pass
     return 0

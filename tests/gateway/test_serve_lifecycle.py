@@ -171,3 +171,30 @@ def test_a_stream_running_at_sigterm_ends_with_a_shutting_down_event(tmp_path):
     events = [line for line in lines if line]
     assert events[-2] == "event: error" and json.loads(events[-1][6:])["error"]["type"] == "shutting_down"
     assert "Traceback" not in "".join(served.stdout)
+
+
+def test_log_followers_and_waits_on_spawned_calls_end_cleanly_at_sigterm(tmp_path):
+    home, started = tmp_path / "home", []
+    try:
+        served = launch(home, APP, "--new-key", "me", "--no-watch", started=started)
+        follower = subprocess.Popen([sys.executable, "-m", "ember.cli", "logs", "-f"], env=served.env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        waited = []
+        with served.client(_banner_key(served), timeout=60) as http:
+            spawned = http.post("/slow/wait", json={"seconds": 30}, headers={"Prefer": "respond-async"})
+            assert spawned.status_code == 202
+            waiter = threading.Thread(target=lambda: waited.append(
+                http.get(f"/calls/{spawned.json()['call_id']}", params={"wait": 60})))
+            waiter.start()
+            while not served.status()["apps"]["slow"]["functions"]["wait"]["in_flight"]:
+                pass
+            served.process.send_signal(signal.SIGTERM)
+            waiter.join(30)
+        assert served.process.wait(20) == 0
+        out, err = follower.communicate(timeout=20)
+    finally:
+        for process in started:
+            stop_serve(process)
+    assert waited[0].status_code == 200 and waited[0].json()["state"] in ("pending", "failed", "cancelled")  # answered, not cut
+    assert follower.returncode == 0 and "the gateway stopped" in err and "Traceback" not in err
+    assert "Traceback" not in "".join(served.stdout)
