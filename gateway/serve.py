@@ -20,7 +20,7 @@ from ember.gateway.ratelimit import MemoryLimiter, RedisLimiter
 from ember.gateway.reload import AppWatcher
 from ember.gateway.server import create_app
 from ember.gateway.service import Gateway
-from ember.gateway.tls import check_own_certificate, issue_server_cert, primary_address
+from ember.gateway.tls import certificate_names, check_own_certificate, issue_server_cert, primary_address
 from ember.home import Home
 from ember.package import build, load_app
 from ember.runtime import environments, logs, tracing
@@ -172,7 +172,11 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
         sock.listen(2048)
         port = sock.getsockname()[1]
         local = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-        url = _url(_reachable(host), port)
+        shown = _reachable(host)
+        names = [n for n in certificate_names(tls_cert) if "*" not in n] if tls_cert else []
+        if names and shown not in names:
+            shown = names[0]  # a URL whose host the certificate names, so clients can verify it
+        url = _url(shown, port)
         lock.record(url)
         # On stop, in-flight calls get GRACE seconds, then a JSON 503 (the gateway cuts them); uvicorn's own
         # deadline, a little later, only closes what is left once those replies are written. h11, whose header

@@ -90,6 +90,16 @@ def _sans(names: set[str]) -> list[x509.GeneralName]:
     return out
 
 
+def certificate_names(cert_path: str | Path) -> list[str]:
+    """The DNS names and IP addresses a PEM certificate (its first, the server's own) is valid for."""
+    cert = x509.load_pem_x509_certificates(Path(cert_path).read_bytes())[0]
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return sans.get_values_for_type(x509.DNSName) + [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)]
+
+
 class CertificateError(ValueError):
     """A certificate or key given with --tls-cert/--tls-key cannot be served; the message says why and what to do."""
 
