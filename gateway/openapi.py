@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse
 
 from ember.gateway.deployment import Deployment, Unit
 from ember.gateway.errors import ApiError
+from ember.gateway.keys import ApiKey
 
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
@@ -74,8 +75,9 @@ def asgi_paths(app: str, unit: Unit) -> dict:
     return paths
 
 
-def document(app: FastAPI, deployments: dict[str, Deployment]) -> dict:
-    """The whole document: the gateway's own routes (built once) and the deployed apps' (as they are now)."""
+def document(app: FastAPI, deployments: dict[str, Deployment], key: ApiKey | None = None) -> dict:
+    """The gateway's own routes (built once) and, for `key`, the deployed functions it may call (as they are now):
+    without a key the document names no app, so it lists nothing an unauthenticated caller could not guess."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
@@ -91,6 +93,8 @@ def document(app: FastAPI, deployments: dict[str, Deployment]) -> dict:
     paths, schemas = dict(spec["paths"]), dict(spec["components"]["schemas"])
     for name, deployment in sorted(deployments.items()):
         for unit in deployment.units.values():
+            if key is None or not key.allows(name, unit.name):
+                continue
             for method in unit.methods:
                 target = method if unit.kind == "function" else f"{unit.name}.{method}"
                 paths[f"/{name}/{target}"] = call_operation(name, unit, method)

@@ -132,8 +132,10 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
         return PlainTextResponse(gateway.metrics.render(gateway.deployments), media_type="text/plain; version=0.0.4")
 
     @app.get("/openapi.json", include_in_schema=False)
-    async def openapi_document() -> JSONResponse:
-        return JSONResponse(openapi.document(app, gateway.deployments))
+    async def openapi_document(request: Request) -> JSONResponse:
+        # The gateway's own routes for anyone; the deployed functions only to a key, and only those it may call.
+        key = await authenticate(gateway.keys, request) if "authorization" in request.headers else None
+        return JSONResponse(openapi.document(app, gateway.deployments, key))
 
     async def invoke(request: Request) -> Response:
         record = CallRecord(request.path_params["app_name"]).keep(request)

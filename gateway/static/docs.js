@@ -68,10 +68,31 @@ function operationCard(path, verb, operation) {
   return card;
 }
 
+// The functions an API key may call: the key comes in the page's fragment (/docs#key=ek_..., never sent to a
+// server) or the form, and stays in this tab's sessionStorage; without one the page shows the gateway's routes.
+function apiKey() {
+  const given = new URLSearchParams(location.hash.slice(1)).get("key");
+  if (given) {
+    sessionStorage.setItem("ember-key", given);
+    history.replaceState(null, "", location.pathname);
+  }
+  return sessionStorage.getItem("ember-key");
+}
+
+document.getElementById("key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem("ember-key", document.getElementById("key").value.trim());
+  render().catch(failed);
+});
+
 async function render() {
   const main = document.getElementById("api");
-  const reply = await fetch("/openapi.json");
+  const key = apiKey();
+  const reply = await fetch("/openapi.json", key ? {headers: {Authorization: `Bearer ${key}`}} : {});
   const spec = await reply.json();
+  if (!reply.ok) throw new Error((spec.error && spec.error.message) || reply.status);
+  document.getElementById("key-state").textContent = key ? "the functions this key may call"
+    : "the gateway's routes; give an API key to see the functions it may call";
   components = (spec.components && spec.components.schemas) || {};
   const groups = new Map();
   for (const [path, verbs] of Object.entries(spec.paths)) {
@@ -91,6 +112,8 @@ async function render() {
   }
 }
 
-render().catch((error) => {
-  document.getElementById("api").replaceChildren(element("p", `could not load /openapi.json: ${error}`));
-});
+function failed(error) {
+  document.getElementById("api").replaceChildren(element("p", `could not load /openapi.json: ${error.message}`));
+}
+
+render().catch(failed);

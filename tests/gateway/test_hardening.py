@@ -39,7 +39,7 @@ def test_size_limits_timeouts_and_names_answer_json(serve):
         assert http.post("/quick/add", content=b"[1]").status_code == 422
         assert http.post("/quick/add", content=b"{nope").json()["error"]["type"] == "invalid_json"
 
-    spec = served.client(None).get("/openapi.json").json()
+    spec = served.client(served.key("reader")).get("/openapi.json").json()
     assert {"/admin/keys", "/admin/keys/{key}", "/admin/apps/{app}/limits", "/quick/add", "/healthz"} <= set(spec["paths"])
     assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 

@@ -18,7 +18,7 @@ def served(serve_module):
 
 @pytest.fixture(scope="module")
 def spec(served) -> dict:
-    return served.client(None).get("/openapi.json").json()
+    return served.client(served.key("reader")).get("/openapi.json").json()
 
 
 def body_schema(spec: dict, path: str) -> dict:
@@ -72,7 +72,7 @@ def test_a_redeploy_changes_the_document(served, spec, tmp_path):
     changed = tmp_path / "typed.py"
     changed.write_text((APPS / "typed.py").read_text().replace("discount: float = 0.0", "discount: int = 0"))
     served.cli("deploy", str(changed))
-    now = served.client(None).get("/openapi.json").json()
+    now = served.client(served.key("reader")).get("/openapi.json").json()
     assert body_schema(now, "/typed/quote")["properties"]["discount"] == {"default": 0, "title": "Discount",
                                                                           "type": "integer"}
     served.cli("deploy", str(APPS / "typed.py"))  # back, for the other tests
@@ -93,7 +93,7 @@ def test_the_docs_page_renders_every_function_with_its_argument_types(served, tm
         "<body>")[0].replace("http-equiv", "")  # no CDN: the page loads only from the gateway
     browser = chromium(tmp_path, served)
     try:
-        browser.get(f"{served.url}/docs")
+        browser.get(f"{served.url}/docs#key={served.key('docs-reader')}")
         from selenium.webdriver.support.ui import WebDriverWait
 
         WebDriverWait(browser, 20).until(lambda b: b.execute_script(DOCS, "/typed/quote"))
@@ -106,3 +106,16 @@ def test_the_docs_page_renders_every_function_with_its_argument_types(served, tm
         assert sections == ["gateway", "quick", "typed"]
     finally:
         browser.quit()
+
+
+def test_the_document_names_only_the_functions_the_callers_key_may_call(served):
+    from ember.gateway.keys import KeyStore
+
+    anonymous = served.client(None).get("/openapi.json")
+    assert anonymous.status_code == 200 and "/healthz" in anonymous.json()["paths"]
+    assert not [p for p in anonymous.json()["paths"] if p.startswith(("/quick/", "/typed/"))]  # no app named
+    scoped = KeyStore(served.home / "ember.db").create("typed-only", scopes=["app:typed"])[1]
+    paths = served.client(scoped).get("/openapi.json").json()["paths"]
+    assert "/typed/quote" in paths and not [p for p in paths if p.startswith("/quick/")]
+    refused = served.client("ek_not_a_key").get("/openapi.json")
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "unauthorized"
