@@ -161,9 +161,13 @@ def admin_router(gateway: "Gateway") -> APIRouter:
 
     @router.post("/deploy")
     async def deploy(body: DeployRequest, request: Request) -> dict:
-        if (body.package is None) == (body.package_url is None):
-            raise ApiError(400, "invalid_request", 'send {"package": PATH} or {"package_url": "s3://BUCKET/KEY", "sha256": HASH}')
-        package = local_package(body.package) if body.package is not None else await s3_package(body.package_url, body.sha256)
+        if body.package is not None and body.package_url is None:
+            package = local_package(body.package)
+        elif body.package_url is not None and body.package is None:
+            package = await s3_package(body.package_url, body.sha256)
+        else:
+            raise ApiError(400, "invalid_request",
+                           'send {"package": PATH} or {"package_url": "s3://BUCKET/KEY", "sha256": HASH}')
         return await deployed(gateway.deploy(package, await deployer(request)))
 
     async def deployer(request: Request) -> str:

@@ -1,6 +1,7 @@
 """What `ember serve` prints once it listens: where it serves, how to trust it, and commands that work when pasted."""
 import json
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 from ember.package import read_manifest
@@ -28,7 +29,7 @@ def example_call(package: Path, openai_model: tuple[str, str] | None = None) -> 
         if unit.get("try_it"):
             try_it = unit["try_it"]
             path = try_it["path"] or (f"{try_it['openai_base']}/models" if try_it["openai_base"] else None)
-            return path.lstrip("/"), try_it["body"], try_it["openai_base"]
+            return (path or "").lstrip("/"), try_it["body"], try_it["openai_base"]
     return "", None, None
 
 
@@ -42,7 +43,7 @@ def curl(url: str, secret: str, ca: Path | None, body: dict | None) -> str:
 
 
 def lines(app: str, url: str, ca: Path | None, own_cert: str | None, logs: Path, package: Path,
-          key: tuple[str, str] | None, replaced: list[str], grace: float, notes: list[str] = (),
+          key: tuple[str, str] | None, replaced: list[str], grace: float, notes: Sequence[str] = (),
           openai_model: tuple[str, str] | None = None) -> list[str]:
     """The banner: URL, trust, logs, then a curl (with the new key, or "$EMBER_KEY" for an OpenAI API) and, for an
     OpenAI-speaking app, what the openai client needs; `notes` go last, before how to stop."""

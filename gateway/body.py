@@ -57,7 +57,7 @@ async def read_body(request: Request, budget: BodyBudget) -> bytearray:
     return body
 
 
-async def read_kwargs(request: Request, budget: BodyBudget) -> bytes:
+async def read_kwargs(request: Request, budget: BodyBudget) -> bytes | bytearray:
     """The call's body, checked to be a JSON object of keyword arguments; forwarded as read."""
     body = await read_body(request, budget) or b"{}"
     try:
@@ -83,7 +83,7 @@ class ForwardRequest:
     and, for an OpenAI completion POST, its token estimate for the rate limits, the meter that counts what the reply
     really used, and the routing key."""
 
-    body: bytes
+    body: bytes | bytearray  # bytearray: read in place into a buffer of its Content-Length
     tokens: int
     meter: UsageMeter | None
     affinity: str | None

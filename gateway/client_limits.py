@@ -3,7 +3,7 @@ at once, time to send a body, and the request-body bytes held across all request
 an environment variable, else a default; a bad value is refused naming where it came from and what would do."""
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from ember.gateway.backends.local import parse_size
 
@@ -50,7 +50,7 @@ class ClientLimits:
     @classmethod
     def resolve(cls, **flags: str | None) -> "ClientLimits":
         """Flags (the text given, or None) win over environment variables, which win over the defaults."""
-        values = {}
+        values: dict[str, Any] = {}  # field -> its value, of the type SETTINGS' parser for it gives
         for name, (flag, env, parse, expected) in SETTINGS.items():
             text, source = flags.get(name), flag
             if text is None:

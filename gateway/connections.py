@@ -64,7 +64,7 @@ class Guard:
 class GuardedH11(H11Protocol):
     guard: Guard  # set by `protocol()`: one per server
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.header_timer: asyncio.TimerHandle | None = None
         self.discarding = False  # an error reply went out: what the client still sends is read and dropped

@@ -1,6 +1,7 @@
 """Every error a client sees is JSON {"error": {"type", "message"}}, never a traceback."""
 import difflib
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +28,7 @@ class UnknownField(ValueError):
         super().__init__(f"unknown field {name[:100]!r} in the request body; {hint}fields are {', '.join(known)}")
 
 
-def error_response(status: int, type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(status: int, type: str, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"type": type, "message": message}}, status_code=status, headers=headers)
 
 

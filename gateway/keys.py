@@ -15,6 +15,7 @@ import re
 import secrets
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -92,7 +93,7 @@ class KeyStore:
                 if column not in have:
                     conn.execute(f"ALTER TABLE api_keys ADD COLUMN {column} {kind}")
 
-    def create(self, name: str, admin: bool = False, scopes: list[str] = (), expires: float | None = None,
+    def create(self, name: str, admin: bool = False, scopes: Sequence[str] = (), expires: float | None = None,
                limits: Limits = Limits()) -> tuple[ApiKey, str]:
         """Returns the key record and its secret; the secret is not stored and cannot be shown again."""
         scopes = check_scopes(list(scopes) + (["admin"] if admin else []))

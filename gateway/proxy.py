@@ -113,7 +113,7 @@ def is_sse(reply: aiohttp.ClientResponse) -> bool:
     return reply.headers.get("content-type", "").startswith("text/event-stream")
 
 
-async def call(client: aiohttp.ClientSession, replica: GatewayReplica, method: str, body: bytes, timeout: float,
+async def call(client: aiohttp.ClientSession, replica: GatewayReplica, method: str, body: bytes | bytearray, timeout: float,
                trace: dict | None = None) -> Response | aiohttp.ClientResponse:
     """A function call: the replica's JSON reply (result or error) passed through with its status, or, for a
     generator's stream of events, the open upstream reply for a `Relay`. `trace`: the trace context headers of this
@@ -138,7 +138,7 @@ async def call(client: aiohttp.ClientSession, replica: GatewayReplica, method: s
         raise _failure(replica, exc) from None
 
 
-async def open_stream(client: aiohttp.ClientSession, replica: GatewayReplica, request: Request, path: str, body: bytes,
+async def open_stream(client: aiohttp.ClientSession, replica: GatewayReplica, request: Request, path: str, body: bytes | bytearray,
                       timeout: float, trace: dict | None = None) -> aiohttp.ClientResponse:
     """Start forwarding `request` with the `body` the gateway read to the replica's ASGI app at `path`. `timeout`
     bounds the wait for each response chunk. `trace`, when tracing is on: this hop's trace context headers, which
@@ -188,7 +188,7 @@ class Relay(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.whole:
-            return await self._send_whole(send)
+            return await self._send_whole(scope, receive, send)
 
         async def pump() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -237,14 +237,14 @@ class Relay(Response):
         finally:
             await self.close()
 
-    async def _send_whole(self, send: Send) -> None:
+    async def _send_whole(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             body = await self.upstream.read()
         except aiohttp.ClientError as exc:
             log.warning("upstream failed mid-response: %s: %s", type(exc).__name__, exc)
             await self.close()
             reply = error_response(502, "replica_failed", f"the replica failed mid-response ({type(exc).__name__}); retry the request")
-            return await reply({"type": "http"}, None, send)
+            return await reply(scope, receive, send)
         if self.meter is not None:
             self.meter.feed(body)
         await self.close()  # settled before the client has the reply, as for a stream

@@ -38,7 +38,7 @@ class Lease:
 
 @dataclass(eq=False)
 class Waiter:
-    future: asyncio.Future
+    future: "asyncio.Future[GatewayReplica]"
     since: float
     key: str | None  # affinity key: session id or prompt prefix
 
@@ -78,7 +78,7 @@ class FunctionQueue:
         self.dispatch()  # a slot may have opened without a release (a park or drain undone)
         self.on_demand()
         try:
-            replica = await asyncio.wait_for(asyncio.shield(waiter.future), self.wait_timeout)
+            granted_replica = await asyncio.wait_for(asyncio.shield(waiter.future), self.wait_timeout)
         except asyncio.TimeoutError:
             self._abandon(waiter)
             raise ApiError(503, "no_replica", f"no replica became ready within {self.wait_timeout:g} s",
@@ -87,7 +87,8 @@ class FunctionQueue:
             self._abandon(waiter)
             raise
         granted = time.monotonic()
-        return Lease(replica, self._cold_start(replica, waiter.since, granted), granted - now, time.time_ns())
+        return Lease(granted_replica, self._cold_start(granted_replica, waiter.since, granted), granted - now,
+                     time.time_ns())
 
     def try_acquire(self, key: str | None, avoid: frozenset[str]) -> Lease | None:
         """A slot on a replica other than `avoid`, now or never: the one retry after a replica failed."""

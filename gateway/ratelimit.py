@@ -135,8 +135,9 @@ def _tightest(quotas: list[Quota]) -> Quota | None:
 
 def _admission(scopes, tokens, lease, tats_before, tats_after, now, busy) -> Admission:
     """Judge one admit from per-scope state: tats_* map (scope, "rpm"|"tpm") -> tat; busy: scope -> live leases."""
-    waits = {}
-    requests, token_quotas = [], []
+    waits: dict[str, float] = {}  # denial reason -> seconds until it would be allowed
+    requests: list[Quota] = []
+    token_quotas: list[Quota] = []
     for scope in scopes:
         limits = scope.limits
         if limits.requests_per_minute:
@@ -158,7 +159,7 @@ def _admission(scopes, tokens, lease, tats_before, tats_after, now, busy) -> Adm
         if limits.tokens_per_minute:
             d = gcra(tats[scope.name, "tpm"], now, limits.tokens_per_minute, 0)
             token_quotas.append(Quota(limits.tokens_per_minute, d.remaining, d.reset))
-    reason = max(denied, key=denied.get, default="")
+    reason = max(denied, key=lambda r: denied[r], default="")
     return Admission(
         allowed=allowed,
         retry_after=denied.get(reason, 0.0),
@@ -215,7 +216,7 @@ class MemoryLimiter:
                 after[scope.name, "tpm"] = charge(before[scope.name, "tpm"], now, limits.tokens_per_minute, tokens)
             busy[scope.name] = len(self._live_leases(scope.name, now))
         admission = _admission(scopes, tokens, uuid.uuid4().hex, before, after, now, busy)
-        if admission.allowed:  # no await since reading the state: check and charge are one step
+        if admission.ticket is not None:  # allowed; no await since reading the state: check and charge are one step
             self.tats.update(after)
             for scope in scopes:
                 if scope.limits.max_concurrent:
@@ -377,8 +378,8 @@ def _duration(seconds: float) -> str:
     if seconds < 1:
         return f"{math.ceil(seconds * 1000)}ms"
     minutes, rest = divmod(seconds, 60)
-    rest = f"{rest:.3f}".rstrip("0").rstrip(".")
-    return f"{int(minutes)}m{rest}s" if minutes else f"{rest}s"
+    rest_text = f"{rest:.3f}".rstrip("0").rstrip(".")
+    return f"{int(minutes)}m{rest_text}s" if minutes else f"{rest_text}s"
 
 
 def headers(admission: Admission) -> dict[str, str]:

@@ -93,7 +93,7 @@ def raised(reply: Response) -> bool:
         return False
 
 
-async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: bytes, key: str | None,
+async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: bytes | bytearray, key: str | None,
                settle: Settlement, on_retry: Callable[[str], None]) -> tuple[Response, Lease]:
     """A function call: its slot and rate-limit charge are free again once the whole reply is here, or, for a
     generator's events, once the relayed stream ends. A call whose function raised runs again after the backoff
@@ -125,7 +125,7 @@ async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: by
     return reply, lease
 
 
-async def forward(request: Request, unit: Unit, target: Forward, body: bytes, key: str | None,
+async def forward(request: Request, unit: Unit, target: Forward, body: bytes | bytearray, key: str | None,
                   meter: UsageMeter | None, settle: Settlement,
                   on_retry: Callable[[str], None]) -> tuple[Response, Lease]:
     """To the app's ASGI endpoint, with the body the gateway read before it took the slot; the replica slot and

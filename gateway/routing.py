@@ -112,14 +112,14 @@ class Router:
                if r.state == HOT and not r.draining and r.in_flight < self.max_concurrency and r.id not in avoid]
         if hot:
             self.turn += 1
-            session = self.mode == "affinity" and key is not None and key.startswith(SESSION)
-            if session:
-                loads = self.sessions.loads(key, [r.id for r in hot])
+            session = key if self.mode == "affinity" and key is not None and key.startswith(SESSION) else None
+            if session is not None:
+                loads = self.sessions.loads(session, [r.id for r in hot])
             else:
                 loads = [ReplicaLoad(r.id, r.in_flight) for r in hot]
             chosen = choose(self.mode, key, loads, self.turn)
-            if session:
-                self.sessions.record(key, chosen)
+            if session is not None:
+                self.sessions.record(session, chosen)
             return self.replicas[chosen]
         parked = [r for r in self.replicas.values() if r.state == PARKED]
         if parked:

@@ -21,7 +21,7 @@ RETRY_AFTER_FAILURE = 30.0  # seconds before a failed unit is started again with
 def measured_start(replica: GatewayReplica) -> StartMeasured | None:
     """What a finished start tells the function's cost model: the tier it came from and its seconds end to end."""
     total_ms = replica.timings.get("total_ms")
-    return None if total_ms is None else StartMeasured(replica.tier, total_ms / 1000)
+    return StartMeasured(replica.tier, total_ms / 1000) if isinstance(total_ms, int | float) else None
 
 
 class Scaler:
@@ -73,9 +73,9 @@ class Scaler:
     def apply(self, deployment: Deployment, unit: Unit, action: Start | Wake | Park | Evict) -> None:
         if isinstance(action, Start):
             for _ in range(action.count):
-                replica = self.backend.new_replica(unit.app, unit.name)
-                unit.router.add(replica)
-                self._spawn(self._start(deployment, unit, replica))
+                new = self.backend.new_replica(unit.app, unit.name)
+                unit.router.add(new)
+                self._spawn(self._start(deployment, unit, new))
             return
         replica = unit.router.replicas.get(action.replica_id)
         if replica is None:
@@ -144,7 +144,8 @@ class Scaler:
                   for r in u.router.replicas.values() if r.state == PARKED and r.parked_at is not None}
         held = sum(r.parked_bytes for _, r in owners.values())
         budget = self.backend.parked_ram
-        for victim in parked_over_budget([(r.id, r.parked_bytes, r.parked_at) for _, r in owners.values()], budget):
+        holders = [(r.id, r.parked_bytes, r.parked_at) for _, r in owners.values() if r.parked_at is not None]
+        for victim in parked_over_budget(holders, budget):
             owner, evicted = owners[victim]
             reason = f"parked replicas hold {held} bytes of host RAM > budget {budget}: oldest parked goes"
             self._evict(owner, evicted, reason)

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Sequence
 
 import uvicorn
 
@@ -79,7 +80,8 @@ class _Server(uvicorn.Server):
         """uvicorn's, with the TLS handshake given `handshake_timeout` instead of asyncio's 60 s (uvicorn has no
         option for it): a client that connects and never completes the handshake is cut when a slow header is."""
         loop = asyncio.get_running_loop()
-        loop.create_server = functools.partial(loop.create_server, ssl_handshake_timeout=self.handshake_timeout)
+        loop.create_server = functools.partial(  # type: ignore[method-assign]  # uvicorn has no option for it
+            loop.create_server, ssl_handshake_timeout=self.handshake_timeout)
         try:
             await super().startup(sockets=sockets)
         finally:
@@ -124,7 +126,7 @@ def _limiter(redis_url: str | None):
 def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str | None = None,
           backend: str = "local", parked_ram: str | None = None, redis_url: str | None = None,
           routing: str = "affinity", watch: bool = True, openai_model: tuple[str, str] | None = None,
-          tls_names: list[str] = (), tls_cert: str | None = None, tls_key: str | None = None,
+          tls_names: Sequence[str] = (), tls_cert: str | None = None, tls_key: str | None = None,
           limits: ClientLimits | None = None) -> int:
     """`openai_model`: (name, "chat" or "embeddings") when the app serves a model's OpenAI API (ember serve --model):
     the banner then shows that API's curl and openai client line. `limits`: what one client may take (default: the
@@ -134,7 +136,7 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
     home = Home()
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("give --tls-cert and --tls-key together (the certificate and its private key)")
-    if tls_cert:
+    if tls_cert and tls_key:
         check_own_certificate(tls_cert, tls_key)
     with HomeLock(home) as lock:  # before anything in EMBER_HOME changes
         _logging(home)

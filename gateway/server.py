@@ -5,7 +5,8 @@ import asyncio
 import contextlib
 import posixpath
 import re
-from typing import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 from urllib.parse import unquote
 
 from fastapi import FastAPI, Request
@@ -89,7 +90,7 @@ def resolve(deployments: dict[str, Deployment], app_name: str, rest: str) -> tup
     return deployment.units[target.unit], target
 
 
-def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[None]]] = ()) -> FastAPI:
+def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> FastAPI:
     """The gateway's ASGI app; `background` tasks (ember serve's file watcher) run while it serves."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -199,7 +200,7 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Awaitable[Non
     def retried(unit: Unit):
         return lambda reason: gateway.metrics.retried(unit.app, unit.name, reason)
 
-    async def spawn(request: Request, unit: Unit, target: Call, body: bytes, affinity: str | None,
+    async def spawn(request: Request, unit: Unit, target: Call, body: bytes | bytearray, affinity: str | None,
                     settle: Settlement) -> Response:
         """Run the call in the background (it holds its rate-limit charge until it ends); 202 and its id now."""
         client = request.app.state.client

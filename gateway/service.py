@@ -9,11 +9,13 @@ from ember.gateway.app_limits import AppLimitStore
 from ember.gateway.calls import CallStore, SpawnedCalls
 from ember.gateway.client_limits import ClientLimits
 from ember.gateway.inflight import BodyBudget
+from ember.gateway.backends import Backend
 from ember.gateway.backends.local import LocalBackend
 from ember.gateway.deployment import Deployment
 from ember.gateway.keys import KeyStore
 from ember.gateway.lifecycle import HOT
 from ember.gateway.metrics import Metrics
+from ember.gateway.replica import GatewayReplica
 from ember.gateway.ratelimit import Limiter, MemoryLimiter
 from ember.gateway.replica import GatewayReplica
 from ember.gateway.routing import APP_NAME
@@ -41,12 +43,12 @@ GATEWAY_PATHS = {"admin", "calls", "dashboard", "docs", "healthz", "readyz", "me
 
 
 class Gateway:
-    def __init__(self, home: Home, backend: LocalBackend | None = None, limiter: Limiter | None = None,
+    def __init__(self, home: Home, backend: Backend | None = None, limiter: Limiter | None = None,
                  routing: str = "affinity", limits: ClientLimits | None = None):
         self.home = home
         self.keys = KeyStore(home.db)
         self.deployments: dict[str, Deployment] = {}
-        self.backend = backend or LocalBackend(home.logs)
+        self.backend: Backend = backend or LocalBackend(home.logs)
         self.metrics = Metrics()
         self.scaler = Scaler(self.backend, self.deployments, self.metrics.observe_start)
         self.app_limits = AppLimitStore(home.db)

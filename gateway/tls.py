@@ -3,6 +3,7 @@ import datetime
 import ipaddress
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -72,7 +73,7 @@ def machine_names() -> set[str]:
     names = {"localhost", socket.gethostname(), socket.getfqdn()}
     for name in list(names - {"localhost"}):
         try:
-            names |= {info[4][0] for info in socket.getaddrinfo(name, None)}
+            names |= {str(info[4][0]) for info in socket.getaddrinfo(name, None)}
         except OSError:
             pass
     return names | {a for a in (primary_address(),) if a}
@@ -144,12 +145,14 @@ def check_own_certificate(cert_path: str, key_path: str) -> None:
         raise CertificateError(f"--tls-cert {cert_path} with --tls-key {key_path} cannot be served: {exc}") from None
 
 
-def issue_server_cert(folder: Path, host: str, names: list[str] = ()) -> tuple[Path, Path]:
+def issue_server_cert(folder: Path, host: str, names: Sequence[str] = ()) -> tuple[Path, Path]:
     """A fresh server certificate for this run, valid for localhost, 127.0.0.1, ::1, this machine's names and
     addresses, `host` and `names` (--tls-name)."""
     ca_cert_path, ca_key_path = ensure_ca(folder)
     ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
     ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):  # ensure_ca makes an EC key
+        raise ValueError(f"{ca_key_path} is not the EC key Ember made: delete {folder} and serve again for a new CA")
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (

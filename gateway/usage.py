@@ -18,7 +18,8 @@ JSON_TAIL = 1 << 20  # a non-streamed reply's usage sits at its end; keep at mos
 def max_tokens(body: dict) -> int:
     value = body.get("max_completion_tokens") or body.get("max_tokens")
     count = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULT_MAX_TOKENS
-    return count * max(body.get("n") if isinstance(body.get("n"), int) else 1, 1)
+    n = body.get("n")
+    return count * max(n if isinstance(n, int) else 1, 1)
 
 
 def prompt_tokens(body: dict) -> int:

@@ -9,7 +9,7 @@ class BadCallBody(ValueError):
         self.status, self.type, self.message = status, type, message
 
 
-def keyword_arguments(body: bytes) -> dict:
+def keyword_arguments(body: bytes | bytearray) -> dict:
     """The arguments of a call's body (empty: none), or BadCallBody: 400 for JSON that does not parse (too deep
     included), 422 for JSON that is not an object."""
     try:

@@ -1,5 +1,6 @@
 """The cold-start ladder's tiers, and which one a replica start came from (a pure function of what the start did)."""
 import enum
+from collections.abc import Mapping
 
 
 class Tier(str, enum.Enum):
@@ -33,7 +34,7 @@ def start_tier(weights: str | None = None, pulled: bool = False) -> Tier:
     return Tier.NODE_WARM
 
 
-def breakdown_header(timings: dict[str, object]) -> str:
+def breakdown_header(timings: Mapping[str, object]) -> str:
     """X-Ember-Start-Breakdown: `key=value, ...`, each value kept to one header-safe token-ish string."""
     def clean(value: object) -> str:
         text = str(value).replace(",", ";").replace("\r", " ").replace("\n", " ")

@@ -82,7 +82,7 @@ def kpa_decide(
     zero_since = memo.zero_since
     if want == 0 and live > 0:
         zero_since = now if zero_since is None else zero_since
-        if now - zero_since < s.scaledown_window:
+        if now - zero_since < s.scaledown_for(parking=False):
             want = 1
     else:
         zero_since = None
@@ -119,7 +119,7 @@ def ray_decide(
     direction = (want > live) - (want < live)
     if direction == 0:
         return [], RayMemo()
-    since = memo.wanted_since if memo.direction == direction else now
+    since = memo.wanted_since if memo.direction == direction and memo.wanted_since is not None else now
     delay = RAY_UPSCALE_DELAY if direction > 0 else RAY_DOWNSCALE_DELAY
     if now - since < delay:
         return [], RayMemo(since, direction)

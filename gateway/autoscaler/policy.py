@@ -279,7 +279,7 @@ def decide(
     # Capacity is spare only if the peak of the hold window would still fit without it; that peak is of
     # the panic-window averages (noise in single samples is not demand), and no more than the raw peak
     # (a window with no requests at all needs no replica).
-    hold = spare_after if parking else scaledown
+    hold = spare_after if parking and spare_after is not None else scaledown
     raw_peak = max((x.concurrency for x in window(history, now, hold)), default=0)
     recent_peak = min(peak_average(history, now, hold, s.panic_window), raw_peak)
     if not have:

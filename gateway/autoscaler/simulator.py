@@ -200,7 +200,8 @@ class Simulation:
             elif kind == "ready":
                 self.ready(data, now)
             elif kind == "done":
-                self.done(*data, now)
+                replica_id, index = data
+                self.done(replica_id, index, now)
             else:
                 for fn in self.functions.values():
                     while fn.waiting and expired(now - self.trace[fn.waiting[0]].t, self.queue.timeout):

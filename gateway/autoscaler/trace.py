@@ -51,7 +51,8 @@ def tokens(rng: random.Random) -> tuple[int, int]:
 
 def poisson(rate: Callable[[float], float], peak: float, duration: float, rng: random.Random) -> list[Request]:
     """Arrivals at `rate(t)` req/s (never above `peak`) over [0, duration)."""
-    out, t = [], 0.0
+    out: list[Request] = []
+    t = 0.0
     while True:
         t += rng.expovariate(peak)
         if t >= duration:

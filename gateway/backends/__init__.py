@@ -5,11 +5,12 @@ from typing import Protocol
 
 from ember.gateway.replica import GatewayReplica
 from ember.runtime.supervisor import GpuPool
+from ember.runtime.tiers import Tier
 from ember.spec import FunctionSpec
 
 
 class Backend(Protocol):
-    tier: str  # the cold-start tier a fresh replica comes from
+    tier: Tier  # the cold-start tier a fresh replica comes from
     can_park: bool  # whether `park` and `wake` may be called
     parked_ram: int  # bytes of host RAM parked replicas may hold together
     gpus: GpuPool | None  # this machine's GPUs, when the backend hands them out here
@@ -40,6 +41,10 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """After the replicas were stopped: release what the backend itself holds (fork servers, clients)."""
+        ...
+
+    def prepare(self, app: str, package: Path) -> None:
+        """Warm what the app's replicas start from on this machine (its fork servers), ahead of the first one."""
         ...
 
     def prepared(self, app: str) -> dict | None:

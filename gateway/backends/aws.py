@@ -130,13 +130,13 @@ class AwsBackend:
         deadline = began + self.settings.start_timeout
         while True:
             item = await self._item(replica)
-            state = item.get("state") if item else "stopped"
-            if state == "ready":
+            state = str(item.get("state")) if item is not None else "stopped"
+            if item is not None and state == "ready":
                 break
-            if state in ("failed", "stopped") or time.monotonic() > deadline:
+            if item is None or state in ("failed", "stopped") or time.monotonic() > deadline:
                 if replica.state != STOPPING:  # a replica the gateway stopped meanwhile did not fail
-                    replica.fail(item.get("error") if item and state == "failed"
-                                 else await self._why_not_started(replica, state))
+                    error = item.get("error") if item is not None and state == "failed" else None
+                    replica.fail(error or await self._why_not_started(replica, state))
                 await self._forget(replica)
                 return
             replica.note = f"assignment {state}" + (f" on node {item['node_id']}" if item.get("node_id") else ": waiting for a node")
