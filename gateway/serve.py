@@ -80,8 +80,11 @@ class _Server(uvicorn.Server):
         """uvicorn's, with the TLS handshake given `handshake_timeout` instead of asyncio's 60 s (uvicorn has no
         option for it): a client that connects and never completes the handshake is cut when a slow header is."""
         loop = asyncio.get_running_loop()
-        loop.create_server = functools.partial(  # type: ignore[method-assign]  # uvicorn has no option for it
-            loop.create_server, ssl_handshake_timeout=self.handshake_timeout)
+        try:
+            loop.create_server = functools.partial(  # type: ignore[method-assign]  # uvicorn has no option for it
+                loop.create_server, ssl_handshake_timeout=self.handshake_timeout)
+        except AttributeError:  # uvloop's loop takes no attributes: its own 60 s handshake timeout stays
+            return await super().startup(sockets=sockets)
         try:
             await super().startup(sockets=sockets)
         finally:
@@ -182,11 +185,10 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
         lock.record(url)
         # On stop, in-flight calls get GRACE seconds, then a JSON 503 (the gateway cuts them); uvicorn's own
         # deadline, a little later, only closes what is left once those replies are written. h11, whose header
-        # buffer is capped at the gateway's header limit; connections guarded (gateway/connections.py). asyncio's
-        # loop, also where uvloop is installed: _Server sets the TLS handshake timeout on it.
+        # buffer is capped at the gateway's header limit; connections guarded (gateway/connections.py).
         background = [watcher.run] if watcher else []
         config = uvicorn.Config(create_app(gateway, background), ssl_certfile=str(cert), ssl_keyfile=str(key),
-                                log_level="warning", timeout_graceful_shutdown=GRACE + 2, loop="asyncio",
+                                log_level="warning", timeout_graceful_shutdown=GRACE + 2,
                                 http=connections.protocol(limits.max_connections, limits.header_timeout),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         cli_key_id = None
