@@ -2,7 +2,8 @@
 replica slot, so a slow upload holds memory and a connection, never a replica; the bodies held together stay under
 one budget (Envoy's overload manager, in one number). A body is admitted into the budget before it is read (by its
 Content-Length; a chunked one as it grows); when the budget is full its request waits, first come first served, its
-body left unread so the client's sending pauses (TCP backpressure), and is refused with 503 only after BUDGET_WAIT (or the body timeout, if shorter)."""
+body left unread so the client's sending pauses (TCP backpressure), and is refused with 503 only after BUDGET_WAIT
+(or the body timeout, if shorter)."""
 import asyncio
 from collections import deque
 
