@@ -24,7 +24,7 @@ NOT_FOUND = json.dumps({"error": {"type": "not_found", "message": "this upstream
 
 async def openai_upstream(scope, receive, send):
     if scope["type"] == "lifespan":
-        while (message := await receive())["type"] != "lifespan.shutdown":
+        while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return

@@ -256,7 +256,7 @@ async def slow_headers(gateway: Gateway, count: int) -> Row:
                 try:
                     if await asyncio.wait_for(reader.read(1), 0.5) == b"":
                         break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
             else:
                 return

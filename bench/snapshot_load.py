@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ember.snapshot.format import ALIGN
 from ember.snapshot import loader
+from ember.snapshot.format import ALIGN
 from ember.snapshot.loader import LoadReport, load
 from ember.snapshot.store import FileSource, LocalStore, staging_path
 from ember.snapshot.writer import write_safetensors
@@ -72,7 +72,7 @@ def write_model(folder: Path, size_gb: float, device: str, tiny: bool) -> Path:
     path = folder / "model.safetensors"
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
-        for name, shape in shapes:
+        for _, shape in shapes:
             t = torch.randn(shape, device=device, dtype=torch.float32).to(torch.bfloat16) * 0.02
             f.write(memoryview(t.cpu().view(-1).view(torch.uint8).numpy()))
     return path

@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import torch
+from snapshot_load import RESULTS, machine, read_file, release, write_model
 
 from ember.snapshot import cudart, loader
 from ember.snapshot.hostbuffer import HostBuffer
 from ember.snapshot.store import FileSource, LocalStore, staging_path
 from ember.snapshot.writer import write_safetensors
-from snapshot_load import RESULTS, machine, read_file, release, write_model
 
 KEEP: list = []  # buffers of the raw reads stay mapped until the run ends
 

@@ -2,7 +2,8 @@
 import inspect
 import re
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from typing_extensions import Unpack
 
@@ -35,7 +36,7 @@ class App:
             raise SpecError(f"app name {name!r} must be 1-63 lower-case letters, digits, '-' or '_', starting with a "
                             f"letter or digit (it is the first part of every URL); e.g. ember.App({hint!r})")
         self.name = name
-        self.units: dict[str, "Function | Cls"] = {}
+        self.units: dict[str, Function | Cls] = {}
         try:
             self.requirements = check_requirements(list(requirements or []))
         except ValueError as exc:

@@ -1,5 +1,5 @@
 """Lifecycle markers for methods of an @app.cls class: enter, exit, park, wake, method, asgi_app."""
-from typing import Callable
+from collections.abc import Callable
 
 ENTER = "__ember_enter__"  # value: snap flag
 EXIT = "__ember_exit__"

@@ -10,18 +10,17 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field, model_validator
 
+from ember.gateway.auth import authenticate
+from ember.gateway.errors import ApiError, UnknownField
 from ember.gateway.keys import check_scopes
 from ember.gateway.lifecycle import LIVE, ReplicaState
-from ember.package import PackageError
-from ember.runtime.environments import InstallError
 from ember.gateway.ratelimit import Limits
 from ember.gateway.routing import APP_NAME
 from ember.gateway.secret_files import MissingSecret, SecretError
 from ember.gateway.service import DeployFailed
 from ember.gateway.versions import VersionError
-
-from ember.gateway.auth import authenticate
-from ember.gateway.errors import ApiError, UnknownField
+from ember.package import PackageError
+from ember.runtime.environments import InstallError
 
 if TYPE_CHECKING:
     from ember.gateway.service import Gateway

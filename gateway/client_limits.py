@@ -2,8 +2,9 @@
 at once, time to send a body, and the request-body bytes held across all requests. Each is an `ember serve` flag, else
 an environment variable, else a default; a bad value is refused naming where it came from and what would do."""
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ember.gateway.backends.local import parse_size
 

@@ -43,7 +43,7 @@ class Guard:
         self.cap, self.header_timeout = cap, header_timeout
         self.open = 0
         self.peak = 0  # most connections at once since memory was last handed back
-        self.waiting: dict["GuardedH11", None] = {}  # insertion-ordered: the first waited longest
+        self.waiting: dict[GuardedH11, None] = {}  # insertion-ordered: the first waited longest
         self.evicted = self.timed_out = 0  # counts, for the log and bench/hostile.py
 
     def storm_over(self) -> None:

@@ -21,8 +21,8 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Redirect
 from ember.gateway.deployment import Unit
 from ember.gateway.errors import ApiError
 from ember.gateway.keys import ApiKey
-from ember.gateway.metrics import DURATION_BUCKETS
 from ember.gateway.lifecycle import HOT, PARKED, STARTING
+from ember.gateway.metrics import DURATION_BUCKETS
 
 if TYPE_CHECKING:
     from ember.gateway.service import Gateway

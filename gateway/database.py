@@ -5,8 +5,8 @@ import contextlib
 import errno
 import os
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 BUSY_TIMEOUT = 5.0  # seconds to wait for another process's lock before answering 503
 

@@ -1,8 +1,8 @@
 """A deployed app: its package and, per function or class, the spec, queue and scaling record."""
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ember.gateway.autoscaler.costs import CostModel, Measured
 from ember.gateway.autoscaler.policy import Evict, Park, PolicyMemo, Sample, ScalingSettings, Start, Wake

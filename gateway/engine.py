@@ -96,7 +96,7 @@ class EngineSeries:
                 if reply.status != 200 or not reply.content_type.startswith("text/plain"):
                     return  # an ASGI app that is not an engine, or has no /metrics
                 text = await reply.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+        except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
             return  # a busy or stopping replica: its last scrape stands
         kinds, values = parse(text)
         if values:

@@ -6,8 +6,8 @@ from collections import Counter, defaultdict, deque
 
 from ember.gateway.deployment import Deployment
 from ember.gateway.engine import EngineSeries, escape
-from ember.gateway.queue import ColdStart
 from ember.gateway.lifecycle import LIVE, ReplicaState
+from ember.gateway.queue import ColdStart
 from ember.runtime import logs
 from ember.runtime.engine.stats import Histogram
 

@@ -4,7 +4,7 @@ The upstream URL is always http://{replica address}{path}: nothing the client se
 import asyncio
 import json
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import anyio
@@ -132,7 +132,7 @@ async def call(client: aiohttp.ClientSession, replica: GatewayReplica, method: s
         finally:
             if not stream:
                 reply.release()
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise _timeout(timeout) from None
     except aiohttp.ClientError as exc:
         raise _failure(replica, exc) from None
@@ -152,7 +152,7 @@ async def open_stream(client: aiohttp.ClientSession, replica: GatewayReplica, re
             data=HeldBody(body) if body or request.method not in ("GET", "HEAD", "OPTIONS", "DELETE") else None,
             allow_redirects=False, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=timeout),
         )
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise _timeout(timeout) from None
     except aiohttp.ClientError as exc:
         raise _failure(replica, exc) from None

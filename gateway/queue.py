@@ -3,8 +3,8 @@ is the router's choice (gateway/routing.py); what state it is in, the replica's 
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ember.gateway.autoscaler.admission import Reject, admit
 from ember.gateway.errors import ApiError
@@ -79,7 +79,7 @@ class FunctionQueue:
         self.on_demand()
         try:
             granted_replica = await asyncio.wait_for(asyncio.shield(waiter.future), self.wait_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._abandon(waiter)
             raise ApiError(503, "no_replica", f"no replica became ready within {self.wait_timeout:g} s",
                            {"Retry-After": "5"}) from None

@@ -1,7 +1,6 @@
 """Where a request goes: which unit a path under /{app}/ reaches (a declared function or method, else the
 app's ASGI endpoint), and which of that unit's replicas serves it (`Router.pick`: the choice among hot replicas
 with a free slot is `choose`, a pure function of the --routing mode)."""
-import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING

@@ -3,7 +3,7 @@ state changes are the replica's own moves (gateway/replica.py); this loop decide
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ember.gateway.autoscaler.costs import ParkMeasured, StartMeasured
 from ember.gateway.autoscaler.policy import Evict, Park, ReplicaView, Sample, Start, Wake, decide
@@ -40,7 +40,7 @@ class Scaler:
         while True:
             try:
                 await asyncio.wait_for(self._poke.wait(), INTERVAL)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._poke.clear()
             for deployment in list(self.deployments.values()):

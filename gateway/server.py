@@ -17,8 +17,8 @@ from starlette.routing import Route
 from ember.gateway import dashboard, errors, openapi, proxy, retry, spans
 from ember.gateway.admin import admin_router
 from ember.gateway.auth import authenticate, authorize
-from ember.gateway.calls import calls_router, wants_spawn
 from ember.gateway.body import read_forward, read_kwargs, session_id
+from ember.gateway.calls import calls_router, wants_spawn
 from ember.gateway.deployment import Deployment, Unit
 from ember.gateway.errors import ApiError
 from ember.gateway.header_limit import HeaderLimit

@@ -6,16 +6,15 @@ import time
 from pathlib import Path
 
 from ember.gateway.app_limits import AppLimitStore
-from ember.gateway.calls import CallStore, SpawnedCalls
-from ember.gateway.client_limits import ClientLimits
-from ember.gateway.inflight import BodyBudget
 from ember.gateway.backends import Backend
 from ember.gateway.backends.local import LocalBackend
+from ember.gateway.calls import CallStore, SpawnedCalls
+from ember.gateway.client_limits import ClientLimits
 from ember.gateway.deployment import Deployment
+from ember.gateway.inflight import BodyBudget
 from ember.gateway.keys import KeyStore
 from ember.gateway.lifecycle import HOT
 from ember.gateway.metrics import Metrics
-from ember.gateway.replica import GatewayReplica
 from ember.gateway.ratelimit import Limiter, MemoryLimiter
 from ember.gateway.replica import GatewayReplica
 from ember.gateway.routing import APP_NAME

@@ -31,7 +31,7 @@ def ensure_ca(folder: Path) -> tuple[Path, Path]:
     if cert_path.exists() and key_path.exists():
         return cert_path, key_path
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name("Ember local CA"))
@@ -133,7 +133,7 @@ def check_own_certificate(cert_path: str, key_path: str) -> None:
     if cert.public_key().public_bytes(*raw) != key.public_key().public_bytes(*raw):
         raise CertificateError(f"--tls-key {key_path} is not the key of --tls-cert {cert_path}; give the pair "
                                "issued together")
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     if cert.not_valid_after_utc < now:
         raise CertificateError(f"--tls-cert {cert_path} expired on {cert.not_valid_after_utc:%Y-%m-%d}; renew it")
     if cert.not_valid_before_utc > now:
@@ -154,7 +154,7 @@ def issue_server_cert(folder: Path, host: str, names: Sequence[str] = ()) -> tup
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):  # ensure_ca makes an EC key
         raise ValueError(f"{ca_key_path} is not the EC key Ember made: delete {folder} and serve again for a new CA")
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name("Ember gateway"))

@@ -3,8 +3,9 @@ packages in S3, stored content-addressed at packages/<sha256>.pkg and checked ag
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from botocore.exceptions import ClientError
 

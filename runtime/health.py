@@ -2,7 +2,7 @@
 call that overran its timeout in a thread nothing can stop) says so here once; the worker then reports itself
 unhealthy and exits, and the gateway's autoscaler starts a fresh replica in its place."""
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 _lock = threading.Lock()
 _listeners: list[Callable[[str], None]] = []

@@ -279,7 +279,7 @@ class Supervisor:
         worker.process = process
         try:
             line = await asyncio.wait_for(stdout.readline(), START_TIMEOUT)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             line = json.dumps({"event": "failed", "phase": "enter",
                                "error": f"no ready signal within {START_TIMEOUT:g} s"}).encode()
             process.kill()
@@ -409,7 +409,7 @@ class Supervisor:
         try:
             line = await asyncio.wait_for(stdout.readline(), START_TIMEOUT)
             message = json.loads(line) if line.strip() else {}
-        except (asyncio.TimeoutError, ValueError):
+        except (TimeoutError, ValueError):
             message = {}
         if message.get("event") == "ready":
             server.import_ms = message["import_ms"]
@@ -470,7 +470,7 @@ class Supervisor:
         process.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(process.wait(), grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             process.kill()
             await process.wait()
         await self.gpus.release(worker)

@@ -3,7 +3,7 @@ import enum
 from collections.abc import Mapping
 
 
-class Tier(str, enum.Enum):
+class Tier(enum.StrEnum):
     """Where a replica came back from, fastest first (the names docs/design.md's ladder uses, on the wire and in metrics)."""
 
     HOT = "hot"  # T0: a running replica; nothing to do
@@ -15,9 +15,6 @@ class Tier(str, enum.Enum):
     @property
     def rung(self) -> str:
         return f"T{list(Tier).index(self)}"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def start_tier(weights: str | None = None, pulled: bool = False) -> Tier:

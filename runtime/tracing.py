@@ -9,7 +9,8 @@ attribute read per hop; the SDK (absent on GPU nodes that carry only the API) is
 """
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the worker imports this module before anything heavy
     from opentelemetry.sdk.trace import TracerProvider

@@ -25,13 +25,13 @@ import socket  # noqa: E402
 import stat  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
 from ember.runtime import health, logs, startup, tracing  # noqa: E402
-from ember.runtime.generators import EventStream, ValueSource, is_generator  # noqa: E402
 from ember.runtime.call_body import BadCallBody, keyword_arguments  # noqa: E402
+from ember.runtime.generators import EventStream, ValueSource, is_generator  # noqa: E402
 
 
 class ControlChannel:

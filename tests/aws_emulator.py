@@ -3,7 +3,7 @@ import contextlib
 import socket
 import subprocess
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 
 def free_port() -> int:

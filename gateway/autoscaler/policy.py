@@ -19,8 +19,8 @@ reason shown in `ember status`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from ember.gateway.lifecycle import HOT, LIVE, PARKED, STARTING, ReplicaState
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ember.gateway.lifecycle import HOT, PARKED, STARTING, ReplicaState
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 
 @dataclass(frozen=True)

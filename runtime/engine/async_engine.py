@@ -15,8 +15,8 @@ import logging
 import queue
 import threading
 import uuid
-from dataclasses import dataclass, replace
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ember.runtime import health, tracing

@@ -4,8 +4,8 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 

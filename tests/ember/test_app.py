@@ -69,7 +69,7 @@ def test_local_calls_and_errors():
     assert model.predict.local("hi") == "HI" and model.predict.local(text="x") == "X"
     assert calls == ["load", "connect"]  # enter hooks ran once for the handle
     with pytest.raises(AttributeError, match="Model has no @ember.method\\(\\) named 'nope'"):
-        model.nope
+        _ = model.nope
     with pytest.raises(ember.SpecError, match="already has a function or class named 'double'"):
         app.function()(double.fn)
 

@@ -1,6 +1,6 @@
 """An app's ASGI endpoint behind the gateway: any path that is not a declared method, SSE streamed through."""
-from pathlib import Path
 import time
+from pathlib import Path
 
 APPS = Path(__file__).parent / "apps"
 

@@ -32,7 +32,7 @@ async def slow_header_client(host: str, port: int, tls: ssl.SSLContext, opened: 
             try:
                 if await asyncio.wait_for(reader.read(1), 0.5) == b"":
                     return time.monotonic() - began
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
     except (ConnectionError, ssl.SSLError):
         return time.monotonic() - began
@@ -122,7 +122,7 @@ def test_connections_that_never_finish_the_tls_handshake_are_closed_within_the_h
             await asyncio.wait_for(reader.read(), 20)
         except ConnectionError:
             pass
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         finally:
             writer.close()

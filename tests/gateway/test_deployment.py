@@ -1,6 +1,6 @@
 """Decorator scaling knobs reach the policy's settings; the ones left out get the policy's defaults."""
-from ember.gateway.autoscaler.policy import IDLE_HOLD, PARKED_HOLD, ScalingSettings
 from ember.gateway.autoscaler.costs import CostModel
+from ember.gateway.autoscaler.policy import IDLE_HOLD, PARKED_HOLD, ScalingSettings
 from ember.gateway.deployment import scaling_settings
 from ember.spec import build_spec
 

@@ -4,7 +4,18 @@ from pathlib import Path
 
 import pytest
 
-from ember.gateway.lifecycle import FAILED, HOT, LIVE, MOVES, PARKED, STARTING, STOPPING, IllegalTransition, ReplicaState, after
+from ember.gateway.lifecycle import (
+    FAILED,
+    HOT,
+    LIVE,
+    MOVES,
+    PARKED,
+    STARTING,
+    STOPPING,
+    IllegalTransition,
+    ReplicaState,
+    after,
+)
 from ember.gateway.replica import GatewayReplica
 
 

@@ -2,8 +2,8 @@
 passed back, a reply cut mid-body, and an upload over the body limit."""
 import textwrap
 
-from ember.gateway.proxy import WHOLE_BODY
 from ember.gateway.body import MAX_BODY
+from ember.gateway.proxy import WHOLE_BODY
 
 APP = textwrap.dedent('''
     import ember

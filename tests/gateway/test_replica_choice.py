@@ -25,7 +25,7 @@ def _hot(served, unit: str, n: int, app: str = "fleet") -> list[dict]:
 
 def _replicas_by_session(http, sessions: int, turns: int) -> dict[str, list[str]]:
     seen: dict[str, list[str]] = {}
-    for turn in range(turns):
+    for _ in range(turns):
         for s in range(sessions):
             reply = http.post("/fleet/where", json={}, headers={"X-Session-ID": f"user-{s}"})
             assert reply.status_code == 200, reply.text

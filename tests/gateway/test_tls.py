@@ -75,7 +75,7 @@ def test_serving_every_interface_prints_a_reachable_url_the_certificate_covers(s
 
 def _own_pair(folder: Path, name: str, days: int = 30, start_days: int = -1) -> tuple[Path, Path, Path]:
     """A CA of our own and a certificate it signed for `name` (the way an organisation's CA issues one)."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Test Org CA")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())

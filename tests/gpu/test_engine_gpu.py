@@ -12,7 +12,8 @@ import torch
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.sampling import SamplingParams
-from tests.gpu.trained import FIRST_ID, prompts as task_prompts, train
+from tests.gpu.trained import FIRST_ID, train
+from tests.gpu.trained import prompts as task_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -24,8 +25,7 @@ _COMMON = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, nu
 
 
 def _families():
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
     return {
         "llama": (LlamaConfig, LlamaForCausalLM, dict(rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -195,7 +195,7 @@ def compare_engines(family, label: str, first: LLMEngine, make_second) -> None:
     worst = max(abs(a[0]["logprob"] - b[0]["logprob"]) for a, b in zip(fi_lp, sd_lp)
                 if a[0]["token_id"] == b[0]["token_id"])
     divergences = 0
-    for fo, so, fl, sl in zip(fi_out, sd_out, fi_lp, sd_lp):
+    for fo, so, fl, _ in zip(fi_out, sd_out, fi_lp, sd_lp):
         i = next((i for i, (x, y) in enumerate(zip(fo, so)) if x != y), None)
         if i is None:
             continue

@@ -1,6 +1,5 @@
 """The local content-addressed store, and how it handles corrupt and truncated snapshots."""
 import os
-
 from pathlib import Path
 
 import pytest

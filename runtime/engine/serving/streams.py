@@ -2,8 +2,8 @@
 
 import asyncio
 import json
-from contextlib import aclosing
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
 

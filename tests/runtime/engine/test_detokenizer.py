@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ember.runtime.engine.detokenizer import Detokenizer, partial_stop_len
 from ember.runtime.engine.tiny import train_tokenizer

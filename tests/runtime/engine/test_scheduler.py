@@ -6,7 +6,8 @@ sequence gets one token); the second drives the real LLMEngine on a tiny model.
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ember.runtime.engine.block_manager import BlockManager
 from ember.runtime.engine.config import EngineConfig
