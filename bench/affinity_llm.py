@@ -5,9 +5,10 @@
 Starts `ember serve bench/affinity_llm_app.py` (the chat example's engine, a tiny random-weight Qwen3, with
 --replicas warm replicas) once with `--routing affinity` and once with `--routing round-robin`, runs the same
 multi-turn workload through each (every turn resends the growing history, with X-Session-ID), then reads
-`ember:prefix_cache_hits` / `ember:prefix_cache_queries` from each replica's /metrics. Prints a table; with --record writes
-bench/results/affinity_llm.{md,json} with the machine.
+`ember:prefix_cache_hits` / `ember:prefix_cache_queries` from each replica's /metrics. Prints a table; with
+--record writes bench/results/affinity_llm.{md,json} with the machine.
 """
+
 import argparse
 import concurrent.futures
 import json
@@ -84,15 +85,20 @@ def _conversation(http: httpx.Client, c: int, turns: int, max_tokens: int) -> li
     for t in range(turns):
         messages.append({"role": "user", "content": f"Turn {t}: tell me about the {WORDS[(c * 7 + t) % len(WORDS)]}."})
         began = time.monotonic()
-        reply = http.post("/chat/v1/chat/completions", headers={"X-Session-ID": f"conversation-{c}"},
-                          json={"model": "tiny-qwen3", "messages": messages, "max_tokens": max_tokens, "seed": c * 100 + t})
+        reply = http.post(
+            "/chat/v1/chat/completions",
+            headers={"X-Session-ID": f"conversation-{c}"},
+            json={"model": "tiny-qwen3", "messages": messages, "max_tokens": max_tokens, "seed": c * 100 + t},
+        )
         latencies.append(time.monotonic() - began)
         reply.raise_for_status()
         messages.append({"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]})
     return latencies
 
 
-def measure(mode: str, home: Path, replicas: int, conversations: int, turns: int, parallel: int, max_tokens: int) -> dict:
+def measure(
+    mode: str, home: Path, replicas: int, conversations: int, turns: int, parallel: int, max_tokens: int
+) -> dict:
     """One gateway in `mode`, the workload through it, and the engines' prefix-cache counts."""
     process, url = _start(home, mode, replicas)
     try:
@@ -101,12 +107,18 @@ def measure(mode: str, home: Path, replicas: int, conversations: int, turns: int
         verify = ssl.create_default_context(cafile=str(home / "tls" / "ca.pem"))
         admin_key = (home / "cli.key").read_text().strip()
         user_key = KeyStore(home / "ember.db").create(f"bench-{mode}")[1]
-        with httpx.Client(base_url=url, verify=verify, headers={"Authorization": f"Bearer {admin_key}"}, timeout=60) as admin:
+        with httpx.Client(
+            base_url=url, verify=verify, headers={"Authorization": f"Bearer {admin_key}"}, timeout=60
+        ) as admin:
             hot = _hot_replicas(admin, replicas)
         before = _cache_counts(hot)
         began = time.monotonic()
-        with httpx.Client(base_url=url, verify=verify, headers={"Authorization": f"Bearer {user_key}"}, timeout=300) as http, \
-                concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        with (
+            httpx.Client(
+                base_url=url, verify=verify, headers={"Authorization": f"Bearer {user_key}"}, timeout=300
+            ) as http,
+            concurrent.futures.ThreadPoolExecutor(parallel) as pool,
+        ):
             latencies = sum(pool.map(lambda c: _conversation(http, c, turns, max_tokens), range(conversations)), [])
         wall = time.monotonic() - began
         after = _cache_counts(hot)
@@ -114,16 +126,27 @@ def measure(mode: str, home: Path, replicas: int, conversations: int, turns: int
         _stop(process)
     hits = sum(after[r][0] - before[r][0] for r in after)
     queries = sum(after[r][1] - before[r][1] for r in after)
-    return {"mode": mode, "requests": len(latencies), "prompt_tokens": int(queries), "cached_tokens": int(hits),
-            "hit_rate": round(hits / queries, 4) if queries else 0.0, "wall_s": round(wall, 2),
-            "mean_latency_ms": round(1000 * sum(latencies) / len(latencies), 1),
-            "per_replica_hit_rate": {r: round((after[r][0] - before[r][0]) / max(after[r][1] - before[r][1], 1), 4) for r in after}}
+    return {
+        "mode": mode,
+        "requests": len(latencies),
+        "prompt_tokens": int(queries),
+        "cached_tokens": int(hits),
+        "hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "wall_s": round(wall, 2),
+        "mean_latency_ms": round(1000 * sum(latencies) / len(latencies), 1),
+        "per_replica_hit_rate": {
+            r: round((after[r][0] - before[r][0]) / max(after[r][1] - before[r][1], 1), 4) for r in after
+        },
+    }
 
 
 def compare(home: Path, replicas: int, conversations: int, turns: int, parallel: int, max_tokens: int) -> list[dict]:
     rows = []
     for mode in MODES:
-        print(f"running {conversations} conversations x {turns} turns over {replicas} replicas, routing {mode} ...", flush=True)
+        print(
+            f"running {conversations} conversations x {turns} turns over {replicas} replicas, routing {mode} ...",
+            flush=True,
+        )
         rows.append(measure(mode, home, replicas, conversations, turns, parallel, max_tokens))
     return rows
 
@@ -159,11 +182,14 @@ def main() -> None:
     Path(args.out + ".json").write_text(json.dumps(result, indent=2) + "\n")
     Path(args.out + ".md").write_text(
         "# Prefix-cache hits: session affinity vs round robin\n\n"
-        f"`python bench/affinity_llm.py --replicas {args.replicas} --conversations {args.conversations} --turns {args.turns} "
+        f"`python bench/affinity_llm.py --replicas {args.replicas} --conversations {args.conversations} "
+        f"--turns {args.turns} "
         f"--parallel {args.parallel} --max-tokens {args.max_tokens}`, measured {result['measured']}.\n\n"
-        "Each conversation resends its growing history every turn with `X-Session-ID`; hit rate = prompt tokens found in "
+        "Each conversation resends its growing history every turn with `X-Session-ID`; "
+        "hit rate = prompt tokens found in "
         "the engines' prefix caches / prompt tokens looked up, summed over replicas (`ember:prefix_cache_*`).\n\n"
-        f"{table}\n\nMachine: {json.dumps(machine)}\n")
+        f"{table}\n\nMachine: {json.dumps(machine)}\n"
+    )
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ rendezvous at several epsilons, in one run.
 For each strategy: the share of sessions that move when a 5th replica joins 4 (ideal
 1/5) or when one of 4 leaves (ideal: only its own); the peak/mean load over uniform
 sessions and over a Zipf-skewed request stream (hot sessions, the case the bound is
-for; each request adds one unit of load and none completes, the worst case); the share of a session's requests that reach its usual replica (a proxy for
-prefix-cache hits); and the cost of one pick. Prints a table; with --record writes
-bench/results/affinity_movement.{md,json} with the machine.
+for; each request adds one unit of load and none completes, the worst case); the share of a session's
+requests that reach its usual replica (a proxy for prefix-cache hits); and the cost of one pick. Prints a table;
+with --record writes bench/results/affinity_movement.{md,json} with the machine.
 """
 
 import argparse

@@ -19,7 +19,9 @@ COMPLETION = json.dumps({
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "pong"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10},
 }).encode()
-NOT_FOUND = json.dumps({"error": {"type": "not_found", "message": "this upstream serves POST /v1/chat/completions only"}}).encode()
+NOT_FOUND = json.dumps(
+    {"error": {"type": "not_found", "message": "this upstream serves POST /v1/chat/completions only"}}
+).encode()
 
 
 async def openai_upstream(scope, receive, send):
@@ -39,7 +41,9 @@ async def openai_upstream(scope, receive, send):
 
 
 # One replica for the whole run, never parked or stopped: every row reaches the same process.
-@app.cls(min_replicas=1, max_replicas=1, max_concurrency=1024, target_concurrency=1024, scaledown_window=3600, timeout=30)
+@app.cls(
+    min_replicas=1, max_replicas=1, max_concurrency=1024, target_concurrency=1024, scaledown_window=3600, timeout=30
+)
 class Upstream:
     @ember.asgi_app()
     def web(self):

@@ -366,26 +366,35 @@ async def kill_mid_call(gateway: Gateway, rounds: int) -> Row:
         await asyncio.sleep(1)
     ran = invocations(gateway.log, "victim")
     row.duplicated = sum(1 for n in range(rounds) if ran[str(n)] > 1)
-    row.outcome = f"replies {dict(statuses)} (502 = replica_failed, not retried); invocations per call {sorted(ran.values())}"
+    row.outcome = (
+        f"replies {dict(statuses)} (502 = replica_failed, not retried); invocations per call {sorted(ran.values())}"
+    )
     return row
 
 
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {platform.system()} {platform.release()}"
+    )
 
 
 def markdown(rows: list[Row], args) -> str:
-    lines = ["# Hostile clients, faults and load against one `ember serve`", "",
-             f"Machine: {machine()}. Command: `python bench/hostile.py {' '.join(sys.argv[1:])}`. "
-             "Gateway: header timeout 5 s (also the TLS handshake's), connection cap 1,000, body budget 256 MiB, body "
-             "timeout 60 s. "
-             "Lost: requests that should have been answered and were not (or, for load, not with 200). "
-             "Duplicated: calls whose function ran more than once. RSS and fds are the gateway process's: "
-             "before / peak during / 1 s after.", "",
-             "| scenario | sent | faults | lost | duplicated | normal client ms (p50 / max) | gateway RSS MiB | gateway fds | outcome |",
-             "|---|---:|---:|---:|---:|---|---|---|---|"]
+    lines = [
+        "# Hostile clients, faults and load against one `ember serve`",
+        "",
+        f"Machine: {machine()}. Command: `python bench/hostile.py {' '.join(sys.argv[1:])}`. "
+        "Gateway: header timeout 5 s (also the TLS handshake's), connection cap 1,000, body budget 256 MiB, body "
+        "timeout 60 s. "
+        "Lost: requests that should have been answered and were not (or, for load, not with 200). "
+        "Duplicated: calls whose function ran more than once. RSS and fds are the gateway process's: "
+        "before / peak during / 1 s after.",
+        "",
+        "| scenario | sent | faults | lost | duplicated | normal client ms (p50 / max) | gateway RSS MiB "
+        "| gateway fds | outcome |",
+        "|---|---:|---:|---:|---:|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(f"| {r.scenario} | {r.sent} | {r.faults} | {r.lost} | {r.duplicated} | {r.normal_ms} | "
                      f"{' / '.join(map(str, r.rss_mib))} | {' / '.join(map(str, r.fds))} | {r.outcome} |")

@@ -9,8 +9,10 @@ with buffered reads in place of O_DIRECT (cold).
 Models are random bf16 tensors with Llama-2-7B names and shapes (hidden 4096, MLP 11008,
 vocab 32000), as many layers as the size needs; each is written as model.safetensors plus
 config.json, then built into a snapshot with the code `ember snapshot build` runs.
-With --record writes bench/results/snapshot_load.{json,md} (after every measurement, so a cut-short run keeps its numbers).
+With --record writes bench/results/snapshot_load.{json,md} (after every measurement, so a cut-short run keeps its
+numbers).
 """
+
 import argparse
 import json
 import mmap
@@ -298,9 +300,13 @@ def table(results: dict) -> str:
     for row in results["sizes"]:
         cells = [f"{row[k]:.1f}" if k in row else "-" for k in keys]
         lines.append(f"| {row.get('bytes', 0) / 1e9:.1f} GB bf16 | " + " | ".join(cells) + " |")
-    lines += ["", "GB/s, each the bytes of the model over wall time (warm Ember: median of 3). Disk columns: 16 threads "
-              "reading 16 MiB blocks of the snapshot file after drop_caches. Ember reads into huge-page buffers pinned "
-              "in place; 'torch's pinned buffers' is the same loader with torch's pinned memory (4 KiB pages).", ""]
+    lines += [
+        "",
+        "GB/s, each the bytes of the model over wall time (warm Ember: median of 3). Disk columns: 16 threads "
+        "reading 16 MiB blocks of the snapshot file after drop_caches. Ember reads into huge-page buffers pinned "
+        "in place; 'torch's pinned buffers' is the same loader with torch's pinned memory (4 KiB pages).",
+        "",
+    ]
     for row in results["sizes"]:
         if "transformers_warm_gbps" in row:
             g = goals(row, h2d)

@@ -45,7 +45,9 @@ def main() -> None:
     p.add_argument("--size", type=float, default=8.0, help="model size in GB")
     p.add_argument("--threads", default="8,12,16")
     p.add_argument("--verify", default="1,0", help="1: check each chunk's xxh3; 0: no check (the bound)")
-    p.add_argument("--buffers", default="huge,torch", help="huge: the loader's huge-page buffers; torch: torch's pinned")
+    p.add_argument(
+        "--buffers", default="huge,torch", help="huge: the loader's huge-page buffers; torch: torch's pinned"
+    )
     p.add_argument("--dir", default="/var/tmp/ember-warm")
     p.add_argument("--record", action="store_true", help="write snapshot_warm_paths.{md,json} to --out")
     p.add_argument("--out", default=str(RESULTS))
@@ -73,7 +75,9 @@ def main() -> None:
     for holder in KEEP:
         holder.close()
     chosen = loader.host_buffer
-    configs = [(b, v, t) for b in args.buffers.split(",") for v in args.verify.split(",") for t in args.threads.split(",")]
+    configs = [
+        (b, v, t) for b in args.buffers.split(",") for v in args.verify.split(",") for t in args.threads.split(",")
+    ]
     for buffers, verify, threads in [(b, v == "1", int(t)) for b, v, t in configs]:
         loader.host_buffer = chosen if buffers == "huge" else torch_pinned
         runs = []

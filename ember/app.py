@@ -175,7 +175,9 @@ class Instance:
 
     def __getattr__(self, name: str) -> "BoundMethod":
         if name not in self._cls.methods:
-            raise AttributeError(f"{self._cls.name} has no @ember.method() named {name!r}; methods: {self._cls.methods}")
+            raise AttributeError(
+                f"{self._cls.name} has no @ember.method() named {name!r}; methods: {self._cls.methods}"
+            )
         return BoundMethod(self, name)
 
     def _local_obj(self) -> Any:

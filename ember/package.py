@@ -51,7 +51,9 @@ def load_app(path: str | Path, name: str | None = None) -> App:
         apps = [app for app in apps if app.name == name]
     if len(apps) != 1:
         found = ", ".join(a.name for a in apps) or "none"
-        raise ValueError(f"{path} must define exactly one ember.App{f' named {name!r}' if name else ''} (found: {found})")
+        raise ValueError(
+            f"{path} must define exactly one ember.App{f' named {name!r}' if name else ''} (found: {found})"
+        )
     return apps[0]
 
 
@@ -97,7 +99,11 @@ def build(app: App, home: Home) -> Path:
     manifest = json.dumps(app.manifest() | {"source": source_path.name}).encode()
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as zf:
-        for name, data in (("manifest.json", manifest), ("app.pkl", pickled), (f"source/{source_path.name}", source_path.read_bytes())):
+        for name, data in (
+            ("manifest.json", manifest),
+            ("app.pkl", pickled),
+            (f"source/{source_path.name}", source_path.read_bytes()),
+        ):
             info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # fixed time: same app, same hash
             zf.writestr(info, data)
     data = buffer.getvalue()

@@ -50,7 +50,9 @@ def upload_package(s3, bucket: str, path: Path, progress: Callable[[int], None] 
         if s3.head_object(Bucket=bucket, Key=key)["Metadata"].get("sha256") == digest:
             return key, digest, False
     except ClientError as exc:
-        if exc.response["Error"]["Code"] not in MISSING + ("403",):  # 403: a missing key, to a role without s3:ListBucket
+        if exc.response["Error"]["Code"] not in MISSING + (
+            "403",
+        ):  # 403: a missing key, to a role without s3:ListBucket
             raise
     s3.upload_file(str(path), bucket, key, ExtraArgs={"Metadata": {"sha256": digest}}, Callback=progress)
     return key, digest, True

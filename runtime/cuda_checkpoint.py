@@ -54,7 +54,9 @@ def checkpoint_self(action: str) -> None:
     done = subprocess.run([sys.executable, "-m", "ember.runtime.cuda_checkpoint", action, str(os.getpid())],
                           capture_output=True, text=True)
     if done.returncode:
-        raise CheckpointError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
+        raise CheckpointError(
+            done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,7 +96,11 @@ class NodeAgent:
                 free = state == "ready" and len(self.running) < self.slots
                 if item["state"] == "pending" and free and self._mine(item):
                     self._claim(item)
-                elif item.get("node_id") == self.instance_id and item["state"] == "stop" and item["replica_id"] in self.running:
+                elif (
+                    item.get("node_id") == self.instance_id
+                    and item["state"] == "stop"
+                    and item["replica_id"] in self.running
+                ):
                     self._spawn(self._stop(self.running[item["replica_id"]]))
             await asyncio.sleep(POLL)
 
@@ -119,16 +123,25 @@ class NodeAgent:
             if exc.response["Error"]["Code"] == "ConditionalCheckFailedException":
                 return  # another node won it
             raise
-        replica = WorkerProcess(item["replica_id"], item["app"], item["unit"], self.work / "logs" / f"{item['app']}.{item['replica_id']}.log")
+        replica = WorkerProcess(
+            item["replica_id"],
+            item["app"],
+            item["unit"],
+            self.work / "logs" / f"{item['app']}.{item['replica_id']}.log",
+        )
         self.running[replica.id] = replica
         log.info("claimed %s (%s/%s)", replica.id, replica.app, replica.unit)
         self._spawn(self._serve(replica, item))
 
     def _set(self, replica: WorkerProcess, **values) -> None:
         names = {f"#{k}": k for k in values}
-        self.replicas.update_item(Key={"replica_id": replica.id}, UpdateExpression="SET " + ", ".join(f"#{k} = :{k}" for k in values),
-                                  ExpressionAttributeNames=names, ExpressionAttributeValues={f":{k}": v for k, v in values.items()},
-                                  ConditionExpression="attribute_exists(replica_id)")
+        self.replicas.update_item(
+            Key={"replica_id": replica.id},
+            UpdateExpression="SET " + ", ".join(f"#{k} = :{k}" for k in values),
+            ExpressionAttributeNames=names,
+            ExpressionAttributeValues={f":{k}": v for k, v in values.items()},
+            ConditionExpression="attribute_exists(replica_id)",
+        )
 
     async def _serve(self, replica: WorkerProcess, item: dict) -> None:
         try:
@@ -149,18 +162,29 @@ class NodeAgent:
                       pull_ms=round((pulled - began) * 1000),
                       boot_ms=round((time.monotonic() - pulled) * 1000),
                       tier=str(replica.tier), start=json.dumps(replica.timings))
-            log.info("replica %s ready on %s:%s (worker on 127.0.0.1:%s)", replica.id, self.address, public, replica.port)
+            log.info(
+                "replica %s ready on %s:%s (worker on 127.0.0.1:%s)", replica.id, self.address, public, replica.port
+            )
             async with relay:
                 code = await self.supervisor.wait(replica)
             if not replica.stopping:
-                self._set(replica, state="failed", error=f"worker exited with code {code} while serving (log on node {self.instance_id}: {replica.log_path})")
+                self._set(
+                    replica,
+                    state="failed",
+                    error=f"worker exited with code {code} while serving "
+                    f"(log on node {self.instance_id}: {replica.log_path})",
+                )
         except ClientError as exc:  # the gateway forgot the assignment (it gave up or was stopped): stop serving it
             log.info("replica %s: assignment gone (%s); stopping", replica.id, exc.response["Error"]["Code"])
             await self.supervisor.stop(replica)
         except Exception as exc:  # a failed pull or a bad package is this assignment's failure, not the agent's
             log.exception("replica %s failed", replica.id)
             with contextlib.suppress(ClientError):
-                self._set(replica, state="failed", error=f"start failed on node {self.instance_id}: {type(exc).__name__}: {exc}")
+                self._set(
+                    replica,
+                    state="failed",
+                    error=f"start failed on node {self.instance_id}: {type(exc).__name__}: {exc}",
+                )
             await self.supervisor.stop(replica)
         finally:
             self.running.pop(replica.id, None)
@@ -194,7 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     if not bucket:
         print("error: set EMBER_AWS_BUCKET to the bucket the gateway uploads packages to", file=sys.stderr)
         return 2
-    agent = NodeAgent(args.instance_id, args.address, args.gpus, args.slots, args.work, bucket, os.environ.get("EMBER_AWS_TABLES", "ember-"))
+    agent = NodeAgent(
+        args.instance_id,
+        args.address,
+        args.gpus,
+        args.slots,
+        args.work,
+        bucket,
+        os.environ.get("EMBER_AWS_TABLES", "ember-"),
+    )
 
     async def run() -> None:
         task = asyncio.current_task()

@@ -43,5 +43,7 @@ def span_record(span: ReadableSpan) -> dict:
         "end_ns": span.end_time,
         "status": {"code": span.status.status_code.name, "description": span.status.description},
         "attributes": dict(span.attributes or {}),
-        "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events],
+        "events": [
+            {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events
+        ],
     }

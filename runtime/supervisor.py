@@ -227,14 +227,17 @@ class Supervisor:
             return ""  # a function without gpu= must not grab a GPU another replica was given
         if not self.gpus.gpus:
             if self.require_gpu:
-                worker.error = f"start failed: gpu={spec.gpu!r} but this machine has no GPU (EMBER_REQUIRE_GPU=1); unset it to run on CPU"
+                worker.error = (f"start failed: gpu={spec.gpu!r} but this machine has no GPU (EMBER_REQUIRE_GPU=1); "
+                                "unset it to run on CPU")
                 return None
             worker.note = f"gpu={spec.gpu!r} asked for, but this machine has no GPU: running on CPU"
             self.log.warning("replica %s: %s", worker.id, worker.note)
             return ""
         if count > len(self.gpus.gpus):
-            worker.error = (f"start failed: gpu={spec.gpu!r} asks for {count} GPUs but this machine has {len(self.gpus.gpus)}; "
-                            f"lower the count in gpu=")
+            worker.error = (
+                f"start failed: gpu={spec.gpu!r} asks for {count} GPUs but this machine has {len(self.gpus.gpus)}; "
+                f"lower the count in gpu="
+            )
             return None
         worker.gpus = await self.gpus.acquire(worker, count)
         return ",".join(worker.gpus)

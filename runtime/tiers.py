@@ -4,7 +4,8 @@ from collections.abc import Mapping
 
 
 class Tier(enum.StrEnum):
-    """Where a replica came back from, fastest first (the names docs/design.md's ladder uses, on the wire and in metrics)."""
+    """Where a replica came back from, fastest first (the names docs/design.md's ladder uses, on the wire and in
+    metrics)."""
 
     HOT = "hot"  # T0: a running replica; nothing to do
     PARKED = "parked"  # T1: the process was kept, its GPU memory released; a wake maps it back

@@ -59,8 +59,9 @@ def argument_problem(fn, kwargs: dict) -> str | None:
         open_ended = any(p.kind is p.VAR_KEYWORD for p in params)
         unknown = [] if open_ended else [k for k in kwargs if k not in named]
         missing = [p.name for p in params if p.name in named and p.default is p.empty and p.name not in kwargs]
-        parts = ([f"unknown argument{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}"] if unknown else []) + \
-                ([f"missing required argument{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}"] if missing else [])
+        parts = ([f"unknown argument{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}"] if unknown else []) + (
+            [f"missing required argument{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}"] if missing else []
+        )
         if not parts:
             return str(exc)
         return f"{'; '.join(parts)}; it takes ({', '.join(named)})"

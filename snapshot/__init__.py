@@ -16,7 +16,8 @@ Loading (loader.py): ``load(source, targets=None, device="cpu", threads=None,
 progress=None) -> (tensors, LoadReport)`` reads chunks with several threads (page cache
 when it holds a chunk, else O_DIRECT; ranged GETs from S3) into huge-page buffers pinned for
 the GPU (hostbuffer.py), checks each chunk, and copies it to the GPU on CUDA streams (queued
-through ctypes, cudart.py) while the next chunks are read. ``LoadReport`` has ``bytes``, ``seconds``, ``gbps`` and ``phases`` (allocate / stream wall seconds; pin / read / verify / copy thread seconds).
+through ctypes, cudart.py) while the next chunks are read. ``LoadReport`` has ``bytes``, ``seconds``, ``gbps``
+and ``phases`` (allocate / stream wall seconds; pin / read / verify / copy thread seconds).
 
 Replica wiring (weights.py), for a function declared with ``snapshot=True``, in one call::
 
@@ -43,6 +44,7 @@ CLI (cli.py): ``ember snapshot build SRC [--name N] [--store local|s3://b/p]``,
 ``ember snapshot ls [--json]``, ``ember snapshot rm ID|NAME``, ``ember snapshot verify ID|NAME``
 (full sha256 check; quarantines on failure); ``main(argv) -> int``.
 """
+
 from ember.snapshot.errors import SnapshotCorrupt, SnapshotError, SnapshotMismatch, SnapshotNotFound
 from ember.snapshot.loader import LoadReport, load
 from ember.snapshot.store import LocalStore, SnapshotRef, open_store

@@ -16,7 +16,10 @@ class SnapshotCorrupt(SnapshotError):
     def __init__(self, snapshot_id: str, reason: str):
         self.snapshot_id = snapshot_id
         self.reason = reason
-        super().__init__(f"snapshot {snapshot_id[:12]} is corrupt ({reason}); it was quarantined, rebuild it with `ember snapshot build`")
+        super().__init__(
+            f"snapshot {snapshot_id[:12]} is corrupt ({reason}); it was quarantined, "
+            "rebuild it with `ember snapshot build`"
+        )
 
 
 class SnapshotMismatch(SnapshotError):

@@ -89,7 +89,9 @@ def layout(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], chunk_size: in
     for name, dtype, shape in specs:
         key = str(dtype).removeprefix("torch.")
         if key not in DTYPES:
-            raise ValueError(f"tensor {name!r} has dtype {dtype}, which snapshots do not store; supported: {sorted(DTYPES)}")
+            raise ValueError(
+                f"tensor {name!r} has dtype {dtype}, which snapshots do not store; supported: {sorted(DTYPES)}"
+            )
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         entries.append(TensorEntry(name, key, tuple(shape), offset, nbytes))
         offset = align(offset + nbytes)

@@ -225,7 +225,9 @@ class _Run:
         t2 = time.perf_counter()
         for name, a, b, at in self.pieces[index]:
             if self.lib is not None:
-                cudart.copy_to_device(self.lib, self.addresses[name] + at, buf.data_ptr() + a, b - a, stream.cuda_stream)
+                cudart.copy_to_device(
+                    self.lib, self.addresses[name] + at, buf.data_ptr() + a, b - a, stream.cuda_stream
+                )
             elif stream is not None:
                 with torch.cuda.stream(stream):
                     self.views[name][at:at + b - a].copy_(buf[a:b], non_blocking=True)

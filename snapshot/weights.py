@@ -116,8 +116,13 @@ class WeightsStart:
     fallback_reason: str | None = None
 
 
-def restore_or_boot(make_model: Callable[[], torch.nn.Module], load_weights: Callable[[torch.nn.Module], None],
-                    store: SnapshotStore, key: str, progress: Progress | None = None) -> tuple[torch.nn.Module, WeightsStart]:
+def restore_or_boot(
+    make_model: Callable[[], torch.nn.Module],
+    load_weights: Callable[[torch.nn.Module], None],
+    store: SnapshotStore,
+    key: str,
+    progress: Progress | None = None,
+) -> tuple[torch.nn.Module, WeightsStart]:
     """Weights from snapshot `key` when it is there and sound, else a full boot that then writes the snapshot.
 
     `make_model()` builds the model on its device with weights not yet loaded; `load_weights(model)`

@@ -38,8 +38,13 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
-def write(specs: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors: Iterator[torch.Tensor], path: str | os.PathLike,
-          chunk_size: int = CHUNK_SIZE, progress: Progress | None = None) -> Header:
+def write(
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    tensors: Iterator[torch.Tensor],
+    path: str | os.PathLike,
+    chunk_size: int = CHUNK_SIZE,
+    progress: Progress | None = None,
+) -> Header:
     """Streams `tensors` (in the order of `specs`) into a snapshot at `path`; returns its header."""
     header = layout(specs, chunk_size)
     with open(path, "wb") as out:
@@ -84,7 +89,9 @@ def safetensors_files(src: str | os.PathLike) -> list[Path]:
         return [src / n for n in names]
     files = sorted(src.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{src} holds no *.safetensors files; save the model with save_pretrained(safe_serialization=True)")
+        raise ValueError(
+            f"{src} holds no *.safetensors files; save the model with save_pretrained(safe_serialization=True)"
+        )
     return files
 
 

@@ -16,7 +16,9 @@ def free_port() -> int:
 def moto_server() -> Iterator[str]:
     """Yields the emulator's endpoint URL; the process is stopped on exit."""
     port = free_port()
-    proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ["moto_server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -39,4 +41,9 @@ def moto_server() -> Iterator[str]:
 
 def aws_env(endpoint: str) -> dict[str, str]:
     """Dummy credentials and the emulator's endpoint, as boto3 reads them from the environment."""
-    return {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    return {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+    }

@@ -45,9 +45,13 @@ class Served:
         return httpx.Client(base_url=self.url, verify=self.tls(), headers=headers, timeout=timeout)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        result = subprocess.run([sys.executable, "-m", "ember.cli", *args], env=self.env, capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "ember.cli", *args], env=self.env, capture_output=True, text=True, timeout=60
+        )
         if check and result.returncode != 0:
-            raise AssertionError(f"ember {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+            raise AssertionError(
+                f"ember {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+            )
         return result
 
     def status(self) -> dict:

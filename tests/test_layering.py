@@ -16,7 +16,8 @@ def module_name(path: Path) -> str:
 
 
 def imports(source: str, module: str, is_package: bool = False) -> list[tuple[str, int, bool]]:
-    """(imported module, line, at module level) for every import in `source`, relative ones resolved against `module`."""
+    """(imported module, line, at module level) for every import in `source`, relative ones resolved against
+    `module`."""
     package = module if is_package else module.rpartition(".")[0]
     found = []
 
@@ -29,7 +30,9 @@ def imports(source: str, module: str, is_package: bool = False) -> list[tuple[st
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             # `from ember import gateway` imports ember.gateway: count each name as a possible submodule too
-            found.extend([(base, node.lineno, top)] + [(f"{base}.{alias.name}", node.lineno, top) for alias in node.names])
+            found.extend(
+                [(base, node.lineno, top)] + [(f"{base}.{alias.name}", node.lineno, top) for alias in node.names]
+            )
         for child in ast.iter_child_nodes(node):
             visit(child, top and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
@@ -46,7 +49,8 @@ def sources(*folders: str) -> list[Path]:
 
 
 def test_the_import_reader_sees_absolute_relative_and_nested_imports():
-    source = "import os\nfrom ember.gateway.replica import Replica\nfrom ..gateway import scaler\ndef f():\n    import ember.snapshot\n"
+    source = ("import os\nfrom ember.gateway.replica import Replica\nfrom ..gateway import scaler\n"
+              "def f():\n    import ember.snapshot\n")
     found = imports(source, "ember.runtime.node_agent")
     assert ("ember.gateway.replica", 2, True) in found
     assert ("ember.gateway.scaler", 3, True) in found  # `..` from ember.runtime.node_agent is ember
@@ -64,7 +68,10 @@ def test_only_the_cli_imports_the_gateway():
             if within(name, "ember.gateway"):
                 offenders.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert "runtime/node_agent.py" in checked and "snapshot/store.py" in checked and "ember/app.py" in checked
-    assert offenders == [], "docs/design.md: nothing imports ember.gateway except the CLI; move what they share into runtime/:\n" + "\n".join(offenders)
+    assert offenders == [], (
+        "docs/design.md: nothing imports ember.gateway except the CLI; move what they share into runtime/:\n"
+        + "\n".join(offenders)
+    )
 
 
 def test_the_sdk_imports_neither_runtime_nor_snapshot_when_loaded():
@@ -89,7 +96,9 @@ def _offenders(paths: list[Path], forbidden) -> list[str]:
 
 def test_snapshot_imports_neither_runtime_nor_gateway():
     offenders = _offenders(sources("snapshot"), lambda n: within(n, "ember.runtime") or within(n, "ember.gateway"))
-    assert offenders == [], "docs/architecture.md: snapshot/ stands below runtime/ and gateway/:\n" + "\n".join(offenders)
+    assert offenders == [], "docs/architecture.md: snapshot/ stands below runtime/ and gateway/:\n" + "\n".join(
+        offenders
+    )
 
 
 PURE = ["gateway/lifecycle.py"] + [f"gateway/autoscaler/{m}.py" for m in
@@ -103,7 +112,9 @@ def test_the_pure_parts_import_no_io_of_the_gateway():
     lifecycle = _offenders(paths[:1], lambda n: within(n, "ember"))
     allowed = ("ember.gateway.autoscaler", "ember.gateway.lifecycle")
     autoscaler = _offenders(paths[1:], lambda n: within(n, "ember") and not any(within(n, a) for a in allowed))
-    assert lifecycle + autoscaler == [], "docs/architecture.md: pure parts stay pure:\n" + "\n".join(lifecycle + autoscaler)
+    assert lifecycle + autoscaler == [], "docs/architecture.md: pure parts stay pure:\n" + "\n".join(
+        lifecycle + autoscaler
+    )
 
 
 def test_the_architecture_document_states_the_rules_checked_here():

@@ -13,7 +13,16 @@ import httpx
 from ember.cli import apps, deploy, keys, limits, run, secrets, serve, status
 
 EPILOG = "EMBER_HOME (default ~/.ember) holds the key database, TLS material, packages and logs."
-GROUPS = [serve, deploy, apps, run, keys, secrets, limits, status]  # each adds its commands with add_to(subparsers, epilog)
+GROUPS = [
+    serve,
+    deploy,
+    apps,
+    run,
+    keys,
+    secrets,
+    limits,
+    status,
+]  # each adds its commands with add_to(subparsers, epilog)
 
 
 def parser() -> argparse.ArgumentParser:

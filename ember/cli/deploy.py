@@ -77,7 +77,8 @@ def _upload_progress(total: int):
 
 
 def _upload(package: Path) -> dict:
-    """Put the package in EMBER_AWS_BUCKET (not again when that hash is there): the body of the gateway's deploy call."""
+    """Put the package in EMBER_AWS_BUCKET (not again when that hash is there): the body of the gateway's deploy
+    call."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 

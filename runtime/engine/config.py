@@ -8,7 +8,7 @@ _BACKENDS = ("auto", "flashinfer", "sdpa")
 
 @dataclass
 class EngineConfig:
-    model: str                         # a Hugging Face model directory (config.json + *.safetensors [+ tokenizer files])
+    model: str  # a Hugging Face model directory (config.json + *.safetensors [+ tokenizer files])
     dtype: str = "auto"                # "auto": bf16 on CUDA, fp32 on CPU; or "float32"/"bfloat16"/"float16"
     device: str = "auto"               # "auto": cuda if available else cpu
     block_size: int = 16               # tokens per KV block

@@ -36,12 +36,18 @@ class Histogram:
 
 @dataclass
 class EngineStats:
-    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))  # vllm:time_to_first_token_seconds
-    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(_ITL_BUCKETS))      # vllm:inter_token_latency_seconds
-    queue_time: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))           # vllm:request_queue_time_seconds
-    e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))  # vllm:e2e_request_latency_seconds
-    step_host_time: Histogram = field(default_factory=lambda: Histogram(_STEP_BUCKETS))          # step() minus forward pass and sampling: schedule, inputs, postprocess
-    step_time: Histogram = field(default_factory=lambda: Histogram(_STEP_BUCKETS))               # whole step(), forward pass included
+    # vllm:time_to_first_token_seconds
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))
+    # vllm:inter_token_latency_seconds
+    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(_ITL_BUCKETS))
+    # vllm:request_queue_time_seconds
+    queue_time: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))
+    # vllm:e2e_request_latency_seconds
+    e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(_LATENCY_BUCKETS))
+    # step() minus forward pass and sampling: schedule, inputs, postprocess
+    step_host_time: Histogram = field(default_factory=lambda: Histogram(_STEP_BUCKETS))
+    # whole step(), forward pass included
+    step_time: Histogram = field(default_factory=lambda: Histogram(_STEP_BUCKETS))
     num_running: int = 0              # vllm:num_requests_running
     num_waiting: int = 0              # vllm:num_requests_waiting
     kv_cache_usage: float = 0.0       # vllm:kv_cache_usage_perc (a fraction, 1 = full)

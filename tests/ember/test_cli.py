@@ -82,7 +82,9 @@ def test_deploy_a_second_app_to_the_running_gateway(serve):
         assert "deployed app 'quick' version 1" in again.stdout
         second = http.post("/quick/add", json={"a": 1, "b": 2})
         assert second.headers["x-ember-replica"] == first.headers["x-ember-replica"]
-    aws = served.cli("deploy", str(other), "--target", "aws", check=False)  # tests/gateway/test_deploy_aws.py deploys for real
+    aws = served.cli(
+        "deploy", str(other), "--target", "aws", check=False
+    )  # tests/gateway/test_deploy_aws.py deploys for real
     assert aws.returncode == 1 and "--target aws needs EMBER_AWS_BUCKET" in aws.stderr
 
 

@@ -7,9 +7,13 @@ from ember.spec import FunctionSpec, SpecError, build_spec
 
 def test_misspelt_argument_names_the_nearest_valid_one():
     app = ember.App("a")
-    with pytest.raises(SpecError, match=r"unknown argument 'max_replica' for @app.function; did you mean 'max_replicas'\?"):
+    with pytest.raises(
+        SpecError, match=r"unknown argument 'max_replica' for @app.function; did you mean 'max_replicas'\?"
+    ):
         app.function(max_replica=3)
-    with pytest.raises(SpecError, match=r"unknown argument 'scaledown' for @app.cls; did you mean 'scaledown_window'\?"):
+    with pytest.raises(
+        SpecError, match=r"unknown argument 'scaledown' for @app.cls; did you mean 'scaledown_window'\?"
+    ):
         app.cls(scaledown=3)
     with pytest.raises(SpecError, match=r"unknown argument 'zzz'.*valid arguments: gpu, cpu"):
         build_spec("@app.function", {"zzz": 1})
@@ -36,13 +40,17 @@ def test_ranges_are_checked(settings, fragment):
 
 
 def test_valid_settings():
-    spec = build_spec("@app.function", {"gpu": "H200:2", "min_replicas": 1, "max_replicas": 4, "secrets": ["hf"], "env": {"A": "b"}})
+    spec = build_spec(
+        "@app.function", {"gpu": "H200:2", "min_replicas": 1, "max_replicas": 4, "secrets": ["hf"], "env": {"A": "b"}}
+    )
     assert spec.gpu == "H200:2" and spec.max_replicas == 4 and spec.env == {"A": "b"}
     assert FunctionSpec().gpu is None and FunctionSpec().scaledown_window is None  # None: the policy's default
 
 
 def test_misspelt_scaling_knob_names_the_nearest_one():
-    with pytest.raises(SpecError, match=r"unknown argument 'panic_treshold' for @app.function; did you mean 'panic_threshold'\?"):
+    with pytest.raises(
+        SpecError, match=r"unknown argument 'panic_treshold' for @app.function; did you mean 'panic_threshold'\?"
+    ):
         ember.App("a").function(panic_treshold=3)
     with pytest.raises(SpecError, match=r"did you mean 'stable_window'\?"):
         ember.App("a").cls(stable_windw=30)

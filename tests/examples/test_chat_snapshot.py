@@ -1,4 +1,6 @@
-"""examples/chat.py (snapshot=True) under `ember serve`: the first cold start writes the weight snapshot, the next restores it."""
+"""examples/chat.py (snapshot=True) under `ember serve`: the first cold start writes the weight snapshot, the next
+restores it."""
+
 import json
 import time
 from pathlib import Path

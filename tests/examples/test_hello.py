@@ -46,12 +46,20 @@ def test_hello_served(serve):
     assert first["pid"] == second["pid"] != os.getpid()  # one replica, its enter hooks ran once
     for started in (square, greeted):  # both forked from the app's fork server, Greeter after its snap=True hook ran
         assert "start=fork" in started.headers["x-ember-start-breakdown"], started.headers["x-ember-start-breakdown"]
-    assert bad.status_code == 500 and bad.json()["error"] == {"type": "function_error", "message": "ValueError: unknown lang 'xx'; one of ['de', 'en', 'fr']"}
+    assert bad.status_code == 500 and bad.json()["error"] == {
+        "type": "function_error",
+        "message": "ValueError: unknown lang 'xx'; one of ['de', 'en', 'fr']",
+    }
 
 
 def test_hello_run_once(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "ember.cli", "run", f"{EXAMPLE}::Greeter.greet", "name=Ada", "lang=de"],
-                            env=os.environ | {"EMBER_HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "run", f"{EXAMPLE}::Greeter.greet", "name=Ada", "lang=de"],
+        env=os.environ | {"EMBER_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert '"greeting": "Hallo, Ada!"' in result.stdout
     [log] = (tmp_path / "logs").glob("hello.greeter-*.log")

@@ -31,8 +31,13 @@ def test_restore_into_cuda_module_is_bit_identical(tmp_path):
 
 def test_load_allocates_on_cuda_across_dtypes(tmp_path):
     store = LocalStore(tmp_path)
-    state = {"f32": torch.randn(300, 301), "bf16": torch.randn(4097).bfloat16(), "i8": torch.randint(-9, 9, (70000,), dtype=torch.int8),
-             "mask": torch.rand(999) > 0.5, "scalar": torch.tensor(3.5, dtype=torch.float16)}
+    state = {
+        "f32": torch.randn(300, 301),
+        "bf16": torch.randn(4097).bfloat16(),
+        "i8": torch.randint(-9, 9, (70000,), dtype=torch.int8),
+        "mask": torch.rand(999) > 0.5,
+        "scalar": torch.tensor(3.5, dtype=torch.float16),
+    }
     capture(state, store, "mixed", chunk_size=16 << 10)
     tensors, _ = load(store.open("mixed"), device="cuda", threads=3)
     for name, t in state.items():

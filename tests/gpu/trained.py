@@ -54,7 +54,8 @@ def task(n: int, length: int, vocab: int, generator: torch.Generator,
 
 def prompts(n: int, vocab: int, generator: torch.Generator, system: torch.Tensor, longest: int = 300,
             continuation: int = 64) -> tuple[list[list[int]], list[list[int]]]:
-    """n prompts of the task that end inside the chain, every other one behind `system`, and their true continuations."""
+    """n prompts of the task that end inside the chain, every other one behind `system`, and their true
+    continuations."""
     plain = task(n - n // 2, longest + continuation, vocab, generator)
     shared = task(n // 2, longest + continuation, vocab, generator, system)
     batch, expected = [], []

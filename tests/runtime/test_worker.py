@@ -90,8 +90,13 @@ def package(tmp_path_factory):
 
 
 def start(package, target: str, log, env=None):
-    process = subprocess.Popen([sys.executable, "-m", "ember.runtime.worker", "--package", str(package), "--target", target],
-                               stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ember.runtime.worker", "--package", str(package), "--target", target],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+    )
     return process, json.loads(process.stdout.readline())
 
 

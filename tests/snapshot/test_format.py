@@ -6,7 +6,12 @@ from ember.snapshot.format import ALIGN, PREAMBLE, decode, layout, parse_preambl
 
 
 def test_layout_aligns_every_tensor_and_the_data_region_for_direct_io():
-    specs = [("a", torch.float32, (3,)), ("b", torch.bfloat16, (5000, 3)), ("c", torch.bool, ()), ("d", torch.int8, (0,))]
+    specs = [
+        ("a", torch.float32, (3,)),
+        ("b", torch.bfloat16, (5000, 3)),
+        ("c", torch.bool, ()),
+        ("d", torch.int8, (0,)),
+    ]
     header = layout(specs, chunk_size=2 * ALIGN)
     assert header.data_offset % ALIGN == 0 and header.data_size % ALIGN == 0
     assert all(t.offset % ALIGN == 0 for t in header.tensors)

@@ -78,7 +78,9 @@ def test_max_completion_tokens_wins_over_max_tokens(call):
 
 def test_streaming_chat_matches_non_streaming_and_ends_with_usage(call):
     expected = chat(call, max_tokens=10, seed=4, ignore_eos=True).json()["choices"][0]["message"]["content"]
-    chunks = events(chat(call, max_tokens=10, seed=4, ignore_eos=True, stream=True, stream_options={"include_usage": True}))
+    chunks = events(
+        chat(call, max_tokens=10, seed=4, ignore_eos=True, stream=True, stream_options={"include_usage": True})
+    )
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])

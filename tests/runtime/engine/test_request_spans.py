@@ -41,7 +41,9 @@ def test_each_request_gets_its_spans_and_preemptions(tmp_path):
     for request in requests.values():
         assert request["trace_id"] == caller["trace_id"] and request["parent_span_id"] == caller["span_id"]
         attributes = request["attributes"]
-        assert attributes["gen_ai.usage.output_tokens"] == 30 and attributes["gen_ai.response.finish_reasons"] == ["length"]
+        assert attributes["gen_ai.usage.output_tokens"] == 30 and attributes["gen_ai.response.finish_reasons"] == [
+            "length"
+        ]
         preempted = [e for e in request["events"] if e["name"] == "llm.preempted"]
         assert len(preempted) == attributes["ember.preemptions"]
         assert all(request["start_ns"] <= e["time_ns"] <= request["end_ns"] for e in preempted)
