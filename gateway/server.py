@@ -5,8 +5,8 @@ import asyncio
 import contextlib
 import posixpath
 import re
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 from urllib.parse import unquote
 
 from fastapi import FastAPI, Request
@@ -32,6 +32,7 @@ from ember.gateway.service import Gateway
 from ember.gateway.settlement import Settlement, charge
 from ember.gateway.stamp import stamp
 from ember.runtime import logs, tracing
+from ember.runtime.disconnect import WorkCancelled, unless_disconnected
 
 QUIET = ("/healthz", "/readyz", f"{dashboard.PATH}/api/", f"{dashboard.PATH}/static/")  # polled: ids, no access line
 
@@ -44,35 +45,20 @@ def reserved(path: str) -> bool:
 
 
 SHUTTING_DOWN = "the gateway is shutting down"
+T = TypeVar("T")
 
 
-async def unless_disconnected(request: Request, work, cut_short: asyncio.Event):
-    """Await `work` (its body already read), cancelling it if the client hangs up first: the call is cancelled on the
-    replica (its connection closes) and every slot it held, the replica's and the key's, is freed at once. The same
-    when the stopping gateway's grace period ends (`cut_short`), which answers 503."""
-    async def hung_up() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(hung_up())
-    cutter = asyncio.ensure_future(cut_short.wait())
+async def answer_unless_disconnected(request: Request, work: Awaitable[T], cut_short: asyncio.Event) -> T:
+    """Await `work`, cancelling it if the client hangs up first: the call is cancelled on the replica (its connection
+    closes) and every slot it held, the replica's and the key's, is freed at once. The same when the stopping
+    gateway's grace period ends (`cut_short`), which answers 503."""
     try:
-        await asyncio.wait({task, watcher, cutter}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-        cutter.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    if cut_short.is_set():
-        raise ApiError(503, "shutting_down", f"{SHUTTING_DOWN}: this call was cut short after the grace period; "
-                                             "retry it when the gateway is back", {"Retry-After": "5"})
-    raise ApiError(499, "client_closed_request", "the client disconnected; its call was cancelled")
+        return await unless_disconnected(request, work, cut_short)
+    except WorkCancelled as cancelled:
+        if cancelled.stopped:
+            raise ApiError(503, "shutting_down", f"{SHUTTING_DOWN}: this call was cut short after the grace period; "
+                                                 "retry it when the gateway is back", {"Retry-After": "5"}) from None
+        raise ApiError(499, "client_closed_request", "the client disconnected; its call was cancelled") from None
 
 
 def resolve(deployments: dict[str, Deployment], app_name: str, rest: str) -> tuple[Unit, Call | Forward]:
@@ -183,11 +169,11 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any
                 if isinstance(target, Call) and wants_spawn(request):
                     return await spawn(request, unit, target, body, affinity, settle), None, admission
                 if isinstance(target, Call):
-                    response, lease = await unless_disconnected(request, retry.call(
+                    response, lease = await answer_unless_disconnected(request, retry.call(
                         request.app.state.client, unit, target, body, affinity, settle, retried(unit)),
                         gateway.cut_short)
                 else:
-                    response, lease = await unless_disconnected(
+                    response, lease = await answer_unless_disconnected(
                         request, retry.forward(request, unit, target, body, affinity, meter, settle, retried(unit)),
                         gateway.cut_short)
             except BaseException:

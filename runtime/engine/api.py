@@ -6,19 +6,24 @@ the request bodies in `serving/protocol.py`.
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from ember.runtime import tracing
+from ember.runtime.disconnect import WorkCancelled, unless_disconnected
 from ember.runtime.engine import metrics
 from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.serving.errors import APIError, error_response
 from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 from ember.runtime.engine.serving.server import OpenAIServer
+
+T = TypeVar("T")
 
 
 def create_app(engine_or_config, served_model_name: str | None = None) -> FastAPI:
@@ -109,28 +114,13 @@ def _async_llm(engine_or_config) -> AsyncLLM:
     return AsyncLLM(engine_or_config, AutoTokenizer.from_pretrained(engine_or_config.config.model))
 
 
-async def _unless_disconnected(request: Request, work):
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | JSONResponse:
     """Run a handler, cancelling it (and so aborting its engine requests) if the client hangs up first.
 
     Streaming responses get the same from Starlette once they start; this covers the wait
     for the first token and whole non-streaming generations.
     """
-    async def hung_up():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(hung_up())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    # 499: nginx's "client closed request"; nobody is left to read it.
-    return error_response(499, "the client disconnected", "client_closed_request")
+        return await unless_disconnected(request, work)
+    except WorkCancelled:  # 499: nginx's "client closed request"; nobody is left to read it
+        return error_response(499, "the client disconnected", "client_closed_request")
