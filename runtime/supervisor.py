@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ember.runtime import environments, forkserver
+from ember.runtime import control, environments, forkserver
 from ember.runtime.tiers import Tier, start_tier
 from ember.spec import FunctionSpec
 
@@ -280,26 +280,26 @@ class Supervisor:
             stdout = piped_stdout(process)
             how["start"] = "spawn"
         worker.process = process
+        message: control.ControlMessage | None
         try:
-            line = await asyncio.wait_for(stdout.readline(), START_TIMEOUT)
+            message = control.decode(await asyncio.wait_for(stdout.readline(), START_TIMEOUT))
         except TimeoutError:
-            line = json.dumps({"event": "failed", "phase": "enter",
-                               "error": f"no ready signal within {START_TIMEOUT:g} s"}).encode()
+            message = control.Failed("enter", f"no ready signal within {START_TIMEOUT:g} s")
             process.kill()
-        message = json.loads(line) if line.strip() else {}
-        if message.get("event") != "ready":
+        if not isinstance(message, control.Ready):
             code = await process.wait()
             await self.gpus.release(worker)
             if not worker.stopping:  # a worker that exits because it was told to is not a failed start
-                error = message.get("error") or f"worker exited with code {code} before it was ready"
-                worker.error = f"{message.get('phase', 'start')} failed: {error}"
+                worker.error = f"{message.phase} failed: {message.error}" if message is not None else \
+                    f"start failed: worker exited with code {code} before it was ready"
             return False
         if worker.stopping:  # stopped while it started: it must not outlive its stop
             await self.stop(worker)
             return False
         worker.timings = start_breakdown(how, message, began, launched, time.monotonic())
-        worker.tier = start_tier(message["timings"].get("weights"), pulled)
-        worker.port, worker.control_secret = message["port"], message["control_secret"]
+        weights = message.timings.get("weights")
+        worker.tier = start_tier(weights if isinstance(weights, str) else None, pulled)
+        worker.port, worker.control_secret = message.port, message.control_secret
         log = self.log.warning if "fallback" in how else self.log.info
         log("replica %s started: %s %s", worker.id, worker.tier, worker.timings)
         return True
@@ -486,11 +486,11 @@ def piped_stdout(process: asyncio.subprocess.Process) -> asyncio.StreamReader:
     return process.stdout
 
 
-def start_breakdown(how: dict[str, int | str], ready: dict, began: float, launched: float,
+def start_breakdown(how: dict[str, int | str], ready: control.Ready, began: float, launched: float,
                     now: float) -> dict[str, int | str]:
     """A start's breakdown: fork or spawn (and a fallback's reason), the waits before it, ms from `launched` to the
     new process's first line, what the worker reported (import, enter hooks, weights, whatever else its timings
     carry) and the total from `began`."""
     phase = "fork_ms" if how.get("start") == "fork" else "spawn_ms"
-    return {**how, phase: max(round((ready["started"] - launched) * 1000), 0), **ready["timings"],
+    return {**how, phase: max(round((ready.started - launched) * 1000), 0), **ready.timings,
             "total_ms": round((now - began) * 1000)}

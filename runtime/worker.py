@@ -2,8 +2,8 @@
 
     python -m ember.runtime.worker --package P --target NAME
 
-stdout is the control channel to the gateway: one JSON line {"event": "ready", "port", "timings", "control_secret"}
-or {"event": "failed", "phase", "error"}; the gateway sends control_secret in the x-ember-control header of every
+stdout is the control channel to the gateway: one line, runtime/control.py's Ready (port, timings, control_secret)
+or Failed (phase, error); the gateway sends control_secret in the x-ember-control header of every
 request to /__ember__/. A replica that cannot go on (runtime/health.py) exits with code 3. Everything the user's
 code prints goes to stderr, which the gateway sends to the replica's log file.
 """
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from ember.runtime import health, logs, startup, tracing  # noqa: E402
+from ember.runtime import control, health, logs, startup, tracing  # noqa: E402
 from ember.runtime.call_body import BadCallBody, keyword_arguments  # noqa: E402
 from ember.runtime.generators import EventStream, ValueSource, is_generator  # noqa: E402
 
@@ -42,8 +42,8 @@ class ControlChannel:
         os.dup2(2, 1)
         sys.stdout = sys.stderr
 
-    def send(self, **message: Any) -> None:
-        self._out.write(json.dumps(message) + "\n")
+    def send(self, message: control.ControlMessage) -> None:
+        self._out.write(control.encode(message) + "\n")
         self._out.flush()
 
 
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     if tracing.setup("ember-worker"):  # before the user's enter hooks, so they can trace too
         logs.follow_spans()
-    control = ControlChannel()
+    channel = ControlChannel()
 
     def load() -> tuple[Any, Any]:
         from ember.package import unpack
@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         unit_environment(unit)
         return unit, None
 
-    return serve(control, STARTED, load)
+    return serve(channel, STARTED, load)
 
 
 def run_forked(unit: Any, snapped: Any, env: dict[str, str], control_fd: int, log_fd: int, lifeline_fd: int,
@@ -497,13 +497,13 @@ def run_forked(unit: Any, snapped: Any, env: dict[str, str], control_fd: int, lo
         torch.seed()  # every fork starts from its fork server's generator state: replicas must not sample alike
     if tracing.setup("ember-worker"):
         logs.follow_spans()
-    control = ControlChannel()
+    channel = ControlChannel()
 
     def load() -> tuple[Any, Any]:
         unit_environment(unit)
         return unit, snapped
 
-    return serve(control, started, load)
+    return serve(channel, started, load)
 
 
 def _end_with_lifeline(fd: int) -> None:
@@ -533,7 +533,7 @@ def cuda_init() -> dict[str, int]:
     return {"cuda_init_ms": round((time.monotonic() - began) * 1000)}
 
 
-def serve(control: ControlChannel, started: float, load: Callable[[], tuple[Any, Any]]) -> int:
+def serve(channel: ControlChannel, started: float, load: Callable[[], tuple[Any, Any]]) -> int:
     """Load the unit (`load()` -> the unit and its instance when its snap=True hooks already ran), run its enter
     hooks, say ready on the control channel and serve until SIGTERM; the process's exit code."""
     timings: dict[str, int | str] = {}
@@ -571,9 +571,9 @@ def serve(control: ControlChannel, started: float, load: Callable[[], tuple[Any,
         sock.listen(128)
     except BaseException as exc:
         traceback.print_exc()
-        control.send(event="failed", phase=phase, error=f"{type(exc).__name__}: {exc}")
+        channel.send(control.Failed(phase, f"{type(exc).__name__}: {exc}"))
         return 1
-    control.send(event="ready", port=sock.getsockname()[1], started=started, timings=timings, control_secret=secret)
+    channel.send(control.Ready(sock.getsockname()[1], started, timings, secret))
     try:
         _serve(asgi, sock)
     finally:
