@@ -115,7 +115,9 @@ def admin_router(gateway: "Gateway") -> APIRouter:
         return {"uptime_s": round(now - gateway.started, 1), "apps": apps}
 
     @router.get("/logs", response_class=PlainTextResponse)
-    async def logs(replica: str | None = Query(None, pattern=r"^[A-Za-z0-9_.-]{1,100}$"), lines: int = Query(200, ge=1, le=100_000)) -> str:
+    async def logs(
+        replica: str | None = Query(None, pattern=r"^[A-Za-z0-9_.-]{1,100}$"), lines: int = Query(200, ge=1, le=100_000)
+    ) -> str:
         if replica is None:
             return tail(gateway.home.logs / "gateway.log", lines)
         matches = sorted(gateway.home.logs.glob(f"*.{replica}.log"))
@@ -139,7 +141,9 @@ def admin_router(gateway: "Gateway") -> APIRouter:
         if not match:
             raise ApiError(400, "invalid_package_url", f"package_url must be s3://BUCKET/KEY; got {url[:200]!r}")
         if digest is None or not SHA256.fullmatch(digest):
-            raise ApiError(400, "invalid_sha256", "with package_url, send sha256: the package's hash as 64 lowercase hex digits")
+            raise ApiError(
+                400, "invalid_sha256", "with package_url, send sha256: the package's hash as 64 lowercase hex digits"
+            )
         import boto3
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -156,7 +160,9 @@ def admin_router(gateway: "Gateway") -> APIRouter:
         except PackageMismatch as exc:
             raise ApiError(422, "sha256_mismatch", str(exc)) from None
         except (BotoCoreError, ClientError) as exc:
-            raise ApiError(502, "s3_error", f"cannot fetch {url[:200]}: {exc}; check the gateway's AWS credentials and region") from None
+            raise ApiError(
+                502, "s3_error", f"cannot fetch {url[:200]}: {exc}; check the gateway's AWS credentials and region"
+            ) from None
 
     @router.post("/deploy")
     async def deploy(body: DeployRequest, request: Request) -> dict:
@@ -194,9 +200,17 @@ def admin_router(gateway: "Gateway") -> APIRouter:
     @router.get("/apps")
     async def apps() -> list[dict]:
         live = {v.app: v for v in await asyncio.to_thread(gateway.versions.live)}
-        return [live[name].describe() if name in live else {"app": name, "version": None, "functions":
-                                                             sorted(deployment.units), "package": str(deployment.package)}
-                for name, deployment in sorted(gateway.deployments.items())]
+        return [
+            live[name].describe()
+            if name in live
+            else {
+                "app": name,
+                "version": None,
+                "functions": sorted(deployment.units),
+                "package": str(deployment.package),
+            }
+            for name, deployment in sorted(gateway.deployments.items())
+        ]
 
     @router.get("/apps/{app}/versions")
     async def versions(app: str) -> list[dict]:
@@ -234,7 +248,12 @@ def admin_router(gateway: "Gateway") -> APIRouter:
     @router.get("/apps/{app}/limits")
     async def app_limits(app: str) -> dict:
         limits = await asyncio.to_thread(gateway.app_limits.get, _app_name(app))
-        return {"app": app, "rpm": limits.requests_per_minute, "tpm": limits.tokens_per_minute, "concurrency": limits.max_concurrent}
+        return {
+            "app": app,
+            "rpm": limits.requests_per_minute,
+            "tpm": limits.tokens_per_minute,
+            "concurrency": limits.max_concurrent,
+        }
 
     @router.put("/apps/{app}/limits")
     async def set_app_limits(app: str, body: LimitsBody) -> dict:

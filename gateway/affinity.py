@@ -25,9 +25,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-DEFAULT_EPSILON = 0.25  # the usual choice for bounded-load hashing: hot keys spill before a replica runs 25% over the mean
+DEFAULT_EPSILON = (
+    0.25  # the usual choice for bounded-load hashing: hot keys spill before a replica runs 25% over the mean
+)
 PREFIX_BLOCK_CHARS = 64  # ~16 tokens, one KV-cache block: shorter shared prefixes save too little to route on
-PREFIX_MAX_CHARS = 512  # ~128 tokens: a shared prefix this long is worth a trip to its replica; later text is per-request
+PREFIX_MAX_CHARS = (
+    512  # ~128 tokens: a shared prefix this long is worth a trip to its replica; later text is per-request
+)
 
 
 @dataclass(frozen=True)

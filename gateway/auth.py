@@ -13,8 +13,12 @@ async def authenticate(keys: KeyStore, request: Request, admin: bool = False) ->
     header = request.headers.get("authorization", "")
     scheme, _, secret = header.partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
-        raise ApiError(401, "unauthorized", "missing API key: send 'Authorization: Bearer ek_...' (create one with `ember keys create --name NAME`)",
-                       {"WWW-Authenticate": "Bearer"})
+        raise ApiError(
+            401,
+            "unauthorized",
+            "missing API key: send 'Authorization: Bearer ek_...' (create one with `ember keys create --name NAME`)",
+            {"WWW-Authenticate": "Bearer"},
+        )
     known, key = keys.cached(secret.strip())
     if not known:
         key = await asyncio.to_thread(keys.verify, secret.strip())
@@ -28,5 +32,9 @@ async def authenticate(keys: KeyStore, request: Request, admin: bool = False) ->
 
 def authorize(key: ApiKey, app: str, unit: str) -> None:
     if not key.allows(app, unit):
-        raise ApiError(403, "forbidden", f"key {key.id} ({key.name}) may not call {app}/{unit}; its scopes are {list(key.scopes)} "
-                                         f"(create one with --scope app:{app} or --scope fn:{app}/{unit})")
+        raise ApiError(
+            403,
+            "forbidden",
+            f"key {key.id} ({key.name}) may not call {app}/{unit}; its scopes are {list(key.scopes)} "
+            f"(create one with --scope app:{app} or --scope fn:{app}/{unit})",
+        )

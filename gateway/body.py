@@ -73,7 +73,9 @@ def session_id(request: Request) -> str | None:
     if value is None:
         return None
     if not SESSION_ID.fullmatch(value):
-        raise ApiError(400, "invalid_session_id", "X-Session-ID must be 1-256 printable ASCII characters without spaces")
+        raise ApiError(
+            400, "invalid_session_id", "X-Session-ID must be 1-256 printable ASCII characters without spaces"
+        )
     return SESSION + value
 
 

@@ -41,7 +41,8 @@ def scaling_settings(spec: FunctionSpec) -> ScalingSettings:
 
 @dataclass(frozen=True)
 class ScalingDecision:
-    """One scaling action taken, as `ember status` shows it: the policy's, or an eviction the backend's limits forced."""
+    """One scaling action taken, as `ember status` shows it: the policy's, or an eviction the backend's limits
+    forced."""
 
     t: float  # wall clock
     action: str  # start, wake, park or evict

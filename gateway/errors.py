@@ -47,14 +47,18 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, HTTP_TYPES.get(exc.status_code, "http_error"), str(exc.detail), exc.headers)
+        return error_response(
+            exc.status_code, HTTP_TYPES.get(exc.status_code, "http_error"), str(exc.detail), exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         unknown = [e["ctx"]["error"] for e in exc.errors() if isinstance(e.get("ctx", {}).get("error"), UnknownField)]
         if unknown:
             return error_response(400, "unknown_field", str(unknown[0]))
-        return error_response(422, "invalid_request", "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+        return error_response(
+            422, "invalid_request", "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        )
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:

@@ -16,7 +16,10 @@ class HeaderLimit:
             headers = scope["headers"]
             size = sum(len(k) + len(v) + 4 for k, v in headers) + len(scope.get("raw_path") or b"")
             if size > MAX_HEADER_BYTES or len(headers) > MAX_HEADERS:
-                response = error_response(431, "headers_too_large",
-                                          f"request line and headers must stay under {MAX_HEADER_BYTES} bytes and {MAX_HEADERS} fields")
+                response = error_response(
+                    431,
+                    "headers_too_large",
+                    f"request line and headers must stay under {MAX_HEADER_BYTES} bytes and {MAX_HEADERS} fields",
+                )
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)

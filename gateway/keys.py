@@ -33,7 +33,13 @@ CREATE TABLE IF NOT EXISTS api_keys (
 )
 """
 # Added after the first release: databases from it gain these columns on open.
-NEW_COLUMNS = [("scopes", "TEXT NOT NULL DEFAULT '[]'"), ("expires", "REAL"), ("rpm", "INTEGER"), ("tpm", "INTEGER"), ("concurrency", "INTEGER")]
+NEW_COLUMNS = [
+    ("scopes", "TEXT NOT NULL DEFAULT '[]'"),
+    ("expires", "REAL"),
+    ("rpm", "INTEGER"),
+    ("tpm", "INTEGER"),
+    ("concurrency", "INTEGER"),
+]
 NAME = r"[a-z0-9][a-z0-9_-]{0,62}"
 SCOPE = re.compile(rf"admin|app:{NAME}|fn:{NAME}/[A-Za-z_][A-Za-z0-9_]{{0,62}}")
 CACHE_TTL = 1.0  # seconds another gateway's revocation may take to reach this one; this one's own are immediate
@@ -43,7 +49,9 @@ STALE_TTL = 60.0  # seconds a key read before may still serve while the database
 def check_scopes(scopes: list[str]) -> list[str]:
     for scope in scopes:
         if not isinstance(scope, str) or not SCOPE.fullmatch(scope):
-            raise ValueError(f"scope {scope!r} is not one of 'admin', 'app:APP', 'fn:APP/FUNCTION' (lower-case app names)")
+            raise ValueError(
+                f"scope {scope!r} is not one of 'admin', 'app:APP', 'fn:APP/FUNCTION' (lower-case app names)"
+            )
     return sorted(set(scopes))
 
 
@@ -69,9 +77,18 @@ class ApiKey:
         return not grants or f"app:{app}" in grants or f"fn:{app}/{unit}" in grants
 
     def describe(self) -> dict:
-        return {"id": self.id, "name": self.name, "admin": self.admin, "scopes": list(self.scopes), "created": self.created,
-                "expires": self.expires, "revoked": self.revoked, "rpm": self.limits.requests_per_minute,
-                "tpm": self.limits.tokens_per_minute, "concurrency": self.limits.max_concurrent}
+        return {
+            "id": self.id,
+            "name": self.name,
+            "admin": self.admin,
+            "scopes": list(self.scopes),
+            "created": self.created,
+            "expires": self.expires,
+            "revoked": self.revoked,
+            "rpm": self.limits.requests_per_minute,
+            "tpm": self.limits.tokens_per_minute,
+            "concurrency": self.limits.max_concurrent,
+        }
 
 
 def _hash(secret: str) -> str:
@@ -104,10 +121,23 @@ class KeyStore:
         secret = f"ek_{key_id}_{secrets.token_urlsafe(32)}"
         key = ApiKey(key_id, name, "admin" in scopes, time.time(), None, tuple(scopes), expires, limits)
         with connect(self.db, f"save the new key {name!r}") as conn:
-            conn.execute("INSERT INTO api_keys (id, name, hash, admin, created, revoked, scopes, expires, rpm, tpm, concurrency) "
-                         "VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
-                         (key_id, name, _hash(secret), int(key.admin), key.created, json.dumps(scopes), expires,
-                          limits.requests_per_minute, limits.tokens_per_minute, limits.max_concurrent))
+            conn.execute(
+                "INSERT INTO api_keys "
+                "(id, name, hash, admin, created, revoked, scopes, expires, rpm, tpm, concurrency) "
+                "VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?)",
+                (
+                    key_id,
+                    name,
+                    _hash(secret),
+                    int(key.admin),
+                    key.created,
+                    json.dumps(scopes),
+                    expires,
+                    limits.requests_per_minute,
+                    limits.tokens_per_minute,
+                    limits.max_concurrent,
+                ),
+            )
         return key, secret
 
     def cached(self, secret: str) -> tuple[bool, ApiKey | None]:

@@ -14,9 +14,19 @@ from ember.gateway.keys import ApiKey
 
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-ERROR_RESPONSES = {code: {"description": what} | ERROR for code, what in [
-    (400, "bad request"), (401, "missing or invalid key"), (403, "key lacks the scope"), (404, "no such app or function"),
-    (413, "body too large"), (429, "rate limited"), (503, "no replica available"), (504, "upstream timed out")]}
+ERROR_RESPONSES = {
+    code: {"description": what} | ERROR
+    for code, what in [
+        (400, "bad request"),
+        (401, "missing or invalid key"),
+        (403, "key lacks the scope"),
+        (404, "no such app or function"),
+        (413, "body too large"),
+        (429, "rate limited"),
+        (503, "no replica available"),
+        (504, "upstream timed out"),
+    ]
+}
 CALL_ERRORS = {422: "the arguments do not fit the function's signature (the message names each field)",
                500: "the function raised (its error type and message)"}
 ERROR_SCHEMA = {

@@ -113,8 +113,14 @@ def is_sse(reply: aiohttp.ClientResponse) -> bool:
     return reply.headers.get("content-type", "").startswith("text/event-stream")
 
 
-async def call(client: aiohttp.ClientSession, replica: GatewayReplica, method: str, body: bytes | bytearray, timeout: float,
-               trace: dict | None = None) -> Response | aiohttp.ClientResponse:
+async def call(
+    client: aiohttp.ClientSession,
+    replica: GatewayReplica,
+    method: str,
+    body: bytes | bytearray,
+    timeout: float,
+    trace: dict | None = None,
+) -> Response | aiohttp.ClientResponse:
     """A function call: the replica's JSON reply (result or error) passed through with its status, or, for a
     generator's stream of events, the open upstream reply for a `Relay`. `trace`: the trace context headers of this
     hop, when tracing is on."""
@@ -138,8 +144,15 @@ async def call(client: aiohttp.ClientSession, replica: GatewayReplica, method: s
         raise _failure(replica, exc) from None
 
 
-async def open_stream(client: aiohttp.ClientSession, replica: GatewayReplica, request: Request, path: str, body: bytes | bytearray,
-                      timeout: float, trace: dict | None = None) -> aiohttp.ClientResponse:
+async def open_stream(
+    client: aiohttp.ClientSession,
+    replica: GatewayReplica,
+    request: Request,
+    path: str,
+    body: bytes | bytearray,
+    timeout: float,
+    trace: dict | None = None,
+) -> aiohttp.ClientResponse:
     """Start forwarding `request` with the `body` the gateway read to the replica's ASGI app at `path`. `timeout`
     bounds the wait for each response chunk. `trace`, when tracing is on: this hop's trace context headers, which
     replace the client's."""
@@ -174,7 +187,9 @@ class Relay(Response):
     An upstream that fails mid-stream ends an SSE stream with an `event: error`; other bodies are cut off.
     A small non-SSE reply of known length is read whole and sent in one piece, with no disconnect watch."""
 
-    def __init__(self, upstream: aiohttp.ClientResponse, on_close: Callable[[], Awaitable[None]], meter: UsageMeter | None = None):
+    def __init__(
+        self, upstream: aiohttp.ClientResponse, on_close: Callable[[], Awaitable[None]], meter: UsageMeter | None = None
+    ):
         self.upstream, self.on_close, self.meter = upstream, on_close, meter
         self.closed = False
         self.cut = False  # ended by a stopping gateway, not by the replica
@@ -243,7 +258,9 @@ class Relay(Response):
         except aiohttp.ClientError as exc:
             log.warning("upstream failed mid-response: %s: %s", type(exc).__name__, exc)
             await self.close()
-            reply = error_response(502, "replica_failed", f"the replica failed mid-response ({type(exc).__name__}); retry the request")
+            reply = error_response(
+                502, "replica_failed", f"the replica failed mid-response ({type(exc).__name__}); retry the request"
+            )
             return await reply(scope, receive, send)
         if self.meter is not None:
             self.meter.feed(body)

@@ -258,7 +258,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 """
 
-# KEYS: per scope rpm, tpm, leases. ARGV: window, tokens, lease id, lease ttl, then per scope rpm, tpm, max_concurrent (0 = none).
+# KEYS: per scope rpm, tpm, leases. ARGV: window, tokens, lease id, lease ttl, then per scope rpm, tpm,
+# max_concurrent (0 = none).
 _ADMIT_LUA = _GCRA_LUA + """
 local window, tokens, lease, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local allowed = true

@@ -161,7 +161,8 @@ class Scaler:
 
     @staticmethod
     def _held(unit: Unit) -> bool:
-        """After a failed start, start again only for a new call (or after a while), so a crash in enter does not loop."""
+        """After a failed start, start again only for a new call (or after a while), so a crash in enter does not
+        loop."""
         if unit.last_failure is None:
             return False
         arrivals, at = unit.last_failure

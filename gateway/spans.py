@@ -29,9 +29,13 @@ def finish(scope, span) -> None:
     span.set_attributes({"ember.replica.id": lease.replica.id, "ember.retries": lease.attempt - 1,
                          "ember.queue.wait_ms": round(lease.waited_s * 1000, 3)})
     if lease.cold_start:
-        span.set_attributes({"ember.cold_start.tier": lease.cold_start.tier, "ember.cold_start.ms": lease.cold_start.ms})
+        span.set_attributes(
+            {"ember.cold_start.tier": lease.cold_start.tier, "ember.cold_start.ms": lease.cold_start.ms}
+        )
     if lease.waited_s >= QUEUED:
         attributes = {"ember.replica.id": lease.replica.id}
         if lease.cold_start:
             attributes["ember.cold_start"] = lease.cold_start.header()
-        tracing.interval("ember.queue", span, lease.granted_ns - int(lease.waited_s * 1e9), lease.granted_ns, attributes)
+        tracing.interval(
+            "ember.queue", span, lease.granted_ns - int(lease.waited_s * 1e9), lease.granted_ns, attributes
+        )

@@ -13,7 +13,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Ember dev"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Ember dev"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
 
 
 def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:

@@ -35,7 +35,9 @@ def admit(
     if queue_len >= bound:
         return Reject(max(1, math.ceil(start_eta)), f"queue full ({queue_len} waiting, bound {bound})")
     if oldest_wait >= timeout:
-        return Reject(max(1, math.ceil(timeout)), f"queue stalled: oldest request waited {oldest_wait:.1f}s >= {timeout:g}s")
+        return Reject(
+            max(1, math.ceil(timeout)), f"queue stalled: oldest request waited {oldest_wait:.1f}s >= {timeout:g}s"
+        )
     return Admit()
 
 

@@ -206,7 +206,9 @@ def replicas_for(concurrency: float, target: float) -> int:
     return math.ceil(round(concurrency / target, 6))
 
 
-def burst(settings: ScalingSettings, hot: Sequence[ReplicaView], starting: Sequence[ReplicaView], latest: Sample) -> float:
+def burst(
+    settings: ScalingSettings, hot: Sequence[ReplicaView], starting: Sequence[ReplicaView], latest: Sample
+) -> float:
     """The latest sample's concurrency when it is a burst the averages would dilute, else 0.
 
     A burst is a panic-sized load (or any load at zero). Queued requests that fit in

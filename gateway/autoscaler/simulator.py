@@ -47,7 +47,12 @@ class ReplicaModel:
     snapshot_built: bool = True  # False: the first start ever is a full boot
 
     def start_latency(self, tier: str) -> float:
-        return {"parked": self.wake, "node-warm": self.node_warm, "node-cold": self.node_cold, "full-boot": self.full_boot}[tier]
+        return {
+            "parked": self.wake,
+            "node-warm": self.node_warm,
+            "node-cold": self.node_cold,
+            "full-boot": self.full_boot,
+        }[tier]
 
     def prefill(self, r: Request) -> float:
         return r.prompt_tokens / self.prefill_tokens_per_s

@@ -70,16 +70,26 @@ def diurnal(duration: float, rng: random.Random, mean: float = 8.0) -> list[Requ
     return poisson(lambda t: mean * (1 - 0.95 * math.cos(2 * math.pi * t / duration)), 2 * mean, duration, rng)
 
 
-def on_off(duration: float, rng: random.Random, rate: float = 25.0, on: float = 60.0, off: float = 240.0) -> list[Request]:
+def on_off(
+    duration: float, rng: random.Random, rate: float = 25.0, on: float = 60.0, off: float = 240.0
+) -> list[Request]:
     return poisson(lambda t: rate if t % (on + off) < on else 0.0, rate, duration, rng)
 
 
-def spike(duration: float, rng: random.Random, base: float = 0.1, peak: float = 40.0, at: float = 0.4, width: float = 30.0) -> list[Request]:
+def spike(
+    duration: float, rng: random.Random, base: float = 0.1, peak: float = 40.0, at: float = 0.4, width: float = 30.0
+) -> list[Request]:
     start = duration * at
     return poisson(lambda t: peak if start <= t < start + width else base, peak, duration, rng)
 
 
-def sessions(duration: float, rng: random.Random, rate: float = 0.5, turns: tuple[int, int] = (3, 12), think: tuple[float, float] = (2.0, 12.0)) -> list[Request]:
+def sessions(
+    duration: float,
+    rng: random.Random,
+    rate: float = 0.5,
+    turns: tuple[int, int] = (3, 12),
+    think: tuple[float, float] = (2.0, 12.0),
+) -> list[Request]:
     """Many short chat sessions: each sends a few turns separated by a think time."""
     out = []
     for begin in poisson(lambda t: rate, rate, duration, rng):

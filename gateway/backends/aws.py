@@ -52,10 +52,15 @@ class AwsSettings:
         if missing:
             raise RuntimeError(f"--backend aws needs {' and '.join(missing)} set (the Auto Scaling Group and bucket "
                                "that terraform/examples/basic outputs)")
-        return cls(os.environ["EMBER_AWS_ASG"], os.environ["EMBER_AWS_BUCKET"], os.environ.get("EMBER_AWS_TABLES", "ember-"),
-                   int(os.environ.get("EMBER_AWS_REPLICAS_PER_NODE", "1")), float(os.environ.get("EMBER_AWS_START_TIMEOUT", "600")),
-                   float(os.environ.get("EMBER_AWS_HEARTBEAT_TIMEOUT", "15")),
-                   int(os.environ.get("EMBER_AWS_PARKED_RAM", str(PARKED_RAM))))
+        return cls(
+            os.environ["EMBER_AWS_ASG"],
+            os.environ["EMBER_AWS_BUCKET"],
+            os.environ.get("EMBER_AWS_TABLES", "ember-"),
+            int(os.environ.get("EMBER_AWS_REPLICAS_PER_NODE", "1")),
+            float(os.environ.get("EMBER_AWS_START_TIMEOUT", "600")),
+            float(os.environ.get("EMBER_AWS_HEARTBEAT_TIMEOUT", "15")),
+            int(os.environ.get("EMBER_AWS_PARKED_RAM", str(PARKED_RAM))),
+        )
 
 
 def clients():
@@ -83,8 +88,12 @@ def place(nodes: list[dict], assignments: list[dict], digest: str, now: float, h
 def create_tables(dynamodb, prefix: str) -> None:
     """The two tables (terraform creates them in a real account; tests and `ember` dev setups call this)."""
     for name, key in ((f"{prefix}nodes", "node_id"), (f"{prefix}replicas", "replica_id")):
-        dynamodb.create_table(TableName=name, KeySchema=[{"AttributeName": key, "KeyType": "HASH"}],
-                              AttributeDefinitions=[{"AttributeName": key, "AttributeType": "S"}], BillingMode="PAY_PER_REQUEST")
+        dynamodb.create_table(
+            TableName=name,
+            KeySchema=[{"AttributeName": key, "KeyType": "HASH"}],
+            AttributeDefinitions=[{"AttributeName": key, "AttributeType": "S"}],
+            BillingMode="PAY_PER_REQUEST",
+        )
 
 
 class AwsBackend:
@@ -139,26 +148,38 @@ class AwsBackend:
                     replica.fail(error or await self._why_not_started(replica, state))
                 await self._forget(replica)
                 return
-            replica.note = f"assignment {state}" + (f" on node {item['node_id']}" if item.get("node_id") else ": waiting for a node")
+            replica.note = f"assignment {state}" + (
+                f" on node {item['node_id']}" if item.get("node_id") else ": waiting for a node"
+            )
             await asyncio.sleep(POLL)
         now = time.monotonic()
         replica.host, replica.port, replica.note = item["host"], int(item["port"]), None
         replica.control_secret = item.get("control_secret")
         node_start = json.loads(item.get("start") or "{}")  # the node's supervisor's breakdown of the worker's start
         replica.tier = Tier(item.get("tier", self.tier))
-        replica.timings = {"claim_ms": int(item.get("claim_ms", 0)), "pull_ms": int(item.get("pull_ms", 0)),
-                           "boot_ms": int(item.get("boot_ms", 0)), **{k: v for k, v in node_start.items() if k != "total_ms"},
-                           "total_ms": round((now - began) * 1000)}
+        replica.timings = {
+            "claim_ms": int(item.get("claim_ms", 0)),
+            "pull_ms": int(item.get("pull_ms", 0)),
+            "boot_ms": int(item.get("boot_ms", 0)),
+            **{k: v for k, v in node_start.items() if k != "total_ms"},
+            "total_ms": round((now - began) * 1000),
+        }
         if replica.state != STOPPING:
             replica.ready()
 
     async def _why_not_started(self, replica: GatewayReplica, state: str) -> str:
         group = await asyncio.to_thread(self._group)
-        nodes = [n for n in await asyncio.to_thread(scan, self.nodes) if time.time() - float(n.get("heartbeat", 0)) < self.settings.heartbeat_timeout]
+        nodes = [
+            n
+            for n in await asyncio.to_thread(scan, self.nodes)
+            if time.time() - float(n.get("heartbeat", 0)) < self.settings.heartbeat_timeout
+        ]
         full = " (at its MaxSize: raise max_size)" if group["DesiredCapacity"] >= group["MaxSize"] else ""
-        return (f"start failed: assignment {replica.id} still {state} after {self.settings.start_timeout:g} s; group "
-                f"{self.settings.group} wants {group['DesiredCapacity']} instances{full}, {len(nodes)} node agents alive: "
-                "check the instances boot and run `python -m ember.runtime.node_agent` (its log is on the instance)")
+        return (
+            f"start failed: assignment {replica.id} still {state} after {self.settings.start_timeout:g} s; group "
+            f"{self.settings.group} wants {group['DesiredCapacity']} instances{full}, {len(nodes)} node agents alive: "
+            "check the instances boot and run `python -m ember.runtime.node_agent` (its log is on the instance)"
+        )
 
     async def _item(self, replica: GatewayReplica) -> dict | None:
         reply = await asyncio.to_thread(self.replicas.get_item, Key={"replica_id": replica.id}, ConsistentRead=True)
@@ -218,8 +239,13 @@ class AwsBackend:
 
     async def stop(self, replica: GatewayReplica, grace: float = 10.0) -> None:
         """Ask its node agent to stop it; once stopped (or after `grace`), forget it and shrink the group."""
-        await asyncio.to_thread(self.replicas.update_item, Key={"replica_id": replica.id}, UpdateExpression="SET #s = :stop",
-                                ExpressionAttributeNames={"#s": "state"}, ExpressionAttributeValues={":stop": "stop"})
+        await asyncio.to_thread(
+            self.replicas.update_item,
+            Key={"replica_id": replica.id},
+            UpdateExpression="SET #s = :stop",
+            ExpressionAttributeNames={"#s": "state"},
+            ExpressionAttributeValues={":stop": "stop"},
+        )
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             item = await self._item(replica)
@@ -242,7 +268,9 @@ class AwsBackend:
         await self.resize()
 
     def _group(self) -> dict:
-        return self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[self.settings.group])["AutoScalingGroups"][0]
+        return self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[self.settings.group])[
+            "AutoScalingGroups"
+        ][0]
 
     async def resize(self) -> None:
         async with self._sizing:
@@ -256,14 +284,30 @@ class AwsBackend:
         want = min(nodes_needed(len(active), self.settings.replicas_per_node, len(busy)), group["MaxSize"])
         instances = [i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] in ("Pending", "InService")]
         if want > group["DesiredCapacity"]:
-            log.info("group %s: desired %d -> %d for %d replicas", self.settings.group, group["DesiredCapacity"], want, len(active))
-            self.autoscaling.set_desired_capacity(AutoScalingGroupName=self.settings.group, DesiredCapacity=want, HonorCooldown=False)
+            log.info(
+                "group %s: desired %d -> %d for %d replicas",
+                self.settings.group,
+                group["DesiredCapacity"],
+                want,
+                len(active),
+            )
+            self.autoscaling.set_desired_capacity(
+                AutoScalingGroupName=self.settings.group, DesiredCapacity=want, HonorCooldown=False
+            )
             return
         for instance in [i for i in instances if i not in busy][: max(len(instances) - want, 0)]:
             # draining first: its agent claims no new assignment between this and its termination
-            self.nodes.update_item(Key={"node_id": instance}, UpdateExpression="SET #s = :d",
-                                   ExpressionAttributeNames={"#s": "state"}, ExpressionAttributeValues={":d": "draining"})
-            if any(r.get("node_id") == instance for r in scan(self.replicas, FilterExpression=Attr("node_id").eq(instance))):
+            self.nodes.update_item(
+                Key={"node_id": instance},
+                UpdateExpression="SET #s = :d",
+                ExpressionAttributeNames={"#s": "state"},
+                ExpressionAttributeValues={":d": "draining"},
+            )
+            if any(
+                r.get("node_id") == instance for r in scan(self.replicas, FilterExpression=Attr("node_id").eq(instance))
+            ):
                 continue  # it claimed one just before the mark: keep it
             log.info("group %s: terminating idle instance %s", self.settings.group, instance)
-            self.autoscaling.terminate_instance_in_auto_scaling_group(InstanceId=instance, ShouldDecrementDesiredCapacity=True)
+            self.autoscaling.terminate_instance_in_auto_scaling_group(
+                InstanceId=instance, ShouldDecrementDesiredCapacity=True
+            )

@@ -53,14 +53,17 @@ class LocalBackend:
         self.parked_ram = int(machine_ram() * PARKED_RAM_FRACTION) if parked_ram is None else parked_ram
         # fork: start replicas from a fork server per app (default: unless EMBER_FORK_SERVER=0)
         self.workers = Supervisor(detect_gpus() if gpus is None else gpus, logging.getLogger("ember.gateway"), fork)
-        self.gpus: GpuPool | None = self.workers.gpus  # the autoscaler evicts a parked holder when a start waits for one
+        self.gpus: GpuPool | None = (
+            self.workers.gpus
+        )  # the autoscaler evicts a parked holder when a start waits for one
 
     def new_replica(self, app: str, unit: str) -> GatewayReplica:
         replica_id = f"{unit.lower().replace('.', '-')}-{uuid.uuid4().hex[:8]}"
         return GatewayReplica(replica_id, app, unit, self.logs / f"{app}.{replica_id}.log", tier=self.tier)
 
     async def start(self, replica: GatewayReplica, package: Path, spec: FunctionSpec) -> None:
-        """Start the replica's worker; sets its state (hot, failed with replica.error, or stopping), port and timings."""
+        """Start the replica's worker; sets its state (hot, failed with replica.error, or stopping), port and
+        timings."""
         if await self.workers.start(replica, package, spec):
             replica.ready()
         elif replica.error:

@@ -1,5 +1,7 @@
 """The AWS backend against moto_server: a call at zero raises the group's desired capacity, a node agent (a local
-process standing in for the instance) claims the assignment and serves it, and the idle instance goes after the window."""
+process standing in for the instance) claims the assignment and serves it, and the idle instance goes after the
+window."""
+
 import os
 import subprocess
 import sys
@@ -57,14 +59,30 @@ class FakeInstances:
 
     def _watch(self) -> None:
         while not self.done.wait(0.2):
-            [group] = self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[self.group])["AutoScalingGroups"]
+            [group] = self.autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[self.group])[
+                "AutoScalingGroups"
+            ]
             self.desired_seen.append(group["DesiredCapacity"])
             live = {i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] in ("Pending", "InService")}
             for instance in sorted(live - set(self.agents)):
                 log = open(self.work / f"{instance}.log", "w")
                 self.agents[instance] = subprocess.Popen(
-                    [sys.executable, "-m", "ember.runtime.node_agent", "--instance-id", instance, "--address", "127.0.0.1",
-                     "--slots", str(self.slots), "--work", str(self.work / instance)], stdout=log, stderr=subprocess.STDOUT)
+                    [
+                        sys.executable,
+                        "-m",
+                        "ember.runtime.node_agent",
+                        "--instance-id",
+                        instance,
+                        "--address",
+                        "127.0.0.1",
+                        "--slots",
+                        str(self.slots),
+                        "--work",
+                        str(self.work / instance),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
                 self.launched.append(instance)
             for instance in set(self.agents) - live:  # terminated by the group
                 self.agents[instance].terminate()
@@ -92,7 +110,11 @@ def emulator():
 def aws(emulator, tmp_path, monkeypatch, request):
     slots = getattr(request, "param", 1)  # replicas per node
     httpx.post(f"{emulator}/moto-api/reset").raise_for_status()  # a fresh account for each test
-    env = aws_env(emulator) | {"EMBER_AWS_ASG": GROUP, "EMBER_AWS_BUCKET": BUCKET, "EMBER_AWS_REPLICAS_PER_NODE": str(slots)}
+    env = aws_env(emulator) | {
+        "EMBER_AWS_ASG": GROUP,
+        "EMBER_AWS_BUCKET": BUCKET,
+        "EMBER_AWS_REPLICAS_PER_NODE": str(slots),
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
@@ -100,7 +122,9 @@ def aws(emulator, tmp_path, monkeypatch, request):
     create_tables(boto3.resource("dynamodb"), "ember-")
     ec2, autoscaling = boto3.client("ec2"), boto3.client("autoscaling")
     image = ec2.describe_images()["Images"][0]["ImageId"]
-    ec2.create_launch_template(LaunchTemplateName="ember-node", LaunchTemplateData={"ImageId": image, "InstanceType": "g5.xlarge"})
+    ec2.create_launch_template(
+        LaunchTemplateName="ember-node", LaunchTemplateData={"ImageId": image, "InstanceType": "g5.xlarge"}
+    )
     autoscaling.create_auto_scaling_group(
         AutoScalingGroupName=GROUP, LaunchTemplate={"LaunchTemplateName": "ember-node"}, MinSize=0, MaxSize=3,
         DesiredCapacity=0, AvailabilityZones=["us-east-1a"])
@@ -112,7 +136,9 @@ def aws(emulator, tmp_path, monkeypatch, request):
 
 
 def desired(autoscaling) -> int:
-    return autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[GROUP])["AutoScalingGroups"][0]["DesiredCapacity"]
+    return autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[GROUP])["AutoScalingGroups"][0][
+        "DesiredCapacity"
+    ]
 
 
 def test_call_at_zero_scales_the_group_out_and_back_in(aws, serve):
@@ -164,7 +190,11 @@ def test_a_start_no_node_takes_fails_with_the_reason(aws, serve, monkeypatch):
         reply = http.post("/quick/add", json={"a": 2, "b": 3})
     assert reply.status_code == 503 and reply.headers["retry-after"]
     message = reply.json()["error"]["message"]
-    assert "still pending after 2 s; group ember-gpu wants 0 instances (at its MaxSize: raise max_size), 0 node agents alive" in message
+    assert (
+        "still pending after 2 s; group ember-gpu wants 0 instances (at its MaxSize: raise max_size), "
+        "0 node agents alive"
+        in message
+    )
     assert instances.launched == [] and boto3.resource("dynamodb").Table("ember-replicas").scan()["Items"] == []
 
 
@@ -180,7 +210,10 @@ def test_a_node_that_goes_silent_fails_its_replica_and_leaves_the_group(aws, ser
     while not (failed := served.status()["apps"]["quick"]["functions"]["sleepy"]["failed"]):
         assert time.monotonic() < deadline, "the silent node's replica was never failed"
         time.sleep(0.3)
-    assert f"node {instance} sent no heartbeat for" in failed[0]["error"] and "the instance or its node agent is gone" in failed[0]["error"]
+    assert (
+        f"node {instance} sent no heartbeat for" in failed[0]["error"]
+        and "the instance or its node agent is gone" in failed[0]["error"]
+    )
     while desired(autoscaling) != 0 or instance in [i["InstanceId"] for i in autoscaling.describe_auto_scaling_groups(
             AutoScalingGroupNames=[GROUP])["AutoScalingGroups"][0]["Instances"]]:
         assert time.monotonic() < deadline, "the dead instance was never terminated"

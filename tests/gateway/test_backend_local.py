@@ -101,7 +101,9 @@ def test_idle_replica_parks_wakes_on_a_call_and_is_evicted_after_the_window(serv
     with served.client(served.key()) as http:
         first = http.post("/parking/Model.predict", json={})
         assert first.json()["result"]["parks"] == 0
-        [parked] = wait_for(lambda: [r for r in model()["replicas"] if r["state"] == "parked" and r["parked_bytes"]], 10, "a park")
+        [parked] = wait_for(
+            lambda: [r for r in model()["replicas"] if r["state"] == "parked" and r["parked_bytes"]], 10, "a park"
+        )
         assert parked["parked_bytes"] > 10 * 2**20  # the worker's resident host RAM, what parking it costs the node
         second = http.post("/parking/Model.predict", json={})
     assert second.headers["x-ember-replica"] == first.headers["x-ember-replica"] == parked["id"]

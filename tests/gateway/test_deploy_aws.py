@@ -33,7 +33,9 @@ def test_deploy_uploads_once_and_a_node_serves_the_app(aws, serve, tmp_path):
     s3 = boto3.client("s3")
     stored = s3.head_object(Bucket=BUCKET, Key=f"packages/{digest}.pkg")
     assert stored["Metadata"]["sha256"] == digest and stored["ContentLength"] == size
-    assert (served.home / "packages" / package.name).read_bytes() == package.read_bytes()  # fetched from S3, not shared disk
+    assert (
+        served.home / "packages" / package.name
+    ).read_bytes() == package.read_bytes()  # fetched from S3, not shared disk
 
     with served.client(served.key()) as http:
         reply = http.post("/other/secret", json={})
@@ -45,7 +47,10 @@ def test_deploy_uploads_once_and_a_node_serves_the_app(aws, serve, tmp_path):
 
     again = deploy(APPS / "other.py", laptop, served.url, admin, served.ca)
     assert again.returncode == 0, again.stderr
-    assert f"already in s3://{BUCKET}/packages/{digest}.pkg: upload skipped" in again.stderr and "bytes sent" not in again.stderr
+    assert (
+        f"already in s3://{BUCKET}/packages/{digest}.pkg: upload skipped" in again.stderr
+        and "bytes sent" not in again.stderr
+    )
     assert s3.head_object(Bucket=BUCKET, Key=f"packages/{digest}.pkg")["LastModified"] == stored["LastModified"]
     # The AWS mode's gateway keeps its versions in its own database too; the same package again is no new version.
     [version] = json.loads(served.cli("apps", "history", "other", "--json").stdout)
@@ -66,14 +71,25 @@ def test_deploy_errors_say_what_is_wrong(aws, serve, tmp_path):
         status, kind, message = refused({"package_url": f"s3://{BUCKET}/packages/tampered.pkg", "sha256": claimed})
         assert (status, kind) == (422, "sha256_mismatch")
         assert f"has sha256 {hashlib.sha256(tampered).hexdigest()}, not {claimed}" in message
-        assert sorted(p.name for p in (served.home / "packages").iterdir() if not p.name.endswith(".pkg")) == []  # no partial file
+        assert (
+            sorted(p.name for p in (served.home / "packages").iterdir() if not p.name.endswith(".pkg")) == []
+        )  # no partial file
         assert not (served.home / "packages" / f"{claimed}.pkg").exists()
 
         status, kind, message = refused({"package_url": f"s3://{BUCKET}/packages/gone.pkg", "sha256": claimed})
-        assert (status, kind) == (404, "package_not_found") and f"no package at s3://{BUCKET}/packages/gone.pkg" in message
-        assert refused({"package_url": "https://example.com/app.pkg", "sha256": claimed})[:2] == (400, "invalid_package_url")
+        assert (status, kind) == (
+            404,
+            "package_not_found",
+        ) and f"no package at s3://{BUCKET}/packages/gone.pkg" in message
+        assert refused({"package_url": "https://example.com/app.pkg", "sha256": claimed})[:2] == (
+            400,
+            "invalid_package_url",
+        )
         assert refused({"package_url": f"s3://{BUCKET}/packages/tampered.pkg"})[:2] == (400, "invalid_sha256")
-        assert refused({"package": "x.pkg", "package_url": f"s3://{BUCKET}/x.pkg", "sha256": claimed})[:2] == (400, "invalid_request")
+        assert refused({"package": "x.pkg", "package_url": f"s3://{BUCKET}/x.pkg", "sha256": claimed})[:2] == (
+            400,
+            "invalid_request",
+        )
     assert "other" not in served.status()["apps"]
 
     no_bucket = deploy(APPS / "other.py", tmp_path / "laptop", served.url, "unused", served.ca, EMBER_AWS_BUCKET="")

@@ -17,7 +17,9 @@ APPS = Path(__file__).parent / "apps"
 def test_size_limits_timeouts_and_names_answer_json(serve):
     served = serve(APPS / "quick.py")
     with served.client(served.key(), timeout=30) as http:
-        declared = http.post("/quick/add", content=b"{" + b" " * MAX_BODY + b"}", headers={"content-type": "application/json"})
+        declared = http.post(
+            "/quick/add", content=b"{" + b" " * MAX_BODY + b"}", headers={"content-type": "application/json"}
+        )
         assert declared.status_code == 413 and declared.json()["error"]["type"] == "body_too_large"
         # No Content-Length (chunked): counted as it arrives.
         chunked = http.post("/quick/add", content=iter([b" " * (1 << 20)] * 17))
@@ -40,7 +42,9 @@ def test_size_limits_timeouts_and_names_answer_json(serve):
         assert http.post("/quick/add", content=b"{nope").json()["error"]["type"] == "invalid_json"
 
     spec = served.client(served.key("reader")).get("/openapi.json").json()
-    assert {"/admin/keys", "/admin/keys/{key}", "/admin/apps/{app}/limits", "/quick/add", "/healthz"} <= set(spec["paths"])
+    assert {"/admin/keys", "/admin/keys/{key}", "/admin/apps/{app}/limits", "/quick/add", "/healthz"} <= set(
+        spec["paths"]
+    )
     assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
 
@@ -65,9 +69,13 @@ def test_schemathesis_finds_no_server_error_and_every_error_is_json(serve):
             if case.path == "/admin/keys/{key}" and case.method == "DELETE":
                 case.path_parameters = {"key": case.path_parameters["key"] + "-unknown"}  # keep the fuzzer's own key
             response = case.call(base_url=served.url, session=session, verify=str(served.ca))
-            assert response.status_code < 500, f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:300]}"
+            assert response.status_code < 500, (
+                f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:300]}"
+            )
             if response.status_code >= 400 and case.method != "HEAD":  # a HEAD reply has no body by definition
-                assert "application/json" in str(response.headers.get("content-type")), f"{case.method} {case.formatted_path}: {response.text[:300]}"
+                assert "application/json" in str(response.headers.get("content-type")), (
+                    f"{case.method} {case.formatted_path}: {response.text[:300]}"
+                )
                 error = response.json()["error"]
                 assert isinstance(error["type"], str) and isinstance(error["message"], str)
 
@@ -89,7 +97,9 @@ def test_app_names_are_lower_case_words_of_at_most_63_characters(name):
     assert ok == expected
 
 
-@given(scope=st.text(max_size=40) | st.sampled_from(["admin", "app:chat", "fn:chat/Chat", "app:../x", "fn:a/b/c", "app:"]))
+@given(
+    scope=st.text(max_size=40) | st.sampled_from(["admin", "app:chat", "fn:chat/Chat", "app:../x", "fn:a/b/c", "app:"])
+)
 def test_scopes_are_checked_against_the_grammar(scope):
     from ember.gateway.keys import check_scopes
 

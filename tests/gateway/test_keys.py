@@ -28,12 +28,16 @@ def test_scopes_expiry_limits_and_an_old_database(tmp_path):
 
     db = tmp_path / "ember.db"
     old = sqlite3.connect(db)  # a database from before scopes existed
-    old.execute("CREATE TABLE api_keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, hash TEXT NOT NULL, admin INTEGER NOT NULL, "
-                "created REAL NOT NULL, revoked REAL)")
+    old.execute(
+        "CREATE TABLE api_keys (id TEXT PRIMARY KEY, name TEXT NOT NULL, hash TEXT NOT NULL, admin INTEGER NOT NULL, "
+        "created REAL NOT NULL, revoked REAL)"
+    )
     old.commit()
     old.close()
     keys = KeyStore(db)
-    key, secret = keys.create("svc", scopes=["fn:shop/Cart", "app:chat"], expires=time.time() + 60, limits=Limits(10, 1000, 2))
+    key, secret = keys.create(
+        "svc", scopes=["fn:shop/Cart", "app:chat"], expires=time.time() + 60, limits=Limits(10, 1000, 2)
+    )
     again = KeyStore(db).verify(secret)
     assert again.scopes == ("app:chat", "fn:shop/Cart") and again.limits == Limits(10, 1000, 2) and not again.admin
     assert again.allows("chat", "Chat") and again.allows("shop", "Cart")

@@ -20,7 +20,10 @@ def test_requests_per_minute_per_key_and_per_app(serve):
     assert [r.headers["x-ratelimit-remaining-requests"] for r in replies[:3]] == ["2", "1", "0"]
     assert replies[0].headers["x-ratelimit-limit-requests"] == "3"
     denied = replies[3]
-    assert denied.json()["error"]["type"] == "rate_limit_exceeded" and "requests per minute" in denied.json()["error"]["message"]
+    assert (
+        denied.json()["error"]["type"] == "rate_limit_exceeded"
+        and "requests per minute" in denied.json()["error"]["message"]
+    )
     assert 1 <= int(denied.headers["retry-after"]) <= 20
     metrics = served.client(None).get("/metrics").text
     assert 'ember_requests_total{app="quick",function="add",code="429"} 1' in metrics
@@ -93,7 +96,9 @@ def _share_limits_and_revocations(first, second) -> None:
     key = first.cli("keys", "create", "--quiet", "--name", "shared", "--rpm", "10").stdout.strip()
     with first.client(key) as a, second.client(key) as b:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            codes = list(pool.map(lambda i: (a if i % 2 else b).post("/quick/add", json={"a": i, "b": 0}).status_code, range(24)))
+            codes = list(
+                pool.map(lambda i: (a if i % 2 else b).post("/quick/add", json={"a": i, "b": 0}).status_code, range(24))
+            )
     assert codes.count(200) == 10 and codes.count(429) == 14, codes
 
     # A revocation through one gateway reaches the other within its key-cache TTL (1 s).

@@ -5,7 +5,7 @@ import textwrap
 from ember.gateway.body import MAX_BODY
 from ember.gateway.proxy import WHOLE_BODY
 
-APP = textwrap.dedent('''
+APP = textwrap.dedent("""
     import ember
 
     app = ember.App("relay")
@@ -30,7 +30,8 @@ APP = textwrap.dedent('''
             await send({"type": "http.response.body", "body": b'{"partial":', "more_body": True})
             raise RuntimeError("the replica failed mid-body")
         if path == "/moved":
-            await send({"type": "http.response.start", "status": 302, "headers": [(b"location", b"/elsewhere"), (b"x-long", b"y" * 20_000)]})
+            moved = [(b"location", b"/elsewhere"), (b"x-long", b"y" * 20_000)]
+            await send({"type": "http.response.start", "status": 302, "headers": moved})
             await send({"type": "http.response.body", "body": b""})
             return
         if path == "/cookie":  # sets one, and answers with the cookies the request carried
@@ -52,7 +53,7 @@ APP = textwrap.dedent('''
         @ember.asgi_app()
         def web(self):
             return upstream
-''')
+""")
 
 
 def test_replies_pass_through_with_their_length_and_one_date_and_server(serve, tmp_path):
@@ -76,7 +77,11 @@ def test_replies_pass_through_with_their_length_and_one_date_and_server(serve, t
         assert http.get("/relay/cookie", headers={"cookie": "mine=1"}).text == "mine=1"
 
         moved = http.get("/relay/moved")  # the client's to follow, not the gateway's
-        assert moved.status_code == 302 and moved.headers["location"] == "/elsewhere" and len(moved.headers["x-long"]) == 20_000
+        assert (
+            moved.status_code == 302
+            and moved.headers["location"] == "/elsewhere"
+            and len(moved.headers["x-long"]) == 20_000
+        )
 
         cut = http.get("/relay/cut")
         assert cut.status_code == 502 and cut.json()["error"]["type"] == "replica_failed"

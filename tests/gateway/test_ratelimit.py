@@ -314,7 +314,9 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 def test_two_gateway_processes_sharing_redis_enforce_one_limit(redis_url):  # noqa: F811
     prefix = f"t{uuid.uuid4().hex}"
     procs = [
-        subprocess.Popen([sys.executable, "-c", GATEWAY_PROCESS, redis_url, prefix, "30"], cwd=REPO, stdout=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, "-c", GATEWAY_PROCESS, redis_url, prefix, "30"], cwd=REPO, stdout=subprocess.PIPE
+        )
         for _ in range(2)
     ]
     client = redis.Redis.from_url(redis_url)

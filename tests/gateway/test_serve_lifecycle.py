@@ -195,6 +195,10 @@ def test_log_followers_and_waits_on_spawned_calls_end_cleanly_at_sigterm(tmp_pat
     finally:
         for process in started:
             stop_serve(process)
-    assert waited[0].status_code == 200 and waited[0].json()["state"] in ("pending", "failed", "cancelled")  # answered, not cut
+    assert waited[0].status_code == 200 and waited[0].json()["state"] in (
+        "pending",
+        "failed",
+        "cancelled",
+    )  # answered, not cut
     assert follower.returncode == 0 and "the gateway stopped" in err and "Traceback" not in err
     assert "Traceback" not in "".join(served.stdout)

@@ -58,7 +58,14 @@ def test_a_call_is_one_trace_from_gateway_to_worker(serve, tmp_path, monkeypatch
     assert hop["attributes"]["ember.replica.id"] == replica and hop["attributes"]["http.response.status_code"] == 200
     assert worker["attributes"] | {"ember.function": "square", "ember.replica.id": replica,
                                    "http.response.status_code": 200} == worker["attributes"]
-    assert gateway["start_ns"] <= hop["start_ns"] <= worker["start_ns"] <= worker["end_ns"] <= hop["end_ns"] <= gateway["end_ns"]
+    assert (
+        gateway["start_ns"]
+        <= hop["start_ns"]
+        <= worker["start_ns"]
+        <= worker["end_ns"]
+        <= hop["end_ns"]
+        <= gateway["end_ns"]
+    )
 
     # The call without a traceparent starts its own trace; the function's error marks both SERVER spans.
     other = [s for s in spans if s["trace_id"] != CLIENT_TRACE and s["kind"] == "SERVER"]

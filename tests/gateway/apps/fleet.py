@@ -9,7 +9,8 @@ import ember
 app = ember.App("fleet")
 
 
-# retries=1: safe to run twice, so a call whose replica dies mid-call may go to another (tests/gateway/test_replica_choice.py)
+# retries=1: safe to run twice, so a call whose replica dies mid-call may go to another
+# (tests/gateway/test_replica_choice.py)
 @app.function(min_replicas=3, max_replicas=3, max_concurrency=4, scaledown_window=60, timeout=20, retries=1)
 def where(seconds: float = 0.0) -> int:
     time.sleep(seconds)

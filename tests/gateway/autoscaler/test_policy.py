@@ -31,7 +31,9 @@ def run(settings: ScalingSettings, replicas, history, now, memo=PolicyMemo()):
     return actions, memo
 
 
-PARKING = ScalingSettings(target_concurrency=10, max_concurrency=16, park_after=5.0, scaledown_window=60.0, stable_window=20.0)
+PARKING = ScalingSettings(
+    target_concurrency=10, max_concurrency=16, park_after=5.0, scaledown_window=60.0, stable_window=20.0
+)
 
 
 def test_starts_from_zero_on_the_first_queued_request():
@@ -138,7 +140,10 @@ def test_buffer_replicas_stay_hot_beyond_demand():
 
 @pytest.mark.parametrize(
     "kwargs, word",
-    [(dict(min_replicas=3, max_replicas=2), "max_replicas"), (dict(target_concurrency=4, max_concurrency=2), "target_concurrency")],
+    [
+        (dict(min_replicas=3, max_replicas=2), "max_replicas"),
+        (dict(target_concurrency=4, max_concurrency=2), "target_concurrency"),
+    ],
 )
 def test_bad_settings_say_what_to_fix(kwargs, word):
     with pytest.raises(ValueError, match=word):

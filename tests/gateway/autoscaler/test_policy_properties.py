@@ -47,7 +47,9 @@ def situation(draw):
     s = draw(scaling())
     n = draw(st.integers(0, 10))
     replicas = [draw(replica(i)) for i in range(n)]
-    loads = draw(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60), st.integers(0, 30)), min_size=0, max_size=240))
+    loads = draw(
+        st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60), st.integers(0, 30)), min_size=0, max_size=240)
+    )
     history = [Sample(NOW - 0.5 * (len(loads) - 1 - k), q, f, a) for k, (q, f, a) in enumerate(loads)]
     memo = draw(st.just(PolicyMemo()) | st.builds(PolicyMemo, st.floats(NOW - 100, NOW), st.integers(0, 12)))
     return s, replicas, history, memo

@@ -47,7 +47,9 @@ def test_a_full_queue_turns_requests_away():
 
 def test_parking_is_counted_as_host_ram_not_gpu():
     trace = [Request(1.0, 200, 60), Request(100.0, 200, 60)]
-    s = ScalingSettings(target_concurrency=1, max_concurrency=1, park_after=2.0, scaledown_window=300.0, stable_window=10.0)
+    s = ScalingSettings(
+        target_concurrency=1, max_concurrency=1, park_after=2.0, scaledown_window=300.0, stable_window=10.0
+    )
     report = simulate(trace, Policy("ember", partial(decide, s), PolicyMemo(), 0, 10), ReplicaModel(max_concurrency=1))
     assert report.cold_starts["parked"] == 1  # the second request woke the first replica
     assert report.gpu_seconds < 30.0 and report.parked_host_gb_seconds > 16.0 * 80
@@ -65,7 +67,9 @@ def test_steady_regular_load_does_not_flap():
 
 def test_a_park_that_frees_nothing_is_billed_as_the_gpu_it_keeps():
     trace = [Request(1.0, 200, 60), Request(100.0, 200, 60)]
-    s = ScalingSettings(target_concurrency=1, max_concurrency=1, park_after=2.0, scaledown_window=300.0, stable_window=10.0)
+    s = ScalingSettings(
+        target_concurrency=1, max_concurrency=1, park_after=2.0, scaledown_window=300.0, stable_window=10.0
+    )
     policy = Policy("ember", partial(decide, s), PolicyMemo(), 0, 10)
     frees = simulate(trace, policy, ReplicaModel(max_concurrency=1))
     keeps = simulate(trace, policy, ReplicaModel(max_concurrency=1, park_frees_gpu=False))
@@ -92,5 +96,7 @@ def test_starts_report_their_measured_tier_to_the_policy():
         return decide(ScalingSettings(max_replicas=1, target_concurrency=1, max_concurrency=1), replicas, history,
                       now, memo)
 
-    simulate([Request(1.0, 100, 30)], Policy("spy", spy, PolicyMemo(), 0, 1), ReplicaModel(max_concurrency=1, node_warm=2.0))
+    simulate(
+        [Request(1.0, 100, 30)], Policy("spy", spy, PolicyMemo(), 0, 1), ReplicaModel(max_concurrency=1, node_warm=2.0)
+    )
     assert seen == [StartMeasured("node-warm", 2.0)]

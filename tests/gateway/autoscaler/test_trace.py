@@ -11,5 +11,7 @@ def test_jsonl_round_trip_keeps_functions_and_sorts_by_time():
 
 
 def test_a_bad_line_names_its_number_and_the_fields_wanted():
-    with pytest.raises(ValueError, match=r"t.jsonl:2: want \{\"t\", \"function\", \"prompt_tokens\", \"output_tokens\"\}"):
+    with pytest.raises(
+        ValueError, match=r"t.jsonl:2: want \{\"t\", \"function\", \"prompt_tokens\", \"output_tokens\"\}"
+    ):
         read_jsonl(['{"t": 1, "function": "f", "prompt_tokens": 1, "output_tokens": 1}', '{"t": 2}'], "t.jsonl")
