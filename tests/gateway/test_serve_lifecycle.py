@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -110,10 +111,15 @@ def test_killed_gateway_is_taken_over_and_reruns_keep_one_key_per_purpose(tmp_pa
 def _operator_sees_calls_and_deploys(home: Path, secret: str) -> None:
     """The gateway log a day-one operator reads: one access line per call (who, what, how it went, how long; never
     the key or the body) and a line per deploy."""
-    text = (home / "logs" / "gateway.log").read_text()
-    records = [json.loads(line) for line in text.splitlines()]
-    calls = [r for r in records if r.get("kind") == "access" and r.get("path") == "/slow/wait"]
-    ok = [r for r in calls if r["status"] == 200]
+    deadline = time.monotonic() + 10
+    while True:  # a call's access line is written once its reply has gone out, so it may trail the reply a little
+        text = (home / "logs" / "gateway.log").read_text()
+        records = [json.loads(line) for line in text.splitlines()]
+        calls = [r for r in records if r.get("kind") == "access" and r.get("path") == "/slow/wait"]
+        ok = [r for r in calls if r["status"] == 200]
+        if ok or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert ok and {"method", "status", "ms", "app", "function", "key"} <= set(ok[-1])
     assert ok[-1]["app"] == "slow" and ok[-1]["function"] == "wait" and ok[-1]["method"] == "POST"
     assert ok[-1]["key"] == secret.split("_")[1]  # the key's id
