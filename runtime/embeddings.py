@@ -13,12 +13,10 @@ import time
 from typing import Literal
 
 import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, field_validator
-from starlette.exceptions import HTTPException
 
-from ember.runtime.engine.serving.errors import APIError, error_response
+from ember.runtime.engine.serving.errors import APIError, openai_errors
 
 MAX_INPUTS = 2048  # texts in one request, as OpenAI allows
 
@@ -75,24 +73,7 @@ def create_app(embedder: SentenceEmbedder, model_name: str) -> FastAPI:
     created = int(time.time())
     one_at_a_time = asyncio.Lock()  # the model's forward uses every core already: requests take turns
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return error_response(e.status, e.message, e.type, e.param, e.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
-        if first.get("type") == "json_invalid":
-            return error_response(400, "The request body is not valid JSON", code="invalid_json")
-        param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
-        reason = first["msg"].removeprefix("Value error, ")
-        return error_response(400, f"Invalid '{param}': {reason}" if param else f"Invalid request body: {reason}",
-                              param=param, code="invalid_value")
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind)
+    openai_errors(app)
 
     def card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "ember",

@@ -10,16 +10,14 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.exceptions import HTTPException
 
 from ember.runtime import tracing
 from ember.runtime.disconnect import WorkCancelled, unless_disconnected
 from ember.runtime.engine import metrics
 from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from ember.runtime.engine.config import EngineConfig
-from ember.runtime.engine.serving.errors import APIError, error_response
+from ember.runtime.engine.serving.errors import error_response, openai_errors
 from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 from ember.runtime.engine.serving.server import OpenAIServer
 
@@ -40,26 +38,7 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
                   **tracing.fastapi_options())
     app.state.llm = llm
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return error_response(e.status, e.message, e.type, e.param, e.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
-                                  code="invalid_json")
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
-        reason = first["msg"].removeprefix("Value error, ")
-        message = f"Invalid '{param}': {reason}" if param else f"Invalid request body: {reason}"
-        return error_response(400, message, param=param, code="invalid_value")
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind)
+    openai_errors(app)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, e: EngineDeadError):

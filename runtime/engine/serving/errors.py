@@ -1,6 +1,9 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}."""
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 
 class APIError(Exception):
@@ -13,3 +16,28 @@ class APIError(Exception):
 def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+def openai_errors(app: FastAPI) -> None:
+    """Every error of `app` in OpenAI's shape: its own APIErrors, a body that fails validation (400 naming the
+    parameter, as OpenAI answers, not FastAPI's 422) and Starlette's 404/405."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"The request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                                  code="invalid_json")
+        param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+        reason = first["msg"].removeprefix("Value error, ")
+        message = f"Invalid '{param}': {reason}" if param else f"Invalid request body: {reason}"
+        return error_response(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind)
