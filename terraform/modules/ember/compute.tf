@@ -5,7 +5,7 @@ resource "aws_launch_template" "node" {
   image_id      = var.node_ami_id
   instance_type = var.node_instance_type
   iam_instance_profile {
-    arn = aws_iam_instance_profile.node.arn
+    arn = aws_iam_instance_profile.instance["node"].arn
   }
   vpc_security_group_ids = [aws_security_group.node.id]
   metadata_options {
@@ -53,7 +53,7 @@ resource "aws_launch_template" "gateway" {
   image_id      = var.gateway_ami_id
   instance_type = var.gateway_instance_type
   iam_instance_profile {
-    arn = aws_iam_instance_profile.gateway.arn
+    arn = aws_iam_instance_profile.instance["gateway"].arn
   }
   vpc_security_group_ids = [aws_security_group.gateway.id]
   metadata_options {

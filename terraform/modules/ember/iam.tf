@@ -78,32 +78,31 @@ data "aws_iam_policy_document" "gateway" {
   }
 }
 
-resource "aws_iam_role" "node" {
-  name_prefix        = "${var.name}-node-"
+locals {
+  # Each kind of instance gets a role with its policy and an instance profile: the same three resources. The names
+  # alone key the roles and profiles, so a profile does not wait on a policy (the gateway's names the node group,
+  # whose launch template names the node profile).
+  instance_kinds = toset(["node", "gateway"])
+  instance_policies = {
+    node    = data.aws_iam_policy_document.node.json
+    gateway = data.aws_iam_policy_document.gateway.json
+  }
+}
+
+resource "aws_iam_role" "instance" {
+  for_each           = local.instance_kinds
+  name_prefix        = "${var.name}-${each.key}-"
   assume_role_policy = data.aws_iam_policy_document.ec2_assume.json
 }
 
-resource "aws_iam_role_policy" "node" {
-  role   = aws_iam_role.node.id
-  policy = data.aws_iam_policy_document.node.json
+resource "aws_iam_role_policy" "instance" {
+  for_each = local.instance_kinds
+  role     = aws_iam_role.instance[each.key].id
+  policy   = local.instance_policies[each.key]
 }
 
-resource "aws_iam_instance_profile" "node" {
-  name_prefix = "${var.name}-node-"
-  role        = aws_iam_role.node.name
-}
-
-resource "aws_iam_role" "gateway" {
-  name_prefix        = "${var.name}-gateway-"
-  assume_role_policy = data.aws_iam_policy_document.ec2_assume.json
-}
-
-resource "aws_iam_role_policy" "gateway" {
-  role   = aws_iam_role.gateway.id
-  policy = data.aws_iam_policy_document.gateway.json
-}
-
-resource "aws_iam_instance_profile" "gateway" {
-  name_prefix = "${var.name}-gateway-"
-  role        = aws_iam_role.gateway.name
+resource "aws_iam_instance_profile" "instance" {
+  for_each    = local.instance_kinds
+  name_prefix = "${var.name}-${each.key}-"
+  role        = aws_iam_role.instance[each.key].name
 }
