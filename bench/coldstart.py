@@ -170,7 +170,8 @@ class Server:
         began = time.perf_counter()
         with self.http.stream("POST", "/chat/v1/chat/completions", json={**REQUEST, "model": model_name}) as reply:
             if reply.status_code != 200:
-                raise RuntimeError(f"request failed ({reply.status_code}): {reply.read().decode()[:2000]}")
+                raise RuntimeError(f"request failed ({reply.status_code}): {reply.read().decode()[:2000]}\n"
+                                   + self.logs_tail())
             first = None
             for line in reply.iter_lines():
                 if first is None and line.startswith("data: {") and json.loads(line[6:]).get("choices"):
@@ -179,6 +180,14 @@ class Server:
         if first is None:
             raise RuntimeError("the stream ended without a token")
         return first, headers
+
+    def logs_tail(self, lines: int = 40) -> str:
+        """The end of the server's output and of each log under EMBER_HOME/logs, for a failure's message."""
+        parts = ["== ember serve\n" + "".join(self.log[-lines:])]
+        for path in sorted((self.home / "logs").rglob("*.log")):
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"== {path.relative_to(self.home)}\n" + "\n".join(text))
+        return "\n".join(parts)
 
     def scaled_to_zero(self, baseline: int | None) -> float:
         """Waits for the gateway to drop every replica and, on a GPU, for their processes to give the memory back

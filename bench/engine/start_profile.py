@@ -22,27 +22,37 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 RESTORE = r"""
-import cProfile, io, json, os, pstats, sys, time
+import cProfile, io, json, logging, os, pstats, sys, time
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 began = time.perf_counter()
 import torch, transformers  # what the fork server holds before a replica forks
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.sampling import SamplingParams
-try:
-    import flashinfer  # noqa: F401 - preloaded by a GPU node's fork server
-except ImportError:
-    pass
-print(f"imports (a fork server's, not a start's): {time.perf_counter() - began:.2f} s", flush=True)
+from ember.runtime.forkserver import preload_gpu
+from ember.runtime.supervisor import gpu_architectures
+if gpu_architectures():
+    os.environ["FLASHINFER_CUDA_ARCH_LIST"] = gpu_architectures()
+preloaded = preload_gpu()
+print(f"imports (a fork server's, not a start's): {time.perf_counter() - began:.2f} s; preloaded {preloaded}",
+      flush=True)
 cuda = torch.cuda.is_available()
 began = time.perf_counter()
 if cuda:
-    torch.cuda.init()
+    torch.cuda.init()  # as the worker does before its hooks (cuda_init_ms)
 print(f"CUDA init: {time.perf_counter() - began:.3f} s", flush=True)
 began = time.perf_counter()
+starting = cProfile.Profile()
+starting.enable()
 engine = LLMEngine(EngineConfig(model=sys.argv[1], snapshot_store="local"))
+starting.disable()
 start = time.perf_counter() - began
-print(f"engine start: {start:.3f} s; weights {engine.runner.weights_start.source}; phases "
+print(f"engine start: {start:.3f} s; weights {engine.runner.weights_start.source}; image {engine.runner.gpu_image} "
+      f"({engine.runner.gpu_image_reason}); phases "
       + json.dumps({k: round(v, 3) for k, v in engine.runner.start_phases.items()}), flush=True)
+text = io.StringIO()
+pstats.Stats(starting, stream=text).sort_stats("cumulative").print_stats(30)
+print(text.getvalue())
 prompt = list(range(5, 5 + int(sys.argv[2])))
 
 def first_token(request_id):

@@ -27,6 +27,9 @@ class EngineConfig:
     # "lazy": capture decode graphs of batch size 1 at start and the others on first use or while idle (a cold
     # start does not wait ~1.5 s for twenty captures); "start": all of them before the engine serves.
     graph_capture: str = "lazy"
+    # CUDA: one throwaway decoder layer of the model's shape runs on the attention thread while the weights stream
+    # in, so the first request does not load cuBLAS's, Triton's and flashinfer's kernels (~0.5 s on an H200).
+    warm_kernels: bool = True
     log_token_ids: bool = False        # log prompt/output token ids per request
     # Weight snapshots: "local" ($EMBER_HOME/snapshots) or "s3://bucket/prefix"; None boots from safetensors
     # every time. A replica of a snapshot=True function gets EMBER_SNAPSHOT_STORE from its worker.

@@ -1,4 +1,5 @@
 """Owns the device: the model weights, the KV cache tensors, the attention backend; runs one scheduled batch."""
+import contextlib
 import importlib.util
 import json
 import logging
@@ -122,6 +123,7 @@ class ModelRunner:
         "new" (and logs why) or "none" (no image on a CPU or without a store)."""
         global last_gpu_image
         place = self._image_place()
+        self.gpu_image_reason: str | None = None
         if place is None:
             last_gpu_image = "none"
             return last_gpu_image
@@ -136,6 +138,7 @@ class ModelRunner:
             reason = f"{type(err).__name__}: {err}"
         if reason is not None:
             logger.info("GPU memory image not used, allocating new address ranges: %s", reason)
+        self.gpu_image_reason = reason  # why the image was not used (None when it was)
         last_gpu_image = "reserved" if reason is None else "new"
         return last_gpu_image
 
@@ -195,6 +198,13 @@ class ModelRunner:
         head_dim = shape.get("head_dim") or shape["hidden_size"] // num_heads
         backend = self._make_backend(num_heads, shape.get("num_key_value_heads", num_heads), head_dim)
         self.start_phases["attention"] = time.perf_counter() - began
+        if self.device.type == "cuda" and self.config.warm_kernels:
+            began = time.perf_counter()
+            try:
+                warm_kernels(model_dir, self.dtype, self.device, backend, self.config.block_size)
+            except Exception as err:  # noqa: BLE001 - an optimisation: the first request then pays what it skipped
+                logger.warning("kernel warm-up skipped (the first request loads the kernels instead): %s", err)
+            self.start_phases["kernel_warm"] = time.perf_counter() - began
         return backend
 
     def _make_backend(self, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -322,3 +332,45 @@ class _GpuTimer:
 
     def elapsed(self) -> float | None:
         return self.begin.elapsed_time(self.end) / 1000 if self.enabled else None
+
+
+def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, attention, block_size: int,
+                 prompt_tokens: int = 24) -> None:
+    """One prefill and one greedy draw through a single decoder layer of the model's shape on throwaway weights,
+    so a restored replica's first request does not pay what the first forward pays once per process: cuBLAS's
+    handle and kernels for each product shape, the loading of torch's, Triton's and flashinfer's kernels. Runs on
+    the attention thread while the weights stream in (the warm-up forward a full boot runs needs the weights);
+    its memory is given back before the KV cache is sized. Tensors match the real ones in shape, dtype and strides,
+    so Triton specialises the same way; the values are garbage and nothing of them is kept."""
+    from transformers import AutoConfig
+
+    from .models.loader import ARCHITECTURES, empty_model
+    from .sampling import SamplingParams
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_hidden_layers = 1
+    # The embedding and head are the big throwaway tensors (1.2 GB each for Qwen3-8B): bounded, at the cost of the
+    # head's product loading its kernel with the first request
+    config.vocab_size = min(config.vocab_size, 32768)
+    cls = ARCHITECTURES[config.model_type]
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        model = empty_model(cls, config, dtype, device)
+        blocks = -(-prompt_tokens // block_size) + 1
+        kv = torch.empty((blocks, 2, block_size, config.num_key_value_heads, model.head_dim), dtype=dtype,
+                         device=device)
+        ids = torch.zeros(prompt_tokens, dtype=torch.long, device=device)
+        positions = torch.arange(prompt_tokens, device=device)
+        table = list(range(blocks))
+        slots = torch.arange(prompt_tokens, dtype=torch.long)
+        attention.plan(AttentionBatch([prompt_tokens], [prompt_tokens], [table], (slots // block_size).to(device),
+                                      (slots % block_size).to(device)))
+        hidden = model(ids, positions, attention, [kv])
+        logits = model.compute_logits(hidden[-1:])
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        draw(logits.float(), [SamplingRow(greedy, [0] * prompt_tokens, [], None, [])])
+        if stream is not None:
+            stream.synchronize()
+    del model, kv, hidden, logits
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the KV cache is sized from the free memory next

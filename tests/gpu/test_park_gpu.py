@@ -68,6 +68,7 @@ engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype="bfloat16", max_model_l
 prompts = json.loads(sys.argv[2])
 tokens = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
 print(json.dumps({"weights": engine.runner.weights_start.source, "image": engine.runner.gpu_image,
+                  "why": engine.runner.gpu_image_reason,
                   "addresses": [r.address for r in engine.runner.arena.regions], "tokens": tokens}))
 """
 
@@ -91,7 +92,7 @@ def test_a_fresh_process_restores_into_the_recorded_address_ranges_and_answers_t
 
     first, second = start(), start()
     assert (first["weights"], first["image"]) == ("full", "new")  # the first start records the image
-    assert (second["weights"], second["image"]) == ("snapshot", "reserved")
+    assert (second["weights"], second["image"]) == ("snapshot", "reserved"), second["why"]
     assert second["addresses"] == first["addresses"] and second["tokens"] == first["tokens"]
 
 

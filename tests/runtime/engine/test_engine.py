@@ -305,3 +305,16 @@ def test_a_kv_cache_byte_budget_sizes_the_cache(family):
         engine(model_dir, num_kv_blocks=None, kv_cache_bytes=1)
     with pytest.raises(ValueError, match="kv_cache_bytes=0"):
         engine(model_dir, num_kv_blocks=None, kv_cache_bytes=0)
+
+
+def test_the_kernel_warm_up_runs_one_layer_of_the_models_shape_and_changes_no_answer(family):
+    # On a GPU it runs on the attention thread while the weights stream in; here it runs the same code on the CPU.
+    from ember.runtime.engine.model_runner import warm_kernels
+
+    model_dir, reference = family
+    eng = engine(model_dir)
+    runner = eng.runner
+    for prompt_tokens in (1, 24, 40):  # within one block, a block and a half, more than two blocks
+        warm_kernels(model_dir, runner.dtype, runner.device, runner.attention, runner.block_size, prompt_tokens)
+    for prompt in random_prompts([5, 33]):  # the attention backend plans afresh: the warm-up's batch is gone
+        assert eng.generate([prompt], GREEDY) == [reference(prompt)]
