@@ -400,7 +400,9 @@ class Supervisor:
 
     async def _launch(self, server: ForkServerProcess) -> str | None:
         """Start the fork server and wait for its ready line: None once it serves, else why it cannot."""
-        env = os.environ | {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}  # no GPU before the fork
+        # No GPU before the fork. torch keeps the first device count it is given for the process's life, forks
+        # included: asked through NVML, torch.cuda.is_available() in the fork server caches nothing.
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         if self.gpus.gpus and (archs := await asyncio.to_thread(gpu_architectures)):
             env["FLASHINFER_CUDA_ARCH_LIST"] = archs  # what it would ask the GPU: the fork server may import it
         with open(server.log_path, "ab") as log_file:

@@ -528,6 +528,12 @@ def cuda_init() -> dict[str, int]:
         return {}
     began = time.monotonic()
     if not torch.cuda.is_available():
+        if torch.backends.cuda.is_built():  # a CUDA torch given a GPU that it cannot see: never serve on the CPU
+            raise RuntimeError(
+                f"this replica was given GPU {os.environ['CUDA_VISIBLE_DEVICES']} but torch sees no CUDA device: "
+                "something asked CUDA for its devices before the fork (in the fork server or a snap=True hook, "
+                "where CUDA_VISIBLE_DEVICES is empty) and torch kept the answer; keep CUDA calls, including "
+                "torch.cuda.is_available(), in @ember.enter(snap=False)")
         return {}
     torch.cuda.init()
     return {"cuda_init_ms": round((time.monotonic() - began) * 1000)}
