@@ -78,6 +78,19 @@ print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 text = io.StringIO()
 pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(35)
 print(text.getvalue())
+if cuda:  # what stays on the GPU outside the engine's arena, which a park leaves: torch's allocator and the rest
+    import subprocess
+
+    def held() -> str:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                              capture_output=True, text=True).stdout
+        mine = [line for line in apps.splitlines() if line.split(",")[0].strip() == str(os.getpid())]
+        return (f"torch allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved "
+                f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB; nvidia-smi {mine}")
+
+    print(f"after the requests: {held()}")
+    engine.park()
+    print(f"parked: {held()}")
 """
 
 

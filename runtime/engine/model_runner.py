@@ -1,5 +1,4 @@
 """Owns the device: the model weights, the KV cache tensors, the attention backend; runs one scheduled batch."""
-import contextlib
 import importlib.util
 import json
 import logging
@@ -353,8 +352,7 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
     # head's product loading its kernel with the first request
     config.vocab_size = min(config.vocab_size, 32768)
     cls = ARCHITECTURES[config.model_type]
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with torch.no_grad():
         model = empty_model(cls, config, dtype, device)
         blocks = -(-prompt_tokens // block_size) + 1
         kv = torch.empty((blocks, 2, block_size, config.num_key_value_heads, model.head_dim), dtype=dtype,
@@ -369,8 +367,12 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
         logits = model.compute_logits(hidden[-1:])
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         draw(logits.float(), [SamplingRow(greedy, [0] * prompt_tokens, [], None, [])])
-        if stream is not None:
-            stream.synchronize()
     del model, kv, hidden, logits
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        # This thread's cuBLAS workspace (torch keeps one per handle and stream, outside what empty_cache frees);
+        # no CUDA graph has been captured yet, so none refers to a workspace
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()  # the KV cache is sized from the free memory next
