@@ -1,6 +1,6 @@
 """Where a restored engine's start and its first request go, in one process, phase by phase.
 
-    python bench/engine/start_profile.py [--shape 4b|8b|tiny] [--dir DIR] [--seed-kernels DIR]
+    python bench/engine/start_profile.py [--shape 4b|8b|tiny] [--dir DIR] [--seed-kernels DIR] [--no-warm]
 
 A T2 start through `ember serve` (bench/coldstart.py) reports its phases in X-Ember-Start-Breakdown, but the time
 between the replica's ready line and the first token is one number there. This takes the engine alone:
@@ -8,7 +8,9 @@ between the replica's ready line and the first token is one number there. This t
   2. a fresh child imports what a fork server would have imported (timed, not counted), then restores the engine
      from the snapshot (start phases), and runs a first request and then a second one, each to its first token,
      the first under torch.profiler and cProfile: which host calls and kernels the first request pays that the
-     second does not (kernel and module loading, handle creation, allocator growth, template compilation).
+     second does not (kernel and module loading, handle creation, allocator growth, template compilation);
+  3. on a GPU, what stays on the GPU outside the engine's arena after the requests and once parked.
+--no-warm restores without the kernel warm-up (EngineConfig.warm_kernels=False), to compare.
 It prints the tables; nothing is written to the repository.
 """
 import argparse
@@ -44,7 +46,7 @@ print(f"CUDA init: {time.perf_counter() - began:.3f} s", flush=True)
 began = time.perf_counter()
 starting = cProfile.Profile()
 starting.enable()
-engine = LLMEngine(EngineConfig(model=sys.argv[1], snapshot_store="local"))
+engine = LLMEngine(EngineConfig(model=sys.argv[1], snapshot_store="local", warm_kernels=sys.argv[3] == "1"))
 starting.disable()
 start = time.perf_counter() - began
 print(f"engine start: {start:.3f} s; weights {engine.runner.weights_start.source}; image {engine.runner.gpu_image} "
@@ -100,6 +102,7 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/ember-start-profile", help="model and EMBER_HOME go here")
     parser.add_argument("--seed-kernels", help="a FLASHINFER_WORKSPACE_BASE holding modules built before")
     parser.add_argument("--prompt-tokens", type=int, default=24)
+    parser.add_argument("--no-warm", action="store_true", help="restore with EngineConfig(warm_kernels=False)")
     args = parser.parse_args()
     from coldstart import build_model, seed_kernels
 
@@ -116,8 +119,8 @@ def main() -> None:
             "print('boot:', e.runner.weights_start.source, json.dumps({k: round(v, 3) for k, v in "
             "e.runner.start_phases.items()}))")
     subprocess.run([sys.executable, "-c", boot, str(model)], env=env, check=True, cwd=ROOT)
-    subprocess.run([sys.executable, "-c", RESTORE, str(model), str(args.prompt_tokens)], env=env, check=True,
-                   cwd=ROOT)
+    subprocess.run([sys.executable, "-c", RESTORE, str(model), str(args.prompt_tokens), "0" if args.no_warm else "1"],
+                   env=env, check=True, cwd=ROOT)
     print(json.dumps({"shape": args.shape, "model": str(model)}))
 
 
