@@ -33,3 +33,21 @@ def test_split_attention_matches_the_reference_over_scattered_blocks(batch_size)
     decode.prepare([t[:1] for t in tables], [min(n, page) for n in lengths])
     expected = paged_decode.reference(q, cache, [t[:1] for t in tables], [min(n, page) for n in lengths], d ** -0.5)
     torch.testing.assert_close(decode.forward(q, cache, d ** -0.5).float(), expected.float(), **close)
+
+
+def test_the_merge_keeps_its_tiles_in_registers_at_the_longest_context():
+    """A 40,960-token context is 640 splits at batch 1: the merge walks them in chunks. Its one-piece tile had
+    spilled to local memory, which the CUDA context keeps for good (a parked replica then held ~1.9 GiB more)."""
+    page, kv_heads, heads, d = 16, 8, 32, 128
+    max_blocks = 40960 // page
+    g = torch.Generator().manual_seed(7)
+    lengths = [1, 40960]
+    tables = [[0], list(range(1, max_blocks + 1))]
+    cache = torch.randn(max_blocks + 1, 2, page, kv_heads, d, generator=g).bfloat16().cuda()
+    q = torch.randn(2, heads, d, generator=g).bfloat16().cuda()
+    decode = paged_decode.PagedDecode(2, max_blocks, page, heads, kv_heads, d, torch.device("cuda"))
+    decode.prepare(tables, lengths)
+    out = decode.forward(q, cache, d ** -0.5)
+    expected = paged_decode.reference(q, cache, tables, lengths, d ** -0.5)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2 ** -7, rtol=2 ** -7)
+    assert decode.merge_kernel.n_spills == 0, decode.merge_kernel.n_spills
