@@ -3,6 +3,8 @@
     python bench/engine/speed.py                          # every shape, every part; prints a table
     python bench/engine/speed.py --models 8B --record     # also writes bench/results/engine_speed.json
     python bench/engine/speed.py --models 0.6B --skip-online --offline-requests 16   # a quick look
+    python bench/engine/speed.py --models 8B --parts b1,offline,b64 --record --results DIR   # one call's share
+    python bench/engine/speed.py --merge DIR1/engine_speed.json DIR2/engine_speed.json     # join the shares
 
 Random-weight models of the shapes of Qwen3-0.6B, 4B and 8B (bf16, built on the GPU, the tiny tokenizer of
 runtime/engine/tiny.py). Per model:
@@ -323,7 +325,7 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = random_prompts(args.offline_requests, 100, 1024, seed=0)
     output_lens = torch.randint(100, 1025, (args.offline_requests,), generator=g).tolist()
-    if not args.skip_transformers:
+    if "transformers" in args.parts:
         from transformers import Qwen3ForCausalLM
 
         if hf is None:   # a model an earlier run left: loaded straight onto the GPU
@@ -343,19 +345,22 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     eng = ember_engine(model_dir, max_num_seqs=256)
     row["ember_start_phases_s"] = {k: round(v, 3) for k, v in eng.runner.start_phases.items()}
     log(f"[{shape}] ember engine up in {time.perf_counter() - began:.1f} s: {row['ember_start_phases_s']}")
-    row["ember_b1_tok_s"] = round(ember_batch1(eng, b1_prompt, 256), 1)
-    log(f"[{shape}] ember batch 1: {row['ember_b1_tok_s']} tok/s "
-        f"({row['ember_b1_tok_s'] / row['roofline_b1_tok_s']:.0%} of roofline)")
-    rate, split = ember_offline(eng, prompts, output_lens)
-    row["offline_output_tok_s"], row["offline_time_split"] = round(rate, 1), split
-    log(f"[{shape}] ember offline: {row['offline_output_tok_s']} output tok/s; {split}")
-    host, gpu = ember_host_vs_gpu(eng)
-    row["host_ms_per_step_b64"], row["gpu_ms_per_step_b64"] = round(host, 3), round(gpu, 3)
-    log(f"[{shape}] batch 64 decode step: host {host:.3f} ms, GPU {gpu:.3f} ms ({host / gpu:.1%})")
+    if "b1" in args.parts:
+        row["ember_b1_tok_s"] = round(ember_batch1(eng, b1_prompt, 256), 1)
+        log(f"[{shape}] ember batch 1: {row['ember_b1_tok_s']} tok/s "
+            f"({row['ember_b1_tok_s'] / row['roofline_b1_tok_s']:.0%} of roofline)")
+    if "offline" in args.parts:
+        rate, split = ember_offline(eng, prompts, output_lens)
+        row["offline_output_tok_s"], row["offline_time_split"] = round(rate, 1), split
+        log(f"[{shape}] ember offline: {row['offline_output_tok_s']} output tok/s; {split}")
+    if "b64" in args.parts:
+        host, gpu = ember_host_vs_gpu(eng)
+        row["host_ms_per_step_b64"], row["gpu_ms_per_step_b64"] = round(host, 3), round(gpu, 3)
+        log(f"[{shape}] batch 64 decode step: host {host:.3f} ms, GPU {gpu:.3f} ms ({host / gpu:.1%})")
     del eng
     gc.collect()
     torch.cuda.empty_cache()
-    if not args.skip_online:
+    if "online" in args.parts:
         row["online"] = online(model_dir, tuple(args.concurrency), args.online_requests)
     if not args.workdir:   # a model in a given --workdir stays for the next run
         shutil.rmtree(model_dir, ignore_errors=True)
@@ -376,8 +381,26 @@ def main() -> None:
     parser.add_argument("--workdir", default=None,
                         help="where model directories are written and kept, and reused when present (default: a "
                              "temp dir, removed)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {','.join(PARTS)} (default all): a run that must end within a "
+                             "time limit measures some, and --merge joins the runs")
     parser.add_argument("--record", action="store_true", help="write bench/results/engine_speed.json")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="where --record writes engine_speed.json (and, for bench/results, the SVG and README)")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                        help="no measuring: join the models and parts of these recorded runs (a later file's "
+                             "numbers win) into --results (bench/results/engine_speed.json, its SVG and README)")
     args = parser.parse_args()
+    if args.merge:
+        record(merge(args.merge), args.results)
+        return
+    args.parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    if args.parts - set(PARTS):
+        parser.error(f"--parts: {sorted(args.parts - set(PARTS))} unknown; use some of {','.join(PARTS)}")
+    if args.skip_online:
+        args.parts.discard("online")
+    if args.skip_transformers:
+        args.parts.discard("transformers")
     import transformers
 
     bandwidth = copy_bandwidth()
@@ -390,21 +413,47 @@ def main() -> None:
               "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "models": rows}
     print(json.dumps(result, indent=1))
     if args.record:
-        record(result)
+        record(result, args.results)
 
 
-def record(result: dict) -> None:
-    """bench/results/engine_speed.json, a bar chart of batch-1 decode (SVG) and the summary in bench/README.md."""
-    (RESULTS / "engine_speed.json").write_text(json.dumps(result, indent=1) + "\n")
+PARTS = ("transformers", "b1", "offline", "b64", "online")
+
+
+def merge(files: list[Path]) -> dict:
+    """One result from several runs' engine_speed.json: each model's fields from every run that measured them, a
+    later run's winning; the machines named once each."""
+    models: dict[str, dict] = {}
+    machines: list[str] = []
+    bandwidth = None
+    for file in files:
+        run = json.loads(file.read_text())
+        machines += [run["machine"]] if run["machine"] not in machines else []
+        bandwidth = run.get("copy_bandwidth_gb_s", bandwidth)
+        for model in run["models"]:
+            models.setdefault(model["name"], {}).update(model)
+    order = {f"Qwen3-{shape} shape (random weights)": i for i, shape in enumerate(SHAPES)}
+    return {"machine": "; ".join(machines), "copy_bandwidth_gb_s": bandwidth,
+            "models": sorted(models.values(), key=lambda m: order.get(m["name"], len(order)))}
+
+
+def record(result: dict, results: Path = RESULTS) -> None:
+    """engine_speed.json in `results`; for bench/results also a bar chart of batch-1 decode (SVG) and the summary
+    in bench/README.md."""
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "engine_speed.json").write_text(json.dumps(result, indent=1) + "\n")
+    if results.resolve() != RESULTS.resolve():
+        return
     (RESULTS / "engine_speed_b1.svg").write_text(bar_chart(result["models"]))
     rows = ["| model | weights GB | roofline b1 tok/s | Ember b1 tok/s | transformers b1 tok/s "
             "| Ember offline out tok/s | transformers offline out tok/s | host / GPU ms per step at b64 |",
             "|---" * 8 + "|"]
     for m in result["models"]:
-        rows.append(f"| {m['name']} | {m['weight_bytes'] / 1e9:.2f} | {m['roofline_b1_tok_s']} | {m['ember_b1_tok_s']} "
-                    f"({m['ember_b1_tok_s'] / m['roofline_b1_tok_s']:.0%}) | {m.get('transformers_b1_tok_s') or '-'} | "
-                    f"{m['offline_output_tok_s']} | {m.get('transformers_offline_output_tok_s') or '-'} | "
-                    f"{m['host_ms_per_step_b64']} / {m['gpu_ms_per_step_b64']} |")
+        b1 = m.get("ember_b1_tok_s")
+        b1_text = f"{b1} ({b1 / m['roofline_b1_tok_s']:.0%})" if b1 else "-"
+        rows.append(f"| {m['name']} | {m['weight_bytes'] / 1e9:.2f} | {m['roofline_b1_tok_s']} | {b1_text} | "
+                    f"{m.get('transformers_b1_tok_s') or '-'} | {m.get('offline_output_tok_s') or '-'} | "
+                    f"{m.get('transformers_offline_output_tok_s') or '-'} | "
+                    f"{m.get('host_ms_per_step_b64', '-')} / {m.get('gpu_ms_per_step_b64', '-')} |")
     online = [f"| {m['name']} | {o['concurrency']} | {o['output_tok_s']} | {o['ttft_ms_p50']} / {o['ttft_ms_p99']} | "
               f"{o['itl_ms_p50']} / {o['itl_ms_p99']} |" for m in result["models"] for o in m.get("online", [])]
     section = "\n".join([

@@ -31,3 +31,31 @@ def test_plain_runs_leave_bench_results_alone():
         assert run.returncode == 0, run.stderr
         assert run.stdout.strip()  # it printed its report
     assert _results() == before
+
+
+def test_engine_speed_joins_the_shares_of_runs_that_each_measured_some_parts(tmp_path):
+    """A GPU call has a time limit: each measures some models and parts (--parts), and --merge joins them."""
+    import json
+
+    def run(name: str, models: list[dict]) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps({"machine": "H200", "copy_bandwidth_gb_s": 4256.0, "models": models}))
+        return str(path)
+
+    eight = {"name": "Qwen3-8B shape (random weights)", "weight_bytes": 16381470720, "roofline_b1_tok_s": 259.6}
+    first = run("a.json", [eight | {"ember_b1_tok_s": 100.0, "offline_output_tok_s": 7000.0}])
+    second = run("b.json", [eight | {"ember_b1_tok_s": 191.0, "online": [{"concurrency": 1}]},
+                            {"name": "Qwen3-0.6B shape (random weights)", "weight_bytes": 1, "roofline_b1_tok_s": 9.0}])
+    done = subprocess.run([sys.executable, str(BENCH / "engine" / "speed.py"), "--merge", first, second, "--results",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    merged = json.loads((tmp_path / "out" / "engine_speed.json").read_text())
+    by_name = {m["name"]: m for m in merged["models"]}
+    assert by_name["Qwen3-8B shape (random weights)"] == eight | {"ember_b1_tok_s": 191.0, "offline_output_tok_s":
+                                                                  7000.0, "online": [{"concurrency": 1}]}
+    assert [m["name"] for m in merged["models"]] == ["Qwen3-0.6B shape (random weights)",
+                                                     "Qwen3-8B shape (random weights)"]
+    assert merged["machine"] == "H200"
+    bad = subprocess.run([sys.executable, str(BENCH / "engine" / "speed.py"), "--parts", "b1,warp"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "warp" in bad.stderr and "Traceback" not in bad.stderr
