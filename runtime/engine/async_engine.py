@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from ember.runtime.engine.engine import RequestOutput
 
 log = logging.getLogger("ember.engine")
+# Seconds without work before the loop captures missing CUDA graphs: a replica that just started was started for a
+# request, which arrives within milliseconds of its ready line and must not queue behind a capture (~0.1-0.2 s each).
+IDLE_CAPTURE_AFTER = 1.0
 MAX_FAILED_STEPS = 3  # failed steps with no token made between them: the engine (a sticky CUDA error) cannot go on
 
 
@@ -89,6 +93,7 @@ class AsyncLLM:
         self._routes: dict[str, _Route] = {}  # touched only by the loop thread
         self._closed = False
         self._idle_capture_failed = False
+        self._busy_at = time.monotonic()  # when the engine last had work (its start counts)
         self._thread = threading.Thread(target=self._run, name="ember-engine-loop", daemon=True)
         self._thread.start()
 
@@ -178,11 +183,17 @@ class AsyncLLM:
             while not self._closed:
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
-                    if self._commands.empty() and self._capture_idle():
-                        continue  # one graph captured; look for requests before the next
-                    self._wakeup.wait()
+                    wait = None
+                    if self._commands.empty():
+                        wait = IDLE_CAPTURE_AFTER - (time.monotonic() - self._busy_at)
+                        if wait <= 0:
+                            wait = None
+                            if self._capture_idle():
+                                continue  # one graph captured; look for requests before the next
+                    self._wakeup.wait(wait)
                     self._wakeup.clear()
                     continue
+                self._busy_at = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception as e:

@@ -177,3 +177,44 @@ def test_a_request_that_fails_a_step_fails_alone_and_the_engine_goes_on(llm, mon
         assert sum(len(c.token_ids) for c in chunks) == 4 and chunks[-1].finish_reason == "length"
     assert llm.alive and health.reason is None
     wait_until_idle(llm.engine)  # the failed request's KV blocks came back
+
+
+def test_missing_graphs_are_captured_only_after_a_second_without_work(tmp_path, monkeypatch):
+    # A cold-started replica's request arrives right after its ready line: it must not queue behind a capture.
+    import time
+
+    from ember.runtime.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "IDLE_CAPTURE_AFTER", 0.5)
+    path = build_tiny_model(tmp_path / "qwen3")
+    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=256))
+    captures: list[float] = []
+
+    def capture_idle() -> bool:  # three graphs to capture, as a GPU engine would have
+        captures.append(time.monotonic())
+        return len(captures) <= 3
+
+    steps: list[float] = []
+    step = engine.step
+
+    def timed_step():
+        steps.append(time.monotonic())
+        return step()
+
+    engine.capture_idle = capture_idle
+    engine.step = timed_step
+    began = time.monotonic()
+    llm = AsyncLLM(engine, AutoTokenizer.from_pretrained(path))
+    try:
+        chunks = asyncio.run(collect(llm.generate(prompt(llm), SamplingParams(max_tokens=4, temperature=0))))
+        assert chunks[-1].finish_reason == "length"
+        deadline = time.monotonic() + 10
+        while len(captures) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(captures) == 4  # three captured, then one answer that nothing is left: the loop sleeps
+        assert captures[0] - began >= 0.5
+        assert steps and captures[0] - steps[-1] >= 0.5  # the request's steps are work too
+        time.sleep(0.7)
+        assert len(captures) == 4
+    finally:
+        llm.shutdown()
