@@ -131,7 +131,7 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, CHUNK: tl.constexpr):
         # The splits in chunks of CHUNK rows: a [num_splits, D] tile in one piece (1024 x 128 fp32 at a 40k
-        # context) spilled to local memory, which the CUDA context then kept (~1.9 GiB on the H200, parked or not).
+        # context) cannot sit in registers, and spills take local memory, which a CUDA context keeps for good.
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)   # (sequence, head)
         chunk = tl.arange(0, CHUNK)
         dims = tl.arange(0, D)
