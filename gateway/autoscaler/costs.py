@@ -63,9 +63,13 @@ class CostModel:
     def park_pays(self) -> bool:
         return self.park_frees_gpu and self.wake_s <= WAKE_PAYS_BELOW * self.start_s
 
+    def wake_cost(self) -> float:
+        """A park-and-wake round trip in GPU-seconds: the wake's own, and its delay to the request it serves."""
+        return self.wake_s * (1 + DELAY_WORTH_GPU_S)
+
     def park_after(self) -> float:
         """Idle seconds before a hot replica parks, when parking pays: the park-and-wake round trip's cost."""
-        return max(PARK_AFTER_FLOOR, self.wake_s * (1 + DELAY_WORTH_GPU_S))
+        return max(PARK_AFTER_FLOOR, self.wake_cost())
 
     def why_not_park(self) -> str:
         if not self.park_frees_gpu:

@@ -11,7 +11,12 @@ What differs from KPA follows from the ladder and from what this function's star
 GPU and a wake costs well under a fresh start, spare capacity parks once the peak demand of the
 last `park_after` seconds (learned when not set) fits without it, panic holds only a few
 `park_after`s, parked replicas wake before new ones start, and a replica parked for
-`scaledown_window` is evicted. Where parking does not pay, idle replicas are stopped as KPA
+`scaledown_window` is evicted. The last replica parks once an idle stretch that long would come
+only once in WAKE_ODDS arrivals at the recent rate, so the function's p99 stays a hot replica's; but
+where more than 1 in TAIL of the function's recent requests already queued behind busy replicas (its
+p99 is a wait for capacity, as after bursts) and the rate is under one arrival per wake's cost in
+GPU-seconds, it parks after a round trip's worth: the wakes that costs sit below that p99, and on
+memoryless arrivals holding longer never pays. Where parking does not pay, idle replicas are stopped as KPA
 stops them, the last one after `scaledown_window` without a request. Every action carries the
 reason shown in `ember status`.
 """
@@ -33,6 +38,8 @@ PARKED_HOLD = 600.0  # default seconds a replica stays parked: it holds host RAM
 # the last replica park while the traffic holds its rate, so a function's p99 stays a hot replica's.
 WAKE_ODDS = 1000.0
 PANIC_HOLD_PARKS = 4.0  # with parking, panic holds this many park_afters: re-growing costs a wake, not a start
+TAIL = 100.0  # the p99's one request in a hundred
+TAIL_HORIZON = PARKED_HOLD  # seconds over which a function's requests that queued for capacity are counted
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,7 @@ class ScalingSettings:
         if self.panic_threshold <= 1:
             raise ValueError(f"panic_threshold must be > 1, got {self.panic_threshold}")
 
-    def park_after_for(self, costs: CostModel, rate: float) -> float | None:
+    def park_after_for(self, costs: CostModel, rate: float, tail_lost: bool = False) -> float | None:
         """Idle seconds before the last hot replica parks, or None where it never parks.
 
         Learned, it is the idle stretch that arrivals at the recent `rate` (per second, over the stable
@@ -79,6 +86,11 @@ class ScalingSettings:
             return self.park_after
         if not costs.park_pays():
             return None
+        if tail_lost and rate * costs.wake_cost() < 1:
+            # Poisson arrivals are memoryless: an idle second costs a GPU-second and spares a wake with odds
+            # `rate` however long the replica has idled, so below a wake's worth holding never pays; and where
+            # more than 1 in TAIL requests already queue for capacity, the wakes it spares sit below the p99.
+            return costs.park_after()
         unlikely = math.log(WAKE_ODDS) / rate if rate > 0 else math.inf
         return min(max(costs.park_after(), unlikely), self.scaledown_for(False))
 
@@ -87,8 +99,8 @@ class ScalingSettings:
             return self.scaledown_window
         return PARKED_HOLD if parking else IDLE_HOLD
 
-    def holds(self, costs: CostModel, rate: float) -> Holds:
-        park_after = self.park_after_for(costs, rate)
+    def holds(self, costs: CostModel, rate: float, tail_lost: bool = False) -> Holds:
+        park_after = self.park_after_for(costs, rate, tail_lost)
         if park_after is None:
             return Holds(None, None, self.stable_window, self.scaledown_for(False))
         # spare capacity beyond the last replica parks after a wake's worth of idleness: waking it costs a wake
@@ -170,6 +182,25 @@ class PolicyMemo:
     panic_peak: int = 0  # replicas wanted at the height of the current panic
     burst_at: float | None = None  # last time the panic condition held, kept after the panic ends
     costs: CostModel = field(default_factory=CostModel)
+    tail: Tail = field(default_factory=lambda: Tail())
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A function's requests, and those of them that queued behind busy hot replicas, counted with a weight that
+    fades over TAIL_HORIZON seconds: where those are more than 1 in TAIL, its p99 is set by capacity it lacked."""
+
+    t: float | None = None
+    requests: float = 0.0
+    queued: float = 0.0
+
+    def add(self, sample: Sample, busy: bool) -> Tail:
+        fade = math.exp(-(sample.t - self.t) / TAIL_HORIZON) if self.t is not None else 0.0
+        return Tail(sample.t, fade * self.requests + sample.arrivals,
+                    fade * self.queued + (sample.queued if busy else 0))
+
+    def lost(self) -> bool:
+        return self.requests >= TAIL and self.queued * TAIL > self.requests
 
 
 def window(history: Sequence[Sample], now: float, seconds: float) -> list[Sample]:
@@ -247,7 +278,8 @@ def decide(
         costs = costs.observe(measured)
     stable = window(history, now, s.stable_window)
     rate = sum(x.arrivals for x in stable) / s.stable_window
-    holds = s.holds(costs, rate)
+    tail = memo.tail.add(history[-1], any(r.state == HOT for r in replicas)) if history else memo.tail
+    holds = s.holds(costs, rate, tail.lost())
     park_after, spare_after, scaledown = holds.park_after, holds.spare_after, holds.scaledown
     parking = park_after is not None and spare_after is not None
     hot = [r for r in replicas if r.state == HOT and not r.draining]
@@ -298,7 +330,7 @@ def decide(
         want = max(want, want_panic, memo.panic_peak)
     peak = want if panicking else 0
     want = min(max(want + s.buffer_replicas, s.min_replicas), s.max_replicas)
-    memo = PolicyMemo(panic_since, peak, burst_at, costs)
+    memo = PolicyMemo(panic_since, peak, burst_at, costs, tail)
 
     actions: list[Action] = []
     if want > have:

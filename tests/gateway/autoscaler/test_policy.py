@@ -4,6 +4,7 @@ import pytest
 
 from ember.gateway.autoscaler.costs import CostModel, StartMeasured
 from ember.gateway.autoscaler.policy import (
+    TAIL_HORIZON,
     Evict,
     Park,
     PolicyMemo,
@@ -11,6 +12,7 @@ from ember.gateway.autoscaler.policy import (
     Sample,
     ScalingSettings,
     Start,
+    Tail,
     Wake,
     decide,
 )
@@ -237,3 +239,32 @@ def test_a_request_at_zero_wakes_a_parked_replica_before_starting_one():
     parked = [ReplicaView("p0", "parked", 0, 10.0)]
     actions, _ = run(DEFAULTS, parked, load(0, 99) + [Sample(100.0, 1, 0, 1)], 100.0, FAST)
     assert actions == [Wake("p0", actions[0].reason)]
+
+
+def trickle(now: float) -> list[Sample]:
+    """A request every 20 s (0.05 req/s); the last ran from t=50 to 56, so the replica is idle since 56."""
+    return [Sample(t / 2, 0, int(50 <= t / 2 < 56), int(t / 2 in (10.0, 30.0, 50.0))) for t in range(int(2 * now) + 1)]
+
+
+def test_last_replica_parks_after_a_round_trip_where_the_p99_is_already_a_wait_for_capacity():
+    s = ScalingSettings(target_concurrency=10, max_concurrency=16)
+    idle = [ReplicaView("h0", "hot", 0, 56.0)]
+    lost = PolicyMemo(tail=Tail(59.5, requests=300.0, queued=6.0))  # 2% of requests queued behind busy replicas
+    actions, memo = run(s, idle, trickle(60.0), 60.0, lost)
+    assert [type(a) for a in actions] == [Park] and memo.tail.lost()
+    # the same trickle where requests did not queue: the replica holds until an idle stretch is unlikely
+    actions, memo = run(s, idle, trickle(60.0), 60.0, PolicyMemo(tail=Tail(59.5, requests=300.0, queued=1.0)))
+    assert actions == [] and not memo.tail.lost()
+    # and where a park keeps the GPU, the tail changes nothing: parking does not pay
+    keeps = PolicyMemo(costs=CostModel(park_frees_gpu=False), tail=lost.tail)
+    actions, _ = run(s, idle, trickle(60.0), 60.0, keeps)
+    assert actions == []
+
+
+def test_tail_counts_requests_queued_behind_hot_replicas_and_fades():
+    tail = Tail().add(Sample(0.0, 5, 16, 50), busy=True).add(Sample(1.0, 3, 0, 60), busy=False)
+    assert tail.requests == pytest.approx(110, rel=1e-2) and tail.queued == pytest.approx(5, rel=1e-2)
+    assert tail.lost()  # 5 of 110 queued for capacity
+    assert not Tail(0.0, requests=50.0, queued=10.0).lost()  # too few requests to have a p99
+    later = tail.add(Sample(TAIL_HORIZON * 5, 0, 0, 0), busy=True)
+    assert later.requests < 1 and later.queued < 0.1
