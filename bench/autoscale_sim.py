@@ -44,9 +44,12 @@ KPA = ScalingSettings(**SHAPE, **KPA_SETTINGS)
 RAY = ScalingSettings(**SHAPE)
 SLO_TTFT = 2.0
 TICK = 0.5  # the gateway calls every policy twice a second
-LADDER = ReplicaModel(wake=0.3, node_warm=1.5, node_cold=4.0)  # the cold-start ladder's targets
+# Every function of a trace shares one cluster of 4 nodes of 8 GPUs: 32 GPUs, fewer than KPA-like's replicas on the
+# 40-function trace and than a 40-replica burst, so functions compete for GPUs and starts can wait for one.
+CLUSTER = dict(nodes=4, gpus_per_node=8)
+LADDER = ReplicaModel(wake=0.3, node_warm=1.5, node_cold=4.0, **CLUSTER)  # the cold-start ladder's targets
 # the H200 when the issue was filed: 13 s starts, parks that freed nothing
-SLOW = ReplicaModel(wake=13.0, node_warm=13.0, node_cold=13.0, park_frees_gpu=False)
+SLOW = ReplicaModel(wake=13.0, node_warm=13.0, node_cold=13.0, park_frees_gpu=False, **CLUSTER)
 COLDSTART = Path(__file__).parent / "results" / "coldstart.json"
 
 
@@ -56,7 +59,7 @@ def measured_tiers(path: Path = COLDSTART) -> ReplicaModel | None:
     try:
         model = json.loads(path.read_text())["models"][0]
         return ReplicaModel(wake=model["t1_wake_s"], node_warm=model["t2_warm_s"], node_cold=model["t2_cold_s"],
-                            park_frees_gpu=(model.get("parked_gpu_bytes") or 0) <= 2 << 30)
+                            park_frees_gpu=(model.get("parked_gpu_bytes") or 0) <= 2 << 30, **CLUSTER)
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None
 
@@ -111,8 +114,8 @@ def parse_tiers(text: str) -> ReplicaModel:
 
 
 def table(rows: list[tuple[str, str, dict[str, Report]]]) -> str:
-    head = ("trace", "tiers", "policy", "GPU-s", "vs KPA", "starts P/W/C", "TTFT p50", "TTFT p99",
-            f"SLO (TTFT<={SLO_TTFT:g}s)", "503s", "parked host GB-s")
+    head = ("trace", "tiers", "policy", "GPU-s", "vs KPA", "starts P/W/C", "waited for a GPU", "TTFT p50",
+            "TTFT p99", f"SLO (TTFT<={SLO_TTFT:g}s)", "503s", "parked host GB-s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for trace, tiers, reports in rows:
         kpa = reports["kpa"].gpu_seconds
@@ -120,7 +123,8 @@ def table(rows: list[tuple[str, str, dict[str, Report]]]) -> str:
             c = r.cold_starts
             lines.append("| " + " | ".join((
                 trace, tiers, r.policy, f"{r.gpu_seconds:,.0f}", f"{r.gpu_seconds / kpa - 1:+.0%}",
-                f"{c['parked']}/{c['node-warm']}/{c['node-cold']}", f"{r.ttft_p50:.2f}", f"{r.ttft_p99:.2f}",
+                f"{c['parked']}/{c['node-warm']}/{c['node-cold']}", str(r.gpu_waits), f"{r.ttft_p50:.2f}",
+                f"{r.ttft_p99:.2f}",
                 f"{r.slo_attainment:.2%}", str(r.rejected), f"{r.parked_host_gb_seconds:,.0f}")) + " |")
     return "\n".join(lines)
 
@@ -133,7 +137,7 @@ def verdict(kind: str, tiers: str, e: Report, k: Report) -> tuple[str, bool]:
         fails.append("more GPU-seconds")
     if kind in GOAL_KINDS and tiers == "ladder" and change > -0.40:
         fails.append("under 40% saved")
-    if e.ttft_p99 > k.ttft_p99 + 0.005:
+    if round(e.ttft_p99, 2) > round(k.ttft_p99, 2):  # at the 10 ms the table shows: equal there is a tie
         fails.append("worse p99")
     if k.slo_attainment >= 0.99 > e.slo_attainment:
         fails.append("SLO under 99%")
@@ -214,10 +218,15 @@ NOTES = """## How to read this
   the simulator reports, and whether a park frees the GPU from each park.
 - GPU-seconds count a replica from the moment it starts until it stops, and while parked where the park
   keeps the GPU (the 13s rows); where a park frees the GPU, a parked replica is billed as pinned host RAM.
-- Several functions in one trace share one cluster of 8-GPU nodes; a start on a node that has not run the
-  function is node-cold. Starts P/W/C: parked wakes / node-warm / node-cold.
+- Every function of a trace shares one finite cluster: 4 nodes of 8 GPUs (32 GPUs; `CLUSTER`). A start
+  that finds every GPU taken evicts the longest-parked replica that holds one (13s rows, where a park
+  keeps its GPU), or else waits until another replica gives one back; "waited for a GPU" counts those
+  starts. A parked replica wakes on its own node, or starts afresh elsewhere when that node is full. A
+  start on a node that has not run the function is node-cold. Starts P/W/C: parked wakes / node-warm /
+  node-cold.
 - Verdict per trace: no more GPU-seconds than KPA-like (0.5% slack), at least 40% fewer on bursts and
-  small functions under ladder tiers, p99 TTFT no worse, SLO >= 99% wherever KPA-like reaches it.
+  small functions under ladder tiers, p99 TTFT no worse at the table's 10 ms (equal there is a tie), SLO
+  >= 99% wherever KPA-like reaches it.
 
 ## What the defaults trade, and where the 40% goal is out of reach
 
@@ -225,7 +234,12 @@ NOTES = """## How to read this
   replicas as KPA does (60 s stable average, last replica stopped after 90 s idle), so GPU-seconds and
   p99 match KPA-like within a few percent either way.
 - Under ladder tiers Ember's savings come from what KPA-like holds for nothing: capacity left over from a
-  burst (parked within seconds, woken in 0.3 s) and replicas held across the gap between bursts.
+  burst (parked within seconds, woken in 0.3 s) and replicas held across the gap between bursts. Where
+  more than 1 in 100 of a function's requests of the last ~10 minutes queued behind busy replicas (after
+  bursts), its p99 is already a wait for capacity; then, with the rate under one arrival per wake's cost
+  (0.3 s x (1 + 10) = 3.3 GPU-s, i.e. under 0.3 req/s), the last replica parks after 3.3 s idle: the
+  trickle's wakes (0.3-0.5 s TTFT) land below that p99, and on Poisson arrivals an idle second saves a
+  wake with odds `rate` however long it has idled, so holding longer never pays.
 - On Poisson arrivals a park can only save GPU-time by making requests wait for a wake: the chance that
   the next request comes after an idle stretch of X seconds is e^(-rate X), and that is also the share of
   the idle time a park after X saves. Cutting 40% of the GPU-seconds of 20 functions at 0.01-0.2 req/s
@@ -237,6 +251,22 @@ NOTES = """## How to read this
   the GPU-seconds sets `park_after`: with `park_after=5` the seed-0 small-function trace costs 47% fewer
   GPU-seconds than KPA-like at a p99 TTFT of 0.51 s against 0.23 s (`python bench/autoscale_traces.py small
   --seed 0 --out small.jsonl; python bench/autoscale_sim.py --trace small.jsonl --park-after 5 --json`).
+- Why no per-function rule gets both on "small": on Poisson arrivals the share of a function's idle time a
+  park saves equals the share of its requests that wait for a wake (e^(-rate X) for a park after X s), so
+  -40% needs 40%+ of those requests to wait 0.3 s, and the pooled p99 becomes a wake's (~0.45-0.5 s). That
+  is no worse than KPA-like exactly where KPA-like's own cold starts are over 1% of requests (seed 0 small:
+  KPA p99 1.55 s) and worse where they are not (seed 1 small: KPA p99 0.30 s). A function cannot tell
+  which: it sees only its own requests, and at 0.1-0.2 req/s its own p99 under KPA-like is a hot
+  replica's. Tried in this work: parking every function under 0.3 req/s after 3.3 s (the memoryless rule
+  without the tail condition) saved 50-75% on 6 small traces with p99 better than KPA-like on 5, but made
+  every day trace's p99 worse (0.23-0.36 s against 0.16-0.21 s: the night's requests wake); limiting it to
+  rates where even a 90 s hold leaves >1% of requests to a wake (< 0.05 req/s) saved 15-45% and still
+  lost day p99 on 4 of 6. The default keeps the p99, so "small" saves ~0% under ladder tiers.
+- Even an oracle that knows every arrival cannot do much better at KPA-like's p99 when that p99 is a hot
+  replica's: each idle gap it gives back costs one request a wake or a start, at most 1% of requests may
+  be slower than the p99, and KPA-like holds at most ~90 s of each gap, so the saving is at most
+  0.01 x requests x 90 s; on a small trace (~3,800 requests, KPA-like ~34,000 GPU-s) that is ~3,400 GPU-s,
+  ~10%.
 """
 
 

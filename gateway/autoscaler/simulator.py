@@ -8,8 +8,11 @@ has run the function, node-cold elsewhere), and reports that latency to the poli
 the gateway reports a measured start; a request holds one of a replica's
 `max_concurrency` slots for prefill plus decode. A replica holds a GPU while starting
 or hot; a parked one holds what the backend keeps for it: pinned host RAM where a park
-frees the GPU, else the GPU itself. Requests that find no free slot wait in their
-function's queue under `admission.admit`. Deterministic: no clock, no threads.
+frees the GPU, else the GPU itself. The cluster has `nodes` x `gpus_per_node` GPUs (or
+no bound): a start that finds none free evicts the longest-parked replica holding one,
+or else waits, shown to its policy as starting, for the first GPU another function frees.
+Requests that find no free slot wait in their function's queue under `admission.admit`.
+Deterministic: no clock, no threads.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class ReplicaModel:
     host_gb: float = 16.0  # pinned host RAM a parked replica keeps
     park_frees_gpu: bool = True  # False: the backend keeps a parked replica's GPU memory, billed as GPU-seconds
     gpus_per_node: int = 8  # a snapshot on a node's disk makes starts on all its GPUs node-warm
+    nodes: int | None = None  # nodes in the cluster, shared by every function of a trace (None: as many as asked)
     warm_nodes: int = 1  # nodes holding each function's snapshot at t=0: the one `ember snapshot build` ran on
     snapshot_built: bool = True  # False: the first start ever is a full boot
 
@@ -91,7 +95,7 @@ class SimulatedReplica:
     function: str
     state: ReplicaState
     node: int
-    gpu: int | None  # None while parked on a backend whose park frees the GPU
+    gpu: int | None  # None while parked on a backend whose park frees the GPU, or waiting for one to start
     in_flight: int = 0
     idle_since: float | None = None
     ready_at: float = 0.0
@@ -136,6 +140,7 @@ class Report:
     bound_violations: int  # ticks with a function's live replicas outside [min_replicas, max_replicas]
     actions: dict[str, int] = field(default_factory=dict)
     functions: int = 1
+    gpu_waits: int = 0  # starts that found every GPU of the cluster taken and waited for one
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, GPU-holding replicas, parked) per tick
 
 
@@ -183,10 +188,15 @@ class Simulation:
         self.actions: Counter[str] = Counter()
         self.peak = self.violations = self.ids = 0
         self.timeline: list[tuple[float, int, int]] = []
+        self.pending: deque[str] = deque()  # starting replicas waiting for a free GPU, oldest first
+        self.gpu_waits = 0
         for name in names:
             for _ in range(policy.initial_hot):
                 self.ids += 1
                 gpu = self.free_gpu()
+                if gpu < 0:
+                    raise ValueError(f"{policy.name}: {policy.initial_hot} replicas of each of {len(names)} functions "
+                                     f"do not fit {model.nodes} nodes of {model.gpus_per_node} GPUs")
                 rep = SimulatedReplica(f"r{self.ids}", name, HOT, gpu // model.gpus_per_node, gpu, idle_since=0.0)
                 self.replicas[rep.id] = rep
 
@@ -213,8 +223,7 @@ class Simulation:
                     while fn.waiting and expired(now - self.trace[fn.waiting[0]].t, self.queue.timeout):
                         self.reject(fn.waiting.popleft())
                     self.decide(fn, now)
-                held = sum(r.state in (HOT, STARTING) or (r.state == PARKED and r.gpu is not None)
-                           for r in self.replicas.values())
+                held = sum(r.gpu is not None for r in self.replicas.values())
                 self.timeline.append((now, held, sum(r.state == PARKED for r in self.replicas.values())))
                 busy = any(fn.waiting for fn in self.functions.values()) or \
                     any(r.in_flight for r in self.replicas.values())
@@ -248,7 +257,8 @@ class Simulation:
         self.dispatch(fn, now)
         if not fn.waiting or fn.waiting[-1] != i:
             return
-        eta = min((r.ready_at - now for r in self.replicas.values() if r.function == fn.name and r.state == STARTING),
+        eta = min((r.ready_at - now for r in self.replicas.values()
+                   if r.function == fn.name and r.state == STARTING and r.gpu is not None),
                   default=self.model.node_warm)
         oldest = now - self.trace[fn.waiting[0]].t
         if not isinstance(admit(len(fn.waiting) - 1, self.queue.bound, oldest, self.queue.timeout, eta), Admit):
@@ -346,13 +356,40 @@ class Simulation:
         else:
             del self.replicas[rep.id]
         rep.drain_to = None
+        self.place_pending(now)
 
     def free_gpu(self, node: int | None = None) -> int:
-        """The lowest free GPU (on `node` if given, -1 if it has none), so nodes already in use are filled first."""
+        """The lowest free GPU (on `node` if given), so nodes already in use are filled first; -1 if none is free."""
         taken = {r.gpu for r in self.replicas.values() if r.gpu is not None}
         per = self.model.gpus_per_node
-        candidates = range(node * per, (node + 1) * per) if node is not None else range(len(taken) + 1)
+        if node is not None:
+            candidates = range(node * per, (node + 1) * per)
+        else:
+            candidates = range(self.model.nodes * per if self.model.nodes is not None else len(taken) + 1)
         return next((g for g in candidates if g not in taken), -1)
+
+    def evict_parked_gpu(self) -> bool:
+        """Stop the longest-parked replica that holds a GPU (a park that frees nothing), so a start can have it."""
+        holders = [r for r in self.replicas.values() if r.state == PARKED and r.gpu is not None]
+        if not holders:
+            return False
+        victim = min(holders, key=lambda r: (r.idle_since or 0.0, r.id))
+        del self.replicas[victim.id]
+        self.actions["EvictForRoom"] += 1
+        return True
+
+    def place_pending(self, now: float) -> None:
+        """Start the replicas that wait for a GPU, oldest first, while GPUs are free."""
+        while self.pending:
+            rep = self.replicas.get(self.pending[0])
+            if rep is None or rep.gpu is not None:
+                self.pending.popleft()
+                continue
+            gpu = self.free_gpu()
+            if gpu < 0:
+                return
+            self.pending.popleft()
+            self.place(rep, gpu, now)
 
     def wake(self, rep: SimulatedReplica, now: float) -> None:
         if rep.gpu is None:  # the process stays on its node: it needs a GPU there
@@ -360,23 +397,34 @@ class Simulation:
             if gpu < 0:  # none free: what wakes is a fresh replica wherever there is room
                 del self.replicas[rep.id]
                 self.new_replica(rep.function, now)
+                self.place_pending(now)
                 return
             rep.gpu = gpu
         self.start(rep, now, "parked")
 
     def new_replica(self, function: str, now: float) -> SimulatedReplica:
-        fn = self.functions[function]
+        self.ids += 1
+        rep = SimulatedReplica(f"r{self.ids}", function, STARTING, -1, None, ready_at=math.inf)
+        self.replicas[rep.id] = rep
         gpu = self.free_gpu()
-        node = gpu // self.model.gpus_per_node
-        if node in fn.warm_nodes:
+        if gpu < 0 and self.evict_parked_gpu():
+            gpu = self.free_gpu()
+        if gpu < 0:  # the cluster is full: it starts when another replica gives its GPU back
+            self.gpu_waits += 1
+            self.pending.append(rep.id)
+        else:
+            self.place(rep, gpu, now)
+        return rep
+
+    def place(self, rep: SimulatedReplica, gpu: int, now: float) -> None:
+        fn = self.functions[rep.function]
+        rep.gpu, rep.node = gpu, gpu // self.model.gpus_per_node
+        if rep.node in fn.warm_nodes:
             tier = "node-warm"
         else:
             tier = "node-cold" if fn.snapshot else "full-boot"
             fn.snapshot = True
-        self.ids += 1
-        rep = SimulatedReplica(f"r{self.ids}", function, STARTING, node, gpu)
         self.start(rep, now, tier)
-        return rep
 
     def start(self, rep: SimulatedReplica, now: float, tier: str) -> None:
         rep.state, rep.idle_since, rep.tier = STARTING, None, tier
@@ -408,5 +456,6 @@ class Simulation:
             bound_violations=self.violations,
             actions=dict(self.actions),
             functions=len(self.functions),
+            gpu_waits=self.gpu_waits,
             timeline=self.timeline,
         )

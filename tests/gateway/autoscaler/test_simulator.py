@@ -100,3 +100,34 @@ def test_starts_report_their_measured_tier_to_the_policy():
         [Request(1.0, 100, 30)], Policy("spy", spy, PolicyMemo(), 0, 1), ReplicaModel(max_concurrency=1, node_warm=2.0)
     )
     assert seen == [StartMeasured("node-warm", 2.0)]
+
+
+def test_a_full_cluster_makes_a_start_wait_for_the_gpu_another_function_gives_back():
+    # one node of one GPU, two functions: b's request comes while a's replica holds the GPU, so b's start waits
+    # until a's replica, idle, stops and gives it back
+    trace = [Request(1.0, 100, 30, "a"), Request(2.0, 100, 30, "b")]
+    one = ScalingSettings(max_replicas=1, target_concurrency=1, max_concurrency=1, park=False, scaledown_window=5.0,
+                          stable_window=5.0, panic_window=2.0)
+    cluster = ReplicaModel(max_concurrency=1, nodes=1, gpus_per_node=1)
+    report = simulate(trace, Policy("ember", partial(decide, one), PolicyMemo(), 0, 1), cluster, until=30.0)
+    assert report.served == 2 and report.gpu_waits == 1
+    unbounded = simulate(trace, Policy("ember", partial(decide, one), PolicyMemo(), 0, 1),
+                         ReplicaModel(max_concurrency=1, gpus_per_node=1), until=30.0)
+    assert unbounded.gpu_waits == 0
+    assert report.ttft_p99 > 5.0 + cluster.node_warm  # b waited out a's idle hold, then its own start
+    assert max(held for _, held, _ in report.timeline) == 1
+
+
+def test_a_start_on_a_full_cluster_evicts_a_parked_replica_that_keeps_its_gpu():
+    trace = [Request(1.0, 100, 30, "a"), Request(20.0, 100, 30, "b")]
+    s = ScalingSettings(max_replicas=1, target_concurrency=1, max_concurrency=1, park_after=2.0,
+                        scaledown_window=300.0, stable_window=10.0)
+    keeps = ReplicaModel(max_concurrency=1, park_frees_gpu=False, nodes=1, gpus_per_node=1)
+    report = simulate(trace, Policy("ember", partial(decide, s), PolicyMemo(), 0, 1), keeps, until=30.0)
+    assert report.served == 2 and report.gpu_waits == 0 and report.actions["EvictForRoom"] == 1
+
+
+def test_more_always_on_replicas_than_the_cluster_holds_is_a_clear_error():
+    with pytest.raises(ValueError, match="do not fit 1 nodes of 2 GPUs"):
+        simulate([Request(1.0, 100, 30)], Policy("always", lambda r, h, n, m: ([], m), None, 3, 3, initial_hot=3),
+                 ReplicaModel(nodes=1, gpus_per_node=2))
