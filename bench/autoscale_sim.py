@@ -234,9 +234,10 @@ NOTES = """## How to read this
   replicas as KPA does (60 s stable average, last replica stopped after 90 s idle), so GPU-seconds and
   p99 match KPA-like within a few percent either way.
 - Under ladder tiers Ember's savings come from what KPA-like holds for nothing: capacity left over from a
-  burst (parked within seconds, woken in 0.3 s) and replicas held across the gap between bursts. Where
-  more than 1 in 100 of a function's requests of the last ~10 minutes queued behind busy replicas (after
-  bursts), its p99 is already a wait for capacity; then, with the rate under one arrival per wake's cost
+  burst (parked within seconds, woken in 0.3 s) and replicas held across the gap between bursts. Where a
+  function's requests of the last ~10 minutes spent more time queued behind busy replicas than a wake's
+  delay for 1 in 100 of them (bursts), its p99 is already a wait for capacity; then, with the rate under
+  one arrival per wake's cost
   (0.3 s x (1 + 10) = 3.3 GPU-s, i.e. under 0.3 req/s), the last replica parks after 3.3 s idle: the
   trickle's wakes (0.3-0.5 s TTFT) land below that p99, and on Poisson arrivals an idle second saves a
   wake with odds `rate` however long it has idled, so holding longer never pays.
@@ -262,6 +263,11 @@ NOTES = """## How to read this
   every day trace's p99 worse (0.23-0.36 s against 0.16-0.21 s: the night's requests wake); limiting it to
   rates where even a 90 s hold leaves >1% of requests to a wake (< 0.05 req/s) saved 15-45% and still
   lost day p99 on 4 of 6. The default keeps the p99, so "small" saves ~0% under ladder tiers.
+- Steady load is sized as KPA-like sizes it, with no tolerance over the target: a 10% tolerance kept 2
+  replicas at 22 concurrent where KPA-like ran 3, and Poisson peaks over their 32 slots queued (seed 0
+  day low=0.05 high=8: 20 requests waited against KPA-like's 5, p99 0.20 against 0.19 s).
+- Bursts whose requests fit one replica (burst_rate=3 burst_s=30) barely queue, so their p99 stays a hot
+  replica's or a wake's and the last replica holds between them as under steady load: -20 to -31% there.
 - Even an oracle that knows every arrival cannot do much better at KPA-like's p99 when that p99 is a hot
   replica's: each idle gap it gives back costs one request a wake or a start, at most 1% of requests may
   be slower than the p99, and KPA-like holds at most ~90 s of each gap, so the saving is at most

@@ -13,10 +13,10 @@ last `park_after` seconds (learned when not set) fits without it, panic holds on
 `park_after`s, parked replicas wake before new ones start, and a replica parked for
 `scaledown_window` is evicted. The last replica parks once an idle stretch that long would come
 only once in WAKE_ODDS arrivals at the recent rate, so the function's p99 stays a hot replica's; but
-where more than 1 in TAIL of the function's recent requests already queued behind busy replicas (its
-p99 is a wait for capacity, as after bursts) and the rate is under one arrival per wake's cost in
-GPU-seconds, it parks after a round trip's worth: the wakes that costs sit below that p99, and on
-memoryless arrivals holding longer never pays. Where parking does not pay, idle replicas are stopped as KPA
+where its recent requests already spent, queued behind busy replicas, more than a wake's delay for 1
+in TAIL of them (its p99 is a wait for capacity, as with bursts) and the rate is under one arrival per
+wake's cost in GPU-seconds, it parks after a round trip's worth: the wakes that costs sit below that
+p99, and on memoryless arrivals holding longer never pays. Where parking does not pay, idle replicas are stopped as KPA
 stops them, the last one after `scaledown_window` without a request. Every action carries the
 reason shown in `ember status`.
 """
@@ -31,7 +31,6 @@ from ember.gateway.lifecycle import HOT, LIVE, PARKED, STARTING, ReplicaState
 
 from .costs import CostModel, Measured
 
-TOLERANCE = 0.1  # demand within 10% over target adds no replica, as in Kubernetes' HPA
 IDLE_HOLD = 90.0  # default seconds an idle replica stays when it cannot park: KPA's 60 s window + 30 s grace
 PARKED_HOLD = 600.0  # default seconds a replica stays parked: it holds host RAM only, and the RAM budget comes first
 # Poisson arrivals leave an idle stretch of ln(1000) mean gaps once in 1000 arrivals: that rarely does
@@ -187,20 +186,24 @@ class PolicyMemo:
 
 @dataclass(frozen=True)
 class Tail:
-    """A function's requests, and those of them that queued behind busy hot replicas, counted with a weight that
-    fades over TAIL_HORIZON seconds: where those are more than 1 in TAIL, its p99 is set by capacity it lacked."""
+    """A function's requests, and the seconds requests spent queued behind its busy hot replicas, each counted
+    with a weight that fades over TAIL_HORIZON seconds. Where that queueing adds up to more than a wake's
+    delay for 1 in TAIL of the requests, its p99 is set by capacity it lacked, not by its wakes."""
 
     t: float | None = None
     requests: float = 0.0
-    queued: float = 0.0
+    queued_s: float = 0.0
 
     def add(self, sample: Sample, busy: bool) -> Tail:
-        fade = math.exp(-(sample.t - self.t) / TAIL_HORIZON) if self.t is not None else 0.0
+        if self.t is None:
+            return Tail(sample.t, sample.arrivals, 0.0)
+        dt = max(sample.t - self.t, 0.0)
+        fade = math.exp(-dt / TAIL_HORIZON)
         return Tail(sample.t, fade * self.requests + sample.arrivals,
-                    fade * self.queued + (sample.queued if busy else 0))
+                    fade * self.queued_s + (sample.queued * dt if busy else 0.0))
 
-    def lost(self) -> bool:
-        return self.requests >= TAIL and self.queued * TAIL > self.requests
+    def lost(self, wake_s: float) -> bool:
+        return self.requests >= TAIL and self.queued_s * TAIL > self.requests * wake_s
 
 
 def window(history: Sequence[Sample], now: float, seconds: float) -> list[Sample]:
@@ -279,7 +282,7 @@ def decide(
     stable = window(history, now, s.stable_window)
     rate = sum(x.arrivals for x in stable) / s.stable_window
     tail = memo.tail.add(history[-1], any(r.state == HOT for r in replicas)) if history else memo.tail
-    holds = s.holds(costs, rate, tail.lost())
+    holds = s.holds(costs, rate, tail.lost(costs.wake_s))
     park_after, spare_after, scaledown = holds.park_after, holds.spare_after, holds.scaledown
     parking = park_after is not None and spare_after is not None
     hot = [r for r in replicas if r.state == HOT and not r.draining]
@@ -299,17 +302,17 @@ def decide(
     want_panic = replicas_for(demand, s.target_concurrency)
     over_threshold = want_panic >= s.panic_threshold * max(len(hot), 1) and want_panic > len(hot)
     panic_since = now if over_threshold else memo.panic_since
-    burst_at = now if over_threshold else memo.burst_at
+    # a burst is a panic that asks for more than one replica beyond the stable average: one more is that
+    # average's own rounding, as when load near the target crosses it (1 -> 2 replicas is always a panic)
+    stable_avg = mean_concurrency(stable)
+    burst_at = now if over_threshold and want_panic > replicas_for(stable_avg, s.target_concurrency) + 1 \
+        else memo.burst_at
     panicking = panic_since is not None and now - panic_since < holds.panic_hold
     if not panicking:
         panic_since = None
 
-    stable_avg = mean_concurrency(stable)
-    if quick and have and stable_avg <= have * s.target_concurrency * (1 + TOLERANCE):
-        # a few percent over target is noise, while the capacity it would ask for is seconds away
-        steady = min(replicas_for(stable_avg, s.target_concurrency), have)
-    else:
-        steady = replicas_for(stable_avg, s.target_concurrency)
+    # no tolerance over the target, as KPA has none: 2 replicas at 10% over it let Poisson peaks over their slots queue
+    steady = replicas_for(stable_avg, s.target_concurrency)
     # Capacity is spare only if the peak of the hold window would still fit without it; that peak is of
     # the panic-window averages (noise in single samples is not demand), and no more than the raw peak
     # (a window with no requests at all needs no replica).

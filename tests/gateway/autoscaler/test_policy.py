@@ -165,10 +165,11 @@ def test_at_zero_past_demand_starts_nothing():
     assert run(PARKING, [], history, 22.0)[0] == []
 
 
-def test_demand_just_over_target_is_tolerated_but_not_more():
+def test_demand_just_over_target_adds_a_replica_as_kpa_does():
+    # no tolerance: 3 replicas at 32 concurrent would leave Poisson peaks over their 48 slots to queue
     three = hot(3, in_flight=10)
-    assert run(PARKING, three, load(32, 100), 100.0)[0] == []  # 32 <= 3 x 10 x 1.1
-    actions, _ = run(PARKING, three, load(34, 100), 100.0)
+    assert run(PARKING, three, load(30, 100), 100.0)[0] == []
+    actions, _ = run(PARKING, three, load(32, 100), 100.0)
     assert actions == [Start(1, actions[0].reason)]
 
 
@@ -249,22 +250,25 @@ def trickle(now: float) -> list[Sample]:
 def test_last_replica_parks_after_a_round_trip_where_the_p99_is_already_a_wait_for_capacity():
     s = ScalingSettings(target_concurrency=10, max_concurrency=16)
     idle = [ReplicaView("h0", "hot", 0, 56.0)]
-    lost = PolicyMemo(tail=Tail(59.5, requests=300.0, queued=6.0))  # 2% of requests queued behind busy replicas
+    # requests spent 9 s queued behind busy replicas: 30 wakes' worth (0.3 s), 10% of 300 requests
+    lost = PolicyMemo(tail=Tail(59.5, requests=300.0, queued_s=9.0))
     actions, memo = run(s, idle, trickle(60.0), 60.0, lost)
-    assert [type(a) for a in actions] == [Park] and memo.tail.lost()
-    # the same trickle where requests did not queue: the replica holds until an idle stretch is unlikely
-    actions, memo = run(s, idle, trickle(60.0), 60.0, PolicyMemo(tail=Tail(59.5, requests=300.0, queued=1.0)))
-    assert actions == [] and not memo.tail.lost()
+    assert [type(a) for a in actions] == [Park] and memo.tail.lost(0.3)
+    # the same trickle where requests queued for only 2 wakes' worth: it holds until an idle stretch is unlikely
+    calm = PolicyMemo(tail=Tail(59.5, requests=300.0, queued_s=0.6))
+    actions, memo = run(s, idle, trickle(60.0), 60.0, calm)
+    assert actions == [] and not memo.tail.lost(0.3)
     # and where a park keeps the GPU, the tail changes nothing: parking does not pay
     keeps = PolicyMemo(costs=CostModel(park_frees_gpu=False), tail=lost.tail)
     actions, _ = run(s, idle, trickle(60.0), 60.0, keeps)
     assert actions == []
 
 
-def test_tail_counts_requests_queued_behind_hot_replicas_and_fades():
-    tail = Tail().add(Sample(0.0, 5, 16, 50), busy=True).add(Sample(1.0, 3, 0, 60), busy=False)
-    assert tail.requests == pytest.approx(110, rel=1e-2) and tail.queued == pytest.approx(5, rel=1e-2)
-    assert tail.lost()  # 5 of 110 queued for capacity
-    assert not Tail(0.0, requests=50.0, queued=10.0).lost()  # too few requests to have a p99
+def test_tail_counts_seconds_queued_behind_hot_replicas_and_fades():
+    tail = Tail().add(Sample(0.0, 0, 16, 50), busy=True)
+    tail = tail.add(Sample(0.5, 8, 16, 30), busy=True).add(Sample(1.0, 6, 0, 30), busy=False)
+    assert tail.requests == pytest.approx(110, rel=1e-2) and tail.queued_s == pytest.approx(4, rel=1e-2)
+    assert tail.lost(0.3) and not tail.lost(4.0)  # 4 s queued: 13 wakes of 0.3 s, but not one of 4 s
+    assert not Tail(0.0, requests=50.0, queued_s=10.0).lost(0.3)  # too few requests to have a p99
     later = tail.add(Sample(TAIL_HORIZON * 5, 0, 0, 0), busy=True)
-    assert later.requests < 1 and later.queued < 0.1
+    assert later.requests < 1 and later.queued_s < 0.1
