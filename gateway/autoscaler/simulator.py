@@ -10,7 +10,8 @@ the gateway reports a measured start; a request holds one of a replica's
 or hot; a parked one holds what the backend keeps for it: pinned host RAM where a park
 frees the GPU, else the GPU itself. The cluster has `nodes` x `gpus_per_node` GPUs (or
 no bound): a start that finds none free evicts the longest-parked replica holding one,
-or else waits, shown to its policy as starting, for the first GPU another function frees.
+else stops the longest-idle hot replica with nothing in flight, else waits, shown to its
+policy as starting, for the first GPU another replica gives back.
 Requests that find no free slot wait in their function's queue under `admission.admit`.
 Deterministic: no clock, no threads.
 """
@@ -219,6 +220,7 @@ class Simulation:
                 replica_id, index = data
                 self.done(replica_id, index, now)
             else:
+                self.place_pending(now)
                 for fn in self.functions.values():
                     while fn.waiting and expired(now - self.trace[fn.waiting[0]].t, self.queue.timeout):
                         self.reject(fn.waiting.popleft())
@@ -368,14 +370,18 @@ class Simulation:
             candidates = range(self.model.nodes * per if self.model.nodes is not None else len(taken) + 1)
         return next((g for g in candidates if g not in taken), -1)
 
-    def evict_parked_gpu(self) -> bool:
-        """Stop the longest-parked replica that holds a GPU (a park that frees nothing), so a start can have it."""
+    def make_room(self) -> bool:
+        """Stop a replica so a start can have its GPU: the longest-parked one that holds a GPU (a park that frees
+        nothing), else the longest-idle hot one with nothing in flight, of any function. False if none is idle."""
         holders = [r for r in self.replicas.values() if r.state == PARKED and r.gpu is not None]
+        if not holders:
+            holders = [r for r in self.replicas.values()
+                       if r.state == HOT and not r.in_flight and not r.drain_to and r.idle_since is not None]
         if not holders:
             return False
         victim = min(holders, key=lambda r: (r.idle_since or 0.0, r.id))
+        self.actions["EvictForRoom" if victim.state == PARKED else "StopIdleForRoom"] += 1
         del self.replicas[victim.id]
-        self.actions["EvictForRoom"] += 1
         return True
 
     def place_pending(self, now: float) -> None:
@@ -386,6 +392,8 @@ class Simulation:
                 self.pending.popleft()
                 continue
             gpu = self.free_gpu()
+            if gpu < 0 and self.make_room():
+                gpu = self.free_gpu()
             if gpu < 0:
                 return
             self.pending.popleft()
@@ -407,7 +415,7 @@ class Simulation:
         rep = SimulatedReplica(f"r{self.ids}", function, STARTING, -1, None, ready_at=math.inf)
         self.replicas[rep.id] = rep
         gpu = self.free_gpu()
-        if gpu < 0 and self.evict_parked_gpu():
+        if gpu < 0 and self.make_room():
             gpu = self.free_gpu()
         if gpu < 0:  # the cluster is full: it starts when another replica gives its GPU back
             self.gpu_waits += 1
