@@ -179,15 +179,14 @@ def test_a_request_that_fails_a_step_fails_alone_and_the_engine_goes_on(llm, mon
     wait_until_idle(llm.engine)  # the failed request's KV blocks came back
 
 
-def test_missing_graphs_are_captured_only_after_a_second_without_work(tmp_path, monkeypatch):
+def test_missing_graphs_are_captured_only_after_a_second_without_work(llm, monkeypatch):
     # A cold-started replica's request arrives right after its ready line: it must not queue behind a capture.
     import time
 
     from ember.runtime.engine import async_engine
 
     monkeypatch.setattr(async_engine, "IDLE_CAPTURE_AFTER", 0.5)
-    path = build_tiny_model(tmp_path / "qwen3")
-    engine = LLMEngine(EngineConfig(model=str(path), max_model_len=256))
+    engine = LLMEngine(llm.engine.config)  # the module's tiny model, in an engine of this test's own
     captures: list[float] = []
 
     def capture_idle() -> bool:  # three graphs to capture, as a GPU engine would have
@@ -204,9 +203,9 @@ def test_missing_graphs_are_captured_only_after_a_second_without_work(tmp_path, 
     engine.capture_idle = capture_idle
     engine.step = timed_step
     began = time.monotonic()
-    llm = AsyncLLM(engine, AutoTokenizer.from_pretrained(path))
+    own = AsyncLLM(engine, llm.tokenizer)
     try:
-        chunks = asyncio.run(collect(llm.generate(prompt(llm), SamplingParams(max_tokens=4, temperature=0))))
+        chunks = asyncio.run(collect(own.generate(prompt(own), SamplingParams(max_tokens=4, temperature=0))))
         assert chunks[-1].finish_reason == "length"
         deadline = time.monotonic() + 10
         while len(captures) < 4 and time.monotonic() < deadline:
@@ -217,4 +216,4 @@ def test_missing_graphs_are_captured_only_after_a_second_without_work(tmp_path, 
         time.sleep(0.7)
         assert len(captures) == 4
     finally:
-        llm.shutdown()
+        own.shutdown()
