@@ -7,6 +7,8 @@
     EMBER_CHAT_PARK_AFTER=3 ember serve examples/chat.py             # park idle replicas after 3 s (GPU released)
     EMBER_CHAT_GPU_MEMORY_UTILIZATION=0.3 ember serve examples/chat.py  # take 30% of the GPU (default 0.9)
     EMBER_CHAT_KV_CACHE_BYTES=8000000000 ember serve examples/chat.py   # or give the KV cache a byte budget
+    EMBER_CHAT_WARM_KERNELS=0 ember serve examples/chat.py           # no kernel warm-up beside the weights (the
+                                                                     # first request loads the kernels instead)
 
 Then point any OpenAI client at https://127.0.0.1:8443/chat/v1 with an Ember key (`ember serve examples/chat.py
 --new-key me` prints the key, a curl and the `export OPENAI_BASE_URL=... OPENAI_API_KEY=... SSL_CERT_FILE=...` line
@@ -64,6 +66,8 @@ class Chat:
             sizing["gpu_memory_utilization"] = float(os.environ["EMBER_CHAT_GPU_MEMORY_UTILIZATION"])
         if os.environ.get("EMBER_CHAT_KV_CACHE_BYTES"):
             sizing["kv_cache_bytes"] = int(os.environ["EMBER_CHAT_KV_CACHE_BYTES"])
+        if os.environ.get("EMBER_CHAT_WARM_KERNELS"):
+            sizing["warm_kernels"] = os.environ["EMBER_CHAT_WARM_KERNELS"] not in ("0", "")
         self.config = EngineConfig(model=str(model), log_token_ids=log_token_ids, **sizing)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
 

@@ -19,6 +19,7 @@ import bisect
 import hashlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -123,6 +124,17 @@ def checksum(data) -> str:
     return hasher.hexdigest()
 
 
+def env_threads() -> int | None:
+    """EMBER_SNAPSHOT_THREADS: reader threads per load, in place of the source's default (a node with more or
+    fewer cores free than the default assumes)."""
+    value = os.environ.get("EMBER_SNAPSHOT_THREADS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"EMBER_SNAPSHOT_THREADS={value!r}: give a whole number of threads, 1 or more")
+    return int(value)
+
+
 def load(source: SnapshotSource, targets: Mapping[str, torch.Tensor] | None = None, device: str | torch.device = "cpu",
          threads: int | None = None, progress: Progress | None = None,
          verify: bool = True) -> tuple[dict[str, torch.Tensor], LoadReport]:
@@ -141,7 +153,7 @@ def load(source: SnapshotSource, targets: Mapping[str, torch.Tensor] | None = No
     device = next(iter(targets.values())).device if targets else torch.device(device)
     cuda = device.type == "cuda"
     pieces = plan(header)
-    threads = max(1, min(threads or source.default_threads, len(pieces)))
+    threads = max(1, min(threads or env_threads() or source.default_threads, len(pieces)))
     run = _Run(source, header, targets, pieces, cudart.runtime() if cuda else None, verify, progress)
     allocated = time.perf_counter()
     with ThreadPoolExecutor(threads, thread_name_prefix="snapshot-load") as pool:

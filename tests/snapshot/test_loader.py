@@ -66,3 +66,16 @@ def test_flipped_byte_fails_both_the_load_check_and_the_sha256_audit(mixed_state
         load(store.open("mixed"), threads=4)
     with pytest.raises(SnapshotCorrupt, match="sha256"):
         audit(store.open("mixed"))
+
+
+def test_ember_snapshot_threads_sets_the_reader_threads_and_a_bad_value_names_the_fix(mixed_state, monkeypatch):
+    store = LocalStore()
+    capture(mixed_state, store, "mixed", chunk_size=4096)
+    monkeypatch.setenv("EMBER_SNAPSHOT_THREADS", "3")
+    tensors, report = load(store.open("mixed"))
+    assert report.threads == 3
+    assert_same(tensors, mixed_state)
+    assert load(store.open("mixed"), threads=2)[1].threads == 2  # an explicit count wins
+    monkeypatch.setenv("EMBER_SNAPSHOT_THREADS", "many")
+    with pytest.raises(ValueError, match="EMBER_SNAPSHOT_THREADS='many'"):
+        load(store.open("mixed"))
