@@ -539,6 +539,36 @@ def cuda_init() -> dict[str, int]:
     return {"cuda_init_ms": round((time.monotonic() - began) * 1000)}
 
 
+@contextlib.contextmanager
+def profiled_start():
+    """With EMBER_PROFILE_START=DIR, the enter hooks run under cProfile (the calling thread only) and their stats go
+    to DIR/start-PID.prof and .txt (the 40 costliest calls by cumulative time): where a replica's start goes."""
+    folder = os.environ.get("EMBER_PROFILE_START")
+    if not folder:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        try:
+            path = Path(folder)
+            path.mkdir(parents=True, exist_ok=True)
+            profile.dump_stats(path / f"start-{os.getpid()}.prof")
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+            (path / f"start-{os.getpid()}.txt").write_text(text.getvalue())
+        except OSError as err:
+            print(f"ember: EMBER_PROFILE_START={folder}: could not write the start's profile: {err}", file=sys.stderr,
+                  flush=True)
+
+
 def serve(channel: ControlChannel, started: float, load: Callable[[], tuple[Any, Any]]) -> int:
     """Load the unit (`load()` -> the unit and its instance when its snap=True hooks already ran), run its enter
     hooks, say ready on the control channel and serve until SIGTERM; the process's exit code."""
@@ -555,7 +585,8 @@ def serve(channel: ControlChannel, started: float, load: Callable[[], tuple[Any,
         loader = sys.modules.get("ember.runtime.engine.models.loader")
         weights_before = getattr(loader, "last_start", None)  # a fork's template may have loaded some already
         if hasattr(unit, "user_cls"):
-            obj = unit.enter(unit.snap() if snapped is None else snapped)
+            with profiled_start():
+                obj = unit.enter(unit.snap() if snapped is None else snapped)
         else:
             obj = None
         timings["enter_ms"] = round((time.monotonic() - began) * 1000)

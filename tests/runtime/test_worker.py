@@ -338,3 +338,19 @@ def test_park_with_is_checked_when_the_app_loads():
 
     with pytest.raises(ember.SpecError, match="park_with"):
         ember.App("x").cls(park_with="criu")
+
+
+def test_ember_profile_start_writes_where_the_enter_hooks_spent_their_time(package, tmp_path):
+    import os
+
+    folder = tmp_path / "profiles"
+    with open(tmp_path / "log", "w") as log:
+        process, ready = start(package, "Counter", log, env=os.environ | {"EMBER_PROFILE_START": str(folder)})
+        try:
+            assert ready["event"] == "ready" and control(ready).post("/call/bump", json={}).json()["result"] == 1
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(15) == 0
+    text = (folder / f"start-{process.pid}.txt").read_text()
+    assert "Ordered by: cumulative time" in text and "w.py" in text and "(start)" in text  # Counter's enter hook
+    assert (folder / f"start-{process.pid}.prof").stat().st_size > 0

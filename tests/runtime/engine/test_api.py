@@ -288,3 +288,26 @@ def test_an_engine_that_cannot_go_on_answers_503_and_marks_the_replica_unhealthy
         assert response.json()["error"]["type"] == "server_error"
         assert "device lost" in response.json()["error"]["message"]
     assert "device lost" in health.reason
+
+
+def test_create_app_imports_nothing_the_api_module_did_not(tmp_path):
+    # A fork server imports the api module once; each replica's create_app must not import more (FastAPI's lazy
+    # pydantic.v1 import was 0.17 s of a restored replica's start on the H200).
+    import subprocess
+    import sys
+
+    model = build_tiny_model(tmp_path / "qwen3")
+    script = (
+        "import sys\n"
+        "from ember.runtime.engine.api import create_app\n"
+        "from ember.runtime.engine.async_engine import AsyncLLM\n"
+        "from ember.runtime.engine.config import EngineConfig\n"
+        "from ember.runtime.engine.engine import LLMEngine\n"
+        f"llm = AsyncLLM(LLMEngine(EngineConfig(model={str(model)!r}, max_model_len=64)), None)\n"
+        "before = set(sys.modules)\n"
+        "create_app(llm)\n"
+        "print(sorted(set(sys.modules) - before))\n"
+        "llm.shutdown()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
