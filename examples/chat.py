@@ -70,6 +70,11 @@ class Chat:
             sizing["warm_kernels"] = os.environ["EMBER_CHAT_WARM_KERNELS"] not in ("0", "")
         self.config = EngineConfig(model=str(model), log_token_ids=log_token_ids, **sizing)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
+        # The chat template is compiled on its first use and cached for the process: here, so replicas inherit it.
+        if self.tokenizer.chat_template:
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                                        add_generation_prompt=True)
+            self.tokenizer.encode(prompt, add_special_tokens=False)
 
     @ember.enter(snap=False)
     def serve(self):

@@ -378,8 +378,29 @@ class UnitTemplate:
 
 def preload(app: Any) -> list[str]:
     """Import what every replica of `app` needs before a fork (what the user's module imports is loaded already):
-    preload_gpu() when a unit asks for a GPU. The modules imported."""
-    return preload_gpu() if any(unit.spec.gpu for unit in app.units.values()) else []
+    the replica's HTTP server (preload_serving), and preload_gpu() when a unit asks for a GPU. The modules imported."""
+    loaded = preload_serving()
+    return loaded + (preload_gpu() if any(unit.spec.gpu for unit in app.units.values()) else [])
+
+
+# What a replica's HTTP server imports after its enter hooks, on the way to its first reply: the worker's Starlette
+# routes, uvicorn's protocol, lifespan and loop modules (chosen by what is installed: httptools or h11, uvloop or
+# asyncio) and anyio's asyncio backend and streams, which Starlette loads on its first request. ~0.15 s on a 2-core
+# CI machine, paid by the first request of every replica unless the fork server imported them.
+SERVING_MODULES = ("uvicorn.protocols.http.auto", "uvicorn.protocols.websockets.auto", "uvicorn.lifespan.on",
+                   "uvicorn.loops.auto", "uvicorn.loops.asyncio", "uvloop", "uvicorn.loops.uvloop",
+                   "anyio._backends._asyncio", "anyio.streams.memory", "anyio.streams.stapled",
+                   "starlette.applications", "starlette.requests", "starlette.responses", "starlette.routing")
+
+
+def preload_serving() -> list[str]:
+    """The modules of SERVING_MODULES imported (each one that is installed)."""
+    loaded = []
+    for module in SERVING_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+            loaded.append(module)
+    return loaded
 
 
 def preload_gpu() -> list[str]:

@@ -108,6 +108,8 @@ def test_snap_hooks_run_once_in_the_fork_server_and_every_replica_sees_their_sta
         for worker in workers:  # phases the hooks reported join the breakdown: each replica's own only
             assert worker.timings["connect_ms"] == 2 and worker.timings["cache"] == "cold"
             assert "table_ms" not in worker.timings
+        # the HTTP server's modules came with the fork: a replica's first reply imports none of them
+        assert await node.call(workers[2], "late_imports") == []
 
     run(test, tmp_path)
 

@@ -1,5 +1,6 @@
 """An app whose module imports torch and whose class builds its state in a snap=True hook (test_forkserver)."""
 import os
+import sys
 
 import torch
 
@@ -31,7 +32,14 @@ class Snapped:
     @ember.enter(snap=False)
     def connect(self):
         self.pid = os.getpid()
+        self.modules_at_enter = set(sys.modules)
         startup.report({"connect_ms": 2, "cache": "cold"})  # what an engine adds to its start's breakdown
+
+    @ember.method()
+    def late_imports(self) -> list[str]:
+        """Modules of the replica's HTTP stack imported after its enter hooks: on the way to its first reply."""
+        stack = ("uvicorn", "anyio", "h11", "httptools", "uvloop", "wsproto", "websockets", "starlette")
+        return sorted(m for m in set(sys.modules) - self.modules_at_enter if m.split(".")[0] in stack)
 
     @ember.method()
     def where(self) -> dict:
