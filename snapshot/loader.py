@@ -3,9 +3,10 @@
 Each worker thread owns two chunk buffers (pinned when the target is a GPU, allocated by the
 worker itself so pinning overlaps the other workers' reads) and one CUDA stream. It reads a
 chunk into one buffer (page cache or O_DIRECT from disk, or a ranged GET from S3), checks
-the chunk's xxh3-128, and queues its host->device copies straight into the target tensors,
-then reads the next chunk into its other buffer while those copies run. A buffer is reused
-only once the copies out of it have finished.
+the chunk's xxh3-128 (piece by piece as a page-cache read brings each 1 MiB in, while the
+CPU's cache still holds it; after the read elsewhere), and queues its host->device copies
+straight into the target tensors, then reads the next chunk into its other buffer while
+those copies run. A buffer is reused only once the copies out of it have finished.
 
 Buffers are huge-page backed and pinned in place (hostbuffer.py); the checksum runs in
 xxhash's update(), which lets go of the GIL, and copies are queued through ctypes
@@ -48,7 +49,8 @@ class LoadReport:
     direct_io: bool
     source: str
     device: str
-    # wall seconds for allocate / stream; summed thread seconds for pin / read / verify / copy
+    # wall seconds for allocate / stream; summed thread seconds for pin / read (with the checksum, which runs on
+    # each piece as it arrives) / verify (comparing the digests) / copy
     phases: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -116,12 +118,6 @@ def host_buffer(nbytes: int, pin: bool, lib) -> tuple[torch.Tensor, Callable[[],
         except (MemoryError, cudart.CudaError) as err:
             log.info("huge-page load buffer unavailable (%s); using torch's", err)
     return aligned_buffer(nbytes, pin), lambda: None
-
-
-def checksum(data) -> str:
-    hasher = xxhash.xxh3_128()
-    hasher.update(data)  # update() lets go of the GIL while it hashes; xxh3_128_hexdigest() does not
-    return hasher.hexdigest()
 
 
 def env_threads() -> int | None:
@@ -229,9 +225,11 @@ class _Run:
     def copy(self, index: int, buf: torch.Tensor, stream, spent: dict) -> int:
         """Reads chunk `index` into `buf`, checks it, and queues its copies into the targets."""
         t0 = time.perf_counter()
-        n = self.source.read_chunk(index, buf.numpy().data)
+        # The checksum runs on each piece as it arrives (update() lets go of the GIL, xxh3_128_hexdigest() not).
+        hasher = xxhash.xxh3_128() if self.verify else None
+        n = self.source.read_chunk(index, buf.numpy().data, hasher.update if hasher is not None else None)
         t1 = time.perf_counter()
-        if self.verify and checksum(buf[:n].numpy()) != self.header.xxh3[index]:
+        if hasher is not None and hasher.hexdigest() != self.header.xxh3[index]:
             raise SnapshotCorrupt(self.source.id,
                                   f"chunk {index} (bytes {self.header.chunk_span(index)}) fails its checksum")
         t2 = time.perf_counter()

@@ -5,6 +5,7 @@ quarantine/<id>.ember (+ .reason).
 """
 import os
 import time
+from collections.abc import Callable
 
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -72,9 +73,11 @@ class S3Source:
                 raise SnapshotError(f"{self.url}: bytes {start}-{end - 1} unreadable after {ATTEMPTS} tries: {problem}")
             time.sleep(0.2 * 2 ** attempt)
 
-    def read_chunk(self, index: int, into: memoryview) -> int:
+    def read_chunk(self, index: int, into: memoryview, each_piece: Callable[[memoryview], None] | None = None) -> int:
         start, end = self.header.chunk_span(index)
         self._ranged(start + self.header.data_offset, end + self.header.data_offset, into[:end - start])
+        if each_piece is not None:
+            each_piece(into[:end - start])
         return end - start
 
     def close(self) -> None:

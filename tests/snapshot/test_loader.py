@@ -79,3 +79,27 @@ def test_ember_snapshot_threads_sets_the_reader_threads_and_a_bad_value_names_th
     monkeypatch.setenv("EMBER_SNAPSHOT_THREADS", "many")
     with pytest.raises(ValueError, match="EMBER_SNAPSHOT_THREADS='many'"):
         load(store.open("mixed"))
+
+
+def test_a_page_cache_read_is_checked_piece_by_piece_and_a_flip_in_any_piece_is_caught():
+    from ember.snapshot.store import PIECE
+
+    g = torch.Generator().manual_seed(2)
+    state = {"big": torch.randint(0, 255, (5 * PIECE + 12345,), generator=g, dtype=torch.uint8),
+             "small": torch.randn(1000, generator=g)}
+    store = LocalStore()
+    capture(state, store, "big", chunk_size=4 * PIECE)  # the first chunk is four pieces
+    source = store.open("big")
+    pieces: list[memoryview] = []
+    buffer = memoryview(bytearray(source.header.chunk_size))
+    n = source.read_chunk(0, buffer, pieces.append)
+    assert [len(p) for p in pieces] == [PIECE] * 4 and n == 4 * PIECE  # /tmp has no O_DIRECT: the cached path
+    assert b"".join(bytes(p) for p in pieces) == bytes(buffer[:n])
+    assert_same(load(source, threads=2)[0], state)
+    with open(source.path, "r+b") as f:  # one bit of the third piece
+        f.seek(source.header.data_offset + 2 * PIECE + 777)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 4]))
+    with pytest.raises(SnapshotCorrupt, match="chunk 0 .* fails its checksum"):
+        load(store.open("big"), threads=2)
