@@ -54,6 +54,7 @@ class Chat:
         import ember.runtime.engine.engine  # noqa: F401
         from ember.home import Home
         from ember.runtime.engine.config import EngineConfig
+        from ember.runtime.engine.models.loader import prepare
         from ember.runtime.engine.tiny import build_tiny_model
 
         model = os.environ.get("EMBER_CHAT_MODEL") or build_tiny_model(Home().root / "models" / "tiny-qwen3")
@@ -70,6 +71,7 @@ class Chat:
             sizing["warm_kernels"] = os.environ["EMBER_CHAT_WARM_KERNELS"] not in ("0", "")
         self.config = EngineConfig(model=str(model), log_token_ids=log_token_ids, **sizing)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
+        prepare(model)  # config.json and the weight files' identity, read once here for every replica
         # The chat template is compiled on its first use and cached for the process: here, so replicas inherit it.
         if self.tokenizer.chat_template:
             prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,

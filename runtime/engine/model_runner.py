@@ -18,7 +18,7 @@ from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .gpu_memory import AddressTaken, Arena, CudaDriverError, ParkReport, WakeReport, tensor_bytes
-from .models.loader import load_model, snapshot_key
+from .models.loader import load_model, model_config, snapshot_key
 from .sampling import SamplingRow, draw
 from .scheduler import ScheduledBatch
 
@@ -341,12 +341,10 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
     the attention thread while the weights stream in (the warm-up forward a full boot runs needs the weights);
     its memory is given back before the KV cache is sized. Tensors match the real ones in shape, dtype and strides,
     so Triton specialises the same way; the values are garbage and nothing of them is kept."""
-    from transformers import AutoConfig
-
     from .models.loader import ARCHITECTURES, empty_model
     from .sampling import SamplingParams
 
-    config = AutoConfig.from_pretrained(model_dir)
+    config = model_config(Path(model_dir))
     config.num_hidden_layers = 1
     # The embedding and head are the big throwaway tensors (1.2 GB each for Qwen3-8B): bounded, at the cost of the
     # head's product loading its kernel with the first request

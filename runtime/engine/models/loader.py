@@ -14,6 +14,7 @@ but not an edit confined to bytes between windows. Paths and mtimes are left out
 a copy of the same model elsewhere restores the same snapshot. The directory's name (the name the
 engine serves the model under) prefixes the digest so that `ember snapshot ls` is readable.
 """
+import copy
 import hashlib
 import logging
 import os
@@ -53,7 +54,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapsho
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ValueError(f"{model_dir!r} has no config.json: pass a Hugging Face model directory")
-    config = AutoConfig.from_pretrained(path)
+    config = model_config(path)
     cls = ARCHITECTURES.get(config.model_type)
     if cls is None:
         raise ValueError(f"model_type {config.model_type!r} is not supported: use one of {sorted(ARCHITECTURES)}")
@@ -170,8 +171,39 @@ def snapshot_key(model_dir: str | Path, dtype: torch.dtype) -> str:
     return f"{name}.{dtype_name}.{digest.hexdigest()[:32]}"
 
 
+def prepare(model_dir: str | Path) -> None:
+    """Reads what a start takes from the model directory before the GPU is needed: its config.json and the identity
+    of each weight file (the snapshot key). A fork server calls it in a snap=True hook, so that its replicas find
+    both already read (each is read again where its file's size, mtime or inode changed since)."""
+    path = Path(model_dir)
+    if (path / "config.json").is_file():
+        model_config(path)
+    for file in sorted(path.glob("*.safetensors")):
+        file_identity(file)
+
+
+_read: dict[tuple, object] = {}  # (what, file, size, mtime_ns, inode) -> what was read from that file
+
+
+def _remembered(what: str, file: Path, read):
+    status = file.stat()
+    key = (what, str(file.resolve()), status.st_size, status.st_mtime_ns, status.st_ino)
+    if key not in _read:
+        _read[key] = read()
+    return _read[key]
+
+
+def model_config(path: Path):
+    """The directory's transformers config (a copy: the one remembered stays as read)."""
+    return copy.deepcopy(_remembered("config", path / "config.json", lambda: AutoConfig.from_pretrained(path)))
+
+
 def file_identity(file: Path) -> bytes:
     """Name, size, safetensors header and an xxh3 of SAMPLES windows of the data, of one weight file."""
+    return _remembered("identity", file, lambda: _file_identity(file))
+
+
+def _file_identity(file: Path) -> bytes:
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         header_len = struct.unpack("<Q", f.read(8))[0]

@@ -168,3 +168,22 @@ def test_snapshots_through_s3(model_dir, reference, s3_env):  # noqa: F811
     assert engine.runner.weights_start.source == "full"
     assert s3.list_objects_v2(Bucket="weights", Prefix="engine/quarantine/")["KeyCount"] == 2  # object + reason
     assert engine.generate(PROMPTS, GREEDY) == reference
+
+
+def test_what_prepare_read_is_read_again_once_its_file_changes(tmp_path):
+    import json
+    import os
+
+    model = Path(build(tmp_path / "m", seed=0))
+    loader.prepare(model)  # as a fork server's snap=True hook does
+    key = loader.snapshot_key(model, torch.float32)
+    config = loader.model_config(model)
+    config.num_hidden_layers = 1  # a caller's change stays its own
+    assert loader.model_config(model).num_hidden_layers == 2
+    # new weights of the same size, and a new config.json: a replica forked after this must not see the old ones
+    shutil.copy(build(tmp_path / "other", seed=1) + "/model.safetensors", model / "model.safetensors")
+    settings = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**settings, "max_position_embeddings": 128}))
+    os.utime(model / "config.json", ns=(1, 1))  # a different mtime even on a coarse-grained clock
+    assert loader.snapshot_key(model, torch.float32) != key
+    assert loader.model_config(model).max_position_embeddings == 128
