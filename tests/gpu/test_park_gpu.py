@@ -43,6 +43,8 @@ def test_park_releases_the_gpu_and_wake_answers_the_same(tmp_path):
     prompts = [torch.randint(3, 8192, (n,)).tolist() for n in (5, 40, 200)]
     expected = engine.generate(prompts, GREEDY)
     addresses = [r.address for r in engine.runner.arena.regions]
+    graphs = dict(engine.runner.graphs.graphs)  # captured by the first generate (lazily, on first use)
+    assert graphs
     awake = gpu_bytes_used()
     park = engine.park()
     parked = gpu_bytes_used()
@@ -51,6 +53,8 @@ def test_park_releases_the_gpu_and_wake_answers_the_same(tmp_path):
     assert parked <= PARKED_GOAL < awake
     assert [r.address for r in engine.runner.arena.regions] == addresses
     assert engine.generate(prompts, GREEDY) == expected
+    # the graphs captured before the park replayed after the wake: the same objects, none captured again
+    assert all(engine.runner.graphs.graphs[size] is graph for size, graph in graphs.items())
     engine.park()  # the second park reuses the host copy of the weights; a step wakes the engine by itself
     assert engine.generate(prompts, GREEDY) == expected and not engine.parked
     del engine
