@@ -392,7 +392,8 @@ def describe_request(scope, function: str, name: str | None = None) -> tuple[str
         "http.request.method": scope["method"], "url.path": scope["path"]}
 
 
-def _serve(app, sock: socket.socket) -> None:
+def _serve(app, sock: socket.socket, stops: list[int]) -> None:
+    """Serve `app` on `sock` until SIGTERM or SIGINT; `stops` holds the ones that came before the server started."""
     import uvicorn
 
     class ReplicaServer(uvicorn.Server):
@@ -401,6 +402,8 @@ def _serve(app, sock: socket.socket) -> None:
             # Stop serving on SIGTERM instead of re-raising it, so exit hooks still run.
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: setattr(self, "should_exit", True))
+            if stops:
+                self.should_exit = True
             yield
 
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="auto")
@@ -610,9 +613,13 @@ def serve(channel: ControlChannel, started: float, load: Callable[[], tuple[Any,
         traceback.print_exc()
         channel.send(control.Failed(phase, f"{type(exc).__name__}: {exc}"))
         return 1
+    # A stop that comes between the ready line and the server's own handlers still runs the exit hooks.
+    stops: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _: stops.append(signum))
     channel.send(control.Ready(sock.getsockname()[1], started, timings, secret))
     try:
-        _serve(asgi, sock)
+        _serve(asgi, sock, stops)
     finally:
         if obj is not None:
             unit.stop(obj)

@@ -354,3 +354,12 @@ def test_ember_profile_start_writes_where_the_enter_hooks_spent_their_time(packa
     text = (folder / f"start-{process.pid}.txt").read_text()
     assert "Ordered by: cumulative time" in text and "w.py" in text and "(start)" in text  # Counter's enter hook
     assert (folder / f"start-{process.pid}.prof").stat().st_size > 0
+
+
+def test_a_stop_right_after_the_ready_line_still_runs_the_exit_hooks(package, tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        process, ready = start(package, "Counter", log)
+        assert ready["event"] == "ready"
+        process.send_signal(signal.SIGTERM)  # before the HTTP server has set up its own handlers
+        assert process.wait(15) == 0
+    assert "EXIT HOOK n=0" in (tmp_path / "log").read_text()
