@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 from ember.gateway.autoscaler.costs import ParkMeasured, StartMeasured
-from ember.gateway.autoscaler.policy import Evict, Park, ReplicaView, Sample, Start, Wake, decide
+from ember.gateway.autoscaler.policy import Evict, Park, ReplicaView, Sample, Start, Wake, app_tail, decide
 from ember.gateway.backends import Backend
 from ember.gateway.backends.local import parked_over_budget
 from ember.gateway.deployment import Deployment, ScalingDecision, Unit
@@ -63,7 +63,9 @@ class Scaler:
         unit.measured.clear()
         views = [ReplicaView(r.id, r.state, r.in_flight, r.idle_since, draining=r.draining is not None)
                  for r in router.replicas.values() if r.state in LIVE]
-        actions, unit.memo = decide(unit.settings, views, unit.history, now, unit.memo)
+        # whether the p99 is already lost is the app's: its other functions' requests count with this one's
+        peers = app_tail((u.memo for u in deployment.units.values() if u is not unit), now)
+        actions, unit.memo = decide(unit.settings, views, unit.history, now, unit.memo, peers)
         for action in actions:
             if isinstance(action, Start) and self._held(unit):
                 continue

@@ -9,22 +9,25 @@ panic: the count never drops while it lasts.
 What differs from KPA follows from the ladder and from what this function's starts cost
 (`costs.CostModel`, learned from its measured starts, wakes and parks). Where a park frees the
 GPU and a wake costs well under a fresh start, spare capacity parks once the peak demand of the
-last `park_after` seconds (learned when not set) fits without it, panic holds only a few
-`park_after`s, parked replicas wake before new ones start, and a replica parked for
-`scaledown_window` is evicted. The last replica parks once an idle stretch that long would come
-only once in WAKE_ODDS arrivals at the recent rate, so the function's p99 stays a hot replica's; but
-where its recent requests already spent, queued behind busy replicas, more than a wake's delay for 1
-in TAIL of them (its p99 is a wait for capacity, as with bursts) and the rate is under one arrival per
-wake's cost in GPU-seconds, it parks after a round trip's worth: the wakes that costs sit below that
-p99, and on memoryless arrivals holding longer never pays. Where parking does not pay, idle replicas are stopped as KPA
-stops them, the last one after `scaledown_window` without a request. Every action carries the
-reason shown in `ember status`.
+last `park_after` seconds (learned when not set) fits without it, a burst's panic holds only a few
+`park_after`s (a panic of load near the target holds the stable window, as KPA's does), parked
+replicas wake before new ones start, and a replica parked for `scaledown_window` is evicted. The
+last replica parks once an idle stretch that long would come only once in WAKE_ODDS arrivals at the
+recent rate, so the function's p99 stays a hot replica's; but where that p99 is already lost, it parks
+after a round trip's worth when the rate is under one arrival per wake's cost in GPU-seconds: the
+wakes that costs sit below the p99, and on memoryless arrivals holding longer never pays. The p99
+is the app's (its functions' requests together, `app_tail`), and it is lost where, over the last
+~TAIL_HORIZON seconds, more than 1 in TAIL requests queued a wake's delay behind busy replicas (as
+with bursts) or came after an idle stretch longer than any replica is held (as with many small
+functions: those wait for a start under KPA, for a wake here). Where parking does not pay, idle
+replicas are stopped as KPA stops them, the last one after `scaledown_window` without a request.
+Every action carries the reason shown in `ember status`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ember.gateway.lifecycle import HOT, LIVE, PARKED, STARTING, ReplicaState
@@ -182,28 +185,68 @@ class PolicyMemo:
     burst_at: float | None = None  # last time the panic condition held, kept after the panic ends
     costs: CostModel = field(default_factory=CostModel)
     tail: Tail = field(default_factory=lambda: Tail())
+    panic_burst: bool = False  # the current panic has seen a burst (see `decide`), not only load near the target
 
 
 @dataclass(frozen=True)
 class Tail:
-    """A function's requests, and the seconds requests spent queued behind its busy hot replicas, each counted
-    with a weight that fades over TAIL_HORIZON seconds. Where that queueing adds up to more than a wake's
-    delay for 1 in TAIL of the requests, its p99 is set by capacity it lacked, not by its wakes."""
+    """A function's requests, the seconds requests spent queued behind its busy hot replicas, and the requests that
+    came after it had been idle IDLE_HOLD or longer, each counted with a weight that fades over TAIL_HORIZON seconds.
+
+    Its p99 is set by capacity it lacked, not by its wakes, where the queueing adds up to more than a wake's delay
+    for 1 in TAIL of the requests, or where more than 1 in TAIL of them came after such an idle stretch: those find
+    no replica under any policy that holds an idle one at most IDLE_HOLD (KPA's window and grace), so they wait for
+    a start, or a wake where the replica parked. A function's first requests ever are not counted: every function
+    starts once, and a new deployment's first minutes say nothing about its traffic.
+    """
 
     t: float | None = None
     requests: float = 0.0
     queued_s: float = 0.0
+    stranded: float = 0.0  # requests that came after an idle stretch of IDLE_HOLD or longer
+    last_work: float | None = None  # the latest sample with a request in flight, queued or arriving (None: none yet)
 
     def add(self, sample: Sample, busy: bool) -> Tail:
+        working = sample.arrivals > 0 or sample.concurrency > 0
+        last_work = sample.t if working else self.last_work
         if self.t is None:
-            return Tail(sample.t, sample.arrivals, 0.0)
+            return Tail(sample.t, sample.arrivals, 0.0, 0.0, last_work)
         dt = max(sample.t - self.t, 0.0)
         fade = math.exp(-dt / TAIL_HORIZON)
+        idle_long = self.last_work is not None and sample.t - self.last_work >= IDLE_HOLD
         return Tail(sample.t, fade * self.requests + sample.arrivals,
-                    fade * self.queued_s + (sample.queued * dt if busy else 0.0))
+                    fade * self.queued_s + (sample.queued * dt if busy else 0.0),
+                    fade * self.stranded + (sample.arrivals if idle_long else 0), last_work)
+
+    def faded(self, now: float) -> Tail:
+        """The same counts as seen at `now` (no later than any sample yet to come)."""
+        if self.t is None or now <= self.t:
+            return self
+        fade = math.exp(-(now - self.t) / TAIL_HORIZON)
+        return Tail(now, fade * self.requests, fade * self.queued_s, fade * self.stranded, self.last_work)
+
+    def __add__(self, other: Tail) -> Tail:
+        """Two functions' tails pooled: the p99 of their requests together."""
+        if other.t is None:
+            return self
+        if self.t is None:
+            return other
+        now = max(self.t, other.t)
+        a, b = self.faded(now), other.faded(now)
+        return Tail(now, a.requests + b.requests, a.queued_s + b.queued_s, a.stranded + b.stranded, self.last_work)
 
     def lost(self, wake_s: float) -> bool:
-        return self.requests >= TAIL and self.queued_s * TAIL > self.requests * wake_s
+        return self.requests >= TAIL and (self.queued_s * TAIL > self.requests * wake_s
+                                          or self.stranded * TAIL > self.requests)
+
+
+def app_tail(memos: Iterable[object], now: float) -> Tail:
+    """The pooled tail of an app's other functions, from their policy memos (others' memos count for nothing)."""
+    pooled = Tail()
+    for memo in memos:
+        if isinstance(memo, PolicyMemo):
+            pooled = pooled + memo.tail
+    return pooled.faded(now)
 
 
 def window(history: Sequence[Sample], now: float, seconds: float) -> list[Sample]:
@@ -264,6 +307,7 @@ def decide(
     history: Sequence[Sample],
     now: float,
     memo: PolicyMemo = PolicyMemo(),
+    peers: Tail = Tail(),
 ) -> tuple[list[Action], PolicyMemo]:
     """Actions for one function at time `now`.
 
@@ -273,7 +317,8 @@ def decide(
     replica with requests in flight first drains it (no new requests, `draining`
     set) and parks or stops it when the last one finishes. Parked replicas keep the
     `idle_since` they parked with. What the starts, wakes and parks measured arrives
-    in the newest sample's `measured`, read once per call.
+    in the newest sample's `measured`, read once per call. `peers` pools the tails of
+    the other functions of the same app (`app_tail`): whether a p99 is lost is the app's.
     """
     s = settings
     costs = memo.costs
@@ -282,7 +327,7 @@ def decide(
     stable = window(history, now, s.stable_window)
     rate = sum(x.arrivals for x in stable) / s.stable_window
     tail = memo.tail.add(history[-1], any(r.state == HOT for r in replicas)) if history else memo.tail
-    holds = s.holds(costs, rate, tail.lost(costs.wake_s))
+    holds = s.holds(costs, rate, (tail + peers).lost(costs.wake_s))
     park_after, spare_after, scaledown = holds.park_after, holds.spare_after, holds.scaledown
     parking = park_after is not None and spare_after is not None
     hot = [r for r in replicas if r.state == HOT and not r.draining]
@@ -302,14 +347,21 @@ def decide(
     want_panic = replicas_for(demand, s.target_concurrency)
     over_threshold = want_panic >= s.panic_threshold * max(len(hot), 1) and want_panic > len(hot)
     panic_since = now if over_threshold else memo.panic_since
-    # a burst is a panic that asks for more than one replica beyond the stable average: one more is that
-    # average's own rounding, as when load near the target crosses it (1 -> 2 replicas is always a panic)
+    # A burst is a panic whose load is panic_threshold times the stable average, or that asks for more than one
+    # replica beyond that average's count. Anything less is load near the target crossing it: 1 -> 2 replicas is
+    # always a panic, and at 9-10 concurrent against a target of 10 the stable average's own rounding flips it.
     stable_avg = mean_concurrency(stable)
-    burst_at = now if over_threshold and want_panic > replicas_for(stable_avg, s.target_concurrency) + 1 \
-        else memo.burst_at
-    panicking = panic_since is not None and now - panic_since < holds.panic_hold
+    is_burst = over_threshold and (demand >= s.panic_threshold * stable_avg
+                                   or want_panic > replicas_for(stable_avg, s.target_concurrency) + 1)
+    burst_at = now if is_burst else memo.burst_at
+    panic_burst = is_burst or (memo.panic_since is not None and memo.panic_burst)
+    # A burst's panic holds only a few park_afters: its load is gone when it ends, and re-growing costs a wake. A
+    # near-target panic holds the stable window, as KPA's does: the load that crossed the target is still there,
+    # and a replica parked under it comes back a wake later, after the requests over the first one's slots queued.
+    panic_hold = holds.panic_hold if panic_burst else s.stable_window
+    panicking = panic_since is not None and now - panic_since < panic_hold
     if not panicking:
-        panic_since = None
+        panic_since, panic_burst = None, False
 
     # no tolerance over the target, as KPA has none: 2 replicas at 10% over it let Poisson peaks over their slots queue
     steady = replicas_for(stable_avg, s.target_concurrency)
@@ -333,7 +385,7 @@ def decide(
         want = max(want, want_panic, memo.panic_peak)
     peak = want if panicking else 0
     want = min(max(want + s.buffer_replicas, s.min_replicas), s.max_replicas)
-    memo = PolicyMemo(panic_since, peak, burst_at, costs, tail)
+    memo = PolicyMemo(panic_since, peak, burst_at, costs, tail, panic_burst)
 
     actions: list[Action] = []
     if want > have:

@@ -72,14 +72,16 @@ class ReplicaModel:
 
 @dataclass(frozen=True)
 class Policy:
-    """A policy bound to its settings: decide(replicas, history, now, memo) -> (actions, memo)."""
+    """A policy bound to its settings: decide(replicas, history, now, memo[, peers]) -> (actions, memo)."""
 
     name: str
-    decide: Callable[[Sequence[ReplicaView], Sequence[Sample], float, Any], tuple[list[Action], Any]]
+    decide: Callable[..., tuple[list[Action], Any]]  # peers is passed only where `peers` is set
     memo: Any
     min_replicas: int
     max_replicas: int
     initial_hot: int = 0  # replicas already hot at t=0 (always-on)
+    # what decide is told of the trace's other functions (the same app): peers(their memos, now) -> its `peers`
+    peers: Callable[[list[Any], float], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -313,7 +315,12 @@ class Simulation:
         fn.measured.clear()
         if fn.history[0].t < now - self.HISTORY:
             fn.history = [x for x in fn.history if x.t >= now - self.HISTORY]
-        actions, fn.memo = self.policy.decide([r.view() for r in mine], fn.history, now, fn.memo)
+        views = [r.view() for r in mine]
+        if self.policy.peers is None:
+            actions, fn.memo = self.policy.decide(views, fn.history, now, fn.memo)
+        else:
+            peers = self.policy.peers([f.memo for f in self.functions.values() if f is not fn], now)
+            actions, fn.memo = self.policy.decide(views, fn.history, now, fn.memo, peers)
         for action in actions:
             self.apply(fn, action, now)
         live = self.live(fn)

@@ -4,6 +4,7 @@ import pytest
 
 from ember.gateway.autoscaler.costs import CostModel, StartMeasured
 from ember.gateway.autoscaler.policy import (
+    IDLE_HOLD,
     TAIL_HORIZON,
     Evict,
     Park,
@@ -14,6 +15,7 @@ from ember.gateway.autoscaler.policy import (
     Start,
     Tail,
     Wake,
+    app_tail,
     decide,
 )
 
@@ -272,3 +274,29 @@ def test_tail_counts_seconds_queued_behind_hot_replicas_and_fades():
     assert not Tail(0.0, requests=50.0, queued_s=10.0).lost(0.3)  # too few requests to have a p99
     later = tail.add(Sample(TAIL_HORIZON * 5, 0, 0, 0), busy=True)
     assert later.requests < 1 and later.queued_s < 0.1
+
+
+def test_tail_counts_requests_that_come_after_an_idle_stretch_no_hold_would_bridge():
+    tail = Tail().add(Sample(0.0, 1, 0, 1), busy=False)  # a function's first request ever: every function starts once
+    assert tail.stranded == 0 and tail.last_work == 0.0
+    tail = tail.add(Sample(IDLE_HOLD - 1, 0, 0, 1), busy=False)  # inside any hold: a hot replica serves it
+    assert tail.stranded == 0
+    tail = tail.add(Sample(2 * IDLE_HOLD, 1, 0, 1), busy=False)  # idle IDLE_HOLD + 1 s: a start or a wake
+    assert tail.stranded == pytest.approx(1, rel=0.2) and tail.last_work == 2 * IDLE_HOLD
+    # 2 such requests in 150: the p99 is already a wait for capacity; 1 in 150 is not
+    assert Tail(0.0, requests=150.0, stranded=2.0).lost(0.3) and not Tail(0.0, requests=150.0, stranded=1.0).lost(0.3)
+
+
+def test_an_apps_functions_pool_their_tails_and_a_lost_pool_parks_a_trickle_after_a_round_trip():
+    s = ScalingSettings(target_concurrency=10, max_concurrency=16)
+    idle = [ReplicaView("h0", "hot", 0, 56.0)]
+    mine = PolicyMemo(tail=Tail(59.5, requests=60.0))  # this function's own 60 requests say nothing of a p99
+    actions, _ = run(s, idle, trickle(60.0), 60.0, mine)
+    assert actions == []
+    # its app's other functions: 2,000 requests, 30 of which came after an idle stretch of IDLE_HOLD or more
+    others = [PolicyMemo(tail=Tail(50.0, requests=1000.0, stranded=15.0)) for _ in range(2)]
+    peers = app_tail(others + [object()], 60.0)  # a memo of another policy counts for nothing
+    assert peers.t == 60.0 and peers.requests == pytest.approx(2000 * 0.984, rel=1e-2)
+    actions, memo = decide(s, idle, trickle(60.0), 60.0, mine, peers)
+    assert [type(a) for a in actions] == [Park] and not memo.tail.lost(0.3)  # the pool's p99 is lost, not its own
+    assert app_tail([], 60.0) == Tail()
