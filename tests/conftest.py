@@ -15,6 +15,7 @@ import pytest
 
 from ember.gateway.banner import LAST_LINE
 from ember.gateway.keys import KeyStore
+from ember.home import Home
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +56,12 @@ class Served:
         return result
 
     def status(self) -> dict:
-        return json.loads(self.cli("status", "--json").stdout)
+        """GET /admin/status, the report `ember status --json` prints (tests/ember/test_cli.py checks that the CLI
+        prints it): asked in-process, since tests poll it and a CLI process per poll costs ~1 s of a busy CPU."""
+        with self.client(Home(self.home).cli_key_file.read_text().strip(), timeout=30) as http:  # the CLI's key
+            reply = http.get("/admin/status")
+        assert reply.status_code == 200, reply.text
+        return reply.json()
 
 
 def stop_serve(process: subprocess.Popen) -> None:
@@ -136,3 +142,10 @@ def _serving(tmp_path: Path):
     yield start
     for process in started:
         stop_serve(process)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files holding a test marked `slow` first, in their usual order, then the rest: scripts/test.sh hands the
+    files to its worker processes in this order, so the longest start first rather than finish last."""
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable: order kept within each part

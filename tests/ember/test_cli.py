@@ -1,4 +1,5 @@
 """The `ember` command: help for every command, keys without a gateway, the quickstart curl."""
+import json
 import os
 import re
 import shlex
@@ -74,13 +75,17 @@ def test_deploy_a_second_app_to_the_running_gateway(serve):
     other = Path(__file__).resolve().parents[1] / "gateway" / "apps" / "quick.py"
     deployed = served.cli("deploy", str(other), "--target", "local")
     assert "deployed app 'quick'" in deployed.stdout
+    listed = json.loads(served.cli("status", "--json").stdout)  # the report GET /admin/status gives (served.status())
+    assert set(listed["apps"]) == {"hello", "quick"}
     assert set(served.status()["apps"]) == {"hello", "quick"}
     with served.client(served.key()) as http:
-        first = http.post("/quick/add", json={"a": 1, "b": 2})
-        assert first.json()["result"]["sum"] == 3
+        assert http.post("/quick/add", json={"a": 1, "b": 2}).json()["result"]["sum"] == 3
+        # `sleepy` keeps an idle replica 30 s (`add` 1.5 s, less than a deploy can take on a busy machine)
+        first = http.post("/quick/sleepy", json={"seconds": 0})
         again = served.cli("deploy", str(other))  # the code already live: nothing changes (test_versions.py has more)
         assert "deployed app 'quick' version 1" in again.stdout
-        second = http.post("/quick/add", json={"a": 1, "b": 2})
+        second = http.post("/quick/sleepy", json={"seconds": 0})
+        assert first.status_code == second.status_code == 200, (first.text, second.text)
         assert second.headers["x-ember-replica"] == first.headers["x-ember-replica"]
     aws = served.cli(
         "deploy", str(other), "--target", "aws", check=False
