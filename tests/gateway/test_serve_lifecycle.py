@@ -194,6 +194,13 @@ def test_log_followers_and_waits_on_spawned_calls_end_cleanly_at_sigterm(tmp_pat
             waiter.start()
             while not served.status()["apps"]["slow"]["functions"]["wait"]["in_flight"]:
                 pass
+            # The follower is following once it printed its first lines (an interpreter start can take seconds on a
+            # busy machine; stopped before it connects, it would find no gateway rather than see this one stop).
+            first: list[str] = []
+            reader = threading.Thread(target=lambda: first.append(follower.stdout.readline()), daemon=True)
+            reader.start()
+            reader.join(60)
+            assert first and first[0], "ember logs -f printed nothing within 60 s"
             served.process.send_signal(signal.SIGTERM)
             waiter.join(30)
         assert served.process.wait(20) == 0
