@@ -313,7 +313,9 @@ def test_a_body_waits_for_room_in_the_budget_then_gets_503_after_a_bounded_wait(
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "gateway_busy" and "--body-budget" in refused.json()["error"]["message"]
     assert 3.9 < waited < 5.5, waited
-    assert late.text == str(len(body)) and late_end > max(first_end, second_end)  # it waited for them, unrefused
+    # It waited, unrefused, for room: one of them ending frees enough (15 + 15 MiB fit in 32), and its one-line reply
+    # can then come back before the other's, so it ends after the first of them to end, not after both.
+    assert late.text == str(len(body)) and late_end > min(first_end, second_end), (first_end, second_end, late_end)
 
 
 def test_a_replica_that_cannot_go_on_exits_shows_as_failed_and_is_replaced(serve, tmp_path):
