@@ -27,6 +27,7 @@ class GatewayReplica(WorkerProcess):
     draining: Drain | None = None
     parked_at: float | None = None
     parked_bytes: int = 0  # host RAM it holds while parked
+    wakes: int = 0  # how many times it woke: a backend that records wakes compares this with what it recorded
 
     @property
     def state(self) -> ReplicaState:
@@ -48,6 +49,7 @@ class GatewayReplica(WorkerProcess):
     def wake(self) -> None:
         self._move("wake")
         self.tier, self.ready_at = Tier.PARKED, time.monotonic()
+        self.wakes += 1
 
     def fail(self, error: str) -> None:
         self._move("fail")

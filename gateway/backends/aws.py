@@ -110,6 +110,7 @@ class AwsBackend:
         self.replicas = dynamodb.Table(f"{settings.tables}replicas")
         self.uploaded: dict[Path, tuple[str, str]] = {}  # package -> (S3 key, sha256)
         self._sizing = asyncio.Lock()
+        self._wakes_recorded: dict[str, int] = {}  # replica id -> the wakes its assignment shows
 
     @classmethod
     def from_env(cls, logs: Path) -> "AwsBackend":
@@ -188,13 +189,12 @@ class AwsBackend:
     async def wait(self, replica: GatewayReplica) -> int:
         """Until the replica ends: 0 when it was stopped, 1 when it failed or its node went silent.
 
-        A call routed to a parked replica wakes it in the worker; that wake is recorded here, where it is seen first.
+        A call routed to a parked replica wakes it in the worker; that wake is recorded here, where it is seen first
+        (by the replica's wake count: it may wake and park again while this loop waits on DynamoDB).
         """
-        interval, checked, was_parked = min(1.0, self.settings.heartbeat_timeout / 4), 0.0, False
+        interval, checked = min(1.0, self.settings.heartbeat_timeout / 4), 0.0
         while True:
-            if was_parked and replica.state != PARKED:
-                await self._record(replica, "parked", "ready", woken=str(time.time()))
-            was_parked = replica.state == PARKED
+            await self._record_wakes(replica)
             if time.monotonic() - checked < interval:
                 await asyncio.sleep(POLL / 2)
                 continue
@@ -217,15 +217,22 @@ class AwsBackend:
     async def park(self, replica: GatewayReplica) -> dict:
         """Park it on its node (through the node agent's relay to the worker), then record it in its assignment."""
         parked = await LocalBackend._control(replica, "park")
+        await self._record_wakes(replica)  # a wake since the last park comes first in its record
         await self._record(replica, "ready", "parked", parked_bytes=parked["host_bytes"])
         if replica.state != PARKED:  # a call woke it while the park was under way
-            await self._record(replica, "parked", "ready", woken=str(time.time()))
+            await self._record_wakes(replica)
         return parked
 
     async def wake(self, replica: GatewayReplica) -> dict:
         woke = await LocalBackend._control(replica, "wake")
-        await self._record(replica, "parked", "ready", woken=str(time.time()))
+        await self._record_wakes(replica)
         return woke
+
+    async def _record_wakes(self, replica: GatewayReplica) -> None:
+        """Record a wake the assignment does not show yet (counted on the replica; one record however many)."""
+        if replica.wakes > self._wakes_recorded.get(replica.id, 0):
+            self._wakes_recorded[replica.id] = replica.wakes
+            await self._record(replica, "parked", "ready", woken=str(time.time()))
 
     async def _record(self, replica: GatewayReplica, was: str, now: str, **values) -> None:
         """Move the assignment from `was` to `now`; a stop or failure written meanwhile wins."""
@@ -264,6 +271,7 @@ class AwsBackend:
         return None  # the nodes prepare an app when its first replica arrives
 
     async def _forget(self, replica: GatewayReplica) -> None:
+        self._wakes_recorded.pop(replica.id, None)
         await asyncio.to_thread(self.replicas.delete_item, Key={"replica_id": replica.id})
         await self.resize()
 
