@@ -2,7 +2,10 @@
 within the header timeout, and the connections held at once are capped below the file-descriptor limit. At the cap a new
 connection is still taken (a health check or a normal client sends its headers at once); to make room, the
 connection that has waited longest for its headers is closed, so slow-header clients only ever push out each other.
-HTTP parse errors answer JSON like every other error: 431 when the request line and headers are too large.
+HTTP parse errors answer JSON like every other error: 431 when the request line and headers are too large. A reply
+sent before its request's body was read (413, 401, 503 busy) leaves the client still sending: the rest is read and
+dropped, within the body timeout, and the connection goes on (closing with input unread would reset it, and the
+client would lose the reply).
 
 `ember serve` hands `GuardedH11` to uvicorn as its HTTP protocol (gateway/serve.py)."""
 import asyncio
@@ -39,8 +42,8 @@ def connection_cap(configured: int | None) -> int:
 class Guard:
     """The connections of one server and those still waiting for a request's headers, oldest first."""
 
-    def __init__(self, cap: int, header_timeout: float):
-        self.cap, self.header_timeout = cap, header_timeout
+    def __init__(self, cap: int, header_timeout: float, body_timeout: float):
+        self.cap, self.header_timeout, self.body_timeout = cap, header_timeout, body_timeout
         self.open = 0
         self.peak = 0  # most connections at once since memory was last handed back
         self.waiting: dict[GuardedH11, None] = {}  # insertion-ordered: the first waited longest
@@ -68,6 +71,7 @@ class GuardedH11(H11Protocol):
         super().__init__(*args, **kwargs)
         self.header_timer: asyncio.TimerHandle | None = None
         self.discarding = False  # an error reply went out: what the client still sends is read and dropped
+        self.drain_timer: asyncio.TimerHandle | None = None  # the rest of an answered request's body is arriving
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -79,18 +83,35 @@ class GuardedH11(H11Protocol):
     def connection_lost(self, exc) -> None:
         self.guard.open -= 1
         self._headers_done()
+        if self.drain_timer is not None:
+            self.drain_timer.cancel()
         super().connection_lost(exc)
         self.guard.storm_over()
 
     def data_received(self, data: bytes) -> None:
         if self.discarding:
             return
-        if self.header_timer is None and (self.cycle is None or self.cycle.response_complete):
-            self._await_headers()  # the first bytes of the next request on a kept-alive connection
         cycle = self.cycle
-        super().data_received(data)
+        answered = cycle is not None and cycle.response_complete
+        if answered and self.conn.their_state is h11.SEND_BODY:  # the body of a request answered before it was read
+            self._drain()
+        elif answered or cycle is None:
+            if self.header_timer is None:
+                self._await_headers()  # the first bytes of the next request on a kept-alive connection
+        super().data_received(data)  # h11 drops body data that comes after the reply
         if self.cycle is not cycle:  # h11 produced a new request: its headers are all here
             self._headers_done()
+        if self.drain_timer is not None and self.conn.their_state is not h11.SEND_BODY:  # the refused body is in
+            self.drain_timer.cancel()
+            self.drain_timer = None
+            if self.cycle is cycle and not self.transport.is_closing():
+                self._await_headers()  # the next request's headers, from now
+
+    def _drain(self) -> None:
+        if self.drain_timer is None:
+            self.drain_timer = self.loop.call_later(
+                self.guard.body_timeout, self.close,
+                f"the rest of a refused request body did not arrive within {self.guard.body_timeout:g} s")
 
     def _await_headers(self) -> None:
         self.guard.waiting[self] = None
@@ -139,6 +160,6 @@ class GuardedH11(H11Protocol):
         self.loop.call_later(LINGER, self.close, "unparseable request")
 
 
-def protocol(cap: int | None, header_timeout: float) -> type[GuardedH11]:
+def protocol(cap: int | None, header_timeout: float, body_timeout: float) -> type[GuardedH11]:
     """A GuardedH11 class with a Guard of its own, for one uvicorn server."""
-    return type("GatewayH11", (GuardedH11,), {"guard": Guard(connection_cap(cap), header_timeout)})
+    return type("GatewayH11", (GuardedH11,), {"guard": Guard(connection_cap(cap), header_timeout, body_timeout)})

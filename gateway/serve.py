@@ -189,7 +189,8 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
         background = [watcher.run] if watcher else []
         config = uvicorn.Config(create_app(gateway, background), ssl_certfile=str(cert), ssl_keyfile=str(key),
                                 log_level="warning", timeout_graceful_shutdown=GRACE + 2,
-                                http=connections.protocol(limits.max_connections, limits.header_timeout),
+                                http=connections.protocol(
+                                    limits.max_connections, limits.header_timeout, limits.body_timeout),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         cli_key_id = None
         try:

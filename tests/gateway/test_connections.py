@@ -148,3 +148,44 @@ def test_connections_that_never_finish_the_tls_handshake_are_closed_within_the_h
     shortest, longest = min(asked for asked, _ in closed), max(connected for _, connected in closed)
     assert 1.5 < shortest and longest < 2 + 4, (shortest, longest)  # asyncio's own limit is 60 s
     assert statuses == [200] * 5
+
+
+
+def test_a_body_refused_before_it_was_read_is_drained_and_the_connection_goes_on(serve, monkeypatch):
+    """A 413 (or 401, or 503 busy) goes out before the body is read while the client is still sending it. The gateway
+    reads and drops the rest, for longer than the header timeout if need be, then serves the next request on that
+    connection. Closing with the body unread would reset the connection, and a client that reads its reply only once
+    it has sent the body (most do) would never see it."""
+    from ember.gateway.body import MAX_BODY
+
+    monkeypatch.setenv("EMBER_HEADER_TIMEOUT", "1")
+    served = serve(APPS / "quick.py")
+    key = served.key()
+    host, port = served.url.removeprefix("https://").rsplit(":", 1)
+    size = MAX_BODY + (2 << 20)
+
+    async def exchange() -> tuple[bytes, bytes]:
+        reader, writer = await asyncio.open_connection(host, int(port), ssl=served.tls())
+        writer.write(f"POST /quick/add HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {key}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n".encode())
+        piece = 1 << 20
+        for at in range(0, size, piece):  # the body over ~3 s: three header timeouts
+            writer.write(b" " * min(piece, size - at))
+            await writer.drain()
+            await asyncio.sleep(3 / (size // piece))
+        body = b'{"a": 1, "b": 2}'
+        writer.write(b"POST /quick/add HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer " + key.encode() +
+                     b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        replies = b""
+        while replies.count(b"HTTP/1.1 ") < 2 or not replies.rstrip().endswith(b"}"):
+            chunk = await asyncio.wait_for(reader.read(65536), 10)
+            assert chunk, f"the connection was closed after {replies!r}"
+            replies += chunk
+        writer.close()
+        first, _, second = replies.partition(b"HTTP/1.1 200")
+        return first, second
+
+    refused, answered = asyncio.run(exchange())
+    assert refused.startswith(b"HTTP/1.1 413") and b"body_too_large" in refused
+    assert json.loads(answered.partition(b"\r\n\r\n")[2])["result"]["sum"] == 3
