@@ -10,6 +10,7 @@ import io
 import json
 import linecache
 import sys
+import traceback
 import types
 import zipfile
 from pathlib import Path
@@ -24,6 +25,29 @@ from ember.home import Home
 LOCAL_IMPORTS: dict[str, list[str]] = {}  # app module name -> the local modules loading it imported
 
 
+class AppLoadError(RuntimeError):
+    """The app file could not be imported. The message holds the user's own frames of the traceback (not the import
+    machinery's or Ember's), which is what a CLI prints; the exception itself is the `__cause__`."""
+
+
+def _users_traceback(exc: BaseException) -> str:
+    """`exc` as Python prints it, without the frames of importlib and of this module."""
+    shown = traceback.TracebackException.from_exception(exc)
+    shown.stack = traceback.StackSummary.from_list(
+        [f for f in shown.stack if not f.filename.startswith("<frozen ") and f.filename != __file__])
+    lines = list(shown.format())
+    return "".join(lines[1:] if lines[0].startswith("Traceback") else lines).rstrip()  # a report, not a crash
+
+
+def _raised_by_ember(exc: BaseException) -> bool:
+    """A ValueError or TypeError raised in Ember's own code: its validation of what the app file declares."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return isinstance(exc, (ValueError, TypeError)) and module.startswith("ember.")
+
+
 def load_app(path: str | Path, name: str | None = None) -> App:
     """Import APP.py and return its App (the one named `name` when the file has several)."""
     path = Path(path).resolve()
@@ -32,13 +56,18 @@ def load_app(path: str | Path, name: str | None = None) -> App:
     module_name = f"ember_user_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ImportError(f"{path} cannot be imported as a Python module (is it a .py file?)")
+        raise AppLoadError(f"{path} is not a Python file: give the .py file that defines the ember.App")
     module = importlib.util.module_from_spec(spec)
     before = set(sys.modules)
     sys.modules[module_name] = module
     sys.path.insert(0, str(path.parent))  # as `python APP.py` would: its folder's modules import by name
     try:
         spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        if _raised_by_ember(exc):  # a check of the app's own definition (a bad name, a misspelt setting) says what
+            raise  # to fix in its message
+        raise AppLoadError(f"importing {path} failed:\n{_users_traceback(exc)}") from exc
     except BaseException:
         sys.modules.pop(module_name, None)
         raise

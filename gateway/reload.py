@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ember.home import Home
-from ember.package import LOCAL_IMPORTS, build, load_app, local_modules
+from ember.package import LOCAL_IMPORTS, AppLoadError, build, load_app, local_modules
 from ember.runtime import environments
 
 POLL = 0.2  # seconds between looks at the watched files' mtimes
@@ -35,6 +35,8 @@ def fingerprint(paths: list[Path]) -> Fingerprint:
 
 def describe_failure(exc: BaseException, folder: Path) -> str:
     """What went wrong, at the user's file and line: the SyntaxError's own, else the deepest frame under `folder`."""
+    if isinstance(exc, AppLoadError) and exc.__cause__ is not None:
+        exc = exc.__cause__
     if isinstance(exc, SyntaxError):
         where = f"{exc.filename}:{exc.lineno}"
         text = f"\n    {exc.text.rstrip()}" if exc.text else ""

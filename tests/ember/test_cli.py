@@ -115,6 +115,29 @@ def test_run_of_a_failing_function_prints_the_users_traceback(tmp_path):
     assert err.rstrip().endswith("error: function_error: ZeroDivisionError: integer division or modulo by zero")
 
 
+
+@pytest.mark.parametrize("command", ["deploy", "run", "serve"])
+def test_an_app_file_that_fails_to_import_is_reported_at_the_users_line_without_embers_frames(command, tmp_path):
+    app = tmp_path / "broken.py"
+    app.write_text("import ember\napp = ember.App('broken')\n\ndef helper():\n    return {}['model']\n\nhelper()\n")
+    target = {"run": f"{app}::f"}.get(command, str(app))
+    result = ember(command, target, *(["--port", "0"] if command == "serve" else []), home=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: importing {app} failed:\n"), result.stderr
+    assert f'File "{app}", line 7, in <module>\n    helper()' in result.stderr
+    assert f'File "{app}", line 5, in helper\n    return {{}}[\'model\']' in result.stderr
+    assert result.stderr.rstrip().endswith("KeyError: 'model'")
+    assert "Traceback" not in result.stderr and "importlib" not in result.stderr and "ember/" not in result.stderr
+
+    app.write_text("import ember\napp = ember.App('broken')\ndef f(:\n")
+    result = ember(command, target, *(["--port", "0"] if command == "serve" else []), home=tmp_path)
+    assert result.returncode == 1 and f'File "{app}", line 3' in result.stderr and "SyntaxError" in result.stderr
+    not_python = tmp_path / "notes.txt"
+    not_python.write_text("hello\n")
+    result = ember(command, {"run": f"{not_python}::f"}.get(command, str(not_python)), home=tmp_path)
+    assert result.returncode == 1 and result.stderr == (
+        f"error: {not_python} is not a Python file: give the .py file that defines the ember.App\n")
+
 def test_a_bad_app_name_is_refused_the_same_way_by_run_and_serve(tmp_path):
     app = tmp_path / "bad.py"
     app.write_text("import ember\napp = ember.App('Bad_Name')\n\n@app.function()\ndef f() -> int:\n    return 1\n")
