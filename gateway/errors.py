@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ember.gateway.database import DatabaseError
+from ember.runtime.unhandled import ReplyOnError
 
 log = logging.getLogger("ember.gateway")
 
@@ -60,7 +61,6 @@ def install(app: FastAPI) -> None:
             422, "invalid_request", "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         )
 
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal_error", "the gateway hit an unexpected error; see its log")
+    app.add_middleware(ReplyOnError, log=log,  # a client's keep-alive connection stays open
+                       reply=lambda exc: error_response(500, "internal_error",
+                                                        "the gateway hit an unexpected error; see its log"))

@@ -6,6 +6,7 @@ the request bodies in `serving/protocol.py`.
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -24,8 +25,10 @@ from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.serving.errors import error_response, openai_errors
 from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 from ember.runtime.engine.serving.server import OpenAIServer
+from ember.runtime.unhandled import ReplyOnError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def create_app(engine_or_config, served_model_name: str | None = None) -> FastAPI:
@@ -52,9 +55,8 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
     async def request_failed(request: Request, e: RequestFailedError):
         return error_response(500, f"{e}; the engine goes on serving, retry the request", "server_error")
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+    app.add_middleware(ReplyOnError, log=logger,  # the connection stays open for the gateway's next call
+                       reply=lambda e: error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
     @app.get("/health")
     async def health():

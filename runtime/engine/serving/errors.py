@@ -39,5 +39,8 @@ def openai_errors(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
+        if e.status_code == 400 and e.detail == "There was an error parsing the body":  # FastAPI's, for a body
+            return error_response(400, "The request body is not valid JSON: it must be UTF-8 text, its arrays and "
+                                  "objects nested at most a few hundred deep", code="invalid_json")  # json.loads fails
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind)

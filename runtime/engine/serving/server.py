@@ -34,13 +34,14 @@ class OpenAIServer:
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "Invalid 'top_logprobs': set 'logprobs' to true to use it.", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.role, "content": _unicode(m.text(), f"messages.{i}.content")}
+                    for i, m in enumerate(req.messages)]
         try:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                         tokenize=False)
         except Exception as e:  # a template's own raise_exception() is how it rejects a conversation
             raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from e
-        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt_ids = self.tokenizer.encode(_unicode(prompt, "messages"), add_special_tokens=False)
         [stream] = await self._start(req, [prompt_ids], "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -68,8 +69,8 @@ class OpenAIServer:
         prompts = req.prompts()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise APIError(400, "Invalid 'prompt': it must not be empty.", param="prompt")
-        prompt_ids = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
-                      for p in prompts]
+        prompt_ids = [self.tokenizer.encode(_unicode(p, "prompt"), add_special_tokens=False) if isinstance(p, str)
+                      else p for p in prompts]
         streams = await self._start(req, prompt_ids, "prompt")
         n = req.n or 1
         merged = merge([renumber(s, i * n) for i, s in enumerate(streams)])
@@ -99,6 +100,8 @@ class OpenAIServer:
     async def _start(self, req: SamplingRequest, prompts: list[list[int]], prompt_param: str):
         """Submit every prompt and wait for its first output, so a refused request is a 400, not a broken stream."""
         limit = self.llm.engine.max_model_len
+        for stop in req.stop_strings or []:
+            _unicode(stop, "stop")
         streams = []
         for ids in prompts:
             max_tokens = req.requested_max_tokens()
@@ -214,3 +217,13 @@ def _param_named_in(message: str) -> str | None:
     """The engine's ValueErrors start with the field they are about, e.g. 'top_k=-3: must be ...'."""
     head = message.split("=", 1)[0].split(":", 1)[0]
     return head if head.isidentifier() else None
+
+
+def _unicode(text: str, param: str) -> str:
+    """`text`, if it is valid Unicode: JSON may carry a lone UTF-16 surrogate ("\\ud800"), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"Invalid '{param}': it holds a lone UTF-16 surrogate ({text[e.start]!r} at character "
+                       f"{e.start}); send valid Unicode (a surrogate only as half of a pair)", param=param) from None
+    return text

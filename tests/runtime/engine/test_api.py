@@ -212,6 +212,21 @@ def test_bad_requests_get_openai_shaped_errors(call, path, body, status, param, 
     assert "Value error" not in error["message"]
 
 
+
+@pytest.mark.parametrize("path, fields, param", [
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi \\ud800 there"}]', "messages.0.content"),
+    ("/v1/completions", '"prompt": "hi \\udfff"', "prompt"),
+    ("/v1/completions", '"prompt": "hi", "stop": ["\\ud83d"]', "stop"),
+])
+def test_a_lone_surrogate_in_the_text_is_a_400_naming_it(call, path, fields, param):
+    """Valid JSON, invalid Unicode: the tokenizer raised a TypeError, a 500 that closed the gateway's connection."""
+    body = ('{"model": "' + MODEL + '", "max_tokens": 2, ' + fields + "}").encode()
+    response = call("POST", path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "lone UTF-16 surrogate" in error["message"], error
+    assert chat(call, max_tokens=2).status_code == 200
+
 def test_neutral_values_of_unsupported_features_are_accepted(call):
     accepted = [
         ("/v1/chat/completions", {"messages": HELLO, "tools": [], "tool_choice": "none", "logit_bias": {},
@@ -226,6 +241,9 @@ def test_neutral_values_of_unsupported_features_are_accepted(call):
 def test_malformed_json_and_unknown_routes_are_json_errors(call):
     bad = call("POST", "/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    for body in (b'{"model": "\xff\xfe"}', b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"):  # not UTF-8; too deep
+        bad = call("POST", "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json", bad.text
     missing = call("GET", "/v2/everything")
     assert missing.status_code == 404 and "error" in missing.json()
     wrong_method = call("GET", "/v1/chat/completions")

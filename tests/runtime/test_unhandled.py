@@ -1,0 +1,78 @@
+"""ReplyOnError under a real uvicorn over a real socket: an unhandled exception is a 500 on a connection that stays
+open (the gateway's pooled connections depend on it); one raised mid-stream still cuts the connection."""
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ember.runtime.unhandled import ReplyOnError
+
+
+def app() -> FastAPI:
+    app = FastAPI()
+    app.add_middleware(ReplyOnError, log=logging.getLogger("test"),
+                       reply=lambda e: JSONResponse({"error": {"type": type(e).__name__}}, status_code=500))
+
+    @app.exception_handler(KeyError)  # the app's own handlers still come first
+    async def missing(request: Request, e: KeyError):
+        return JSONResponse({"error": {"type": "not_found"}}, status_code=404)
+
+    @app.get("/port")
+    async def port(request: Request):
+        return {"port": request.client.port}
+
+    @app.get("/boom")
+    async def boom():
+        raise TypeError("a bug")
+
+    @app.get("/missing")
+    async def key():
+        raise KeyError("k")
+
+    @app.get("/stream")
+    async def stream():
+        async def chunks():
+            yield b"first "
+            raise RuntimeError("broke midway")
+        return StreamingResponse(chunks())
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app(), host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_an_unhandled_exception_is_a_500_and_the_connection_serves_the_next_request(url, caplog):
+    with httpx.Client(base_url=url) as http:  # one pooled keep-alive connection
+        before = http.get("/port").json()["port"]
+        with caplog.at_level(logging.ERROR, logger="test"):
+            failed = http.get("/boom")
+        assert failed.status_code == 500 and failed.json() == {"error": {"type": "TypeError"}}
+        assert "unhandled error on GET /boom" in caplog.text and "a bug" in caplog.text  # the traceback is logged
+        assert http.get("/port").json()["port"] == before  # the same connection: the server did not close it
+        assert http.get("/missing").status_code == 404
+
+
+def test_an_exception_once_a_stream_started_cuts_the_connection(url):
+    with httpx.Client(base_url=url) as http, pytest.raises(httpx.RemoteProtocolError):
+        http.get("/stream").read()
