@@ -230,8 +230,11 @@ def admin_router(gateway: "Gateway") -> APIRouter:
         except ValueError as exc:
             raise ApiError(422, "invalid_scope", str(exc)) from None
         expires = time.time() + body.expires_in if body.expires_in else None
-        key, secret = await asyncio.to_thread(gateway.keys.create, body.name, scopes=scopes, expires=expires,
-                                              limits=body.limits())
+        try:
+            key, secret = await asyncio.to_thread(gateway.keys.create, body.name, scopes=scopes, expires=expires,
+                                                  limits=body.limits())
+        except ValueError as exc:  # a name with control characters
+            raise ApiError(422, "invalid_request", str(exc)) from None
         return key.describe() | {"secret": secret}
 
     @router.get("/keys")

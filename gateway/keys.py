@@ -114,8 +114,9 @@ class KeyStore:
                limits: Limits = Limits()) -> tuple[ApiKey, str]:
         """Returns the key record and its secret; the secret is not stored and cannot be shown again."""
         scopes = check_scopes(list(scopes) + (["admin"] if admin else []))
-        if not name or len(name) > 100:
-            raise ValueError("a key's name must be 1-100 characters")
+        if not name or len(name) > 100 or not name.isprintable():
+            raise ValueError(f"a key's name must be 1-100 printable characters (no control characters, which "
+                             f"`ember keys list` would print to a terminal); got {name[:100]!r}")
         self._save_pending()
         key_id = secrets.token_hex(4)
         secret = f"ek_{key_id}_{secrets.token_urlsafe(32)}"

@@ -53,6 +53,10 @@ def test_admin_key_api(serve):
         assert all("secret" not in k for k in admin.get("/admin/keys").json())
         bad = admin.post("/admin/keys", json={"name": "x", "scopes": ["app:../etc"]})
         assert bad.status_code == 422 and bad.json()["error"]["type"] == "invalid_scope"
+        for name in ("\x00", "ops\x1b[2J", "line\nbreak"):  # a terminal escape would run in `ember keys list`
+            bad = admin.post("/admin/keys", json={"name": name})
+            assert bad.status_code == 422 and "printable" in bad.json()["error"]["message"], bad.text
+        assert admin.post("/admin/keys", json={"name": "équipe données"}).status_code == 201
         with served.client(key["secret"]) as user:
             assert user.post("/quick/add", json={"a": 1, "b": 1}).status_code == 200
             assert admin.delete(f"/admin/keys/{key['id']}").status_code == 200
