@@ -14,7 +14,7 @@ def add_to(sub, epilog: str) -> None:
                                    "arguments (VALUE parsed as JSON when it can be), print the JSON result, stop the "
                                    "replica. A generator's values are printed one JSON line each as they come.")
     p.add_argument("target", metavar="APP.py::fn", help="APP.py::function or APP.py::Class.method")
-    p.add_argument("args", nargs="*", metavar="NAME=VALUE")
+    p.add_argument("args", nargs="*", default=[], metavar="NAME=VALUE")
     p.set_defaults(run=run)
 
 
