@@ -1,5 +1,6 @@
 """What one client may take of the gateway: time to send its headers (and finish the TLS handshake), connections held
-at once, time to send a body, and the request-body bytes held across all requests. Each is an `ember serve` flag, else
+at once, time to send a body, the request-body bytes held across all requests, and time to take a streamed reply's
+bytes. Each is an `ember serve` flag, else
 an environment variable, else a default; a bad value is refused naming where it came from and what would do."""
 import os
 from collections.abc import Callable
@@ -38,6 +39,7 @@ SETTINGS: dict[str, tuple[str, str, Callable[[str], float | int], str]] = {
     "max_connections": ("--max-connections", "EMBER_MAX_CONNECTIONS", _count, "a whole number >= 1, e.g. 10000"),
     "body_timeout": ("--body-timeout", "EMBER_BODY_TIMEOUT", _seconds, "seconds > 0, e.g. 60"),
     "body_budget": ("--body-budget", "EMBER_BODY_BUDGET", _budget, "a size >= 16MiB (the largest body), e.g. 256MiB"),
+    "send_timeout": ("--send-timeout", "EMBER_SEND_TIMEOUT", _seconds, "seconds > 0, e.g. 60"),
 }
 
 
@@ -47,6 +49,7 @@ class ClientLimits:
     max_connections: int | None = None  # None: what the file-descriptor limit allows (connections.connection_cap)
     body_timeout: float = 60.0  # seconds a request body may take to arrive
     body_budget: int = 256 << 20  # bytes of request bodies held at once, across every request
+    send_timeout: float = 60.0  # seconds a client may leave a streamed reply unread before it is dropped
 
     @classmethod
     def resolve(cls, **flags: str | None) -> "ClientLimits":

@@ -4,6 +4,7 @@ The upstream URL is always http://{replica address}{path}: nothing the client se
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -181,9 +182,16 @@ def _sse_error(type: str, message: str) -> dict:
     return {"type": "http.response.body", "body": f"event: error\ndata: {error}\n\n".encode(), "more_body": True}
 
 
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "?"
+
+
 class Relay(Response):
     """Streams an upstream response to the client as it arrives (SSE untouched, backpressure by awaiting
-    each send); a client disconnect closes the upstream connection, which cancels the request there.
+    each send); a client disconnect closes the upstream connection, which cancels the request there. So does a
+    client that takes none of the reply's bytes for the gateway's send timeout (a reader that stalls, on purpose or
+    not, would otherwise hold its replica slot for as long as it likes): its connection is dropped.
     An upstream that fails mid-stream ends an SSE stream with an `event: error`; other bodies are cut off.
     A small non-SSE reply of known length is read whole and sent in one piece, with no disconnect watch."""
 
@@ -205,13 +213,21 @@ class Relay(Response):
         if self.whole:
             return await self._send_whole(scope, receive, send)
 
+        app_state = getattr(scope.get("app"), "state", None)
+        stall = getattr(app_state, "send_timeout", None) or math.inf
+
         async def pump() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             try:
                 async for chunk in self.upstream.content.iter_any():
                     if self.meter is not None:
                         self.meter.feed(chunk)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    with anyio.move_on_after(stall) as waited:  # the send returns once the client's side drains
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if waited.cancelled_caught:
+                        log.warning("client %s took none of a streamed reply for %g s: dropped, its call cancelled "
+                                    "(--send-timeout)", _client(scope), stall)
+                        return  # an unfinished reply: the server closes the connection
             except aiohttp.ClientError as exc:
                 if not self.cut:
                     log.warning("upstream failed mid-response: %s: %s", type(exc).__name__, exc)
@@ -244,7 +260,7 @@ class Relay(Response):
 
                 group.start_soon(first_done, pump)
                 group.start_soon(first_done, watch_disconnect)
-                cut_short = getattr(getattr(scope.get("app"), "state", None), "cut_short", None)
+                cut_short = getattr(app_state, "cut_short", None)
                 if cut_short is not None:
                     group.start_soon(watch_stop, cut_short)
         except OSError:

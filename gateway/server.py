@@ -96,6 +96,7 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any
     app = FastAPI(title="Ember gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, **tracing.fastapi_options())
     app.state.cut_short = gateway.cut_short  # streams relayed when a stop's grace period ends are ended (proxy.Relay)
+    app.state.send_timeout = gateway.send_timeout  # and those whose client takes no bytes for that long are dropped
     errors.install(app)
     app.include_router(admin_router(gateway))
     app.include_router(logfeed_router(gateway))

@@ -59,6 +59,7 @@ class Gateway:
         self.routing = routing
         limits = limits or ClientLimits()
         self.bodies = BodyBudget(limits.body_budget, limits.body_timeout)  # request-body bytes held at once
+        self.send_timeout = limits.send_timeout  # a relayed stream's client must take bytes within it (proxy.Relay)
         self.started = time.monotonic()
         self.ready = False
         self.stopping = False  # a stop signal came: new calls are refused

@@ -54,6 +54,9 @@ def add_to(sub, epilog: str) -> None:
                         help="request-body bytes held at once across all requests, e.g. 512MiB; past it a request "
                              "waits up to 10 s, its body unread, then gets 503 (EMBER_BODY_BUDGET; default 256MiB, "
                              "at least 16MiB)")
+    limits.add_argument("--send-timeout", metavar="SECONDS",
+                        help="seconds a client may take no bytes of a streamed reply before it is dropped and its "
+                             "replica slot freed (EMBER_SEND_TIMEOUT; default 60)")
     p.set_defaults(run=serve)
 
 
@@ -65,7 +68,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("give an app file (ember serve APP.py) or a model directory (ember serve --model DIR), "
                          "one of the two")
     limits = ClientLimits.resolve(header_timeout=args.header_timeout, max_connections=args.max_connections,
-                                  body_timeout=args.body_timeout, body_budget=args.body_budget)
+                                  body_timeout=args.body_timeout, body_budget=args.body_budget,
+                                  send_timeout=args.send_timeout)
     if args.name and not args.model:
         raise ValueError("--name names the model of --model DIR; an app file names its app in ember.App(...)")
     app_path, openai_model, watch = args.app, None, args.watch

@@ -1,4 +1,4 @@
-"""The four client limits: `ember serve` flags over environment variables over defaults, each checked, a bad one
+"""The five client limits: `ember serve` flags over environment variables over defaults, each checked, a bad one
 refused by the CLI in one line naming where it came from."""
 import os
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 from ember.gateway.client_limits import ClientLimits
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hello.py"
-ENV = ("EMBER_HEADER_TIMEOUT", "EMBER_MAX_CONNECTIONS", "EMBER_BODY_TIMEOUT", "EMBER_BODY_BUDGET")
+ENV = ("EMBER_HEADER_TIMEOUT", "EMBER_MAX_CONNECTIONS", "EMBER_BODY_TIMEOUT", "EMBER_BODY_BUDGET", "EMBER_SEND_TIMEOUT")
 
 
 @pytest.fixture(autouse=True)
@@ -20,14 +20,15 @@ def clean_env(monkeypatch):
 
 
 def test_defaults_then_environment_then_flags(monkeypatch):
-    assert ClientLimits.resolve() == ClientLimits(10.0, None, 60.0, 256 << 20)
+    assert ClientLimits.resolve() == ClientLimits(10.0, None, 60.0, 256 << 20, 60.0)
     monkeypatch.setenv("EMBER_HEADER_TIMEOUT", "3.5")
     monkeypatch.setenv("EMBER_MAX_CONNECTIONS", "1000")
     monkeypatch.setenv("EMBER_BODY_TIMEOUT", "20")
     monkeypatch.setenv("EMBER_BODY_BUDGET", str(64 << 20))  # bytes, as before the flags
-    assert ClientLimits.resolve() == ClientLimits(3.5, 1000, 20.0, 64 << 20)
+    monkeypatch.setenv("EMBER_SEND_TIMEOUT", "30")
+    assert ClientLimits.resolve() == ClientLimits(3.5, 1000, 20.0, 64 << 20, 30.0)
     assert ClientLimits.resolve(header_timeout="1", max_connections="50", body_timeout="2",
-                                body_budget="1GiB") == ClientLimits(1.0, 50, 2.0, 1 << 30)
+                                body_budget="1GiB", send_timeout="5") == ClientLimits(1.0, 50, 2.0, 1 << 30, 5.0)
 
 
 @pytest.mark.parametrize("name, text, says", [
@@ -37,6 +38,7 @@ def test_defaults_then_environment_then_flags(monkeypatch):
     ("body_timeout", "-1", "--body-timeout '-1' is not valid"),
     ("body_budget", "1MiB", "--body-budget '1MiB' is not valid: give a size >= 16MiB"),
     ("body_budget", "lots", "--body-budget 'lots' is not valid"),
+    ("send_timeout", "0", "--send-timeout '0' is not valid: give seconds > 0"),
 ])
 def test_a_bad_flag_is_refused_naming_it(name, text, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(")):

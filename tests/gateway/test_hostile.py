@@ -346,3 +346,39 @@ def test_a_replica_that_cannot_go_on_exits_shows_as_failed_and_is_replaced(serve
         assert "device lost" in served.cli("logs", "--replica", failure["id"]).stdout
         second = http.post("/hostile/Engine.pid", json={})
         assert second.status_code == 200 and second.json()["result"] != first  # a fresh replica took over
+
+
+def test_a_client_that_stops_reading_a_stream_is_dropped_and_its_replica_slot_freed(serve, tmp_path, monkeypatch):
+    """A reader that takes no bytes held its replica slot for as long as it kept the connection open: with one slot,
+    every other caller of the function waited behind it. After the send timeout it is dropped, its call cancelled."""
+    import socket
+    import ssl
+
+    monkeypatch.setenv("EMBER_SEND_TIMEOUT", "2")
+    served = serve(write_app(tmp_path, '''
+        @app.function(max_replicas=1, max_concurrency=1, scaledown_window=30, timeout=300)
+        def chunks(count: int):
+            for _ in range(count):
+                yield "x" * (1 << 20)
+    '''))
+    key = served.key()
+    with served.client(key, timeout=60) as http:
+        assert http.post("/hostile/chunks", json={"count": 1}).status_code == 200  # a warm replica
+    host, port = served.url.removeprefix("https://").rsplit(":", 1)
+    context = ssl.create_default_context(cafile=str(served.ca))
+    stalled = context.wrap_socket(socket.create_connection((host, int(port))), server_hostname=host)
+    body = b'{"count": 1000}'  # 1 GB it will never read
+    stalled.sendall(b"POST /hostile/chunks HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer " + key.encode() +
+                    b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        time.sleep(1)  # it holds the one slot now
+        with served.client(key, timeout=60) as http:
+            began = time.monotonic()
+            reply = http.post("/hostile/chunks", json={"count": 1})
+            assert reply.status_code == 200 and time.monotonic() - began < 30, reply.text[:200]
+        stalled.settimeout(10)
+        while stalled.recv(1 << 20):  # what the kernel had buffered, then the end: the gateway closed it
+            pass
+    finally:
+        stalled.close()
+    assert "took none of a streamed reply for 2 s" in (served.home / "logs" / "gateway.log").read_text()
