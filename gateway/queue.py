@@ -1,8 +1,13 @@
 """The per-function queue: hands each call a replica slot, buffering calls while replicas start. Which replica
-is the router's choice (gateway/routing.py); what state it is in, the replica's own (gateway/replica.py)."""
+is the router's choice (gateway/routing.py); what state it is in, the replica's own (gateway/replica.py).
+
+Callers (API keys) take turns: a free slot goes to the oldest call of the caller served longest ago, so a caller with
+a thousand calls queued gets every other slot while another caller waits, not all of them first. A full queue still
+takes a call from a caller holding fewer places than another: that other caller's newest call gives up its place
+(429 `queue_share`), so one caller's backlog can fill the queue, but not keep others out of it."""
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,16 +46,21 @@ class Waiter:
     future: "asyncio.Future[GatewayReplica]"
     since: float
     key: str | None  # affinity key: session id or prompt prefix
+    caller: str | None = None  # the API key's id: callers take turns
 
 
 class FunctionQueue:
-    """Calls waiting for a slot, in arrival order; each is handed the router's pick as soon as one has a free slot."""
+    """Calls waiting for a slot, in arrival order, callers taking turns; each is handed the router's pick as soon as
+    one has a free slot."""
 
     def __init__(self, router: Router, wait_timeout: float, bound: int, on_demand: Callable[[], None]):
         self.router, self.wait_timeout, self.bound = router, wait_timeout, bound
         self.on_demand = on_demand  # wakes the autoscaler so a queued call does not wait for its next tick
         self.waiters: deque[Waiter] = deque()
         self.arrivals = 0
+        self.waiting: Counter[str | None] = Counter()  # caller -> its calls in `waiters`
+        self.served: dict[str | None, int] = {}  # caller (with calls waiting) -> the grant that last served it
+        self.grants = 0
 
     @property
     def depth(self) -> int:
@@ -60,7 +70,8 @@ class FunctionQueue:
         replica.in_flight += 1
         replica.idle_since = None
 
-    async def acquire(self, key: str | None = None) -> Lease:
+    async def acquire(self, key: str | None = None, caller: str | None = None) -> Lease:
+        """A slot for a call with affinity `key` from `caller` (an API key's id), waiting for it if need be."""
         self.arrivals += 1
         now = time.monotonic()
         if not self.waiters and (replica := self.router.pick(key)) is not None:
@@ -70,11 +81,12 @@ class FunctionQueue:
         oldest = now - self.waiters[0].since if self.waiters else 0.0
         starting = any(r.state == STARTING for r in self.router.replicas.values())
         decision = admit(len(self.waiters), self.bound, oldest, self.wait_timeout, 1.5 if starting else 3.0)
-        if isinstance(decision, Reject):
+        if isinstance(decision, Reject) and not (len(self.waiters) >= self.bound and self._make_room(caller)):
             raise ApiError(503, "overloaded", f"{decision.reason}; retry later",
                            {"Retry-After": str(decision.retry_after)})
-        waiter = Waiter(asyncio.get_running_loop().create_future(), now, key)
+        waiter = Waiter(asyncio.get_running_loop().create_future(), now, key, caller)
         self.waiters.append(waiter)
+        self.waiting[caller] += 1
         self.dispatch()  # a slot may have opened without a release (a park or drain undone)
         self.on_demand()
         try:
@@ -100,7 +112,7 @@ class FunctionQueue:
 
     def _abandon(self, waiter: Waiter) -> None:
         if waiter in self.waiters:
-            self.waiters.remove(waiter)
+            self._remove(waiter)
         elif waiter.future.done() and not waiter.future.exception():
             self.release(waiter.future.result())  # a slot was handed over just as the caller left
 
@@ -111,11 +123,43 @@ class FunctionQueue:
         return ColdStart(replica.tier, round((now - since) * 1000))
 
     def dispatch(self) -> None:
-        """Hand free slots to the waiters, oldest first: after a release, or when a replica became ready or woke."""
-        while self.waiters and (replica := self.router.pick(self.waiters[0].key)) is not None:
-            waiter = self.waiters.popleft()
+        """Hand free slots to the waiters, the oldest of the caller served longest ago first: after a release, or
+        when a replica became ready or woke."""
+        while self.waiters and (replica := self.router.pick((waiter := self._next()).key)) is not None:
+            self._remove(waiter)
+            self.grants += 1
+            if self.waiting[waiter.caller]:
+                self.served[waiter.caller] = self.grants
             self._take(replica)
             waiter.future.set_result(replica)
+
+    def _make_room(self, caller: str | None) -> bool:
+        """In a full queue, the newest call of the caller holding the most places gives its place up to `caller`,
+        when that caller holds at least two more places than `caller`."""
+        heaviest, held = self.waiting.most_common(1)[0]
+        if heaviest == caller or held < self.waiting[caller] + 2:
+            return False
+        displaced = next(w for w in reversed(self.waiters) if w.caller == heaviest)
+        self._remove(displaced)
+        displaced.future.set_exception(ApiError(
+            429, "queue_share", f"this call gave its place in the full queue (bound {self.bound}) to another "
+            f"caller's: this key's calls held {held} of its places; retry later, or send fewer at once",
+            {"Retry-After": "1"}))
+        return True
+
+    def _next(self) -> Waiter:
+        """The oldest waiter of the caller served longest ago (one not served while it waited goes first)."""
+        if len(self.waiting) == 1:
+            return self.waiters[0]
+        turn = min(self.served.get(caller, 0) for caller in self.waiting)
+        return next(w for w in self.waiters if self.served.get(w.caller, 0) == turn)
+
+    def _remove(self, waiter: Waiter) -> None:
+        self.waiters.remove(waiter)
+        self.waiting[waiter.caller] -= 1
+        if not self.waiting[waiter.caller]:
+            del self.waiting[waiter.caller]
+            self.served.pop(waiter.caller, None)
 
     def release(self, replica: GatewayReplica) -> None:
         replica.in_flight -= 1
@@ -126,5 +170,6 @@ class FunctionQueue:
     def fail_waiters(self, error: str) -> None:
         """No replica is coming: callers get a 503 with the reason instead of waiting out their timeout."""
         while self.waiters:
-            waiter = self.waiters.popleft()
+            waiter = self.waiters[0]
+            self._remove(waiter)
             waiter.future.set_exception(ApiError(503, "replica_failed", error, {"Retry-After": "5"}))

@@ -94,14 +94,15 @@ def raised(reply: Response) -> bool:
 
 
 async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: bytes | bytearray, key: str | None,
-               settle: Settlement, on_retry: Callable[[str], None]) -> tuple[Response, Lease]:
+               settle: Settlement, on_retry: Callable[[str], None],
+               caller: str | None = None) -> tuple[Response, Lease]:
     """A function call: its slot and rate-limit charge are free again once the whole reply is here, or, for a
     generator's events, once the relayed stream ends. A call whose function raised runs again after the backoff
     of the function's `retries=`, with no slot held while it waits."""
     policy = unit.spec.retry_policy
     budget, attempts = RetryBudget(policy.max_retries, on_retry), 0
     while True:
-        lease = dataclasses.replace(await unit.queue.acquire(key), attempt=attempts + 1)
+        lease = dataclasses.replace(await unit.queue.acquire(key, caller), attempt=attempts + 1)
         reply, lease = await send_with_retry(
             unit, lease, key,
             lambda replica, trace: proxy.call(client, replica, target.method, body, unit.spec.timeout, trace), budget)
@@ -126,14 +127,14 @@ async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: by
 
 
 async def forward(request: Request, unit: Unit, target: Forward, body: bytes | bytearray, key: str | None,
-                  meter: UsageMeter | None, settle: Settlement,
-                  on_retry: Callable[[str], None]) -> tuple[Response, Lease]:
+                  meter: UsageMeter | None, settle: Settlement, on_retry: Callable[[str], None],
+                  caller: str | None = None) -> tuple[Response, Lease]:
     """To the app's ASGI endpoint, with the body the gateway read before it took the slot; the replica slot and
     rate-limit charge are held until the streamed response ends. Only a lost replica is retried: an ASGI reply
     has no sign that the function raised."""
     client = request.app.state.client
     upstream, lease = await send_with_retry(
-        unit, await unit.queue.acquire(key), key,
+        unit, await unit.queue.acquire(key, caller), key,
         lambda replica, trace: proxy.open_stream(client, replica, request, target.path, body, unit.spec.timeout,
                                                  trace), RetryBudget(unit.spec.retry_policy.max_retries, on_retry))
 

@@ -168,14 +168,14 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any
             settle = Settlement(gateway.limiter, admission, meter)
             try:
                 if isinstance(target, Call) and wants_spawn(request):
-                    return await spawn(request, unit, target, body, affinity, settle), None, admission
+                    return await spawn(request, unit, target, body, affinity, settle, key.id), None, admission
                 if isinstance(target, Call):
                     response, lease = await answer_unless_disconnected(request, retry.call(
-                        request.app.state.client, unit, target, body, affinity, settle, retried(unit)),
+                        request.app.state.client, unit, target, body, affinity, settle, retried(unit), key.id),
                         gateway.cut_short)
                 else:
-                    response, lease = await answer_unless_disconnected(
-                        request, retry.forward(request, unit, target, body, affinity, meter, settle, retried(unit)),
+                    response, lease = await answer_unless_disconnected(request, retry.forward(
+                        request, unit, target, body, affinity, meter, settle, retried(unit), key.id),
                         gateway.cut_short)
             except BaseException:
                 await settle()
@@ -188,12 +188,12 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any
         return lambda reason: gateway.metrics.retried(unit.app, unit.name, reason)
 
     async def spawn(request: Request, unit: Unit, target: Call, body: bytes | bytearray, affinity: str | None,
-                    settle: Settlement) -> Response:
+                    settle: Settlement, caller: str) -> Response:
         """Run the call in the background (it holds its rate-limit charge until it ends); 202 and its id now."""
         client = request.app.state.client
 
         async def run() -> Response:
-            response, _ = await retry.call(client, unit, target, body, affinity, settle, retried(unit))
+            response, _ = await retry.call(client, unit, target, body, affinity, settle, retried(unit), caller)
             return response
 
         path = target.method if unit.kind == "function" else f"{unit.name}.{target.method}"

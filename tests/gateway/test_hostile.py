@@ -382,3 +382,35 @@ def test_a_client_that_stops_reading_a_stream_is_dropped_and_its_replica_slot_fr
     finally:
         stalled.close()
     assert "took none of a streamed reply for 2 s" in (served.home / "logs" / "gateway.log").read_text()
+
+
+def test_one_keys_backlog_does_not_hold_back_another_keys_call(serve, tmp_path):
+    """Eight calls from one key queue for the one slot; a call from another key sent after them runs next, not
+    after all eight (callers take turns, gateway/queue.py)."""
+    served = serve(write_app(tmp_path, '''
+        @app.function(max_replicas=1, max_concurrency=1, scaledown_window=30, timeout=60)
+        def slow(seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+    '''))
+    flood, other = served.key("flood"), served.key("other")
+    with served.client(flood, timeout=60) as http:
+        assert http.post("/hostile/slow", json={"seconds": 0}).status_code == 200  # a warm replica
+
+    async def scenario():
+        done = []
+
+        async def call(key: str, name: str):
+            async with httpx.AsyncClient(base_url=served.url, verify=served.tls(), timeout=120,
+                                         headers={"Authorization": f"Bearer {key}"}) as http:
+                reply = await http.post("/hostile/slow", json={"seconds": 0.4})
+                assert reply.status_code == 200, reply.text
+                done.append(name)
+
+        backlog = [asyncio.create_task(call(flood, f"flood{n}")) for n in range(8)]
+        await asyncio.sleep(1.0)  # all eight queued or running
+        await asyncio.gather(call(other, "other"), *backlog)
+        return done
+
+    done = asyncio.run(scenario())
+    assert done.index("other") <= 3, done  # after the call running and at most two more, not the whole backlog

@@ -91,3 +91,63 @@ def test_full_queue_and_wake_of_parked():
         assert lease.replica is parked and parked.state == HOT and lease.cold_start.tier == "parked"
 
     asyncio.run(scenario())
+
+
+def test_callers_take_turns_for_free_slots():
+    """One caller's backlog does not go first as a block: slots alternate between the callers waiting."""
+    async def scenario():
+        queue = function_queue(1, 64)
+        r = replica("r1")
+        queue.router.add(r)
+        r.ready()
+        assert (await queue.acquire(caller="busy")).replica is r  # the one slot is taken
+        order = []
+
+        async def call(caller: str, n: int):
+            await queue.acquire(caller=caller)
+            order.append(f"{caller}{n}")
+
+        tasks = [asyncio.create_task(call("flood", n)) for n in range(5)]
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.create_task(call("other", n)) for n in range(2)]
+        await asyncio.sleep(0.01)
+        for _ in range(7):
+            queue.release(r)
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+        assert order == ["flood0", "other0", "flood1", "other1", "flood2", "flood3", "flood4"]
+        assert not queue.waiting and not queue.served  # nothing kept for callers with nothing waiting
+
+    asyncio.run(scenario())
+
+
+
+def test_a_full_queue_takes_another_callers_call_in_place_of_the_newest_of_the_largest_backlog():
+    async def scenario():
+        queue = function_queue(1, 6)
+        queue.router.add(replica("starting"))
+        flood = [asyncio.create_task(queue.acquire(caller="flood")) for _ in range(6)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(ApiError) as full:  # its own backlog fills the queue: the usual 503
+            await queue.acquire(caller="flood")
+        assert full.value.status == 503 and "queue full" in full.value.message
+        others = [asyncio.create_task(queue.acquire(caller=f"other{n}")) for n in range(3)]
+        await asyncio.sleep(0.01)
+        assert queue.depth == 6 and not any(t.done() for t in others)  # each other caller found a place
+        displaced = [t for t in flood if t.done()]
+        assert displaced == flood[-3:]  # the newest of the backlog gave way
+        for task in displaced:
+            error = task.exception()
+            assert error.status == 429 and error.type == "queue_share" and error.headers["Retry-After"]
+        others.append(asyncio.create_task(queue.acquire(caller="other0")))  # flood holds 3, other0 1: room again
+        await asyncio.sleep(0.01)
+        assert flood[2].done() and not others[-1].done()
+        with pytest.raises(ApiError) as even:  # flood 2, other0 2: room is made only for a caller two places behind
+            await queue.acquire(caller="other0")
+        assert even.value.status == 503 and "queue full" in even.value.message
+        for task in flood + others:
+            task.cancel()
+        await asyncio.gather(*flood, *others, return_exceptions=True)
+        assert queue.depth == 0 and not queue.waiting
+
+    asyncio.run(scenario())
