@@ -13,6 +13,10 @@ Scenarios, in order, against the same gateway (its header timeout 5 s, connectio
   large-bodies   32 concurrent 15 MB uploads (the gateway's body budget is 256 MiB)
   timeout-storm  10 calls that overrun a synchronous function's timeout, then a normal call
   kill-9         K calls whose replica is killed (SIGKILL) mid-call, 2 replicas: invocations per call
+  stalled-readers  4 clients start a 1 GB streamed reply and read none of it for 12 s, holding all 4 slots of its
+                 one replica; then a normal call of it (the gateway's send timeout here: 5 s)
+  key-flood      one API key sends 200 calls at once to a function with 4 slots (0.2 s a call); meanwhile another
+                 key calls it one at a time: how long the other key's calls wait
 For each: requests sent, faults injected, lost, duplicated, the normal client's latency, and the gateway's resident
 memory and open file descriptors before, at the peak during, and after.
 """
@@ -93,6 +97,18 @@ async def upload(scope, receive, send):
     await send({"type": "http.response.body", "body": body})
 
 
+@app.function(max_replicas=1, max_concurrency=4, scaledown_window=600, timeout=600)
+def firehose(count: int):
+    for _ in range(count):
+        yield "x" * (1 << 20)
+
+
+@app.function(max_replicas=1, max_concurrency=4, scaledown_window=600, timeout=600)
+async def busy(seconds: float) -> float:
+    await asyncio.sleep(seconds)
+    return seconds
+
+
 @app.cls(max_concurrency=2, scaledown_window=600)
 class Web:
     @ember.asgi_app()
@@ -122,7 +138,8 @@ class Gateway:
         app = workdir / "hostile.py"
         app.write_text(textwrap.dedent(APP))
         self.env = os.environ | {"EMBER_HOME": str(workdir / "home"), "HOSTILE_LOG": str(self.log),
-                                 "EMBER_HEADER_TIMEOUT": "5", "EMBER_MAX_CONNECTIONS": "1000"}
+                                 "EMBER_HEADER_TIMEOUT": "5", "EMBER_MAX_CONNECTIONS": "1000",
+                                 "EMBER_SEND_TIMEOUT": "5"}
         self.process = subprocess.Popen([sys.executable, "-m", "ember.cli", "serve", str(app), "--port", "0"],
                                         env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True, cwd=ROOT)
@@ -139,6 +156,7 @@ class Gateway:
         from ember.gateway.keys import KeyStore
 
         self.key = KeyStore(workdir / "home" / "ember.db").create("bench")[1]
+        self.flooder = KeyStore(workdir / "home" / "ember.db").create("flooder")[1]
         self.peak_rss, self.peak_fds, self._sampling = 0.0, 0, None
 
     def rss(self) -> float:
@@ -173,15 +191,16 @@ class Gateway:
 
         return Measured()
 
-    def client(self, timeout: float = 60) -> httpx.AsyncClient:
+    def client(self, timeout: float = 60, key: str | None = None, connections: int = 64) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, verify=self.tls, timeout=timeout,
-                                 headers={"Authorization": f"Bearer {self.key}"},
-                                 limits=httpx.Limits(max_connections=64))
+                                 headers={"Authorization": f"Bearer {key or self.key}"},
+                                 limits=httpx.Limits(max_connections=connections))
 
     def wait_ready(self) -> None:
         with httpx.Client(base_url=self.url, verify=self.tls, headers={"Authorization": f"Bearer {self.key}"},
                           timeout=120) as http:
-            for path, body in (("/hostile/tick", {"n": -1}), ("/hostile/upload", None)):
+            for path, body in (("/hostile/tick", {"n": -1}), ("/hostile/upload", None),
+                               ("/hostile/firehose", {"count": 1}), ("/hostile/busy", {"seconds": 0})):
                 http.post(path, json=body) if body else http.post(path, content=b"warm")
 
     def stop(self) -> None:
@@ -372,6 +391,69 @@ async def kill_mid_call(gateway: Gateway, rounds: int) -> Row:
     return row
 
 
+async def stalled_readers(gateway: Gateway, count: int) -> Row:
+    row = Row("stalled-readers", sent=count + 1, faults=count)
+    body = b'{"count": 1000}'
+    request = (f"POST /hostile/firehose HTTP/1.1\r\nHost: g\r\nAuthorization: Bearer {gateway.key}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+    async def stall() -> float:
+        """Sends the request and reads nothing for 12 s (past the send timeout), then what the kernel and TLS
+        buffered before the gateway closed the connection: seconds until it was closed, roughly."""
+        reader, writer = await asyncio.open_connection(gateway.host, gateway.port, ssl=gateway.tls)
+        began = time.monotonic()
+        writer.write(request)
+        await writer.drain()
+        await asyncio.sleep(12)
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            while await asyncio.wait_for(reader.read(1 << 20), 60):
+                pass
+        writer.close()
+        return time.monotonic() - began
+
+    with gateway.measure(row):
+        stalled = [asyncio.ensure_future(stall()) for _ in range(count)]
+        await asyncio.sleep(1)  # every slot is held
+        async with gateway.client(timeout=120) as http:
+            began = time.perf_counter()
+            reply = await http.post("/hostile/firehose", json={"count": 1})
+            took = (time.perf_counter() - began) * 1000
+        closed = await asyncio.gather(*stalled)
+    row.normal_ms = f"{took:.0f}"
+    row.lost = int(reply.status_code != 200)
+    row.outcome = (f"normal call {reply.status_code} after {took / 1000:.1f} s (send timeout 5 s); the {count} "
+                   f"stalled readers, reading again after 12 s, found their connections closed after "
+                   f"{min(closed):.1f}-{max(closed):.1f} s")
+    return row
+
+
+async def key_flood(gateway: Gateway, flood: int) -> Row:
+    row = Row("key-flood", sent=flood)
+    statuses: Counter = Counter()
+    waits: list[float] = []
+    with gateway.measure(row):
+        async with gateway.client(timeout=300, key=gateway.flooder, connections=flood) as flooder, \
+                gateway.client(timeout=300) as other:
+            backlog = asyncio.ensure_future(asyncio.gather(
+                *(flooder.post("/hostile/busy", json={"seconds": 0.2}) for _ in range(flood)), return_exceptions=True))
+            await asyncio.sleep(1)  # the backlog is queued
+            while not backlog.done():
+                began = time.perf_counter()
+                reply = await other.post("/hostile/busy", json={"seconds": 0.2})
+                waits.append((time.perf_counter() - began) * 1000)
+                row.sent += 1
+                row.lost += int(reply.status_code != 200)
+            for reply in await backlog:
+                statuses[reply.status_code if isinstance(reply, httpx.Response) else type(reply).__name__] += 1
+    ms = sorted(waits)
+    row.normal_ms = summary(waits)
+    row.lost += flood - statuses[200]
+    row.outcome = (f"the flooding key's {flood} calls: {dict(statuses)} over {len(waits) * 0.2:.0f}+ s; the other "
+                   f"key's {len(waits)} calls, one at a time, took p50 {ms[len(ms) // 2]:.0f} ms, max {ms[-1]:.0f} "
+                   f"ms (a call is 200 ms; queued behind the whole backlog it would wait ~{flood * 0.2 / 4:.0f} s)")
+    return row
+
+
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -386,7 +468,7 @@ def markdown(rows: list[Row], args) -> str:
         "",
         f"Machine: {machine()}. Command: `python bench/hostile.py {' '.join(sys.argv[1:])}`. "
         "Gateway: header timeout 5 s (also the TLS handshake's), connection cap 1,000, body budget 256 MiB, body "
-        "timeout 60 s. "
+        "timeout 60 s, send timeout 5 s. "
         "Lost: requests that should have been answered and were not (or, for load, not with 200). "
         "Duplicated: calls whose function ran more than once. RSS and fds are the gateway process's: "
         "before / peak during / 1 s after.",
@@ -408,7 +490,9 @@ async def scenarios(gateway: Gateway, args) -> list[Row]:
                       ("slow-bodies", lambda: slow_bodies(gateway, 20)),
                       ("large-bodies", lambda: large_bodies(gateway, 32, 15 << 20)),
                       ("timeout-storm", lambda: timeout_storm(gateway, 10)),
-                      ("kill-9", lambda: kill_mid_call(gateway, args.kills))]:
+                      ("kill-9", lambda: kill_mid_call(gateway, args.kills)),
+                      ("stalled-readers", lambda: stalled_readers(gateway, 4)),
+                      ("key-flood", lambda: key_flood(gateway, 200))]:
         if args.only and name not in args.only:
             continue
         print(f"{name} ...", flush=True)
@@ -425,7 +509,7 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=5, help="calls killed mid-call (default 5)")
     parser.add_argument("--only", type=lambda text: text.split(","), metavar="NAME,...",
                         help="run only these scenarios (load, slow-headers, slow-bodies, large-bodies, timeout-storm, "
-                             "kill-9)")
+                             "kill-9, stalled-readers, key-flood)")
     parser.add_argument("--record", action="store_true", help="write bench/results/hostile.md (every scenario)")
     args = parser.parse_args()
     if args.only and args.record:
