@@ -4,6 +4,7 @@ A package is a zip at EMBER_HOME/packages/<sha256>.pkg holding manifest.json (ro
 scaling settings, readable without user code), app.pkl and the source file. The app file's local imports (modules
 under its folder that loading it imported) are pickled by value with it: a replica has no copy of that folder.
 """
+import collections
 import hashlib
 import importlib.util
 import io
@@ -121,7 +122,7 @@ def build(app: App, home: Home) -> Path:
     for each in by_value:
         cloudpickle.register_pickle_by_value(each)
     try:
-        pickled = cloudpickle.dumps(app)
+        pickled = _dumps(app)
     finally:
         for each in by_value:
             cloudpickle.unregister_pickle_by_value(each)
@@ -142,6 +143,25 @@ def build(app: App, home: Home) -> Path:
         tmp.write_bytes(data)
         tmp.replace(target)
     return target
+
+
+def _dumps(app: App) -> bytes:
+    """cloudpickle's bytes of `app`, with reductions for objects a module-level web app holds that pickle but do not
+    unpickle: Starlette's `State` (in every FastAPI app) answers any attribute from its dict, so rebuilding one
+    looked for `_state` in `_state` until the stack ran out (RecursionError in the replica)."""
+    reducers = {}
+    if (starlette := sys.modules.get("starlette.datastructures")) is not None:
+        reducers[starlette.State] = _reduce_state
+    # The pickler reads its dispatch table when it is made: a subclass carries the extra reductions.
+    table = collections.ChainMap(reducers, cloudpickle.CloudPickler.dispatch_table)
+    pickler = type("AppPickler", (cloudpickle.CloudPickler,), {"dispatch_table": table})
+    buffer = io.BytesIO()
+    pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(app)
+    return buffer.getvalue()
+
+
+def _reduce_state(state: Any) -> tuple:
+    return type(state), (dict(state._state),)
 
 
 def _pin_class_ids(app: App, modules: list[ModuleType]) -> None:

@@ -3,9 +3,11 @@
 Starlette hands an exception nobody handled to the app's handler for `Exception` and then raises it again, for the
 server to log; uvicorn then closes the connection. Behind the gateway that connection is a pooled keep-alive one,
 and the gateway's next call on it, from another client, fails. `ReplyOnError` catches the exception below that
-point: it logs it and sends `reply(exc)`. Once a response has started (a stream that broke midway) nothing can be
-sent any more, and the exception goes on up, so that the server cuts the connection and the client sees the stream
-end short rather than end cleanly."""
+point: it logs it and sends `reply(exc)`. Wrapped around a whole app instead (a user's FastAPI app, whose own
+Starlette replied 500 and re-raised), it logs an exception raised after a complete reply and lets the connection be.
+Once a response has started but not finished (a stream that broke midway) nothing can be sent any more, and the
+exception goes on up, so that the server cuts the connection and the client sees the stream end short rather than
+end cleanly."""
 import logging
 from collections.abc import Callable
 
@@ -21,17 +23,19 @@ class ReplyOnError:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = complete = False
 
         async def sending(message: Message) -> None:
-            nonlocal started
+            nonlocal started, complete
             started = started or message["type"] == "http.response.start"
+            complete = complete or message["type"] == "http.response.body" and not message.get("more_body", False)
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         except Exception as exc:
-            if started:
+            if started and not complete:
                 raise
             self.log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            await self.reply(exc)(scope, receive, send)
+            if not started:
+                await self.reply(exc)(scope, receive, send)

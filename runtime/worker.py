@@ -18,6 +18,7 @@ import contextvars  # noqa: E402
 import hmac  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import secrets  # noqa: E402
 import signal  # noqa: E402
@@ -327,6 +328,8 @@ def build_asgi(replica: LoadedUnit, secret: str):
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
+    from ember.runtime.unhandled import ReplyOnError
+
     async def health_check(request):
         if health.reason is not None:
             return JSONResponse({"ok": False, "reason": health.reason, "parked": replica.parking.parked}, 503)
@@ -338,13 +341,20 @@ def build_asgi(replica: LoadedUnit, secret: str):
     async def wake(request):
         return JSONResponse(await replica.parking.wake())
 
-    internal = Starlette(routes=[
+    # An error these let through is logged and the gateway's keep-alive connection stays open (runtime/unhandled.py).
+    log = logging.getLogger("ember.worker")
+    def failed(kind: str):
+        return lambda e: _error_response(500, kind, f"{type(e).__name__}: {str(e)[:200]}")
+
+    internal = ReplyOnError(Starlette(routes=[
         Route("/__ember__/call/{method}", replica.call, methods=["POST"]),
         Route("/__ember__/health", health_check),
         Route("/__ember__/park", park, methods=["POST"]),
         Route("/__ember__/wake", wake, methods=["POST"]),
-    ])
+    ]), log=log, reply=failed("internal_error"))
     user_app = replica.asgi()
+    if user_app is not None:
+        user_app = ReplyOnError(user_app, log=log, reply=failed("app_error"))
     expected = secret.encode()
 
     def authorised(scope) -> bool:

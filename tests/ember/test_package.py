@@ -83,3 +83,37 @@ def test_same_app_same_package_in_every_process(tmp_path):
         assert result.returncode == 0, result.stderr
         names.add(result.stdout.strip())
     assert len(names) == 1, names
+
+
+def test_a_module_level_fastapi_app_unpacks_in_a_fresh_process(tmp_path):
+    """The pattern Modal's docs use: `web = FastAPI()` at module level, returned by the asgi_app method. Starlette's
+    State in it unpickled into a RecursionError, so the replica's import failed."""
+    source = tmp_path / "webapp.py"
+    source.write_text(textwrap.dedent('''
+        from fastapi import FastAPI
+
+        import ember
+
+        web = FastAPI()
+        web.state.greeting = "hello"
+        app = ember.App("webapp")
+
+        @web.get("/v1/hi")
+        async def hi() -> dict:
+            return {"said": web.state.greeting}
+
+        @app.cls()
+        class Api:
+            @ember.asgi_app()
+            def serve(self):
+                return web
+    '''))
+    package = build(load_app(source), Home(tmp_path / "home"))
+    source.unlink()
+    code = ("import sys; from fastapi.testclient import TestClient; from ember.package import unpack; "
+            "app = unpack(sys.argv[1]); api = app.units['Api'].user_cls(); "
+            "print(TestClient(api.serve()).get('/v1/hi').text)")
+    result = subprocess.run([sys.executable, "-c", code, str(package)], capture_output=True, text=True,
+                            cwd="/", env=os.environ, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout) == {"said": "hello"}

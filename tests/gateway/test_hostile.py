@@ -414,3 +414,42 @@ def test_one_keys_backlog_does_not_hold_back_another_keys_call(serve, tmp_path):
 
     done = asyncio.run(scenario())
     assert done.index("other") <= 3, done  # after the call running and at most two more, not the whole backlog
+
+
+def test_a_module_level_fastapi_app_serves_and_its_unhandled_error_is_a_500(serve, tmp_path):
+    """`web = FastAPI()` at module level (as Modal's docs write it) failed the replica's import with a RecursionError
+    (ember/package.py). Its unhandled error is its own 500, the traceback goes to the replica's log, and the calls
+    after it are served by the same process. (That the connection under them stays open, which a 502 used to show
+    when the next call raced uvicorn's close, is tests/runtime/test_unhandled.py's.)"""
+    served = serve(write_app(tmp_path, '''
+        from fastapi import FastAPI
+
+        web = FastAPI()
+
+
+        @web.get("/v1/boom")
+        async def boom():
+            raise KeyError("a bug in the app")
+
+
+        @web.get("/v1/ok")
+        async def ok():
+            return {"pid": os.getpid()}
+
+
+        @app.cls(max_replicas=1, scaledown_window=30)
+        class Api:
+            @ember.asgi_app()
+            def serve(self):
+                return web
+    '''))
+    with served.client(served.key()) as http:
+        first = http.get("/hostile/v1/ok")
+        assert first.status_code == 200, first.text
+        pid = first.json()["pid"]
+        for _ in range(5):
+            assert http.get("/hostile/v1/boom").status_code == 500
+            after = http.get("/hostile/v1/ok")
+            assert after.status_code == 200 and after.json()["pid"] == pid, after.text
+    replica_log = next(p for p in (served.home / "logs").glob("hostile.api-*.log")).read_text()
+    assert "KeyError: 'a bug in the app'" in replica_log  # the traceback is in the replica's log

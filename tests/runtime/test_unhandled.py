@@ -45,21 +45,53 @@ def app() -> FastAPI:
     return app
 
 
-@pytest.fixture(scope="module")
-def url():
+def users_app():
+    """A user's FastAPI app: its own Starlette answers 500 to an error and raises it again."""
+    app = FastAPI()
+
+    @app.get("/port")
+    async def port(request: Request):
+        return {"port": request.client.port}
+
+    @app.get("/boom")
+    async def boom():
+        raise TypeError("the user's bug")
+
+    return ReplyOnError(app, log=logging.getLogger("test"), reply=lambda e: JSONResponse({}, status_code=500))
+
+
+def serving(asgi):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app(), host="127.0.0.1", port=port, log_level="critical"))
+    server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    return f"http://127.0.0.1:{port}", lambda: (setattr(server, "should_exit", True), thread.join(10))
+
+
+@pytest.fixture(scope="module")
+def url():
+    address, stop = serving(app())
+    yield address
+    stop()
+
+
+def test_around_a_users_app_an_error_after_its_own_500_leaves_the_connection_open(caplog):
+    address, stop = serving(users_app())
+    try:
+        with httpx.Client(base_url=address) as http, caplog.at_level(logging.ERROR, logger="test"):
+            before = http.get("/port").json()["port"]
+            failed = http.get("/boom")
+            assert failed.status_code == 500 and failed.text == "Internal Server Error"  # Starlette's own reply
+            assert http.get("/port").json()["port"] == before
+            assert "the user's bug" in caplog.text  # logged once the reply was out
+    finally:
+        stop()
 
 
 def test_an_unhandled_exception_is_a_500_and_the_connection_serves_the_next_request(url, caplog):
