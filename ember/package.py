@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import linecache
+import pickle
 import sys
 import traceback
 import types
@@ -123,6 +124,10 @@ def build(app: App, home: Home) -> Path:
         cloudpickle.register_pickle_by_value(each)
     try:
         pickled = _dumps(app)
+    except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as exc:
+        raise ValueError(f"app {app.name!r} cannot be packaged: {_unpicklable(by_value) or ''}{exc}. What its "
+                         "functions use from the module is shipped to replicas by value: make such an object in an "
+                         "@ember.enter() hook (or inside the function) instead of at module level") from None
     finally:
         for each in by_value:
             cloudpickle.unregister_pickle_by_value(each)
@@ -145,10 +150,10 @@ def build(app: App, home: Home) -> Path:
     return target
 
 
-def _dumps(app: App) -> bytes:
-    """cloudpickle's bytes of `app`, with reductions for objects a module-level web app holds that pickle but do not
-    unpickle: Starlette's `State` (in every FastAPI app) answers any attribute from its dict, so rebuilding one
-    looked for `_state` in `_state` until the stack ran out (RecursionError in the replica)."""
+def _dumps(app: Any) -> bytes:
+    """cloudpickle's bytes of `app` (or any value), with reductions for objects a module-level web app holds that
+    pickle but do not unpickle: Starlette's `State` (in every FastAPI app) answers any attribute from its dict, so
+    rebuilding one looked for `_state` in `_state` until the stack ran out (RecursionError in the replica)."""
     reducers = {}
     if (starlette := sys.modules.get("starlette.datastructures")) is not None:
         reducers[starlette.State] = _reduce_state
@@ -158,6 +163,19 @@ def _dumps(app: App) -> bytes:
     buffer = io.BytesIO()
     pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(app)
     return buffer.getvalue()
+
+
+def _unpicklable(modules: list[ModuleType]) -> str | None:
+    """'module.name: ' of the first module-level value of `modules` that does not pickle (what a failed build names)."""
+    for module in modules:
+        for name, value in vars(module).items():
+            if name.startswith("__") or isinstance(value, (ModuleType, type, types.FunctionType)):
+                continue
+            try:
+                _dumps(value)
+            except Exception:  # noqa: BLE001 - whatever stops it pickling is what the message names
+                return f"{module.__name__.removeprefix('ember_user_')}.{name}: "
+    return None
 
 
 def _reduce_state(state: Any) -> tuple:

@@ -138,6 +138,17 @@ def test_an_app_file_that_fails_to_import_is_reported_at_the_users_line_without_
     assert result.returncode == 1 and result.stderr == (
         f"error: {not_python} is not a Python file: give the .py file that defines the ember.App\n")
 
+
+def test_a_module_level_object_that_cannot_be_shipped_is_named_with_the_fix(tmp_path):
+    app = tmp_path / "locked.py"
+    app.write_text("import threading\nimport ember\n\nguard = threading.Lock()\napp = ember.App('locked')\n\n"
+                   "@app.function()\ndef f() -> int:\n    with guard:\n        return 1\n")
+    result = ember("run", f"{app}::f", home=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(
+        "error: app 'locked' cannot be packaged: locked.guard: cannot pickle '_thread.lock'")
+    assert "@ember.enter() hook" in result.stderr
+
 def test_a_bad_app_name_is_refused_the_same_way_by_run_and_serve(tmp_path):
     app = tmp_path / "bad.py"
     app.write_text("import ember\napp = ember.App('Bad_Name')\n\n@app.function()\ndef f() -> int:\n    return 1\n")
