@@ -1,7 +1,14 @@
 """A call's body: a JSON object of keyword arguments. The gateway checks it before it queues a call, the worker
-again for whoever reaches it directly (`ember run`); both answer the same errors."""
+again for whoever reaches it directly (`ember run`); both answer the same errors. And the JSON of a call's result."""
+import dataclasses
+import datetime
+import decimal
+import enum
 import json
 import math
+import uuid
+from pathlib import PurePath
+from typing import Any
 
 
 class BadCallBody(ValueError):
@@ -35,3 +42,43 @@ def _finite(text: str) -> float:
     if math.isinf(value):
         raise ValueError(f"the number {text[:40]} is beyond a 64-bit float's range")
     return value
+
+
+def result_json(value: Any) -> str:
+    """`value` as JSON, as a web framework would send it: pydantic models, dataclasses, dates and times, UUIDs,
+    decimals, paths, enums, sets and tuples, and numpy or torch arrays and scalars (by `tolist`) too. What JSON cannot
+    carry (NaN, infinity, an object of no such kind) raises ResultNotJson, whose message says what and how to fix it."""
+    try:
+        return json.dumps(value, allow_nan=False, default=_jsonable)
+    except ResultNotJson:
+        raise
+    except ValueError as exc:  # NaN or infinity (allow_nan), or a circular reference
+        raise ResultNotJson(f"{exc} (JSON has no NaN or infinity: return None or a string for them)") from None
+    except RecursionError:
+        raise ResultNotJson("the value is nested too deeply (or refers to itself)") from None
+
+
+class ResultNotJson(ValueError):
+    """A function's result (or a generator's value) that JSON cannot carry."""
+
+
+def _jsonable(value: Any) -> Any:
+    """What json.dumps cannot encode by itself, as something it can (called once per such object)."""
+    if hasattr(value, "model_dump") and callable(value.model_dump):  # pydantic v2
+        return value.model_dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (uuid.UUID, decimal.Decimal, PurePath)):
+        return str(value)
+    if isinstance(value, (set, frozenset)):
+        return list(value)
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy arrays and scalars, torch tensors
+        return value.tolist()
+    raise ResultNotJson(f"Object of type {type(value).__name__} is not JSON serializable: return plain data (dict, "
+                        "list, str, number, bool, None), a pydantic model or a dataclass")

@@ -5,7 +5,6 @@ answered as for any call, so the gateway may still retry it. A client that hangs
 import asyncio
 import contextvars
 import inspect
-import json
 import time
 import traceback
 from collections.abc import Callable
@@ -13,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ember.runtime import health
+from ember.runtime.call_body import ResultNotJson, result_json
 
 DONE = object()  # what a pull returns once the generator is exhausted
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -25,7 +25,7 @@ def is_generator(fn: Callable) -> bool:
 
 def event(data: Any, name: str | None = None) -> bytes:
     head = f"event: {name}\n" if name else ""
-    return f"{head}data: {json.dumps(data, allow_nan=False)}\n\n".encode()
+    return f"{head}data: {result_json(data)}\n\n".encode()
 
 
 def error_event(type: str, message: str) -> bytes:
@@ -105,10 +105,10 @@ class EventStream:
                     return
                 try:
                     chunk = event(value)
-                except (TypeError, ValueError, RecursionError) as exc:
+                except ResultNotJson as exc:
                     await self.source.close(self.grace)
                     return await self._fail(send, started, 500, "result_not_json", "the generator yielded a value "
-                                            f"JSON cannot encode (NaN and infinity are not JSON): {str(exc)[:200]}")
+                                            f"JSON cannot encode: {str(exc)[:300]}")
                 if not started:
                     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
                     started = True

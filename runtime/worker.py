@@ -31,7 +31,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from ember.runtime import control, health, logs, startup, tracing  # noqa: E402
-from ember.runtime.call_body import BadCallBody, keyword_arguments  # noqa: E402
+from ember.runtime.call_body import BadCallBody, ResultNotJson, keyword_arguments, result_json  # noqa: E402
 from ember.runtime.generators import EventStream, ValueSource, is_generator  # noqa: E402
 
 
@@ -199,10 +199,10 @@ class LoadedUnit:
             print_user_traceback(exc)
             return _error_response(500, "function_error", f"{type(exc).__name__}: {exc}")
         try:
-            body = json.dumps({"result": result}, allow_nan=False)
-        except (TypeError, ValueError, RecursionError) as exc:
-            return _error_response(500, "result_not_json", f"the function returned a value JSON cannot encode "
-                                   f"(NaN and infinity are not JSON): {str(exc)[:200]}")
+            body = result_json({"result": result})
+        except ResultNotJson as exc:
+            return _error_response(500, "result_not_json", f"the function returned a value JSON cannot encode: "
+                                   f"{str(exc)[:300]}")
         return Response(body, media_type="application/json")
 
     @staticmethod

@@ -59,6 +59,18 @@ class Counter:
     def bad(self) -> object:
         return object()
 
+    @ember.method()
+    def typed(self):
+        import dataclasses
+        import datetime
+
+        @dataclasses.dataclass
+        class Reading:
+            at: datetime.date
+            tags: frozenset
+
+        return Reading(datetime.date(2026, 12, 1), frozenset({"a"}))
+
     @ember.exit()
     def close(self):
         print("EXIT HOOK n=%d" % self.n, flush=True)
@@ -115,6 +127,8 @@ def test_calls_timeouts_and_exit_hooks(package, tmp_path):
             assert [http.post("/call/bump", json={}).json()["result"] for _ in range(2)] == [1, 2]
             bad = http.post("/call/bad", json={})
             assert bad.status_code == 500 and bad.json()["error"]["type"] == "result_not_json"
+            assert "Object of type object is not JSON serializable: return plain data" in bad.json()["error"]["message"]
+            assert http.post("/call/typed", json={}).json() == {"result": {"at": "2026-12-01", "tags": ["a"]}}
             wrong = http.post("/call/bump", json={"x": 1}).json()["error"]
             assert wrong["type"] == "invalid_arguments" and wrong["message"] == "unknown argument 'x'; it takes ()"
             assert http.post("/call/nope", json={}).status_code == 404
