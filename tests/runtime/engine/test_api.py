@@ -329,3 +329,26 @@ def test_create_app_imports_nothing_the_api_module_did_not(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(app):
+    """A prompt of megabytes takes seconds to tokenize; meanwhile the replica answers its health check (and streams
+    other requests) instead of freezing until the prompt is refused."""
+    huge = "hello world données 🙂 " * 200_000  # 4.4 M characters: seconds of tokenizing
+
+    async def scenario():
+        done = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
+                                     timeout=120) as client:
+            async def big():
+                reply = await client.post("/v1/completions", json={"model": MODEL, "prompt": huge, "max_tokens": 1})
+                done.append(("big", reply.status_code))
+
+            async def health():
+                await asyncio.sleep(0.2)  # the big prompt is being tokenized by now
+                done.append(("health", (await client.get("/health")).status_code))
+
+            await asyncio.gather(big(), health())
+        return done
+
+    assert asyncio.run(scenario()) == [("health", 200), ("big", 400)]
