@@ -12,9 +12,11 @@ runtime/engine/tiny.py). Per model:
     reads every weight once per token);
   - batch 1: a 128-token prompt, 256 greedy tokens; decode tok/s from the first token to the last, for Ember
     and for transformers' `generate` with its static cache;
-  - offline: 256 requests, prompt and output lengths uniform in [100, 1024] (seed 0), output tok/s; transformers
-    runs `generate_batch` (continuous batching) on the first --hf-offline-requests prompts, each generating the
-    mean output length, since it takes one max_new_tokens for a batch;
+  - offline: 256 requests, prompt and output lengths uniform in [100, 1024] (seed 0), output tok/s, with batches
+    of up to 256 sequences and 8192 tokens, and again (offline-defaults) with EngineConfig's default batch sizes,
+    what a user who sets nothing gets; transformers runs `generate_batch` (continuous batching) on the first
+    --hf-offline-requests prompts, each generating the mean output length, since it takes one max_new_tokens for a
+    batch;
   - host vs GPU per decode step at batch 64 (256-token prompts): host = step wall time minus the time the host
     waited for the device, GPU = CUDA events around the forward pass and sampling;
   - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
@@ -142,12 +144,14 @@ def hf_offline(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     return produced / (time.perf_counter() - began), "generate (padded batches of 64)"
 
 
-def ember_engine(model_dir: Path, max_num_seqs: int):
+def ember_engine(model_dir: Path, max_num_seqs: int | None = None):
+    """The engine with batches of up to `max_num_seqs` sequences and 8192 tokens a step; with None, with
+    EngineConfig's defaults (what a user gets)."""
     from ember.runtime.engine.config import EngineConfig
     from ember.runtime.engine.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=8192, gpu_memory_utilization=0.9))
+    tuned = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 8192}
+    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, **tuned))
 
 
 def ember_batch1(eng, prompt: list[int], new_tokens: int) -> float:
@@ -360,6 +364,17 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     del eng
     gc.collect()
     torch.cuda.empty_cache()
+    if "offline-defaults" in args.parts:  # the same run with EngineConfig's defaults for the batch sizes
+        eng = ember_engine(model_dir)
+        rate, split = ember_offline(eng, prompts, output_lens)
+        row["offline_defaults_output_tok_s"], row["offline_defaults_time_split"] = round(rate, 1), split
+        row["offline_defaults"] = {"max_num_seqs": eng.config.max_num_seqs,
+                                   "max_num_batched_tokens": eng.config.max_num_batched_tokens}
+        log(f"[{shape}] ember offline, default batch sizes {row['offline_defaults']}: "
+            f"{row['offline_defaults_output_tok_s']} output tok/s; {split}")
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
     if "online" in args.parts:
         row["online"] = online(model_dir, tuple(args.concurrency), args.online_requests)
     if not args.workdir:   # a model in a given --workdir stays for the next run
@@ -416,7 +431,7 @@ def main() -> None:
         record(result, args.results)
 
 
-PARTS = ("transformers", "b1", "offline", "b64", "online")
+PARTS = ("transformers", "b1", "offline", "b64", "offline-defaults", "online")
 
 
 def merge(files: list[Path]) -> dict:
@@ -445,13 +460,15 @@ def record(result: dict, results: Path = RESULTS) -> None:
         return
     (RESULTS / "engine_speed_b1.svg").write_text(bar_chart(result["models"]))
     rows = ["| model | weights GB | roofline b1 tok/s | Ember b1 tok/s | transformers b1 tok/s "
-            "| Ember offline out tok/s | transformers offline out tok/s | host / GPU ms per step at b64 |",
+            "| Ember offline out tok/s (at default batch sizes) | transformers offline out tok/s "
+            "| host / GPU ms per step at b64 |",
             "|---" * 8 + "|"]
     for m in result["models"]:
         b1 = m.get("ember_b1_tok_s")
         b1_text = f"{b1} ({b1 / m['roofline_b1_tok_s']:.0%})" if b1 else "-"
         rows.append(f"| {m['name']} | {m['weight_bytes'] / 1e9:.2f} | {m['roofline_b1_tok_s']} | {b1_text} | "
-                    f"{m.get('transformers_b1_tok_s') or '-'} | {m.get('offline_output_tok_s') or '-'} | "
+                    f"{m.get('transformers_b1_tok_s') or '-'} | {m.get('offline_output_tok_s') or '-'} "
+                    f"({m.get('offline_defaults_output_tok_s') or '-'}) | "
                     f"{m.get('transformers_offline_output_tok_s') or '-'} | "
                     f"{m.get('host_ms_per_step_b64', '-')} / {m.get('gpu_ms_per_step_b64', '-')} |")
     online = [f"| {m['name']} | {o['concurrency']} | {o['output_tok_s']} | {o['ttft_ms_p50']} / {o['ttft_ms_p99']} | "
