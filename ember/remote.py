@@ -12,9 +12,10 @@ from ember.client import AsyncClient, Client, RemoteError
 
 # Calls of one map in flight at once: generous, so the gateway's queue (and so the autoscaler) sees the fan-out
 # (a function's queue holds 256 by default), yet one connection each fits a 1,024-descriptor limit; a call the
-# gateway refuses because its queue is full or a rate limit is hit never ran, and is sent again.
+# gateway refuses because its queue is full, a rate limit is hit or another key took its place in the queue never
+# ran, and is sent again.
 MAP_WINDOW = 512
-REFUSED = {(503, "overloaded"), (429, "rate_limit_exceeded")}
+REFUSED = {(503, "overloaded"), (429, "rate_limit_exceeded"), (429, "queue_share")}
 RESUBMIT_DELAY = 1.0  # seconds, when the refusal names no Retry-After
 GET_WAIT = 30.0  # seconds one poll of a spawned call waits at the gateway for it to finish
 

@@ -129,3 +129,32 @@ def test_cancel_of_a_queued_call_means_it_never_runs(fanout, served, tmp_path):
             call.get(timeout=5)
         assert cancelled.value.type == "cancelled"
     assert served.status()["apps"]["fanout"]["functions"]["one_at_a_time"]["queue_depth"] == 0
+
+
+def test_a_map_sharing_a_queue_with_another_key_resubmits_the_calls_that_gave_way(fanout, served):
+    """One slot, a queue of 4, and another key calling the same function meanwhile: the map's queued calls give
+    their places to the other key's (429 queue_share, gateway/queue.py) and the SDK sends them again."""
+    import threading
+
+    import httpx
+
+    other, stop, statuses = served.key("other"), threading.Event(), []
+
+    def other_key():
+        with served.client(other, timeout=60) as http:
+            while not stop.is_set():
+                statuses.append(http.post("/fanout/narrow", json={"x": -1}).status_code)
+
+    threads = [threading.Thread(target=other_key) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert list(fanout["narrow"].map(range(20))) == list(range(20))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert 200 in statuses
+    with httpx.Client(verify=served.tls()) as http:
+        metrics = http.get(f"{served.url}/metrics").text
+    assert 'ember_requests_total{app="fanout",function="narrow",code="429"}' in metrics  # places were given up

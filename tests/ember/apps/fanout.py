@@ -55,3 +55,9 @@ async def one_at_a_time(seconds: float, marker: str) -> float:
     Path(marker).write_text("started")
     await asyncio.sleep(seconds)
     return seconds
+
+
+@app.function(max_replicas=1, max_concurrency=1, queue_bound=4, scaledown_window=60)
+def narrow(x: int) -> int:
+    time.sleep(0.02)
+    return x
