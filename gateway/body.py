@@ -4,7 +4,9 @@ estimate and routing key, the X-Session-ID."""
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -16,6 +18,12 @@ from ember.gateway.usage import OPENAI_PATHS, UsageMeter, estimate, max_tokens
 from ember.runtime.call_body import BadCallBody, keyword_arguments
 
 MAX_BODY = 16 * 1024 * 1024
+# Bytes of JSON the event loop parses itself (well under a millisecond). 14 MB of small messages took 0.57 s to parse
+# and estimate, in which the gateway served no one else: a larger LLM request is estimated in a thread (json.loads
+# holds the GIL throughout, the estimate lets go between bytecodes), and a larger call body is left for the replica
+# to check (runtime/call_body.py, the same errors), on the caller's replica's time rather than everyone's gateway's.
+PARSE_INLINE = 64 << 10
+T = TypeVar("T")
 SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII: it only feeds a hash
 
 
@@ -58,8 +66,11 @@ async def read_body(request: Request, budget: BodyBudget) -> bytearray:
 
 
 async def read_kwargs(request: Request, budget: BodyBudget) -> bytes | bytearray:
-    """The call's body, checked to be a JSON object of keyword arguments; forwarded as read."""
+    """The call's body, checked to be a JSON object of keyword arguments when small (see PARSE_INLINE); forwarded as
+    read."""
     body = await read_body(request, budget) or b"{}"
+    if len(body) > PARSE_INLINE:
+        return body
     try:
         keyword_arguments(body)
     except BadCallBody as exc:
@@ -96,12 +107,28 @@ async def read_forward(request: Request, target: Forward, session: str | None, b
     body = await read_body(request, budget) if declares_body else b""
     if request.method != "POST" or target.path not in OPENAI_PATHS:
         return ForwardRequest(body, 0, None, session)
+    usage = await off_loop(_completion_usage, body)
+    if usage is None:  # the engine answers it with its own 400
+        return ForwardRequest(body, 0, None, session)
+    tokens, prompt_tokens, key = usage
+    return ForwardRequest(body, tokens, UsageMeter(prompt_tokens), session or key)
+
+
+def _completion_usage(body: bytes | bytearray) -> tuple[int, int, str | None] | None:
+    """An OpenAI completion request's token estimate (prompt and output), its prompt's, and its routing key; None
+    for a body that is not a JSON object."""
     try:
         parsed = json.loads(body)
     except (ValueError, RecursionError):
-        parsed = None
-    if not isinstance(parsed, dict):  # the engine answers it with its own 400
-        return ForwardRequest(body, 0, None, session)
+        return None
+    if not isinstance(parsed, dict):
+        return None
     tokens = estimate(parsed)
-    return ForwardRequest(body, tokens, UsageMeter(tokens - max_tokens(parsed)),
-                          session or prefix_key(prompt_text(parsed)))
+    return tokens, tokens - max_tokens(parsed), prefix_key(prompt_text(parsed))
+
+
+async def off_loop(work: Callable[[bytes | bytearray], T], body: bytes | bytearray) -> T:
+    """`work(body)`, in a thread when the body is large (see PARSE_INLINE)."""
+    if len(body) <= PARSE_INLINE:
+        return work(body)
+    return await asyncio.to_thread(work, body)

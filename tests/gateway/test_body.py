@@ -1,0 +1,68 @@
+"""gateway/body.py with a real Starlette request: a large body is not parsed on the gateway's event loop (an LLM
+request's tokens are estimated in a thread, a call's arguments are checked by its replica), which goes on serving
+others meanwhile."""
+import asyncio
+import json
+
+import pytest
+from starlette.requests import Request
+
+from ember.gateway.body import PARSE_INLINE, read_forward, read_kwargs
+from ember.gateway.errors import ApiError
+from ember.gateway.inflight import BodyBudget
+from ember.gateway.routing import Forward
+
+
+def request(path: str, body: bytes) -> Request:
+    chunks = [body[at:at + (1 << 20)] for at in range(0, len(body), 1 << 20)]
+
+    async def receive():
+        chunk = chunks.pop(0)
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-length", str(len(body)).encode())],
+             "query_string": b""}
+    return Request(scope, receive)
+
+
+async def ticks_while(work) -> tuple[object, int]:
+    """What `work` returns, and how often the event loop ran another task (every millisecond) while it ran."""
+    ticks, done = 0, asyncio.Event()
+
+    async def ticker():
+        nonlocal ticks
+        while not done.is_set():
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    counting = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    before = ticks
+    try:
+        return await work, ticks - before
+    finally:
+        done.set()
+        await counting
+
+
+def test_a_large_llm_request_is_estimated_while_the_event_loop_serves_others():
+    messages = [{"role": "user", "content": "x"}] * 300_000  # 10 MB of small objects: ~0.5 s of estimating
+    body = json.dumps({"model": "m", "messages": messages, "max_tokens": 7}).encode()
+    assert len(body) > 100 * PARSE_INLINE
+
+    async def scenario():
+        return await ticks_while(read_forward(request("/app/v1/chat/completions", body),
+                                              Forward("Chat", "/v1/chat/completions"), None, BodyBudget(64 << 20, 30)))
+
+    read, ticks = asyncio.run(scenario())
+    assert read.tokens > 300_000 and read.meter is not None and read.affinity is not None
+    assert ticks >= 5, f"the event loop ran other work {ticks} times while the body was estimated"
+
+
+def test_a_small_call_body_is_checked_here_and_a_large_one_left_to_the_replica():
+    budget = BodyBudget(64 << 20, 30)
+    with pytest.raises(ApiError) as small:
+        asyncio.run(read_kwargs(request("/app/fn", b"[1, 2"), budget))
+    assert small.value.status == 400 and small.value.type == "invalid_json"
+    large = b"[" + b"1, " * PARSE_INLINE
+    assert asyncio.run(read_kwargs(request("/app/fn", large), budget)) == large  # not parsed on the event loop
