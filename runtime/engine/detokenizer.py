@@ -74,13 +74,19 @@ def find_stop(text: str, stops: list[str], searched: int) -> tuple[int, str] | N
 
 
 def partial_stop_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string. Only the text's last
+    len(stop) - 1 characters can be one, and only from where the stop's first character occurs in them."""
     longest = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
+        if len(stop) < 2:
+            continue
+        tail = text[-(len(stop) - 1):]
+        start = tail.find(stop[0])
+        while start >= 0 and len(tail) - start > longest:
+            if stop.startswith(tail[start:]):
+                longest = len(tail) - start
                 break
+            start = tail.find(stop[0], start + 1)
     return longest
 
 

@@ -19,6 +19,9 @@ class StreamOptions(BaseModel):
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed takes, with room for seed + n
+# Each stop string is looked for in the text after every token (and the text's end against each of its prefixes):
+# bounded, so that 16 stop strings of megabytes cannot make every step of the replica crawl.
+STOP_MAX_CHARS, STOP_MAX_COUNT = 256, 16
 
 
 class SamplingRequest(BaseModel):
@@ -29,7 +32,7 @@ class SamplingRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = Field(None, max_length=16)
+    stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -46,6 +49,16 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, value):
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > STOP_MAX_COUNT:
+            raise ValueError(f"at most {STOP_MAX_COUNT} stop strings, got {len(stops)}")
+        if any(not 1 <= len(stop) <= STOP_MAX_CHARS for stop in stops):
+            raise ValueError(f"each stop string must be 1-{STOP_MAX_CHARS} characters")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

@@ -83,6 +83,16 @@ def test_partial_stop_len():
     assert partial_stop_len("hello wor", ["world"]) == 3
     assert partial_stop_len("hello", ["world"]) == 0
     assert partial_stop_len("aab", ["aabc", "bx"]) == 3
+    assert partial_stop_len("xab", ["abab", "b"]) == 2 and partial_stop_len("", ["ab"]) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab\u00e9", max_size=30),
+       stops=st.lists(st.text(alphabet="ab\u00e9", min_size=1, max_size=8), min_size=1, max_size=3))
+def test_partial_stop_len_is_the_longest_suffix_that_begins_a_stop(text, stops):
+    expected = max((k for stop in stops for k in range(1, min(len(stop) - 1, len(text)) + 1)
+                    if text.endswith(stop[:k])), default=0)
+    assert partial_stop_len(text, stops) == expected
 
 
 @settings(max_examples=60, deadline=None)
