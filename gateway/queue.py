@@ -1,13 +1,14 @@
 """The per-function queue: hands each call a replica slot, buffering calls while replicas start. Which replica
 is the router's choice (gateway/routing.py); what state it is in, the replica's own (gateway/replica.py).
 
-Callers (API keys) take turns: a free slot goes to the oldest call of the caller served longest ago, so a caller with
-a thousand calls queued gets every other slot while another caller waits, not all of them first. A full queue still
+Callers (API keys) take turns, round-robin: a free slot goes to the oldest call of the caller whose turn it is, and a
+caller served goes to the back of the turns, so a caller with a thousand calls queued gets every other slot while
+another caller waits, not all of them first. A full queue still
 takes a call from a caller holding fewer places than another: that other caller's newest call gives up its place
 (429 `queue_share`), so one caller's backlog can fill the queue, but not keep others out of it."""
 import asyncio
 import time
-from collections import Counter, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,11 +57,10 @@ class FunctionQueue:
     def __init__(self, router: Router, wait_timeout: float, bound: int, on_demand: Callable[[], None]):
         self.router, self.wait_timeout, self.bound = router, wait_timeout, bound
         self.on_demand = on_demand  # wakes the autoscaler so a queued call does not wait for its next tick
-        self.waiters: deque[Waiter] = deque()
+        self.waiters: OrderedDict[Waiter, None] = OrderedDict()  # every waiting call, in arrival order
         self.arrivals = 0
-        self.waiting: Counter[str | None] = Counter()  # caller -> its calls in `waiters`
-        self.served: dict[str | None, int] = {}  # caller (with calls waiting) -> the grant that last served it
-        self.grants = 0
+        self.callers: dict[str | None, OrderedDict[Waiter, None]] = {}  # caller -> its waiting calls, in order
+        self.turns: OrderedDict[str | None, None] = OrderedDict()  # callers with calls waiting: whose turn is next
 
     @property
     def depth(self) -> int:
@@ -78,15 +78,16 @@ class FunctionQueue:
             cold = self._cold_start(replica, now, now)
             self._take(replica)
             return Lease(replica, cold)
-        oldest = now - self.waiters[0].since if self.waiters else 0.0
+        oldest = now - next(iter(self.waiters)).since if self.waiters else 0.0
         starting = any(r.state == STARTING for r in self.router.replicas.values())
         decision = admit(len(self.waiters), self.bound, oldest, self.wait_timeout, 1.5 if starting else 3.0)
         if isinstance(decision, Reject) and not (len(self.waiters) >= self.bound and self._make_room(caller)):
             raise ApiError(503, "overloaded", f"{decision.reason}; retry later",
                            {"Retry-After": str(decision.retry_after)})
         waiter = Waiter(asyncio.get_running_loop().create_future(), now, key, caller)
-        self.waiters.append(waiter)
-        self.waiting[caller] += 1
+        self.waiters[waiter] = None
+        self.callers.setdefault(caller, OrderedDict())[waiter] = None
+        self.turns.setdefault(caller, None)  # a caller that was not waiting joins the back of the turns
         self.dispatch()  # a slot may have opened without a release (a park or drain undone)
         self.on_demand()
         try:
@@ -123,23 +124,23 @@ class FunctionQueue:
         return ColdStart(replica.tier, round((now - since) * 1000))
 
     def dispatch(self) -> None:
-        """Hand free slots to the waiters, the oldest of the caller served longest ago first: after a release, or
+        """Hand free slots to the waiters, the oldest call of the caller whose turn it is first: after a release, or
         when a replica became ready or woke."""
         while self.waiters and (replica := self.router.pick((waiter := self._next()).key)) is not None:
             self._remove(waiter)
-            self.grants += 1
-            if self.waiting[waiter.caller]:
-                self.served[waiter.caller] = self.grants
+            if waiter.caller in self.turns:
+                self.turns.move_to_end(waiter.caller)  # served: the other callers' turns come first
             self._take(replica)
             waiter.future.set_result(replica)
 
     def _make_room(self, caller: str | None) -> bool:
         """In a full queue, the newest call of the caller holding the most places gives its place up to `caller`,
         when that caller holds at least two more places than `caller`."""
-        heaviest, held = self.waiting.most_common(1)[0]
-        if heaviest == caller or held < self.waiting[caller] + 2:
+        heaviest = max(self.callers, key=lambda c: len(self.callers[c]))
+        held, mine = len(self.callers[heaviest]), len(self.callers.get(caller, ()))
+        if heaviest == caller or held < mine + 2:
             return False
-        displaced = next(w for w in reversed(self.waiters) if w.caller == heaviest)
+        displaced = next(reversed(self.callers[heaviest]))
         self._remove(displaced)
         displaced.future.set_exception(ApiError(
             429, "queue_share", f"this call gave its place in the full queue (bound {self.bound}) to another "
@@ -148,18 +149,16 @@ class FunctionQueue:
         return True
 
     def _next(self) -> Waiter:
-        """The oldest waiter of the caller served longest ago (one not served while it waited goes first)."""
-        if len(self.waiting) == 1:
-            return self.waiters[0]
-        turn = min(self.served.get(caller, 0) for caller in self.waiting)
-        return next(w for w in self.waiters if self.served.get(w.caller, 0) == turn)
+        """The oldest call of the caller whose turn it is."""
+        return next(iter(self.callers[next(iter(self.turns))]))
 
     def _remove(self, waiter: Waiter) -> None:
-        self.waiters.remove(waiter)
-        self.waiting[waiter.caller] -= 1
-        if not self.waiting[waiter.caller]:
-            del self.waiting[waiter.caller]
-            self.served.pop(waiter.caller, None)
+        del self.waiters[waiter]
+        mine = self.callers[waiter.caller]
+        del mine[waiter]
+        if not mine:
+            del self.callers[waiter.caller]
+            del self.turns[waiter.caller]
 
     def release(self, replica: GatewayReplica) -> None:
         replica.in_flight -= 1
@@ -170,6 +169,6 @@ class FunctionQueue:
     def fail_waiters(self, error: str) -> None:
         """No replica is coming: callers get a 503 with the reason instead of waiting out their timeout."""
         while self.waiters:
-            waiter = self.waiters[0]
+            waiter = next(iter(self.waiters))
             self._remove(waiter)
             waiter.future.set_exception(ApiError(503, "replica_failed", error, {"Retry-After": "5"}))

@@ -116,7 +116,7 @@ def test_callers_take_turns_for_free_slots():
             await asyncio.sleep(0.01)
         await asyncio.gather(*tasks)
         assert order == ["flood0", "other0", "flood1", "other1", "flood2", "flood3", "flood4"]
-        assert not queue.waiting and not queue.served  # nothing kept for callers with nothing waiting
+        assert not queue.callers and not queue.turns  # nothing kept for callers with nothing waiting
 
     asyncio.run(scenario())
 
@@ -148,6 +148,6 @@ def test_a_full_queue_takes_another_callers_call_in_place_of_the_newest_of_the_l
         for task in flood + others:
             task.cancel()
         await asyncio.gather(*flood, *others, return_exceptions=True)
-        assert queue.depth == 0 and not queue.waiting
+        assert queue.depth == 0 and not queue.callers and not queue.turns
 
     asyncio.run(scenario())
