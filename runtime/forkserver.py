@@ -390,7 +390,8 @@ def preload(app: Any) -> list[str]:
 SERVING_MODULES = ("uvicorn.protocols.http.auto", "uvicorn.protocols.websockets.auto", "uvicorn.lifespan.on",
                    "uvicorn.loops.auto", "uvicorn.loops.asyncio", "uvloop", "uvicorn.loops.uvloop",
                    "anyio._backends._asyncio", "anyio.streams.memory", "anyio.streams.stapled",
-                   "starlette.applications", "starlette.requests", "starlette.responses", "starlette.routing")
+                   "starlette.applications", "starlette.requests", "starlette.responses", "starlette.routing",
+                   "ember.runtime.unhandled")
 
 
 def preload_serving() -> list[str]:
