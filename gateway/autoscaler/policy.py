@@ -14,13 +14,17 @@ last `park_after` seconds (learned when not set) fits without it, a burst's pani
 replicas wake before new ones start, and a replica parked for `scaledown_window` is evicted. The
 last replica parks once an idle stretch that long would come only once in WAKE_ODDS arrivals at the
 recent rate, so the function's p99 stays a hot replica's; but where that p99 is already lost, it parks
-after a round trip's worth when the rate is under one arrival per wake's cost in GPU-seconds: the
-wakes that costs sit below the p99, and on memoryless arrivals holding longer never pays. The p99
-is the app's (its functions' requests together, `app_tail`), and it is lost where, over the last
+after PARK_AFTER_FLOOR when the rate is under one arrival per wake's cost in GPU-seconds: the wakes
+that costs sit below the p99, and on memoryless arrivals holding any longer never pays. The p99 is
+the app's (its functions' requests together, `app_tail`), and it is lost where, over the last
 ~TAIL_HORIZON seconds, more than 1 in TAIL requests queued a wake's delay behind busy replicas (as
-with bursts) or came after an idle stretch longer than any replica is held (as with many small
-functions: those wait for a start under KPA, for a wake here). Where parking does not pay, idle
-replicas are stopped as KPA stops them, the last one after `scaledown_window` without a request.
+with bursts), came after an idle stretch longer than any replica is held (as with many small
+functions), or came while the concurrency overflowed the slots of the replicas the stable average
+sizes (a surge, as at a burst's onset): under KPA, which sizes on that average and holds an idle
+replica at most IDLE_HOLD, those wait for a start; here, for a wake. A panic within a stable window
+of a burst holds as the burst's does: the average it would be near is the burst's. Where parking
+does not pay, idle replicas are stopped as KPA stops them, the last one after `scaledown_window`
+without a request.
 Every action carries the reason shown in `ember status`.
 """
 
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 
 from ember.gateway.lifecycle import HOT, LIVE, PARKED, STARTING, ReplicaState
 
-from .costs import CostModel, Measured
+from .costs import PARK_AFTER_FLOOR, CostModel, Measured
 
 IDLE_HOLD = 90.0  # default seconds an idle replica stays when it cannot park: KPA's 60 s window + 30 s grace
 PARKED_HOLD = 600.0  # default seconds a replica stays parked: it holds host RAM only, and the RAM budget comes first
@@ -90,9 +94,10 @@ class ScalingSettings:
             return None
         if tail_lost and rate * costs.wake_cost() < 1:
             # Poisson arrivals are memoryless: an idle second costs a GPU-second and spares a wake with odds
-            # `rate` however long the replica has idled, so below a wake's worth holding never pays; and where
-            # more than 1 in TAIL requests already queue for capacity, the wakes it spares sit below the p99.
-            return costs.park_after()
+            # `rate` however long the replica has idled, so below a wake's worth holding never pays, not even for a
+            # round trip's worth; and where more than 1 in TAIL requests already wait for capacity, the wakes it
+            # spares sit below the p99. It holds only the floor: a caller's think time between turns.
+            return PARK_AFTER_FLOOR
         unlikely = math.log(WAKE_ODDS) / rate if rate > 0 else math.inf
         return min(max(costs.park_after(), unlikely), self.scaledown_for(False))
 
@@ -196,8 +201,11 @@ class Tail:
     Its p99 is set by capacity it lacked, not by its wakes, where the queueing adds up to more than a wake's delay
     for 1 in TAIL of the requests, or where more than 1 in TAIL of them came after such an idle stretch: those find
     no replica under any policy that holds an idle one at most IDLE_HOLD (KPA's window and grace), so they wait for
-    a start, or a wake where the replica parked. A function's first requests ever are not counted: every function
-    starts once, and a new deployment's first minutes say nothing about its traffic.
+    a start, or a wake where the replica parked; or where more than 1 in TAIL came in a surge, while the concurrency
+    overflowed the slots of the replicas the stable average sizes: a policy that sizes on that average (KPA) has
+    no slot for them until a start ends, whatever its panic asks for. A function's first requests ever are not
+    counted as stranded: every function starts once, and a new deployment's first minutes say nothing about its
+    traffic.
     """
 
     t: float | None = None
@@ -205,25 +213,28 @@ class Tail:
     queued_s: float = 0.0
     stranded: float = 0.0  # requests that came after an idle stretch of IDLE_HOLD or longer
     last_work: float | None = None  # the latest sample with a request in flight, queued or arriving (None: none yet)
+    surged: float = 0.0  # requests that came while the concurrency overflowed the slots the stable average sizes
 
-    def add(self, sample: Sample, busy: bool) -> Tail:
+    def add(self, sample: Sample, busy: bool, surge: bool = False) -> Tail:
         working = sample.arrivals > 0 or sample.concurrency > 0
         last_work = sample.t if working else self.last_work
         if self.t is None:
-            return Tail(sample.t, sample.arrivals, 0.0, 0.0, last_work)
+            return Tail(sample.t, sample.arrivals, 0.0, 0.0, last_work, sample.arrivals if surge else 0)
         dt = max(sample.t - self.t, 0.0)
         fade = math.exp(-dt / TAIL_HORIZON)
         idle_long = self.last_work is not None and sample.t - self.last_work >= IDLE_HOLD
         return Tail(sample.t, fade * self.requests + sample.arrivals,
                     fade * self.queued_s + (sample.queued * dt if busy else 0.0),
-                    fade * self.stranded + (sample.arrivals if idle_long else 0), last_work)
+                    fade * self.stranded + (sample.arrivals if idle_long else 0), last_work,
+                    fade * self.surged + (sample.arrivals if surge else 0))
 
     def faded(self, now: float) -> Tail:
         """The same counts as seen at `now` (no later than any sample yet to come)."""
         if self.t is None or now <= self.t:
             return self
         fade = math.exp(-(now - self.t) / TAIL_HORIZON)
-        return Tail(now, fade * self.requests, fade * self.queued_s, fade * self.stranded, self.last_work)
+        return Tail(now, fade * self.requests, fade * self.queued_s, fade * self.stranded, self.last_work,
+                    fade * self.surged)
 
     def __add__(self, other: Tail) -> Tail:
         """Two functions' tails pooled: the p99 of their requests together."""
@@ -233,11 +244,13 @@ class Tail:
             return other
         now = max(self.t, other.t)
         a, b = self.faded(now), other.faded(now)
-        return Tail(now, a.requests + b.requests, a.queued_s + b.queued_s, a.stranded + b.stranded, self.last_work)
+        return Tail(now, a.requests + b.requests, a.queued_s + b.queued_s, a.stranded + b.stranded, self.last_work,
+                    a.surged + b.surged)
 
     def lost(self, wake_s: float) -> bool:
         return self.requests >= TAIL and (self.queued_s * TAIL > self.requests * wake_s
-                                          or self.stranded * TAIL > self.requests)
+                                          or self.stranded * TAIL > self.requests
+                                          or self.surged * TAIL > self.requests)
 
 
 def app_tail(memos: Iterable[object], now: float) -> Tail:
@@ -326,7 +339,10 @@ def decide(
         costs = costs.observe(measured)
     stable = window(history, now, s.stable_window)
     rate = sum(x.arrivals for x in stable) / s.stable_window
-    tail = memo.tail.add(history[-1], any(r.state == HOT for r in replicas)) if history else memo.tail
+    # a surge: more requests than the slots of the replicas the stable average sizes (KPA's count) can hold
+    surge = bool(history) and history[-1].concurrency > \
+        replicas_for(mean_concurrency(stable), s.target_concurrency) * s.max_concurrency
+    tail = memo.tail.add(history[-1], any(r.state == HOT for r in replicas), surge) if history else memo.tail
     holds = s.holds(costs, rate, (tail + peers).lost(costs.wake_s))
     park_after, spare_after, scaledown = holds.park_after, holds.spare_after, holds.scaledown
     parking = park_after is not None and spare_after is not None
@@ -353,8 +369,10 @@ def decide(
     stable_avg = mean_concurrency(stable)
     is_burst = over_threshold and (demand >= s.panic_threshold * stable_avg
                                    or want_panic > replicas_for(stable_avg, s.target_concurrency) + 1)
+    # a panic within a stable window of a burst is that burst's: the stable average it is measured against counts it
+    after_burst = memo.burst_at is not None and now - memo.burst_at < s.stable_window
     burst_at = now if is_burst else memo.burst_at
-    panic_burst = is_burst or (memo.panic_since is not None and memo.panic_burst)
+    panic_burst = is_burst or (over_threshold and after_burst) or (memo.panic_since is not None and memo.panic_burst)
     # A burst's panic holds only a few park_afters: its load is gone when it ends, and re-growing costs a wake. A
     # near-target panic holds the stable window, as KPA's does: the load that crossed the target is still there,
     # and a replica parked under it comes back a wake later, after the requests over the first one's slots queued.

@@ -2,7 +2,7 @@ from dataclasses import replace
 
 import pytest
 
-from ember.gateway.autoscaler.costs import CostModel, StartMeasured
+from ember.gateway.autoscaler.costs import PARK_AFTER_FLOOR, CostModel, StartMeasured
 from ember.gateway.autoscaler.policy import (
     IDLE_HOLD,
     TAIL_HORIZON,
@@ -249,21 +249,53 @@ def trickle(now: float) -> list[Sample]:
     return [Sample(t / 2, 0, int(50 <= t / 2 < 56), int(t / 2 in (10.0, 30.0, 50.0))) for t in range(int(2 * now) + 1)]
 
 
-def test_last_replica_parks_after_a_round_trip_where_the_p99_is_already_a_wait_for_capacity():
+def test_last_replica_parks_after_the_floor_where_the_p99_is_already_a_wait_for_capacity():
     s = ScalingSettings(target_concurrency=10, max_concurrency=16)
     idle = [ReplicaView("h0", "hot", 0, 56.0)]
     # requests spent 9 s queued behind busy replicas: 30 wakes' worth (0.3 s), 10% of 300 requests
-    lost = PolicyMemo(tail=Tail(59.5, requests=300.0, queued_s=9.0))
-    actions, memo = run(s, idle, trickle(60.0), 60.0, lost)
+    lost = PolicyMemo(tail=Tail(58.0, requests=300.0, queued_s=9.0))
+    # idle 2.5 s: past PARK_AFTER_FLOOR, short of a round trip's 3.3 s; at 0.05 req/s holding never pays
+    now = 56.0 + PARK_AFTER_FLOOR + 0.5
+    actions, memo = run(s, idle, trickle(now), now, lost)
     assert [type(a) for a in actions] == [Park] and memo.tail.lost(0.3)
+    assert run(s, idle, trickle(57.0), 57.0, lost)[0] == []  # 1 s idle: under the floor
     # the same trickle where requests queued for only 2 wakes' worth: it holds until an idle stretch is unlikely
-    calm = PolicyMemo(tail=Tail(59.5, requests=300.0, queued_s=0.6))
+    calm = PolicyMemo(tail=Tail(58.0, requests=300.0, queued_s=0.6))
     actions, memo = run(s, idle, trickle(60.0), 60.0, calm)
     assert actions == [] and not memo.tail.lost(0.3)
     # and where a park keeps the GPU, the tail changes nothing: parking does not pay
     keeps = PolicyMemo(costs=CostModel(park_frees_gpu=False), tail=lost.tail)
     actions, _ = run(s, idle, trickle(60.0), 60.0, keeps)
     assert actions == []
+
+
+def test_tail_counts_requests_that_come_while_a_surge_overflows_the_slots_the_stable_average_sizes():
+    # a minute at 4 concurrent sizes one replica (16 slots); 20 concurrent overflows it: a reactive policy
+    # that sizes on the stable average adds capacity for those requests, a start (KPA) or a wake
+    calm = load(4, 59, arrivals=1)
+    _, memo = run(DEFAULTS, hot(1, in_flight=4), calm + [Sample(60.0, 0, 15, 5)], 60.0, FAST)
+    assert memo.tail.surged == 0  # 15 fits one replica's 16 slots
+    _, memo = run(DEFAULTS, hot(1, in_flight=16), calm + [Sample(60.0, 4, 16, 5)], 60.0, FAST)
+    assert memo.tail.surged == 5
+    # 2 surged requests in 150: the p99 is already a wait for capacity; 1 in 150 is not
+    assert Tail(0.0, requests=150.0, surged=2.0).lost(0.3) and not Tail(0.0, requests=150.0, surged=1.0).lost(0.3)
+    pooled = Tail(0.0, requests=100.0, surged=1.0) + Tail(0.0, requests=50.0, surged=1.0)
+    assert pooled.surged == 2.0 and pooled.lost(0.3)
+
+
+def test_a_panic_within_a_stable_window_of_a_burst_holds_as_the_burst_does():
+    # 8 concurrent, then 11 for 6 s: near the target, 1 -> 2 replicas; no burst against a stable average of ~8.5
+    history = load(8, 33) + load(11, 40, since=34)
+    after = load(5, 55, since=41)  # the load falls back under one replica's target
+    two = hot(1, in_flight=5) + hot(1, in_flight=0, idle_since=50.0, prefix="spare")
+    for burst_at, holds in ((None, True), (30.0, False)):
+        actions, memo = run(DEFAULTS, hot(1, in_flight=11), history, 40.0, replace(FAST, burst_at=burst_at))
+        assert [type(a) for a in actions] == [Start] and memo.panic_since == 40.0
+        assert memo.panic_burst is not holds
+        actions, memo = run(DEFAULTS, two, history + after, 55.0, memo)
+        # a near-target panic holds the stable window, as KPA's does; one a burst's stable average still counts
+        # (the burst panicked at 30 s) holds a few park_afters, then the spare replica parks
+        assert actions == [] if holds else [type(a) for a in actions] == [Park]
 
 
 def test_tail_counts_seconds_queued_behind_hot_replicas_and_fades():
