@@ -79,12 +79,15 @@ class ScalingSettings:
         if self.panic_threshold <= 1:
             raise ValueError(f"panic_threshold must be > 1, got {self.panic_threshold}")
 
-    def park_after_for(self, costs: CostModel, rate: float, tail_lost: bool = False) -> float | None:
+    def park_after_for(self, costs: CostModel, rate: float, tail_lost: bool = False,
+                       recent_rate: float | None = None) -> float | None:
         """Idle seconds before the last hot replica parks, or None where it never parks.
 
         Learned, it is the idle stretch that arrivals at the recent `rate` (per second, over the stable
         window) would leave only once in WAKE_ODDS: a stretch that long says the traffic changed, and
         no sooner than a park-and-wake round trip costs, nor later than an unparkable replica stays.
+        `recent_rate` is the rate over the window's recent half (None: `rate`): where it has fallen, a lost p99
+        sees it half a window sooner.
         """
         if not self.park:
             return None
@@ -92,11 +95,12 @@ class ScalingSettings:
             return self.park_after
         if not costs.park_pays():
             return None
-        if tail_lost and rate * costs.wake_cost() < 1:
+        if tail_lost and min(rate, rate if recent_rate is None else recent_rate) * costs.wake_cost() < 1:
             # Poisson arrivals are memoryless: an idle second costs a GPU-second and spares a wake with odds
             # `rate` however long the replica has idled, so below a wake's worth holding never pays, not even for a
             # round trip's worth; and where more than 1 in TAIL requests already wait for capacity, the wakes it
-            # spares sit below the p99. It holds only the floor: a caller's think time between turns.
+            # spares sit below the p99. It holds only the floor: a caller's think time between turns. The rate is
+            # the lower of the stable window's and its recent half's: after a burst the whole window still counts it.
             return PARK_AFTER_FLOOR
         unlikely = math.log(WAKE_ODDS) / rate if rate > 0 else math.inf
         return min(max(costs.park_after(), unlikely), self.scaledown_for(False))
@@ -106,8 +110,9 @@ class ScalingSettings:
             return self.scaledown_window
         return PARKED_HOLD if parking else IDLE_HOLD
 
-    def holds(self, costs: CostModel, rate: float, tail_lost: bool = False) -> Holds:
-        park_after = self.park_after_for(costs, rate, tail_lost)
+    def holds(self, costs: CostModel, rate: float, tail_lost: bool = False,
+              recent_rate: float | None = None) -> Holds:
+        park_after = self.park_after_for(costs, rate, tail_lost, recent_rate)
         if park_after is None:
             return Holds(None, None, self.stable_window, self.scaledown_for(False))
         # spare capacity beyond the last replica parks after a wake's worth of idleness: waking it costs a wake
@@ -339,11 +344,12 @@ def decide(
         costs = costs.observe(measured)
     stable = window(history, now, s.stable_window)
     rate = sum(x.arrivals for x in stable) / s.stable_window
+    recent_rate = sum(x.arrivals for x in window(history, now, s.stable_window / 2)) / (s.stable_window / 2)
     # a surge: more requests than the slots of the replicas the stable average sizes (KPA's count) can hold
     surge = bool(history) and history[-1].concurrency > \
         replicas_for(mean_concurrency(stable), s.target_concurrency) * s.max_concurrency
     tail = memo.tail.add(history[-1], any(r.state == HOT for r in replicas), surge) if history else memo.tail
-    holds = s.holds(costs, rate, (tail + peers).lost(costs.wake_s))
+    holds = s.holds(costs, rate, (tail + peers).lost(costs.wake_s), recent_rate)
     park_after, spare_after, scaledown = holds.park_after, holds.spare_after, holds.scaledown
     parking = park_after is not None and spare_after is not None
     hot = [r for r in replicas if r.state == HOT and not r.draining]
@@ -394,6 +400,10 @@ def decide(
     elif parking and (raw_peak == 0 or (burst_at is not None and now - burst_at < s.stable_window)):
         # the stable average still counts an ended burst, or the function is idle: a wake brings capacity back
         keep = min(steady, replicas_for(recent_peak, s.target_concurrency))
+        # never under what the panic window would panic over at once: its average still counts the load
+        # that is draining away, and a panic holds what it wakes
+        if want_panic >= s.panic_threshold * max(keep, 1) and want_panic > keep:
+            keep = math.floor(want_panic / s.panic_threshold) + 1
         if not keep and any(x.concurrency for x in window(history, now, park_after or 0.0)):
             keep = 1  # the last replica waits out the longer park_after
     else:  # as KPA: the stable average's count, and the last replica until a whole hold is idle

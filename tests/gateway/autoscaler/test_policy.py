@@ -238,6 +238,29 @@ def test_after_a_burst_spare_capacity_parks_within_seconds_where_kpa_holds_a_min
     assert [type(a) for a in actions] == [Evict]
 
 
+def test_after_a_burst_spare_capacity_parks_no_lower_than_the_panic_window_would_panic_over():
+    # 60 concurrent until 50 s, then 4: the 6 s average (22.7, 3 replicas' worth) still counts the burst's tail
+    falling = load(60, 50) + load(4, 54, since=51)
+    replicas = hot(1, in_flight=4) + hot(5, idle_since=51.0, prefix="idle")
+    actions, memo = run(DEFAULTS, replicas, falling, 54.0, replace(FAST, burst_at=50.0))
+    # the last 3.3 s fit 1 replica, but 1 would panic at once over the 3 the average asks for (2 x 1 <= 3)
+    assert [type(a) for a in actions] == [Park] * 4 and memo.panic_since is None
+    two = hot(1, in_flight=4) + hot(1, idle_since=51.0, prefix="idle")
+    actions, memo = run(DEFAULTS, two, falling, 54.0, memo)
+    assert actions == [] and memo.panic_since is None  # 2 replicas: no panic, and nothing woken back
+
+
+def test_a_rate_that_fell_is_seen_half_a_stable_window_sooner():
+    # 3 arrivals a second until 25 s, then one request at 50 s that ran until 55 s; the p99 is already lost
+    history = [Sample(t / 2, 0, 8 if t < 50 else int(100 <= t < 110), 1 if t < 50 and t % 2 else int(t == 100))
+               for t in range(117)]
+    lost = PolicyMemo(tail=Tail(58.0, requests=300.0, queued_s=9.0))
+    # over 60 s that is 1.3 a second, over which a 3 s idle stretch is common; over the last 30 s, one arrival
+    # (0.03 a second, under one per wake's cost): it parks after the floor
+    actions, _ = run(DEFAULTS, [ReplicaView("h0", "hot", 0, 55.0)], history, 58.0, lost)
+    assert [type(a) for a in actions] == [Park]
+
+
 def test_a_request_at_zero_wakes_a_parked_replica_before_starting_one():
     parked = [ReplicaView("p0", "parked", 0, 10.0)]
     actions, _ = run(DEFAULTS, parked, load(0, 99) + [Sample(100.0, 1, 0, 1)], 100.0, FAST)
