@@ -14,17 +14,19 @@ last `park_after` seconds (learned when not set) fits without it, a burst's pani
 replicas wake before new ones start, and a replica parked for `scaledown_window` is evicted. The
 last replica parks once an idle stretch that long would come only once in WAKE_ODDS arrivals at the
 recent rate, so the function's p99 stays a hot replica's; but where that p99 is already lost, it parks
-after PARK_AFTER_FLOOR when the rate is under one arrival per wake's cost in GPU-seconds: the wakes
-that costs sit below the p99, and on memoryless arrivals holding any longer never pays. The p99 is
-the app's (its functions' requests together, `app_tail`), and it is lost where, over the last
+after PARK_AFTER_FLOOR when the rate is under one arrival per wake's cost in GPU-seconds (the lower of
+the stable window's rate and its recent half's: the whole window still counts a burst that ended): the
+wakes that costs sit below the p99, and on memoryless arrivals holding any longer never pays. The p99
+is the app's (its functions' requests together, `app_tail`), and it is lost where, over the last
 ~TAIL_HORIZON seconds, more than 1 in TAIL requests queued a wake's delay behind busy replicas (as
 with bursts), came after an idle stretch longer than any replica is held (as with many small
 functions), or came while the concurrency overflowed the slots of the replicas the stable average
 sizes (a surge, as at a burst's onset): under KPA, which sizes on that average and holds an idle
 replica at most IDLE_HOLD, those wait for a start; here, for a wake. A panic within a stable window
-of a burst holds as the burst's does: the average it would be near is the burst's. Where parking
-does not pay, idle replicas are stopped as KPA stops them, the last one after `scaledown_window`
-without a request.
+of a burst holds as the burst's does: the average it would be near is the burst's; and after a
+burst, spare capacity parks no lower than the panic window, still counting the burst's tail, would
+panic over at once. Where parking does not pay, idle replicas are stopped as KPA stops them, the last
+one after `scaledown_window` without a request.
 Every action carries the reason shown in `ember status`.
 """
 
