@@ -20,13 +20,13 @@ wakes that costs sit below the p99, and on memoryless arrivals holding any longe
 is the app's (its functions' requests together, `app_tail`), and it is lost where, over the last
 ~TAIL_HORIZON seconds, more than 1 in TAIL requests queued a wake's delay behind busy replicas (as
 with bursts), came after an idle stretch longer than any replica is held (as with many small
-functions), or came while the concurrency overflowed the slots of the replicas the stable average
-sizes (a surge, as at a burst's onset): under KPA, which sizes on that average and holds an idle
-replica at most IDLE_HOLD, those wait for a start; here, for a wake. A panic within a stable window
-of a burst holds as the burst's does: the average it would be near is the burst's; and after a
-burst, spare capacity parks no lower than the panic window, still counting the burst's tail, would
-panic over at once. Where parking does not pay, idle replicas are stopped as KPA stops them, the last
-one after `scaledown_window` without a request.
+functions), or came while the concurrency, averaged over the panic window, overflowed the slots of
+the replicas the stable average sizes (a surge, as at a burst's onset): under KPA, which sizes on that
+average and holds an idle replica at most IDLE_HOLD, those wait for a start; here, for a wake. A
+panic within a stable window of a burst holds as the burst's does: the average it would be near is
+the burst's; and after a burst, spare capacity parks no lower than the panic window, still counting
+the burst's tail, would panic over at once. Where parking does not pay, idle replicas are stopped as
+KPA stops them, the last one after `scaledown_window` without a request.
 Every action carries the reason shown in `ember status`.
 """
 
@@ -209,8 +209,9 @@ class Tail:
     for 1 in TAIL of the requests, or where more than 1 in TAIL of them came after such an idle stretch: those find
     no replica under any policy that holds an idle one at most IDLE_HOLD (KPA's window and grace), so they wait for
     a start, or a wake where the replica parked; or where more than 1 in TAIL came in a surge, while the concurrency
-    overflowed the slots of the replicas the stable average sizes: a policy that sizes on that average (KPA) has
-    no slot for them until a start ends, whatever its panic asks for. A function's first requests ever are not
+    averaged over the panic window overflowed the slots of the replicas the stable average sizes: a policy that sizes
+    on that average (KPA) has no slot for them until a start ends, whatever its panic asks for (a peak over the slots
+    for a moment waits only for one of them to free). A function's first requests ever are not
     counted as stranded: every function starts once, and a new deployment's first minutes say nothing about its
     traffic.
     """
@@ -220,7 +221,7 @@ class Tail:
     queued_s: float = 0.0
     stranded: float = 0.0  # requests that came after an idle stretch of IDLE_HOLD or longer
     last_work: float | None = None  # the latest sample with a request in flight, queued or arriving (None: none yet)
-    surged: float = 0.0  # requests that came while the concurrency overflowed the slots the stable average sizes
+    surged: float = 0.0  # requests that came while the panic window's concurrency overflowed the stable count's slots
 
     def add(self, sample: Sample, busy: bool, surge: bool = False) -> Tail:
         working = sample.arrivals > 0 or sample.concurrency > 0
@@ -347,8 +348,9 @@ def decide(
     stable = window(history, now, s.stable_window)
     rate = sum(x.arrivals for x in stable) / s.stable_window
     recent_rate = sum(x.arrivals for x in window(history, now, s.stable_window / 2)) / (s.stable_window / 2)
-    # a surge: more requests than the slots of the replicas the stable average sizes (KPA's count) can hold
-    surge = bool(history) and history[-1].concurrency > \
+    # a surge: more requests over the panic window than the slots of the replicas the stable average sizes (KPA's
+    # count) hold; a moment's Poisson peak over them waits for a slot, not a start
+    surge = bool(history) and mean_concurrency(window(history, now, s.panic_window)) > \
         replicas_for(mean_concurrency(stable), s.target_concurrency) * s.max_concurrency
     tail = memo.tail.add(history[-1], any(r.state == HOT for r in replicas), surge) if history else memo.tail
     holds = s.holds(costs, rate, (tail + peers).lost(costs.wake_s), recent_rate)

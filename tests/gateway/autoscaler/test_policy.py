@@ -293,13 +293,16 @@ def test_last_replica_parks_after_the_floor_where_the_p99_is_already_a_wait_for_
 
 
 def test_tail_counts_requests_that_come_while_a_surge_overflows_the_slots_the_stable_average_sizes():
-    # a minute at 4 concurrent sizes one replica (16 slots); 20 concurrent overflows it: a reactive policy
-    # that sizes on the stable average adds capacity for those requests, a start (KPA) or a wake
-    calm = load(4, 59, arrivals=1)
-    _, memo = run(DEFAULTS, hot(1, in_flight=4), calm + [Sample(60.0, 0, 15, 5)], 60.0, FAST)
-    assert memo.tail.surged == 0  # 15 fits one replica's 16 slots
-    _, memo = run(DEFAULTS, hot(1, in_flight=16), calm + [Sample(60.0, 4, 16, 5)], 60.0, FAST)
+    # a minute at 4 concurrent sizes one replica (16 slots); 20 concurrent over the 6 s panic window overflows it:
+    # a reactive policy that sizes on the stable average adds capacity for those requests, a start (KPA) or a wake
+    calm = load(4, 53, arrivals=1)
+    _, memo = run(DEFAULTS, hot(1, in_flight=16), calm + load(20, 60, since=54, arrivals=5), 60.0, FAST)
     assert memo.tail.surged == 5
+    _, memo = run(DEFAULTS, hot(1, in_flight=15), calm + load(15, 60, since=54, arrivals=5), 60.0, FAST)
+    assert memo.tail.surged == 0  # 15 fits one replica's 16 slots
+    # a Poisson peak over the slots for a moment waits for a slot to free, not for a start: no surge
+    _, memo = run(DEFAULTS, hot(1, in_flight=16), load(4, 59, arrivals=1) + [Sample(60.0, 4, 16, 5)], 60.0, FAST)
+    assert memo.tail.surged == 0
     # 2 surged requests in 150: the p99 is already a wait for capacity; 1 in 150 is not
     assert Tail(0.0, requests=150.0, surged=2.0).lost(0.3) and not Tail(0.0, requests=150.0, surged=1.0).lost(0.3)
     pooled = Tail(0.0, requests=100.0, surged=1.0) + Tail(0.0, requests=50.0, surged=1.0)
