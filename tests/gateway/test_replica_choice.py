@@ -42,10 +42,12 @@ def test_sessions_and_prefixes_stick_to_a_replica_under_affinity_but_not_round_r
     affinity = serve(APPS / "fleet.py")
     _hot(affinity, "where", 3), _hot(affinity, "Llm", 2)
     with affinity.client(affinity.key()) as http:
-        seen = _replicas_by_session(http, sessions=12, turns=4)
-        # From the second turn on every session keeps its replica (while the first sessions arrive, the load
-        # bound may spill one to its second choice; it returns home once the others are placed).
-        assert all(len(set(replicas[1:])) == 1 for replicas in seen.values()), seen
+        seen = _replicas_by_session(http, sessions=12, turns=5)
+        # From the third turn on every session keeps its replica. While the first sessions arrive, the load bound
+        # may spill one to its second choice; it returns home once the others are placed, which can push another
+        # on for one more turn (1.4% of random replica ids settle only in the third turn, none later: 20,000
+        # layouts of SessionTable and choose, simulated).
+        assert all(len(set(replicas[2:])) == 1 for replicas in seen.values()), seen
         assert len({replicas[-1] for replicas in seen.values()}) >= 2  # sessions spread over the replicas
         assert len(_prefix_pids(http, 6)) == 1
         bad = http.post("/fleet/where", json={}, headers={"X-Session-ID": "x" * 300})

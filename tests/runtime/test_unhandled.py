@@ -23,13 +23,7 @@ def app() -> FastAPI:
     async def missing(request: Request, e: KeyError):
         return JSONResponse({"error": {"type": "not_found"}}, status_code=404)
 
-    @app.get("/port")
-    async def port(request: Request):
-        return {"port": request.client.port}
-
-    @app.get("/boom")
-    async def boom():
-        raise TypeError("a bug")
+    port_and_bug(app, "a bug")
 
     @app.get("/missing")
     async def key():
@@ -45,9 +39,8 @@ def app() -> FastAPI:
     return app
 
 
-def users_app():
-    """A user's FastAPI app: its own Starlette answers 500 to an error and raises it again."""
-    app = FastAPI()
+def port_and_bug(app: FastAPI, bug: str) -> None:
+    """GET /port: the client's port (the same port, the same connection); GET /boom raises TypeError(bug)."""
 
     @app.get("/port")
     async def port(request: Request):
@@ -55,8 +48,13 @@ def users_app():
 
     @app.get("/boom")
     async def boom():
-        raise TypeError("the user's bug")
+        raise TypeError(bug)
 
+
+def users_app():
+    """A user's FastAPI app: its own Starlette answers 500 to an error and raises it again."""
+    app = FastAPI()
+    port_and_bug(app, "the user's bug")
     return ReplyOnError(app, log=logging.getLogger("test"), reply=lambda e: JSONResponse({}, status_code=500))
 
 
