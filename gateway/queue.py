@@ -3,9 +3,9 @@ is the router's choice (gateway/routing.py); what state it is in, the replica's 
 
 Callers (API keys) take turns, round-robin: a free slot goes to the oldest call of the caller whose turn it is, and a
 caller served goes to the back of the turns, so a caller with a thousand calls queued gets every other slot while
-another caller waits, not all of them first. A full queue still
-takes a call from a caller holding fewer places than another: that other caller's newest call gives up its place
-(429 `queue_share`), so one caller's backlog can fill the queue, but not keep others out of it."""
+another caller waits, not all of them first. A full queue still takes a call from a caller holding two places fewer
+than another: that other caller's newest call gives up its place (429 `queue_share`), so one caller's backlog can
+fill the queue, but not keep others out of it."""
 import asyncio
 import time
 from collections import OrderedDict
