@@ -53,6 +53,8 @@ def result_json(value: Any) -> str:
     except ResultNotJson:
         raise
     except ValueError as exc:  # NaN or infinity (allow_nan), or a circular reference
+        if "Circular reference" in str(exc):
+            raise ResultNotJson("the value contains itself (a circular reference)") from None
         raise ResultNotJson(f"{exc} (JSON has no NaN or infinity: return None or a string for them)") from None
     except RecursionError:
         raise ResultNotJson("the value is nested too deeply (or refers to itself)") from None

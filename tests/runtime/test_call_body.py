@@ -65,6 +65,7 @@ def test_results_are_encoded_as_a_web_framework_would():
     (float("nan"), "JSON has no NaN or infinity"), ({"x": [float("inf")]}, "JSON has no NaN or infinity"),
     (object(), "Object of type object is not JSON serializable: return plain data"),
     (b"raw", "Object of type bytes is not JSON serializable"),
+    ((looped := []).append(looped) or looped, "contains itself"),
 ])
 def test_what_json_cannot_carry_is_named(value, says):
     with pytest.raises(ResultNotJson, match=says):
