@@ -5,13 +5,16 @@ connection that has waited longest for its headers is closed, so slow-header cli
 HTTP parse errors answer JSON like every other error: 431 when the request line and headers are too large. A reply
 sent before its request's body was read (413, 401, 503 busy) leaves the client still sending: the rest is read and
 dropped, within the body timeout, and the connection goes on (closing with input unread would reset it, and the
-client would lose the reply).
+client would lose the reply). Where the connection must close after that reply (`Connection: close`, HTTP/1.0), the
+close waits until the client has stopped sending for LINGER seconds (nginx's lingering close), the body timeout at
+most.
 
 `ember serve` hands `GuardedH11` to uvicorn as its HTTP protocol (gateway/serve.py)."""
 import asyncio
 import json
 import logging
 import resource
+from typing import cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -75,6 +78,10 @@ class GuardedH11(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self.raw_transport = transport
+        self.transport = cast(asyncio.Transport, Lingering(transport, self))  # what uvicorn's cycles close
+        self.linger_timer: asyncio.TimerHandle | None = None
+        self.last_input = 0.0
         self.guard.open += 1
         self.guard.peak = max(self.guard.peak, self.guard.open)
         self._await_headers()
@@ -83,13 +90,15 @@ class GuardedH11(H11Protocol):
     def connection_lost(self, exc) -> None:
         self.guard.open -= 1
         self._headers_done()
-        if self.drain_timer is not None:
-            self.drain_timer.cancel()
+        for timer in (self.drain_timer, self.linger_timer):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
         self.guard.storm_over()
 
     def data_received(self, data: bytes) -> None:
         if self.discarding:
+            self.last_input = self.loop.time()
             return
         cycle = self.cycle
         answered = cycle is not None and cycle.response_complete
@@ -130,9 +139,30 @@ class GuardedH11(H11Protocol):
 
     def close(self, why: str) -> None:
         self._headers_done()
-        if not self.transport.is_closing():
+        if not self.raw_transport.is_closing():
             log.debug("closing connection from %s: %s", self.client, why)
-            self.transport.close()
+            self.raw_transport.close()
+
+    def close_after_input(self) -> None:
+        """A close asked for while the client still sends the body of a request already answered: read and drop
+        what comes until it has been quiet for LINGER seconds (or the body timeout passed), then close."""
+        if self.conn.their_state is not h11.SEND_BODY or self.raw_transport.is_closing() or self.discarding:
+            if not self.discarding:
+                self.raw_transport.close()
+            return
+        self.discarding = True
+        self.raw_transport.resume_reading()
+        self.last_input = self.loop.time()
+        deadline = self.last_input + self.guard.body_timeout
+
+        def check() -> None:
+            quiet_until = self.last_input + LINGER
+            if self.loop.time() >= min(quiet_until, deadline):
+                self.close("the answered request's body stopped coming")
+            else:
+                self.linger_timer = self.loop.call_at(min(quiet_until, deadline), check)
+
+        self.linger_timer = self.loop.call_later(LINGER, check)
 
     def send_400_response(self, msg: str) -> None:
         """h11 could not parse the request: JSON, as every error; 431 when its headers overflowed h11's buffer."""
@@ -158,6 +188,20 @@ class GuardedH11(H11Protocol):
         self._headers_done()
         self.discarding = True
         self.loop.call_later(LINGER, self.close, "unparseable request")
+
+
+class Lingering:
+    """The connection's transport as uvicorn sees it: a close while the client still sends a body becomes
+    GuardedH11.close_after_input; everything else goes straight through."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedH11):
+        self._transport, self._protocol = transport, protocol
+
+    def close(self) -> None:
+        self._protocol.close_after_input()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
 
 
 def protocol(cap: int | None, header_timeout: float, body_timeout: float) -> type[GuardedH11]:

@@ -189,3 +189,31 @@ def test_a_body_refused_before_it_was_read_is_drained_and_the_connection_goes_on
     refused, answered = asyncio.run(exchange())
     assert refused.startswith(b"HTTP/1.1 413") and b"body_too_large" in refused
     assert json.loads(answered.partition(b"\r\n\r\n")[2])["result"]["sum"] == 3
+
+
+def test_a_refused_body_sent_with_connection_close_is_drained_before_the_close(serve, monkeypatch):
+    """With `Connection: close` (or HTTP/1.0) uvicorn closes as soon as the reply is out. With the body still coming,
+    that close resets the connection and the client, still sending, never reads its 413. The gateway reads and
+    drops the rest first, as nginx's lingering close does."""
+    from ember.gateway.body import MAX_BODY
+
+    served = serve(APPS / "quick.py")
+    key = served.key()
+    host, port = served.url.removeprefix("https://").rsplit(":", 1)
+    size = MAX_BODY + (2 << 20)
+
+    async def exchange() -> bytes:
+        reader, writer = await asyncio.open_connection(host, int(port), ssl=served.tls())
+        writer.write(f"POST /quick/add HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {key}\r\n"
+                     f"Connection: close\r\nContent-Length: {size}\r\n\r\n".encode())
+        piece = 1 << 20
+        for at in range(0, size, piece):  # the body over ~1.5 s, as a client on a slower link sends it
+            writer.write(b" " * min(piece, size - at))
+            await writer.drain()
+            await asyncio.sleep(1.5 / (size // piece))
+        reply = await asyncio.wait_for(reader.read(), 10)  # to the server's close
+        writer.close()
+        return reply
+
+    reply = asyncio.run(exchange())
+    assert reply.startswith(b"HTTP/1.1 413") and b"body_too_large" in reply, reply[:200]
