@@ -6,8 +6,8 @@ HTTP parse errors answer JSON like every other error: 431 when the request line 
 sent before its request's body was read (413, 401, 503 busy) leaves the client still sending: the rest is read and
 dropped, within the body timeout, and the connection goes on (closing with input unread would reset it, and the
 client would lose the reply). Where the connection must close after that reply (`Connection: close`, HTTP/1.0), the
-close waits until the client has stopped sending for LINGER seconds (nginx's lingering close), the body timeout at
-most.
+close waits until the client has stopped sending for LINGER seconds (nginx's lingering close), LINGER_MAX (or the
+body timeout, if shorter) at most.
 
 `ember serve` hands `GuardedH11` to uvicorn as its HTTP protocol (gateway/serve.py)."""
 import asyncio
@@ -25,6 +25,7 @@ from ember.gateway.header_limit import MAX_HEADER_BYTES
 log = logging.getLogger("ember.gateway")
 
 LINGER = 1.0  # seconds an error reply's connection stays open, its input read and dropped
+LINGER_MAX = 30.0  # seconds a closing connection reads a refused body at most (nginx's lingering_time)
 FD_RESERVE = 512  # descriptors kept for replicas' sockets, log files and the database
 STORM = 256  # connections at once that count as a storm: when they are down to a quarter, freed memory is handed back
 
@@ -145,7 +146,7 @@ class GuardedH11(H11Protocol):
 
     def close_after_input(self) -> None:
         """A close asked for while the client still sends the body of a request already answered: read and drop
-        what comes until it has been quiet for LINGER seconds (or the body timeout passed), then close."""
+        what comes until it has been quiet for LINGER seconds (LINGER_MAX at most), then close."""
         if self.conn.their_state is not h11.SEND_BODY or self.raw_transport.is_closing() or self.discarding:
             if not self.discarding:
                 self.raw_transport.close()
@@ -153,7 +154,7 @@ class GuardedH11(H11Protocol):
         self.discarding = True
         self.raw_transport.resume_reading()
         self.last_input = self.loop.time()
-        deadline = self.last_input + self.guard.body_timeout
+        deadline = self.last_input + min(self.guard.body_timeout, LINGER_MAX)
 
         def check() -> None:
             quiet_until = self.last_input + LINGER
