@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import resource
+import weakref
 from typing import cast
 
 import h11
@@ -196,10 +197,16 @@ class Lingering:
     GuardedH11.close_after_input; everything else goes straight through."""
 
     def __init__(self, transport: asyncio.Transport, protocol: GuardedH11):
-        self._transport, self._protocol = transport, protocol
+        # A weak reference: the protocol holds this, and a cycle would keep every closed connection's objects (TLS
+        # buffers included) until the garbage collector ran, not free them when the connection ends.
+        self._transport, self._protocol = transport, weakref.ref(protocol)
 
     def close(self) -> None:
-        self._protocol.close_after_input()
+        protocol = self._protocol()
+        if protocol is None:
+            self._transport.close()
+        else:
+            protocol.close_after_input()
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)
