@@ -61,6 +61,12 @@ def install(app: FastAPI) -> None:
             422, "invalid_request", "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         )
 
-    app.add_middleware(ReplyOnError, log=log,  # a client's keep-alive connection stays open
-                       reply=lambda exc: error_response(500, "internal_error",
-                                                        "the gateway hit an unexpected error; see its log"))
+    def internal_error(exc: Exception) -> JSONResponse:
+        return error_response(500, "internal_error", "the gateway hit an unexpected error; see its log")
+
+    app.add_middleware(ReplyOnError, log=log, reply=internal_error)  # a client's keep-alive connection stays open
+
+    @app.exception_handler(Exception)  # an error outside it (in a middleware added after it): JSON all the same
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return internal_error(exc)

@@ -55,8 +55,14 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
     async def request_failed(request: Request, e: RequestFailedError):
         return error_response(500, f"{e}; the engine goes on serving, retry the request", "server_error")
 
-    app.add_middleware(ReplyOnError, log=logger,  # the connection stays open for the gateway's next call
-                       reply=lambda e: error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+    def internal_error(e: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    app.add_middleware(ReplyOnError, log=logger, reply=internal_error)  # the connection stays open for the gateway
+
+    @app.exception_handler(Exception)  # an error outside it (a middleware added after it): JSON all the same
+    async def unhandled(request: Request, e: Exception):
+        return internal_error(e)
 
     @app.get("/health")
     async def health():
