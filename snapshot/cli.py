@@ -44,7 +44,7 @@ def build(args) -> int:
         # The engine restores a model directory's snapshot straight into its merged parameters.
         header = write_safetensors(args.src, path, progress=progress, merge_projections=Path(args.src).is_dir())
         shown.close()
-        ref = store.put(path, name)
+        ref = store.put(path, name, digested=True)
     finally:
         shown.close()
         if path.exists():

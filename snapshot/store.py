@@ -54,6 +54,15 @@ class SnapshotSource(Protocol):
         the chunk in order as soon as it is in `into` (all of it at once where the source reads it whole)."""
         ...
 
+    def trusts(self, index: int) -> bool:
+        """Whether chunk `index` may be read without its checksum: its bytes were checked since they last changed
+        and are read from memory that held them since (a verified local file, from the page cache)."""
+        ...
+
+    def mark_verified(self) -> None:
+        """Every chunk was just read and checked (or trusted): later reads from memory may trust them."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -61,8 +70,9 @@ class SnapshotSource(Protocol):
 class SnapshotStore(Protocol):
     """Where snapshots live: `LocalStore` (EMBER_HOME) or `s3.S3Store`."""
 
-    def put(self, path: str | os.PathLike, name: str | None = None) -> SnapshotRef:
-        """Take the written snapshot file at `path` (moved or uploaded), named `name` if given."""
+    def put(self, path: str | os.PathLike, name: str | None = None, digested: bool = False) -> SnapshotRef:
+        """Take the written snapshot file at `path` (moved or uploaded), named `name` if given; `digested`: its
+        digests were computed from this file as written (a local store may then trust its page-cache reads)."""
         ...
 
     def resolve(self, key: str) -> str:
@@ -100,6 +110,63 @@ def staging_path() -> Path:
     folder = Home().snapshots / "tmp"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"{uuid.uuid4().hex}.partial"
+
+
+def boot_id() -> str | None:
+    """This boot of the machine (Linux); None where it is not known. A reboot empties the page cache."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def identity(fd: int) -> tuple[str, int] | None:
+    """The open file's identity while its bytes are unchanged (the boot, device, inode, size, and modification and
+    change times: any write, truncation or rename in place moves the change time, which no caller can set back),
+    and the nanosecond of its last change; None where the boot is not known."""
+    boot = boot_id()
+    if boot is None:
+        return None
+    st = os.fstat(fd)
+    return (f"{boot} {st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}",
+            max(st.st_mtime_ns, st.st_ctime_ns))
+
+
+# A file's times come from the kernel's coarse clock (one tick, 1-10 ms): a write within the tick of the last change
+# would leave them as they were. So a mark is only taken of a file unchanged for longer than that before its bytes
+# were checked; any later change then moves a time.
+SETTLED_NS = 50_000_000
+
+
+class VerifiedMarks:
+    """Which local snapshot files had every chunk checked (by the writer's digests of the file it wrote, or by a
+    full load) since they last changed, in this boot: `<folder>/<id>` holds the file's identity() then.
+
+    A load trusts such a file's chunks that it reads from the page cache, skipping their checksums (a third of a
+    warm load's time, and most of its hand-overs of the GIL: from the H200's page cache 37.7 against 25.9 GB/s in
+    bench/results/snapshot_load.md). A chunk the page cache does not hold when the load comes to it is read from the
+    disk and checked: that is where a byte can change with no write to the file (one the kernel read ahead into the
+    cache meanwhile is trusted). EMBER_SNAPSHOT_VERIFY=always checks every chunk of every load."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def holds(self, snapshot_id: str, now: str | None) -> bool:
+        if now is None or os.environ.get("EMBER_SNAPSHOT_VERIFY", "").strip().lower() == "always":
+            return False
+        try:
+            return (self.folder / snapshot_id).read_text() == now
+        except OSError:
+            return False
+
+    def mark(self, snapshot_id: str, now: str) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{snapshot_id}.{uuid.uuid4().hex}"
+        tmp.write_text(now)
+        os.replace(tmp, self.folder / snapshot_id)
+
+    def drop(self, snapshot_id: str) -> None:
+        (self.folder / snapshot_id).unlink(missing_ok=True)
 
 
 def read_header(path: str | os.PathLike, snapshot_id: str | None = None) -> Header:
@@ -171,7 +238,7 @@ class FileSource:
     # beyond that the threads contend for memory bandwidth and the GIL (bench/results/snapshot_warm_paths.md).
     default_threads = max(1, min(12, (os.cpu_count() or 1) * 3 // 4))
 
-    def __init__(self, path: Path, snapshot_id: str, direct: bool = True):
+    def __init__(self, path: Path, snapshot_id: str, direct: bool = True, marks: VerifiedMarks | None = None):
         self.path, self.id, self.url = path, snapshot_id, str(path)
         self.header = read_header(path, snapshot_id)
         size = path.stat().st_size
@@ -181,6 +248,9 @@ class FileSource:
         self.direct_fd = self._open_direct() if direct else None
         self.direct_io = self.direct_fd is not None
         self.cache = PageCache(self.fd, size)
+        self.marks = marks
+        self.opened_ns, self.opened = time.time_ns(), identity(self.fd)
+        self.verified = marks is not None and marks.holds(snapshot_id, self.opened and self.opened[0])
 
     def _open_direct(self) -> int | None:
         try:
@@ -215,6 +285,20 @@ class FileSource:
             done += got
         return want
 
+    def trusts(self, index: int) -> bool:
+        if not self.verified:
+            return False
+        start, end = self.header.chunk_span(index)
+        return self.cache.holds(self.header.data_offset + start, end - start)
+
+    def mark_verified(self) -> None:
+        """Marks the file when it is what was opened and had settled before the load read it."""
+        if self.marks is None or self.verified or self.opened is None:
+            return
+        if identity(self.fd) == self.opened and self.opened[1] < self.opened_ns - SETTLED_NS:
+            self.marks.mark(self.id, self.opened[0])
+            self.verified = True
+
     def close(self) -> None:
         self.cache.close()
         os.close(self.fd)
@@ -232,6 +316,7 @@ class LocalStore:
             self.root / d for d in ("objects", "refs", "quarantine", "blobs"))
         for d in (self.objects, self.refs, self.quarantined, self.blobs):
             d.mkdir(parents=True, exist_ok=True)
+        self.marks = VerifiedMarks(self.root / "verified")
 
     def put_blob(self, name: str, data: bytes) -> None:
         """Keeps a small file beside the snapshots (a GPU memory image, compiled kernels) under `name`."""
@@ -252,18 +337,39 @@ class LocalStore:
     def _names(self) -> dict[str, str]:
         return {p.name: p.read_text().strip() for p in self.refs.iterdir() if not p.name.startswith(".")}
 
-    def put(self, path: str | os.PathLike, name: str | None = None) -> SnapshotRef:
-        """Takes ownership of a written snapshot file and files it under its id (and `name`)."""
+    def put(self, path: str | os.PathLike, name: str | None = None, digested: bool = False) -> SnapshotRef:
+        """Takes ownership of a written snapshot file and files it under its id (and `name`). `digested`: its
+        chunks' digests were computed from this very file (writer.write), so its page-cache bytes are verified."""
         if name:
             check_name(name)
         header = read_header(Path(path))
+        written = os.stat(path)
+        self.marks.drop(header.id)
         shutil.move(path, self._object(header.id))
+        if digested:
+            self._mark_written(header.id, written)
         if name:
             ref = self.refs / name
             tmp = ref.with_name(f".{name}.{uuid.uuid4().hex}")
             tmp.write_text(header.id)
             os.replace(tmp, ref)
         return self._ref(header.id)
+
+    def _mark_written(self, snapshot_id: str, written: os.stat_result) -> None:
+        """Marks a file whose digests the writer computed from its bytes, once the file has settled (SETTLED_NS)."""
+        fd = os.open(self._object(snapshot_id), os.O_RDONLY)
+        try:
+            filed = os.fstat(fd)
+            if (filed.st_dev, filed.st_ino) != (written.st_dev, written.st_ino):  # copied across filesystems
+                return
+            now = identity(fd)
+            if now is None:
+                return
+            time.sleep(max(0, now[1] + SETTLED_NS - time.time_ns()) / 1e9)
+            if identity(fd) == now:
+                self.marks.mark(snapshot_id, now[0])
+        finally:
+            os.close(fd)
 
     def resolve(self, key: str) -> str:
         names = self._names()
@@ -273,7 +379,7 @@ class LocalStore:
 
     def open(self, key: str) -> FileSource:
         snapshot_id = self.resolve(key)
-        return FileSource(self._object(snapshot_id), snapshot_id)
+        return FileSource(self._object(snapshot_id), snapshot_id, marks=self.marks)
 
     def _ref(self, snapshot_id: str) -> SnapshotRef:
         path = self._object(snapshot_id)
@@ -295,6 +401,7 @@ class LocalStore:
         ref = self._ref(self.resolve(key))
         for name in ref.names:
             (self.refs / name).unlink(missing_ok=True)
+        self.marks.drop(ref.id)
         self._object(ref.id).unlink()
         return ref
 
@@ -303,6 +410,7 @@ class LocalStore:
         for name, target in self._names().items():
             if target == snapshot_id:
                 (self.refs / name).unlink(missing_ok=True)
+        self.marks.drop(snapshot_id)
         dest = self.quarantined / f"{snapshot_id}.{int(time.time())}.ember"
         if self._object(snapshot_id).exists():
             os.replace(self._object(snapshot_id), dest)

@@ -50,7 +50,7 @@ def capture(module_or_state: torch.nn.Module | Mapping[str, torch.Tensor], store
     path = staging_path()
     try:
         write_state_dict(state_of(module_or_state), path, chunk_size, progress)
-        return store.put(path, key)
+        return store.put(path, key, digested=True)
     finally:
         if os.path.exists(path):
             os.remove(path)
