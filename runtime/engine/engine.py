@@ -38,6 +38,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.runner = ModelRunner(config)
+        began = time.perf_counter()
         self.max_model_len = self.runner.max_model_len
         self.model_name = Path(config.model).name
         self.eos_token_ids = _eos_token_ids(config.model, self.runner.hf_config)
@@ -51,6 +52,7 @@ class LLMEngine:
         # The device's owner at any moment: a step or a graph capture (the engine loop's thread) or a park or
         # wake (the worker's); a park must not unmap memory under a running kernel.
         self._device = threading.RLock()
+        startup.report({"engine_ms": round((time.perf_counter() - began) * 1000)})  # what follows the runner
         # A GPU replica restored from a snapshot skips the warm-up: the boot that wrote the snapshot compiled and kept
         # every kernel, and a request waiting on a cold start would only wait longer for kernels to load twice.
         if self.runner.device.type != "cuda" or self.runner.weights_start.source != "snapshot":
