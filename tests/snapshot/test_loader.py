@@ -103,3 +103,38 @@ def test_a_page_cache_read_is_checked_piece_by_piece_and_a_flip_in_any_piece_is_
         f.write(bytes([b[0] ^ 4]))
     with pytest.raises(SnapshotCorrupt, match="chunk 0 .* fails its checksum"):
         load(store.open("big"), threads=2)
+
+
+def test_a_load_hands_the_gil_over_quickly_while_it_runs_and_restores_the_interval_after(mixed_state):
+    import sys
+    import threading
+
+    from ember.snapshot.loader import LOAD_SWITCH_INTERVAL
+
+    store = LocalStore()
+    capture(mixed_state, store, "mixed", chunk_size=4096)
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        seen: list[float] = []
+        started, both_running = threading.Event(), threading.Barrier(2)
+
+        def one_load(other: bool) -> None:
+            def progress(done: int, total: int) -> None:
+                seen.append(sys.getswitchinterval())
+                started.set()
+                if other and done == total:
+                    both_running.wait(timeout=10)  # this load ends only after the main thread's has
+            load(store.open("mixed"), threads=2, progress=progress)
+
+        other = threading.Thread(target=one_load, args=(True,))
+        other.start()
+        assert started.wait(timeout=10)
+        one_load(False)
+        assert sys.getswitchinterval() == pytest.approx(LOAD_SWITCH_INTERVAL)  # the other load still runs
+        both_running.wait(timeout=10)
+        other.join()
+        assert seen and all(s == pytest.approx(LOAD_SWITCH_INTERVAL) for s in seen)
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)
