@@ -6,6 +6,7 @@ Tokens of a step are flattened: sequence after sequence, each sequence's new tok
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -15,15 +16,27 @@ from .paged_decode import PagedDecode
 
 @dataclass
 class AttentionBatch:
-    query_lens: list[int]          # new tokens per sequence this step
-    context_lens: list[int]        # tokens in the cache per sequence after this step (cached + new)
-    block_tables: list[list[int]]  # blocks per sequence, covering context_lens
+    query_lens: np.ndarray         # [B] new tokens per sequence this step
+    context_lens: np.ndarray       # [B] tokens in the cache per sequence after this step (cached + new)
+    block_tables: np.ndarray       # [B, W] int32: row i starts with sequence i's num_blocks[i] blocks
+    num_blocks: np.ndarray         # [B] blocks per sequence, covering context_lens
     slot_blocks: torch.Tensor      # [T] block of each new token (on the device)
     slot_offsets: torch.Tensor     # [T] offset in that block
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
+        return bool((self.query_lens == 1).all())
+
+    def tables(self) -> list[np.ndarray]:
+        """Each sequence's blocks."""
+        return [row[:n] for row, n in zip(self.block_tables, self.num_blocks.tolist())]
+
+    def paged_kv(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tables as flashinfer takes them: (indptr [B + 1], indices), int32."""
+        indptr = np.zeros(len(self.num_blocks) + 1, dtype=np.int32)
+        np.cumsum(self.num_blocks, out=indptr[1:])
+        width = self.block_tables.shape[1]
+        return indptr, self.block_tables[np.arange(width) < self.num_blocks[:, None]].astype(np.int32, copy=False)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
@@ -41,8 +54,8 @@ class SdpaBackend:
         device = batch.slot_blocks.device
         self.batch = batch
         self.tables, self.masks = [], []
-        for n, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
-            self.tables.append(torch.tensor(table, dtype=torch.long, device=device))
+        for n, ctx, table in zip(batch.query_lens.tolist(), batch.context_lens.tolist(), batch.tables()):
+            self.tables.append(torch.from_numpy(table.astype(np.int64)).to(device))
             query_pos = torch.arange(ctx - n, ctx, device=device)
             self.masks.append(torch.arange(ctx, device=device)[None, :] <= query_pos[:, None])
 
@@ -50,7 +63,8 @@ class SdpaBackend:
         write_kv(kv_cache, k, v, self.batch)
         out = torch.empty_like(q)
         start = 0
-        for n, ctx, table, mask in zip(self.batch.query_lens, self.batch.context_lens, self.tables, self.masks):
+        for n, ctx, table, mask in zip(self.batch.query_lens.tolist(), self.batch.context_lens.tolist(), self.tables,
+                                       self.masks):
             kv = kv_cache[table].transpose(0, 1).reshape(2, -1, self.num_kv_heads, self.head_dim)[:, :ctx]
             o = F.scaled_dot_product_attention(
                 q[start:start + n].transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1),
@@ -110,12 +124,11 @@ class FlashInferBackend:
         self.graph = None
         if graph_batch_size and graph_batch_size <= self.triton_graph_max_batch:
             self.graph = self.triton_graph_decode[graph_batch_size]
-            self.graph.prepare(batch.block_tables, batch.context_lens)
+            self.graph.prepare([t.tolist() for t in batch.tables()], batch.context_lens.tolist())  # <= 8 rows
             return
-        blocks_per_seq = [len(t) for t in batch.block_tables]
-        kv_indptr = torch.tensor([0] + blocks_per_seq, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        kv_indices = torch.tensor([b for t in batch.block_tables for b in t], dtype=torch.int32)
-        last_page_len = torch.tensor([(c - 1) % self.block_size + 1 for c in batch.context_lens], dtype=torch.int32)
+        indptr, indices = batch.paged_kv()
+        kv_indptr, kv_indices = torch.from_numpy(indptr), torch.from_numpy(indices)
+        last_page_len = torch.from_numpy(((batch.context_lens - 1) % self.block_size + 1).astype(np.int32))
         common = dict(num_kv_heads=self.num_kv_heads, page_size=self.block_size, sm_scale=self.scale,
                       q_data_type=self.dtype, kv_data_type=self.dtype)
         if batch.is_decode_only:
@@ -124,7 +137,7 @@ class FlashInferBackend:
                              head_dim=self.head_dim, **common)
         else:
             self.wrapper = self.prefill
-            qo_indptr = torch.tensor([0] + batch.query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            qo_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(batch.query_lens)]).astype(np.int32))
             self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads=self.num_heads,
                               head_dim_qk=self.head_dim, causal=True, **common)
 

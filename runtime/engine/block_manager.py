@@ -2,6 +2,8 @@
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from .sequence import Sequence
 
 
@@ -36,6 +38,47 @@ class Blocks:
         return (self[i] for i in range(self.num_blocks))
 
 
+class BlockTables:
+    """The block table of every sequence holding blocks, also as a row of one int32 array (`seq.block_row`), so a
+    step gathers its batch's tables with one numpy op: flattening 256 Python lists took ~0.9 ms a step. A sequence
+    keeps its row from its first block until it is freed; the array doubles when rows or columns run out."""
+
+    def __init__(self, rows: int = 16, width: int = 16):
+        self.array = np.zeros((rows, width), dtype=np.int32)
+        self.lengths = np.zeros(rows, dtype=np.int32)   # blocks in each row
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def append(self, seq: Sequence, block_id: int) -> None:
+        """Add a block to the end of the sequence's table, the list and the row."""
+        seq.block_table.append(block_id)
+        if seq.block_row < 0:
+            if not self._free_rows:
+                self._grow(rows=True)
+            seq.block_row = self._free_rows.pop()
+        n = len(seq.block_table)
+        while n > self.array.shape[1]:
+            self._grow(rows=False)
+        self.array[seq.block_row, n - 1] = block_id
+        self.lengths[seq.block_row] = n
+
+    def release(self, seq: Sequence) -> None:
+        seq.block_table = []
+        if seq.block_row >= 0:
+            self.lengths[seq.block_row] = 0
+            self._free_rows.append(seq.block_row)
+            seq.block_row = -1
+
+    def _grow(self, rows: bool) -> None:
+        old = self.array
+        if rows:
+            self.array = np.zeros((2 * old.shape[0], old.shape[1]), dtype=np.int32)
+            self.lengths = np.concatenate([self.lengths, np.zeros_like(self.lengths)])
+            self._free_rows = list(range(self.array.shape[0] - 1, old.shape[0] - 1, -1))
+        else:
+            self.array = np.zeros((old.shape[0], 2 * old.shape[1]), dtype=np.int32)
+        self.array[:old.shape[0], :old.shape[1]] = old
+
+
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
@@ -48,6 +91,7 @@ class BlockManager:
         self.clean: deque[int] = deque(range(num_blocks))       # free, holding nothing worth keeping
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free but still cached; oldest first
         self.cached: dict[int, int] = {}                         # chain hash -> block id
+        self.tables = BlockTables()
 
     @property
     def num_blocks(self) -> int:
@@ -78,23 +122,26 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             self._take(block_id)
-            seq.block_table.append(block_id)
+            self.tables.append(seq, block_id)
             seq.block_hashes.append(h)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return need <= self.num_free_blocks
+        # a decode step needs a new block once every block_size tokens: this is called for every running sequence
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        return need <= 0 or need <= len(self.clean) + len(self.evictable)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the block table to hold `num_new_tokens` more tokens; call can_allocate first."""
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return
         assert need <= self.num_free_blocks, "allocate() without can_allocate()"
         for _ in range(need):
             block_id = self.clean.popleft() if self.clean else self._evict()
             self.blocks[block_id].ref_count = 1
-            seq.block_table.append(block_id)
+            self.tables.append(seq, block_id)
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the blocks full within the first `num_tokens` tokens so later requests can reuse them.
@@ -102,7 +149,7 @@ class BlockManager:
         Called when those tokens are scheduled: a request admitted later in the same step may already share
         them, since every layer writes the step's K/V before any attention reads it.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or num_tokens // self.block_size <= len(seq.block_hashes):
             return
         for i in range(len(seq.block_hashes), num_tokens // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -124,7 +171,7 @@ class BlockManager:
                     self.evictable[block_id] = None
                 else:
                     self.clean.append(block_id)
-        seq.block_table = []
+        self.tables.release(seq)
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 

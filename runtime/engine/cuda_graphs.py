@@ -19,6 +19,7 @@ import bisect
 import logging
 import time
 
+import numpy as np
 import torch
 
 from .attention import AttentionBatch
@@ -65,8 +66,10 @@ class DecodeGraphs:
             return
         began = time.perf_counter()
         self.attention.add_graph_batch_size(size, self.max_blocks_per_seq)
-        self.prepare([0] * size, [0] * size, [self.scratch_block] * size, [0] * size,
-                     [[self.scratch_block]] * size, [1] * size)
+        inputs = np.zeros((4, size), dtype=np.int64)
+        inputs[2] = self.scratch_block
+        self.prepare(inputs, np.full((size, 1), self.scratch_block, dtype=np.int32), np.ones(size, dtype=np.int32),
+                     np.ones(size, dtype=np.int32))
         self._forward(size)   # warm-up: loads kernels and settles the allocator outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -87,22 +90,29 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.batch_sizes, num_seqs)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
-    def prepare(self, token_ids: list[int], positions: list[int], slot_blocks: list[int], slot_offsets: list[int],
-                block_tables: list[list[int]], context_lens: list[int]) -> int:
+    def prepare(self, inputs: np.ndarray, block_tables: np.ndarray, num_blocks: np.ndarray,
+                context_lens: np.ndarray) -> int:
         """Pad one token per sequence to a graph's batch size, copy it in and plan attention; return the size.
-        The graph of that size must exist or be the one being captured."""
-        n = len(token_ids)
+        `inputs` [4, n]: token ids, positions, slot blocks and slot offsets; `block_tables` [n, W] whose row i
+        starts with sequence i's num_blocks[i] blocks. The graph of that size must exist or be the one being
+        captured."""
+        n = inputs.shape[1]
         size = self.batch_size_for(n)
         if size is None:
             raise ValueError(f"{n} sequences are more than the largest graph holds ({self.batch_sizes[-1]})")
-        pad = size - n
-        rows = torch.tensor([token_ids + [0] * pad, positions + [0] * pad,
-                             slot_blocks + [self.scratch_block] * pad, slot_offsets + [0] * pad])
-        self.inputs[:, :size].copy_(rows, non_blocking=True)
+        rows = np.zeros((4, size), dtype=np.int64)
+        rows[:, :n] = inputs
+        rows[2, n:] = self.scratch_block
+        self.inputs[:, :size].copy_(torch.from_numpy(rows), non_blocking=True)
+        tables = np.empty((size, max(block_tables.shape[1], 1)), dtype=np.int32)
+        tables[:n, :block_tables.shape[1]] = block_tables
+        tables[n:, 0] = self.scratch_block
+        padded_blocks, padded_lens = np.ones(size, dtype=np.int32), np.ones(size, dtype=np.int32)
+        padded_blocks[:n], padded_lens[:n] = num_blocks, context_lens
         self.attention.plan(AttentionBatch(
-            query_lens=[1] * size, context_lens=context_lens + [1] * pad,
-            block_tables=block_tables + [[self.scratch_block]] * pad,
-            slot_blocks=self.inputs[2, :size], slot_offsets=self.inputs[3, :size]), graph_batch_size=size)
+            query_lens=np.ones(size, dtype=np.int32), context_lens=padded_lens, block_tables=tables,
+            num_blocks=padded_blocks, slot_blocks=self.inputs[2, :size], slot_offsets=self.inputs[3, :size]),
+            graph_batch_size=size)
         return size
 
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:

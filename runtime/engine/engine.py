@@ -23,7 +23,7 @@ from .stats import EngineStats
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:                   # what one engine step produced for one request
     request_id: str
     new_token_ids: list[int]           # usually 0 or 1 tokens
@@ -170,27 +170,30 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         if run is None:
             return outputs
+        finish_reason = self._finish_reason
         for seq, n, token, logprob in zip(batch.seqs, batch.num_new_tokens, run.token_ids, run.logprobs):
             seq.num_computed_tokens += n
             if token is None:   # a prefill chunk that did not reach the end of the prompt
                 continue
             seq.token_ids.append(token)
-            reason = self._finish_reason(seq, token)
+            reason = finish_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 del self.seqs[seq.request_id]
                 if self.config.log_token_ids:
                     logger.info("request %s finished (%s) output_token_ids=%s", seq.request_id, reason,
                                 seq.output_token_ids)
-            outputs.append(self._output(seq, [token], [logprob] if logprob is not None else None))
+            outputs.append(RequestOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
+                                         reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens and (
-                token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+        if (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)) and \
+                num_output_tokens >= p.min_tokens:
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+        if num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

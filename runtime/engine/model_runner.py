@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ember.runtime import startup
@@ -21,6 +22,7 @@ from .gpu_memory import AddressTaken, Arena, CudaDriverError, ParkReport, WakeRe
 from .models.loader import load_model, model_config, snapshot_key
 from .sampling import SamplingRow, draw
 from .scheduler import ScheduledBatch
+from .step_inputs import step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -242,71 +244,63 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> RunOutput:
         """Compute the batch's new tokens; sample for every sequence whose tokens are now all in the cache."""
         began = time.perf_counter()
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        sample_index: list[int] = []
-        rows: list[SamplingRow] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, table = seq.num_computed_tokens, seq.block_table
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slot_blocks += [table[p // bs] for p in range(start, start + n)]
-            slot_offsets += [p % bs for p in range(start, start + n)]
-            if start + n == len(seq):
-                sample_index.append(len(input_ids) - 1)
-                rows.append(self._sampling_row(seq, eos_token_ids))
-        context_lens = [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        block_tables = [s.block_table for s in batch.seqs]
+        inputs = step_inputs(batch, self.block_size)
+        sample_index = inputs.sample_index
+        seqs = batch.seqs
+        rows = [self._sampling_row(seq, eos_token_ids) for seq in seqs] if inputs.samples_all else \
+            [self._sampling_row(seqs[i], eos_token_ids) for i in inputs.sampled]
         timer = _GpuTimer(self.device.type == "cuda")
-        graph_size = None
-        if self.graphs is not None and len(input_ids) == len(batch.seqs):  # one new token per sequence: a decode step
-            graph_size = self.graphs.batch_size_for(len(input_ids))  # None above the largest graph
+        # one new token per sequence: a decode step, replayed from a graph unless above the largest
+        graph_size = self.graphs.batch_size_for(len(seqs)) if self.graphs is not None and inputs.decode else None
         if self.graphs is not None and graph_size is not None:
             self.graphs.capture(graph_size)  # once per size, when not done yet
-            graph_size = self.graphs.prepare(input_ids, positions, slot_blocks, slot_offsets, block_tables,
-                                             context_lens)
+            graph_size = self.graphs.prepare(inputs.tokens, inputs.block_tables, inputs.num_blocks,
+                                             inputs.context_lens)
             prepared = time.perf_counter()
             timer.start()
-            logits = self.graphs.replay(graph_size, len(input_ids))
-            if len(sample_index) < len(input_ids):
-                logits = logits[torch.tensor(sample_index).to(self.device, non_blocking=True)]
+            logits = self.graphs.replay(graph_size, len(seqs))
+            if len(sample_index) < len(seqs):
+                logits = logits[torch.from_numpy(sample_index).to(self.device, non_blocking=True)]
         else:
-            ids, pos, blocks, offsets = torch.tensor([input_ids, positions, slot_blocks, slot_offsets]).to(self.device)
-            self.attention.plan(AttentionBatch(list(batch.num_new_tokens), context_lens, block_tables, blocks,
-                                               offsets))
+            ids, pos, blocks, offsets = torch.from_numpy(inputs.tokens).to(self.device)
+            self.attention.plan(AttentionBatch(inputs.query_lens, inputs.context_lens, inputs.block_tables,
+                                               inputs.num_blocks, blocks, offsets))
             prepared = time.perf_counter()
             timer.start()
             hidden = self.model(ids, pos, self.attention, self.kv_caches)
             if rows:
-                logits = self.model.compute_logits(hidden[torch.tensor(sample_index).to(self.device,
-                                                                                        non_blocking=True)])
+                logits = self.model.compute_logits(hidden[torch.from_numpy(sample_index).to(self.device,
+                                                                                           non_blocking=True)])
         draws = draw(logits, rows) if rows else None
         timer.stop()
         queued = time.perf_counter()
         # The step's one synchronisation: the sampled tokens come back (or, with none to sample, the stream ends).
         sampled, sampled_logprobs = draws.to_host() if draws else timer.synchronize()
         done = time.perf_counter()
-        tokens: list[int | None] = [None] * len(batch.seqs)
-        logprobs: list[dict | None] = [None] * len(batch.seqs)
-        it = iter(zip(sampled, sampled_logprobs))
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.num_computed_tokens + n == len(seq):
-                tokens[i], logprobs[i] = next(it)
+        tokens: list[int | None]
+        logprobs: list[dict | None]
+        if inputs.samples_all:
+            tokens, logprobs = list(sampled), sampled_logprobs
+        else:
+            tokens, logprobs = [None] * len(seqs), [None] * len(seqs)
+            for i, token, logprob in zip(inputs.sampled, sampled, sampled_logprobs):
+                tokens[i], logprobs[i] = token, logprob
         # On CPU the forward pass runs on the host: all of it counts as the wait for the "device".
         wait = done - (queued if timer.enabled else prepared)
         return RunOutput(tokens, logprobs, prepared - began, wait, timer.elapsed(), graph_size)
 
     def _sampling_row(self, seq, eos_token_ids: set[int]) -> SamplingRow:
         p = seq.params
-        banned = []
+        if seq.sampling_row is not None:  # settled: past min_tokens, no penalties
+            return seq.sampling_row
         if seq.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
-        if not p.has_penalties:   # the token lists are only read by penalties; skip copying them
-            return SamplingRow(p, [], [], seq.generator, banned)
-        return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator, banned)
+            return SamplingRow(p, seq.prompt_token_ids if p.has_penalties else [],
+                               seq.output_token_ids if p.has_penalties else [], seq.generator, banned)
+        if p.has_penalties:   # the token lists are only read by penalties: copied only for them, every step
+            return SamplingRow(p, seq.prompt_token_ids, seq.output_token_ids, seq.generator, [])
+        seq.sampling_row = SamplingRow(p, [], [], seq.generator, [])
+        return seq.sampling_row
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -362,10 +356,11 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
                          device=device)
         ids = torch.zeros(prompt_tokens, dtype=torch.long, device=device)
         positions = torch.arange(prompt_tokens, device=device)
-        table = list(range(blocks))
+        table = np.arange(blocks, dtype=np.int32)[None]
         slots = torch.arange(prompt_tokens, dtype=torch.long)
-        attention.plan(AttentionBatch([prompt_tokens], [prompt_tokens], [table], (slots // block_size).to(device),
-                                      (slots % block_size).to(device)))
+        lens = np.array([prompt_tokens], dtype=np.int32)
+        attention.plan(AttentionBatch(lens, lens, table, np.array([blocks], dtype=np.int32),
+                                      (slots // block_size).to(device), (slots % block_size).to(device)))
         hidden = model(ids, positions, attention, [kv])
         logits = model.compute_logits(hidden[-1:])
         greedy = SamplingParams(max_tokens=1, temperature=0.0)

@@ -45,7 +45,7 @@ class EngineObserver:
 
     def stepped(self, step: StepRecord) -> None:
         s, now = self.stats, time.monotonic()
-        for seq in step.batch.seqs:
+        for seq in step.batch.admitted:   # a request is first scheduled when first admitted
             timeline = self.requests.get(seq.request_id)
             if timeline is not None and timeline.first_scheduled is None:
                 timeline.first_scheduled = step.started

@@ -6,7 +6,7 @@ property test can drive it directly.
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, BlockTables
 from .sequence import Sequence, SequenceStatus
 
 
@@ -15,6 +15,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)   # tokens computed this step, per sequence
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)    # moved from waiting to running this step
+    tables: BlockTables | None = None                         # the block manager's: each sequence's blocks as a row
 
     @property
     def num_tokens(self) -> int:
@@ -40,21 +42,25 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(tables=self.block_manager.tables)
         budget = self.max_num_batched_tokens
+        # this loop runs for every running sequence every step: its calls are bound once
+        can_allocate, allocate = self.block_manager.can_allocate, self._allocate
+        add_seq, add_count = batch.seqs.append, batch.num_new_tokens.append
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, n):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not can_allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self._allocate(seq, n)
-                batch.add(seq, n)
+                allocate(seq, n)
+                add_seq(seq)
+                add_count(n)
                 budget -= n
                 i += 1
                 continue
@@ -75,6 +81,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, n)
+            batch.admitted.append(seq)
             budget -= n
         return batch
 

@@ -3,7 +3,7 @@ import enum
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, SamplingRow
 
 
 class SequenceStatus(enum.Enum):
@@ -23,6 +23,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chain hashes of the full blocks at the head of block_table
+        self.block_row = -1            # its row in BlockManager.tables while it holds blocks
+        self.sampling_row: SamplingRow | None = None   # the sampler's view, once it no longer changes per step
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache
         self.num_cached_tokens = 0     # prompt tokens served from the prefix cache on first admission
         self.num_preemptions = 0

@@ -71,3 +71,15 @@ def test_without_prefix_caching_nothing_is_shared():
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     computed(bm, list(range(40)), "a")
     assert bm.adopt_prefix(Sequence("b", list(range(40)), SamplingParams())) == 0
+
+
+def test_block_tables_rows_mirror_the_lists_and_grow():
+    bm = BlockManager(2000, BS)
+    seqs = [computed(bm, list(range(i, i + 20 * BS + i)), str(i)) for i in range(40)]  # > 16 rows, > 16 blocks
+    bm.free(seqs[3])
+    again = computed(bm, list(range(1000, 1000 + 5 * BS)), "again")   # takes the freed row
+    assert again.block_row == 3 and seqs[3].block_row == -1
+    for seq in seqs[:3] + seqs[4:] + [again]:
+        n = len(seq.block_table)
+        assert bm.tables.lengths[seq.block_row] == n
+        assert bm.tables.array[seq.block_row, :n].tolist() == seq.block_table

@@ -110,3 +110,12 @@ def test_streamed_text_equals_text_before_first_stop(tokenizer, text, stop):
         assert "\ufffd" not in sent
     cut = text.find(stop)
     assert sent == (text if cut < 0 else text[:cut])
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_rust_decode_gives_what_the_tokenizers_decode_gives(tokenizer, skip_special_tokens):
+    ids = tokenizer.encode("<|im_start|>user\nCafé 🙂 naïve<|im_end|>\n" + TEXTS[1], add_special_tokens=False)
+    detok = Detokenizer(tokenizer, [], skip_special_tokens=skip_special_tokens)
+    assert detok.decode.func == tokenizer.backend_tokenizer.decode   # the tiny tokenizer takes the fast path
+    for end in range(len(ids) + 1):
+        assert detok.decode(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=skip_special_tokens)

@@ -47,6 +47,11 @@ def check_block_accounting(bm: BlockManager, live: list[Sequence]) -> None:
     assert len(free) == len(bm.clean) + len(bm.evictable)
     assert not free & set(owners)
     assert len(free) + len(owners) == bm.num_blocks
+    rows = [seq.block_row for seq in live if seq.block_table]
+    assert len(set(rows)) == len(rows)
+    for seq in live:   # the array rows the runner reads mirror the lists
+        n = len(seq.block_table)
+        assert bm.tables.lengths[seq.block_row] == n and bm.tables.array[seq.block_row, :n].tolist() == seq.block_table
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -87,6 +92,7 @@ def test_every_request_finishes_once_within_budget(w):
         if seq.finish_reason == "length":
             assert seq.num_output_tokens == seq.params.max_tokens
     assert all(b.ref_count == 0 for b in bm.blocks) and bm.num_free_blocks == w["num_blocks"]
+    assert all(seq.block_row == -1 for seq in seqs) and not bm.tables.lengths.any()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,62 @@
+"""A step's inputs built with numpy, and the block tables as attention takes them, against the same built token by
+token from the sequences' lists."""
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from ember.runtime.engine.attention import AttentionBatch
+from ember.runtime.engine.block_manager import BlockManager
+from ember.runtime.engine.sampling import SamplingParams
+from ember.runtime.engine.scheduler import ScheduledBatch, Scheduler
+from ember.runtime.engine.sequence import Sequence
+from ember.runtime.engine.step_inputs import step_inputs
+
+from .test_scheduler import BS, workloads
+
+
+def by_token(batch: ScheduledBatch) -> dict:
+    ids, positions, blocks, offsets, sample_index, sampled = [], [], [], [], [], []
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        start = seq.num_computed_tokens
+        ids += seq.token_ids[start:start + n]
+        positions += range(start, start + n)
+        blocks += [seq.block_table[p // BS] for p in range(start, start + n)]
+        offsets += [p % BS for p in range(start, start + n)]
+        if start + n == len(seq):
+            sample_index.append(len(ids) - 1)
+            sampled.append(i)
+    return dict(tokens=[ids, positions, blocks, offsets], sample_index=sample_index, sampled=sampled,
+                context_lens=[s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens)],
+                tables=[s.block_table for s in batch.seqs],
+                decode=all(n == 1 for n in batch.num_new_tokens))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_inputs_match_the_token_by_token_build(w):
+    bm = BlockManager(w["num_blocks"], BS, w["prefix_caching"])
+    scheduler = Scheduler(bm, w["max_num_seqs"], w["budget"])
+    for i, (prompt, max_tokens, _, _) in enumerate(w["requests"]):
+        scheduler.add(Sequence(str(i), prompt, SamplingParams(max_tokens=max_tokens)))
+    for _ in range(500):
+        if not scheduler.has_unfinished():
+            break
+        batch = scheduler.schedule()
+        if batch.seqs:
+            inputs, expected = step_inputs(batch, BS), by_token(batch)
+            assert inputs.tokens.tolist() == expected["tokens"]
+            assert inputs.sample_index.tolist() == expected["sample_index"] and inputs.sampled == expected["sampled"]
+            assert inputs.context_lens.tolist() == expected["context_lens"]
+            attention = AttentionBatch(inputs.query_lens, inputs.context_lens, inputs.block_tables,
+                                       inputs.num_blocks, torch.empty(0), torch.empty(0))
+            assert [t.tolist() for t in attention.tables()] == expected["tables"]
+            indptr, indices = attention.paged_kv()   # as flashinfer takes them
+            assert indices.tolist() == [b for t in expected["tables"] for b in t]
+            assert indptr.tolist() == [sum(len(t) for t in expected["tables"][:i])
+                                       for i in range(len(expected["tables"]) + 1)]
+            assert inputs.decode == expected["decode"]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == len(seq):
+                seq.token_ids.append(len(seq) % 7)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    scheduler.finish(seq, "length")
