@@ -14,7 +14,9 @@ same for any two engines (the token checksum says so). Not counted: flashinfer's
 pinned-memory staging of host-to-device copies, and the device time itself.
 
 Per step, in microseconds of host time, split by phase (self time: a phase inside another is not counted twice):
-schedule (Scheduler.schedule), inputs (ModelRunner.run less the phases below), rows (sampling rows), graph_prepare
+schedule (Scheduler.schedule), inputs (ModelRunner.run less the phases below), rows (sampling rows, where the
+runner builds them in one call; an engine that builds them one call per sequence counts them in inputs, as a
+wrapper per call would cost more than the call), graph_prepare
 (DecodeGraphs.prepare less attention planning), plan (FlashInferBackend.plan), draw, to_host, postprocess,
 observer, step_other (the rest of LLMEngine.step), and detokenize: the text per request as AsyncLLM makes it on its
 callers' event loops (outside LLMEngine.step, but on the same host and GIL).
@@ -163,7 +165,8 @@ def emulate_gpu_path(eng, phases: Phases) -> None:
         torch.cuda.graph_pool_handle = pool_handle
     eng.scheduler.schedule = phases.wrap("schedule", eng.scheduler.schedule)
     runner.run = phases.wrap("inputs", runner.run)
-    runner._sampling_row = phases.wrap("rows", runner._sampling_row)
+    if hasattr(runner, "_sampling_rows"):   # an engine that builds a step's rows in one call (else: in inputs)
+        runner._sampling_rows = phases.wrap("rows", runner._sampling_rows)
     runner.graphs.prepare = phases.wrap("graph_prepare", runner.graphs.prepare)
     runner.attention.plan = phases.wrap("plan", runner.attention.plan)
     if not hasattr(model_runner.draw, "timed_by"):   # module-level: wrapped once per process

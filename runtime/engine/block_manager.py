@@ -134,14 +134,22 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow the block table to hold `num_new_tokens` more tokens; call can_allocate first."""
+        if not self.try_allocate(seq, num_new_tokens):
+            raise AssertionError("allocate() without can_allocate()")
+
+    def try_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """allocate() when the free blocks suffice, else False and nothing taken: can_allocate and allocate in one
+        call, for the scheduler's loop over every running sequence."""
         need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
         if need <= 0:
-            return
-        assert need <= self.num_free_blocks, "allocate() without can_allocate()"
+            return True
+        if need > len(self.clean) + len(self.evictable):
+            return False
         for _ in range(need):
             block_id = self.clean.popleft() if self.clean else self._evict()
             self.blocks[block_id].ref_count = 1
             self.tables.append(seq, block_id)
+        return True
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the blocks full within the first `num_tokens` tokens so later requests can reuse them.

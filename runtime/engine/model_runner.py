@@ -247,8 +247,7 @@ class ModelRunner:
         inputs = step_inputs(batch, self.block_size)
         sample_index = inputs.sample_index
         seqs = batch.seqs
-        rows = [self._sampling_row(seq, eos_token_ids) for seq in seqs] if inputs.samples_all else \
-            [self._sampling_row(seqs[i], eos_token_ids) for i in inputs.sampled]
+        rows = self._sampling_rows(seqs if inputs.samples_all else [seqs[i] for i in inputs.sampled], eos_token_ids)
         timer = _GpuTimer(self.device.type == "cuda")
         # one new token per sequence: a decode step, replayed from a graph unless above the largest
         graph_size = self.graphs.batch_size_for(len(seqs)) if self.graphs is not None and inputs.decode else None
@@ -289,10 +288,12 @@ class ModelRunner:
         wait = done - (queued if timer.enabled else prepared)
         return RunOutput(tokens, logprobs, prepared - began, wait, timer.elapsed(), graph_size)
 
+    def _sampling_rows(self, seqs: list, eos_token_ids: set[int]) -> list[SamplingRow]:
+        return [seq.sampling_row or self._sampling_row(seq, eos_token_ids) for seq in seqs]
+
     def _sampling_row(self, seq, eos_token_ids: set[int]) -> SamplingRow:
+        """A new row, cached when settled: past min_tokens and without penalties, nothing in it changes again."""
         p = seq.params
-        if seq.sampling_row is not None:  # settled: past min_tokens, no penalties
-            return seq.sampling_row
         if seq.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
             return SamplingRow(p, seq.prompt_token_ids if p.has_penalties else [],

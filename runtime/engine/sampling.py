@@ -61,6 +61,13 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     banned_token_ids: list[int]        # EOS/stop tokens while fewer than min_tokens were generated
+    # greedy with nothing to adjust or report: a batch of such rows is one argmax
+    plain: bool = field(init=False)
+
+    def __post_init__(self):
+        p = self.params
+        self.plain = (p.temperature == 0 and not p.has_penalties and not self.banned_token_ids
+                      and p.logprobs is None)
 
 
 @dataclass
@@ -99,6 +106,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
 def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> Draws:
     """The batch's tokens on the device: a handful of batched kernels, whatever the mix of parameters, and no
     synchronisation (the per-row parameters go over as one small copy each)."""
+    if all(r.plain for r in rows):   # greedy fast path: one argmax
+        return Draws(logits.argmax(dim=-1), rows, None)
     asked = {i: r.params.logprobs for i, r in enumerate(rows) if r.params.logprobs is not None}
     # fp32 log-softmax of the rows that asked only: a full-vocabulary copy per row is 0.6 MB at 151936 tokens
     logprob_index = _device(logits, list(asked), torch.long) if asked else None

@@ -45,20 +45,20 @@ class Scheduler:
         batch = ScheduledBatch(tables=self.block_manager.tables)
         budget = self.max_num_batched_tokens
         # this loop runs for every running sequence every step: its calls are bound once
-        can_allocate, allocate = self.block_manager.can_allocate, self._allocate
+        try_allocate, cache_full_blocks = self.block_manager.try_allocate, self.block_manager.cache_full_blocks
         add_seq, add_count = batch.seqs.append, batch.num_new_tokens.append
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            while not can_allocate(seq, n):
+            while not try_allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                allocate(seq, n)
+                cache_full_blocks(seq, seq.num_computed_tokens + n)
                 add_seq(seq)
                 add_count(n)
                 budget -= n
@@ -71,12 +71,12 @@ class Scheduler:
             seq = self.waiting[0]
             cached = self.block_manager.adopt_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, n):
+            if not self.block_manager.try_allocate(seq, n):
                 self.block_manager.free(seq)
                 break
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
-            self._allocate(seq, n)
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -93,10 +93,6 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-
-    def _allocate(self, seq: Sequence, n: int) -> None:
-        self.block_manager.allocate(seq, n)
-        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop the sequence's KV and queue it first; its tokens (prompt + outputs so far) are recomputed."""
