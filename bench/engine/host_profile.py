@@ -1,31 +1,37 @@
-"""Where the engine's host time per step goes, on a machine without a GPU.
+"""Where the engine's host time per step goes, on a machine without a GPU (or, with --model, on one).
 
     python bench/engine/host_profile.py                         # 64 and 256 running sequences, a table
     python bench/engine/host_profile.py --offline               # also speed.py's offline workload, host seconds
     python bench/engine/host_profile.py --against DIR           # the same, also for the engine in DIR, side by side
     python bench/engine/host_profile.py --seqs 256 --cprofile   # cProfile's top functions of the decode steps
+    python bench/engine/host_profile.py --model DIR --offline   # a real model, on the GPU where there is one
 
 The real LLMEngine runs on the CPU with the tiny model of runtime/engine/tiny.py, and everything a GPU step does
 on the host runs as it would on the GPU: the decode steps go through DecodeGraphs.prepare and
 FlashInferBackend.plan (with stand-ins, here only, for what runs on the device: flashinfer's wrappers copy their
-plan's tables into their buffers, a graph "replay" looks the logits up). The forward pass is that look-up: the
-logits of a row are a fixed random vector per input token, so the tokens are deterministic, vary, and must be the
-same for any two engines (the token checksum says so). Not counted: flashinfer's own planning, kernel launches,
-pinned-memory staging of host-to-device copies, and the device time itself.
+plan's tables into their buffers, a graph "replay" looks the logits up, the sampler's argmax is not counted). The
+forward pass is that look-up: the logits of a row are a fixed random vector per input token, so the tokens are
+deterministic, vary, and must be the same for any two engines (the token checksum says so). Not counted:
+flashinfer's own planning, kernel launches, graph captures, host-to-device copies, and the device time itself.
+With --model the engine runs as it is, stand-ins and all, and the table adds those: capture (DecodeGraphs.capture,
+lazy captures included), replay (the graph's launch), and the device wait (RunOutput.wait_seconds, taken out of
+to_host, where the host blocks).
 
 Per step, in microseconds of host time, split by phase (self time: a phase inside another is not counted twice):
 schedule (Scheduler.schedule), inputs (ModelRunner.run less the phases below), rows (sampling rows, where the
 runner builds them in one call; an engine that builds them one call per sequence counts them in inputs, as a
-wrapper per call would cost more than the call), graph_prepare
-(DecodeGraphs.prepare less attention planning), plan (FlashInferBackend.plan), draw, to_host, postprocess,
-observer, step_other (the rest of LLMEngine.step), and detokenize: the text per request as AsyncLLM makes it on its
-callers' event loops (outside LLMEngine.step, but on the same host and GIL).
+wrapper per call would cost more than the call), graph_prepare (DecodeGraphs.prepare less attention planning),
+plan (the attention backend's), draw, to_host, postprocess, observer, step_other (the rest of LLMEngine.step),
+detokenize (the text per request as AsyncLLM makes it on its callers' event loops: outside LLMEngine.step, but on
+the same host and GIL), and the garbage collector's share of all of them.
 
 --against DIR runs this script again in a second process whose `ember.runtime` is DIR/runtime (a checkout of
-another commit, e.g. `git archive BASE runtime | tar -x -C DIR`), with the same workload.
+another commit, e.g. `git archive BASE runtime | tar -x -C DIR`), with the same workload. Prints only; records
+nothing.
 """
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -40,9 +46,11 @@ from pathlib import Path
 
 import torch
 
-PHASES = ("schedule", "inputs", "rows", "graph_prepare", "plan", "draw", "to_host", "postprocess", "observer",
-          "step_other")
+PHASES = ("schedule", "inputs", "rows", "capture", "graph_prepare", "plan", "replay", "draw", "to_host", "postprocess",
+          "observer", "step_other")
 FORWARD = "forward"   # the stand-in for the device's work: not host time
+WAIT = "device wait"  # on a GPU: the host blocked on the device (RunOutput.wait_seconds), not host time
+GC = "(of which gc)"  # the cyclic garbage collector, inside the other phases
 VOCAB_DRAWS = 7       # logits table seed
 
 
@@ -73,6 +81,13 @@ class Phases:
 
     def reset(self) -> None:
         self.seconds = {}
+
+    def collected(self, phase: str, info: dict) -> None:
+        """gc.callbacks: the cyclic collector's time, also counted in the phase it interrupted."""
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        elif hasattr(self, "_gc_began"):
+            self.seconds[GC] = self.seconds.get(GC, 0.0) + time.perf_counter() - self._gc_began
 
 
 PHASE_TIMER = Phases()   # one per process: the module-level functions are wrapped once
@@ -126,7 +141,7 @@ def fake_flashinfer():
 def emulate_gpu_path(eng, phases: Phases) -> None:
     """Swap the CPU engine's SDPA attention and eager decode for the GPU's host path: FlashInferBackend and
     DecodeGraphs, with stand-ins for flashinfer's wrappers and the graphs' replay."""
-    from ember.runtime.engine import cuda_graphs, model_runner, sampling
+    from ember.runtime.engine import cuda_graphs
     from ember.runtime.engine.attention import FlashInferBackend
 
     runner = eng.runner
@@ -163,31 +178,58 @@ def emulate_gpu_path(eng, phases: Phases) -> None:
                                    scratch_block=runner.num_blocks - 1, capture=[])
     finally:
         torch.cuda.graph_pool_handle = pool_handle
+
+
+def instrument(eng, phases: Phases, real: bool) -> None:
+    """Time the step's phases; with a real model on a GPU also the graph captures and replays (their launch),
+    and the wait for the device (RunOutput.wait_seconds, taken out of to_host where it happens)."""
+    from ember.runtime.engine import model_runner, sampling
+
+    runner = eng.runner
     eng.scheduler.schedule = phases.wrap("schedule", eng.scheduler.schedule)
-    runner.run = phases.wrap("inputs", runner.run)
+    run = phases.wrap("inputs", runner.run)
+
+    def run_and_wait(*args):
+        out = run(*args)
+        if out.gpu_seconds is not None:   # the wait is the device's time, inside to_host: not the host's
+            phases.seconds["to_host"] = phases.seconds.get("to_host", 0.0) - out.wait_seconds
+            phases.seconds[WAIT] = phases.seconds.get(WAIT, 0.0) + out.wait_seconds
+        return out
+
+    runner.run = run_and_wait
     if hasattr(runner, "_sampling_rows"):   # an engine that builds a step's rows in one call (else: in inputs)
         runner._sampling_rows = phases.wrap("rows", runner._sampling_rows)
-    runner.graphs.prepare = phases.wrap("graph_prepare", runner.graphs.prepare)
+    if runner.graphs is not None:
+        runner.graphs.prepare = phases.wrap("graph_prepare", runner.graphs.prepare)
+        if real:   # real graphs: their capture and launch
+            runner.graphs.capture = phases.wrap("capture", runner.graphs.capture)
+            runner.graphs.replay = phases.wrap("replay", runner.graphs.replay)
     runner.attention.plan = phases.wrap("plan", runner.attention.plan)
     if not hasattr(model_runner.draw, "timed_by"):   # module-level: wrapped once per process
         model_runner.draw = phases.wrap("draw", model_runner.draw)
         model_runner.draw.timed_by = phases
         sampling.Draws.to_host = phases.wrap("to_host", sampling.Draws.to_host)
-        # the sampler's argmax over [B, vocab] runs on the device: ~1.3 us a row on this CPU, a launch there
-        torch.Tensor.argmax = phases.wrap(FORWARD, torch.Tensor.argmax)
+        if runner.device.type == "cpu":
+            # the sampler's argmax over [B, vocab] runs on the device: ~1.3 us a row on this CPU, a launch there
+            torch.Tensor.argmax = phases.wrap(FORWARD, torch.Tensor.argmax)
+        gc.callbacks.append(phases.collected)
     eng._postprocess = phases.wrap("postprocess", eng._postprocess)
     eng.observer.stepped = phases.wrap("observer", eng.observer.stepped)
     eng.step = phases.wrap("step_other", eng.step)
 
 
-def make_engine(model_dir: Path, max_num_seqs: int, max_model_len: int, phases: Phases):
+def make_engine(model_dir: Path, max_num_seqs: int, args, phases: Phases):
     from ember.runtime.engine.config import EngineConfig
     from ember.runtime.engine.engine import LLMEngine
 
-    blocks = max_num_seqs * -(-max_model_len // 16) + 1
-    eng = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=8192, max_model_len=max_model_len, num_kv_blocks=blocks))
-    emulate_gpu_path(eng, phases)
+    blocks = None if args.model and torch.cuda.is_available() else max_num_seqs * -(-args.max_model_len // 16) + 1
+    eng = LLMEngine(EngineConfig(model=str(model_dir), max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+                                 max_model_len=args.max_model_len, num_kv_blocks=blocks))
+    if not args.model:
+        emulate_gpu_path(eng, phases)
+    elif eng.runner.device.type == "cpu":   # the real forward pass on the CPU: the device's stand-in
+        eng.runner.model.forward = phases.wrap(FORWARD, eng.runner.model.forward)
+    instrument(eng, phases, real=bool(args.model))
     return eng
 
 
@@ -215,7 +257,7 @@ def steady(model_dir: Path, tokenizer, seqs: int, args) -> dict:
     from ember.runtime.engine.sampling import SamplingParams
 
     phases = PHASE_TIMER
-    eng = make_engine(model_dir, seqs, args.max_model_len, phases)
+    eng = make_engine(model_dir, seqs, args, phases)
     requests = {f"r{i}": p for i, p in enumerate(prompts(seqs, args.prompt_len - 50, args.prompt_len + 50,
                                                           eng.runner.vocab_size, seed=seqs))}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - args.prompt_len - 60, ignore_eos=True)
@@ -255,7 +297,7 @@ def offline(model_dir: Path, args) -> dict:
     from ember.runtime.engine.sampling import SamplingParams
 
     phases = PHASE_TIMER
-    eng = make_engine(model_dir, 256, args.max_model_len, phases)
+    eng = make_engine(model_dir, 256, args, phases)
     vocab = eng.runner.vocab_size
     g = torch.Generator().manual_seed(0)
     n = args.offline_requests
@@ -278,14 +320,15 @@ def offline(model_dir: Path, args) -> dict:
     wall = time.perf_counter() - began
     assert [len(o) for o in outputs] == output_lens
     result = per_step(phases, steps, wall)
-    result.update(seqs="offline", host_seconds=round(wall - phases.seconds.get(FORWARD, 0.0), 2),
+    result.update(seqs="offline", host_seconds=round(wall - phases.seconds.get(FORWARD, 0.0)
+                                                     - phases.seconds.get(WAIT, 0.0), 2),
                   token_checksum=checksum(dict(enumerate(outputs))))
     return result
 
 
 def per_step(phases: Phases, steps: int, wall: float) -> dict:
     us = {name: round(1e6 * seconds / steps, 1) for name, seconds in phases.seconds.items() if name != FORWARD}
-    host = 1e6 * (wall - phases.seconds.get(FORWARD, 0.0)) / steps
+    host = 1e6 * (wall - phases.seconds.get(FORWARD, 0.0) - phases.seconds.get(WAIT, 0.0)) / steps
     return {"steps": steps, "host_us": round(host, 1), "phases_us": us}
 
 
@@ -303,8 +346,15 @@ def top_functions(profile: cProfile.Profile, lines: int) -> str:
 def measure(args) -> list[dict]:
     from ember.runtime.engine.tiny import build_tiny_model, train_tokenizer
 
-    model_dir = build_tiny_model(Path(args.workdir) / "tiny-host-profile", max_position_embeddings=args.max_model_len)
-    tokenizer = train_tokenizer()
+    if args.model:
+        from transformers import AutoTokenizer
+
+        model_dir = Path(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    else:
+        model_dir = build_tiny_model(Path(args.workdir) / "tiny-host-profile",
+                                     max_position_embeddings=args.max_model_len)
+        tokenizer = train_tokenizer()
     rows = []
     for seqs in args.seqs:
         rows.append(best_of(args.repeat, lambda seqs=seqs: steady(model_dir, tokenizer, seqs, args)))
@@ -317,7 +367,13 @@ def measure(args) -> list[dict]:
 
 def best_of(repeat: int, measure_once) -> dict:
     """The run of least host time: this machine's other work only ever adds to it."""
-    return min((measure_once() for _ in range(repeat)), key=lambda row: row["host_us"])
+    rows = []
+    for _ in range(repeat):
+        rows.append(measure_once())
+        gc.collect()   # the engine just measured, before the next one takes the device's memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return min(rows, key=lambda row: row["host_us"])
 
 
 def against(args, directory: str) -> list[dict]:
@@ -340,7 +396,7 @@ def table(columns: dict[str, list[dict]]) -> str:
         seqs = rows[0]["seqs"]
         header = f"{'sequences: ' + str(seqs):<24}" + "".join(f"{n:>14}" for n in names)
         lines += ["", header, "-" * len(header)]
-        phases = [p for p in (*PHASES, "detokenize") if any(p in r["phases_us"] for r in rows)]
+        phases = [p for p in (*PHASES, "detokenize", GC, WAIT) if any(p in r["phases_us"] for r in rows)]
         for phase in phases:
             lines.append(f"{phase:<24}" + "".join(f"{r['phases_us'].get(phase, 0.0):>14.1f}" for r in rows))
         lines.append(f"{'host us/step':<24}" + "".join(f"{r['host_us']:>14.1f}" for r in rows))
@@ -365,6 +421,8 @@ def main() -> None:
     parser.add_argument("--against", metavar="DIR", help="also measure the engine of DIR/runtime, side by side")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "ember-host-profile"),
                         help="where the tiny model is built (and reused)")
+    parser.add_argument("--model", help="a model directory to run for real (on the GPU where there is one: "
+                                            "e.g. speed.py's --workdir model), without the stand-ins")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON line (for --against)")
     args = parser.parse_args()
     torch.set_num_threads(1)   # the host path is single-threaded; a second thread only adds noise here
