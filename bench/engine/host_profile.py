@@ -104,18 +104,36 @@ class LogitsTable:
         return self.table[token_ids]
 
 
+class InputsDigest:
+    """CRC-32 of everything the device would read, step after step: token ids, positions, KV slots, and the
+    attention's tables as the wrappers and the Triton decode take them. Two engines that prepare the same steps
+    get the same digest."""
+
+    def __init__(self):
+        self.crc = 0
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self.crc = zlib.crc32(t.contiguous().numpy().tobytes(), self.crc)
+
+
+DIGEST = InputsDigest()
+
+
 class StubModel:
     """The eager steps' model: the hidden state is the input token, the logits its row of the table."""
 
     def __init__(self, logits: LogitsTable, phases: Phases):
         self.logits = logits
         self.compute_logits = phases.wrap(FORWARD, lambda hidden: self.logits(hidden.squeeze(1)))
+        self.digest = phases.wrap(FORWARD, DIGEST.add)
 
     def __call__(self, ids, positions, attention, kv_caches):
+        self.digest(ids, positions, attention.batch.slot_blocks, attention.batch.slot_offsets)
         return ids.unsqueeze(1)
 
 
-def fake_flashinfer():
+def fake_flashinfer(digest):
     """flashinfer's wrappers as far as the host sees them: plan() copies the tables into the wrapper's buffers (a
     graph wrapper's static ones), as the real one does before its own planning."""
     module = types.ModuleType("flashinfer")
@@ -126,6 +144,7 @@ def fake_flashinfer():
             self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
 
         def plan(self, *args, **kwargs):
+            digest(*[a for a in args if isinstance(a, torch.Tensor)])
             tables = [a for a in args if isinstance(a, torch.Tensor)][-3:]
             if self.buffers[0] is not None:
                 for buffer, table in zip(self.buffers, tables):
@@ -145,7 +164,7 @@ def emulate_gpu_path(eng, phases: Phases) -> None:
     from ember.runtime.engine.attention import FlashInferBackend
 
     runner = eng.runner
-    sys.modules["flashinfer"] = fake_flashinfer()
+    sys.modules["flashinfer"] = fake_flashinfer(phases.wrap(FORWARD, DIGEST.add))
     logits = LogitsTable(runner.vocab_size)
     runner.model = StubModel(logits, phases)
     old = runner.attention
@@ -165,6 +184,9 @@ def emulate_gpu_path(eng, phases: Phases) -> None:
             return self._replay(size, num_seqs)
 
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:
+        DIGEST.add(self.inputs[:, :size])
+        if self.attention.graph is not None:   # the Triton decode of small batches: its tables
+            DIGEST.add(self.attention.graph.block_tables, self.attention.graph.context_lens)
         torch.index_select(logits.table, 0, self.inputs[0, :size], out=self.logits[size])
         return self.logits[size][:num_seqs]
 
@@ -258,6 +280,7 @@ def steady(model_dir: Path, tokenizer, seqs: int, args) -> dict:
 
     phases = PHASE_TIMER
     eng = make_engine(model_dir, seqs, args, phases)
+    DIGEST.crc = 0
     requests = {f"r{i}": p for i, p in enumerate(prompts(seqs, args.prompt_len - 50, args.prompt_len + 50,
                                                           eng.runner.vocab_size, seed=seqs))}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - args.prompt_len - 60, ignore_eos=True)
@@ -285,7 +308,7 @@ def steady(model_dir: Path, tokenizer, seqs: int, args) -> dict:
     wall = time.perf_counter() - began
     assert all(len(s.token_ids) > 0 for s in eng.scheduler.running) and len(eng.scheduler.running) == seqs
     result = per_step(phases, args.steps, wall)
-    result.update(seqs=seqs, prefill_steps=prefill_steps, token_checksum=checksum(tokens))
+    result.update(seqs=seqs, prefill_steps=prefill_steps, token_checksum=checksum(tokens), inputs_checksum=DIGEST.crc)
     if profile:
         result["cprofile"] = top_functions(profile, args.cprofile_lines)
     return result
@@ -298,6 +321,7 @@ def offline(model_dir: Path, args) -> dict:
 
     phases = PHASE_TIMER
     eng = make_engine(model_dir, 256, args, phases)
+    DIGEST.crc = 0
     vocab = eng.runner.vocab_size
     g = torch.Generator().manual_seed(0)
     n = args.offline_requests
@@ -322,7 +346,7 @@ def offline(model_dir: Path, args) -> dict:
     result = per_step(phases, steps, wall)
     result.update(seqs="offline", host_seconds=round(wall - phases.seconds.get(FORWARD, 0.0)
                                                      - phases.seconds.get(WAIT, 0.0), 2),
-                  token_checksum=checksum(dict(enumerate(outputs))))
+                  token_checksum=checksum(dict(enumerate(outputs))), inputs_checksum=DIGEST.crc)
     return result
 
 
@@ -404,6 +428,8 @@ def table(columns: dict[str, list[dict]]) -> str:
             lines.append(f"{'host s (all steps)':<24}" + "".join(f"{r['host_seconds']:>14}" for r in rows))
         lines.append(f"{'steps':<24}" + "".join(f"{r['steps']:>14}" for r in rows))
         lines.append(f"{'token checksum':<24}" + "".join(f"{r['token_checksum']:>14}" for r in rows))
+        if any(r.get("inputs_checksum") for r in rows):
+            lines.append(f"{'inputs checksum':<24}" + "".join(f"{r.get('inputs_checksum', '-'):>14}" for r in rows))
     return "\n".join(lines)
 
 
