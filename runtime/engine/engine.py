@@ -92,7 +92,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}): check the tokenizer matches the model")
         params.validate(vocab)
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
-        seq = Sequence(request_id, prompt_token_ids, params, generator)
+        seq = Sequence(request_id, prompt_token_ids, params, generator, self.eos_token_ids, self.max_model_len)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.observer.added(seq, trace_context)
@@ -187,13 +187,11 @@ class LLMEngine:
                                          reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
-        if (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)) and \
-                num_output_tokens >= p.min_tokens:
+    @staticmethod
+    def _finish_reason(seq: Sequence, token: int) -> str | None:
+        if token in seq.stop_ids and len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens:
             return "stop"
-        if num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if len(seq.token_ids) >= seq.max_len:
             return "length"
         return None
 

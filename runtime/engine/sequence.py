@@ -1,5 +1,6 @@
 """One request as the engine sees it: its tokens, how many of them are in the KV cache, and its blocks."""
 import enum
+from collections.abc import Set
 
 import torch
 
@@ -14,11 +15,18 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, eos_token_ids: Set[int] = frozenset(),
+                 max_model_len: int | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        # What ends it, checked per token: a token of stop_ids once past min_tokens ("stop"), or reaching max_len
+        # tokens ("length": max_tokens or max_model_len, the first reached)
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        self.max_len = len(prompt_token_ids) + params.max_tokens
+        if max_model_len is not None:
+            self.max_len = min(self.max_len, max_model_len)
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
