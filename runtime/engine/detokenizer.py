@@ -38,6 +38,11 @@ class Detokenizer:
         if self.stop_reason is not None:
             return ""
         self.tokens.extend(token_ids)
+        if not self.stop:   # nothing to look for or hold back: the new text goes out whole
+            delta = self._decode_new(flush=finished)
+            self.text += delta
+            self.sent = len(self.text)
+            return delta
         searched = len(self.text)
         self.text += self._decode_new(flush=finished)
         match = find_stop(self.text, self.stop, searched)

@@ -119,3 +119,10 @@ def test_the_rust_decode_gives_what_the_tokenizers_decode_gives(tokenizer, skip_
     assert detok.decode.func == tokenizer.backend_tokenizer.decode   # the tiny tokenizer takes the fast path
     for end in range(len(ids) + 1):
         assert detok.decode(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_without_stop_strings_the_deltas_are_those_of_a_stop_that_never_matches(tokenizer, text):
+    plain, _ = stream(tokenizer, text)
+    searched, _ = stream(tokenizer, text, stop=["\x00never"])
+    assert plain == searched
