@@ -213,8 +213,10 @@ def instrument(eng, phases: Phases, real: bool) -> None:
 
     def run_and_wait(*args):
         out = run(*args)
-        if out.gpu_seconds is not None:   # the wait is the device's time, inside to_host: not the host's
-            phases.seconds["to_host"] = phases.seconds.get("to_host", 0.0) - out.wait_seconds
+        if out.gpu_seconds is not None:   # the wait is the device's time, not the host's
+            # it happened in to_host, or in run itself when nothing was sampled
+            where = "to_host" if any(t is not None for t in out.token_ids) else "inputs"
+            phases.seconds[where] = phases.seconds.get(where, 0.0) - out.wait_seconds
             phases.seconds[WAIT] = phases.seconds.get(WAIT, 0.0) + out.wait_seconds
         return out
 
@@ -286,7 +288,8 @@ def steady(model_dir: Path, tokenizer, seqs: int, args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - args.prompt_len - 60, ignore_eos=True)
     for rid, prompt in requests.items():
         eng.add_request(rid, prompt, params)
-    detoks = detokenizers(tokenizer, requests)
+    # a random-weight model of a real shape samples ids past the tiny tokenizer's vocabulary: no text to make
+    detoks = detokenizers(tokenizer, requests) if len(tokenizer) >= eng.runner.vocab_size else None
     tokens: dict[str, list[int]] = {rid: [] for rid in requests}
     prefill_steps = 0
     while len(eng.scheduler.running) < seqs or any(s.num_uncomputed_tokens > 1 for s in eng.scheduler.running):
@@ -300,7 +303,8 @@ def steady(model_dir: Path, tokenizer, seqs: int, args) -> dict:
         if profile:
             profile.enable()
         outputs = eng.step()
-        detokenize(outputs, detoks, phases)
+        if detoks is not None:
+            detokenize(outputs, detoks, phases)
         if profile:
             profile.disable()
         for out in outputs:
