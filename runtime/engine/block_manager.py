@@ -105,9 +105,6 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def adopt_prefix(self, seq: Sequence) -> int:
         """Point a fresh sequence at cached blocks holding its longest known prefix; return the tokens covered."""
         assert not seq.block_table and seq.num_computed_tokens == 0
@@ -127,19 +124,10 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return seq.num_computed_tokens
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        # a decode step needs a new block once every block_size tokens: this is called for every running sequence
-        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
-        return need <= 0 or need <= len(self.clean) + len(self.evictable)
-
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Grow the block table to hold `num_new_tokens` more tokens; call can_allocate first."""
-        if not self.try_allocate(seq, num_new_tokens):
-            raise AssertionError("allocate() without can_allocate()")
-
-    def try_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """allocate() when the free blocks suffice, else False and nothing taken: can_allocate and allocate in one
-        call, for the scheduler's loop over every running sequence."""
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow the block table to hold `num_new_tokens` more tokens; False, taking nothing, when too few blocks are
+        free. A decode step needs a new block once every block_size tokens, and the scheduler asks for every running
+        sequence: the common answer costs one division."""
         need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
         if need <= 0:
             return True

@@ -45,13 +45,13 @@ class Scheduler:
         batch = ScheduledBatch(tables=self.block_manager.tables)
         budget = self.max_num_batched_tokens
         # this loop runs for every running sequence every step: its calls are bound once
-        try_allocate, cache_full_blocks = self.block_manager.try_allocate, self.block_manager.cache_full_blocks
+        allocate, cache_full_blocks = self.block_manager.allocate, self.block_manager.cache_full_blocks
         add_seq, add_count = batch.seqs.append, batch.num_new_tokens.append
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            while not try_allocate(seq, n):
+            while not allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -71,7 +71,7 @@ class Scheduler:
             seq = self.waiting[0]
             cached = self.block_manager.adopt_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.try_allocate(seq, n):
+            if not self.block_manager.allocate(seq, n):
                 self.block_manager.free(seq)
                 break
             if seq.num_preemptions == 0:

@@ -11,8 +11,7 @@ def computed(bm: BlockManager, tokens: list[int], name: str = "s") -> Sequence:
     seq = Sequence(name, tokens, SamplingParams())
     bm.adopt_prefix(seq)
     n = seq.num_uncomputed_tokens
-    assert bm.can_allocate(seq, n)
-    bm.allocate(seq, n)
+    assert bm.allocate(seq, n)
     bm.cache_full_blocks(seq, len(seq))
     seq.num_computed_tokens += n
     return seq
