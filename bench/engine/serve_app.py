@@ -1,5 +1,7 @@
 """One warm replica of the engine on the model at EMBER_BENCH_MODEL, for bench/engine/speed.py's online load."""
+import json
 import os
+from pathlib import Path
 
 import ember
 
@@ -15,7 +17,9 @@ class Engine:
         from ember.runtime.engine.config import EngineConfig
         from ember.runtime.engine.engine import LLMEngine
 
-        self.api = create_app(LLMEngine(EngineConfig(model=os.environ["EMBER_BENCH_MODEL"], max_model_len=4096,
+        model = os.environ["EMBER_BENCH_MODEL"]
+        longest = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
+        self.api = create_app(LLMEngine(EngineConfig(model=model, max_model_len=min(4096, longest),
                                                      max_num_seqs=64)))
 
     @ember.asgi_app()

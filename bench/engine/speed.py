@@ -250,7 +250,9 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
         with httpx.Client(base_url=url, verify=verify, headers={"Authorization": f"Bearer {key}"},
                           timeout=600) as http:
             deadline = time.monotonic() + 600
-            while http.get("/speed/v1/models").status_code != 200:   # the replica is up once this answers
+            while (reply := http.get("/speed/v1/models")).status_code != 200:   # the replica is up once this answers
+                if reply.status_code == 503 and "replica_failed" in reply.text:   # its start failed: say why, now
+                    raise RuntimeError(f"the bench's replica failed to start: {reply.text[:2000]}")
                 if time.monotonic() > deadline:
                     raise RuntimeError("the replica did not come up within 600 s")
                 time.sleep(1)
