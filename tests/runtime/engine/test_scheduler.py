@@ -13,7 +13,7 @@ from ember.runtime.engine.block_manager import BlockManager
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.sampling import SamplingParams
-from ember.runtime.engine.scheduler import Scheduler
+from ember.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from ember.runtime.engine.sequence import Sequence, SequenceStatus
 
 from .hf_models import build
@@ -37,6 +37,20 @@ def workloads(draw):
         requests.append((prompt, max_tokens, arrival, cancel))
     return dict(num_blocks=num_blocks, max_num_seqs=draw(st.integers(1, 6)),
                 budget=draw(st.integers(1, 64)), prefix_caching=draw(st.booleans()), requests=requests)
+
+
+def compute(scheduler: Scheduler, batch: ScheduledBatch) -> list[Sequence]:
+    """What a model's step does to a scheduled batch: its tokens computed, a token (len % 7) sampled for each sequence
+    whose tokens are all in, a sequence at its max_tokens finished. Returns the sequences that finished."""
+    done = []
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == len(seq):
+            seq.token_ids.append(len(seq) % 7)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                scheduler.finish(seq, "length")
+                done.append(seq)
+    return done
 
 
 def check_block_accounting(bm: BlockManager, live: list[Sequence]) -> None:
@@ -76,13 +90,8 @@ def test_every_request_finishes_once_within_budget(w):
             assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_uncomputed_tokens
             assert len(seq.block_table) * BS >= seq.num_computed_tokens + n
         check_block_accounting(bm, scheduler.running)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == len(seq):
-                seq.token_ids.append(len(seq) % 7)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    scheduler.finish(seq, "length")
-                    finished[seq.request_id] += 1
+        for seq in compute(scheduler, batch):
+            finished[seq.request_id] += 1
         if step > max(r[2] for r in w["requests"]) and not scheduler.has_unfinished():
             break
     else:

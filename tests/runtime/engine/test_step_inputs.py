@@ -10,7 +10,7 @@ from ember.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from ember.runtime.engine.sequence import Sequence
 from ember.runtime.engine.step_inputs import step_inputs
 
-from .test_scheduler import BS, workloads
+from .test_scheduler import BS, compute, workloads
 
 
 def by_token(batch: ScheduledBatch) -> dict:
@@ -54,9 +54,4 @@ def test_inputs_match_the_token_by_token_build(w):
             assert indptr.tolist() == [sum(len(t) for t in expected["tables"][:i])
                                        for i in range(len(expected["tables"]) + 1)]
             assert inputs.decode == expected["decode"]
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == len(seq):
-                seq.token_ids.append(len(seq) % 7)
-                if seq.num_output_tokens >= seq.params.max_tokens:
-                    scheduler.finish(seq, "length")
+        compute(scheduler, batch)
