@@ -143,10 +143,12 @@ class BlockManager:
         """Register the blocks full within the first `num_tokens` tokens so later requests can reuse them.
 
         Called when those tokens are scheduled: a request admitted later in the same step may already share
-        them, since every layer writes the step's K/V before any attention reads it.
+        them, since every layer writes the step's K/V before any attention reads it. With overlap scheduling the
+        engine calls it again once a placeholder's token is known.
         """
         if not self.enable_prefix_caching or num_tokens // self.block_size <= len(seq.block_hashes):
             return
+        num_tokens = min(num_tokens, seq.num_known_tokens)   # a placeholder's block waits until its token is known
         for i in range(len(seq.block_hashes), num_tokens // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)

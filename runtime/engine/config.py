@@ -31,6 +31,10 @@ class EngineConfig:
     # in, so the first request does not load cuBLAS's, Triton's and flashinfer's kernels (~0.5 s on an H200).
     warm_kernels: bool = True
     log_token_ids: bool = False        # log prompt/output token ids per request
+    # Overlap scheduling: the host schedules and launches step N+1 while the device runs step N, whose tokens reach
+    # step N+1's inputs on the device. A request with penalties, min_tokens or logprobs needs its tokens on the host
+    # before the next step, so while one is in the engine the steps run one at a time, as with False.
+    overlap: bool = False
     # Weight snapshots: "local" ($EMBER_HOME/snapshots) or "s3://bucket/prefix"; None boots from safetensors
     # every time. A replica of a snapshot=True function gets EMBER_SNAPSHOT_STORE from its worker.
     snapshot_store: str | None = field(default_factory=lambda: os.environ.get("EMBER_SNAPSHOT_STORE") or None)
@@ -54,5 +58,7 @@ class EngineConfig:
         if self.snapshot_store not in (None, "local") and not self.snapshot_store.startswith("s3://"):
             raise ValueError(f"snapshot_store={self.snapshot_store!r} (EMBER_SNAPSHOT_STORE): use 'local', "
                              "'s3://bucket/prefix', or None for no snapshots")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap={self.overlap!r}: use True or False")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: use a fraction in (0, 1]")

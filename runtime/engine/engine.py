@@ -13,7 +13,7 @@ from . import kernels
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .gpu_memory import ParkReport, WakeReport
-from .model_runner import ModelRunner, RunOutput
+from .model_runner import Launched, ModelRunner, RunOutput
 from .observer import EngineObserver, StepRecord
 from .sampling import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -34,6 +34,13 @@ class RequestOutput:                   # what one engine step produced for one r
     num_cached_tokens: int             # prompt tokens served from the prefix cache
 
 
+@dataclass(slots=True)
+class _InFlight:                       # overlap scheduling: a step launched, not collected yet
+    batch: ScheduledBatch
+    launched: Launched
+    slots: list[int]                   # per sequence: the index in its token_ids of the placeholder, -1 for none
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -48,6 +55,8 @@ class LLMEngine:
         self.observer = EngineObserver(self.scheduler, self.model_name)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
+        self._in_flight: _InFlight | None = None     # overlap: the step the device may still be running
+        self._needs_host_tokens: set[str] = set()    # overlap: requests whose sampling reads their tokens
         self._ids = itertools.count()
         # The device's owner at any moment: a step or a graph capture (the engine loop's thread) or a park or
         # wake (the worker's); a park must not unmap memory under a running kernel.
@@ -94,6 +103,8 @@ class LLMEngine:
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, prompt_token_ids, params, generator, self.eos_token_ids, self.max_model_len)
         self.seqs[request_id] = seq
+        if self.config.overlap and (params.has_penalties or params.min_tokens or params.logprobs is not None):
+            self._needs_host_tokens.add(request_id)
         self.scheduler.add(seq)
         self.observer.added(seq, trace_context)
         if self.config.log_token_ids:
@@ -104,6 +115,8 @@ class LLMEngine:
         seq = self.seqs.pop(request_id, None)
         if seq is None or seq.status is SequenceStatus.FINISHED:
             return
+        self._needs_host_tokens.discard(request_id)
+        del seq.token_ids[seq.num_known_tokens:]   # a step in flight samples for it: that token is discarded
         self.scheduler.finish(seq, reason)
         self._aborted.append(self._output(seq, [], None))   # reported by the next step()
 
@@ -112,7 +125,7 @@ class LLMEngine:
         return self.observer.stats
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self._in_flight is not None
 
     @property
     def parked(self) -> bool:
@@ -123,6 +136,7 @@ class LLMEngine:
         kernel workspaces stay valid; the weights wait in pinned host memory. Only an idle engine parks: the KV
         cache's contents are discarded, and with them every cached prefix."""
         with self._device:
+            self._settle()
             if self.has_unfinished_requests():
                 raise RuntimeError("cannot park an engine with requests in flight: let them finish or abort them "
                                    "first")
@@ -138,7 +152,15 @@ class LLMEngine:
         """Capture one decode graph still missing, while there is no request to run; False when none is left
         (or the engine is parked). Each takes ~75 ms on an H200, so a request arriving meanwhile waits little."""
         with self._device:
+            self._settle()
             return not self.has_unfinished_requests() and self.runner.capture_next_graph()
+
+    def _settle(self) -> None:
+        """Wait for a step still in flight whose requests have all finished (or been aborted): it has nothing
+        left to report, and the device must be idle before a park or a capture."""
+        if self._in_flight is not None and not self.scheduler.has_unfinished():
+            self.runner.collect(self._in_flight.launched)
+            self._in_flight = None
 
     def step(self) -> list[RequestOutput]:
         with self._device:
@@ -148,9 +170,12 @@ class LLMEngine:
         if self.parked:  # a request reached a parked engine: serve it rather than fault on unmapped memory
             self.wake()
         started, began = time.monotonic(), time.perf_counter()
-        batch = self.scheduler.schedule()
-        run = self.runner.run(batch, self.eos_token_ids) if batch.seqs else None
-        outputs = self._postprocess(batch, run)
+        if self.config.overlap:
+            batch, run, outputs = self._overlap_step()
+        else:
+            batch = self.scheduler.schedule()
+            run = self.runner.run(batch, self.eos_token_ids) if batch.seqs else None
+            outputs = self._postprocess(batch, run)
         self.observer.stepped(StepRecord(batch, run, outputs, started, time.perf_counter() - began))
         return outputs
 
@@ -176,22 +201,79 @@ class LLMEngine:
             if token is None:   # a prefill chunk that did not reach the end of the prompt
                 continue
             seq.token_ids.append(token)
-            reason = finish_reason(seq, token)
+            reason = finish_reason(seq, token, len(seq.token_ids))
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                del self.seqs[seq.request_id]
-                if self.config.log_token_ids:
-                    logger.info("request %s finished (%s) output_token_ids=%s", seq.request_id, reason,
-                                seq.output_token_ids)
+                self._finish(seq, reason)
             outputs.append(RequestOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
                                          reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens))
         return outputs
 
+    def _overlap_step(self) -> tuple[ScheduledBatch, RunOutput | None, list[RequestOutput]]:
+        """Schedule and launch step N+1, then collect and postprocess step N, which the device ran meanwhile.
+
+        At launch, each sequence that samples gets a placeholder for its token and its computed tokens advance, so
+        the scheduler plans N+1 as if N were done; N+1's inputs take N's tokens on the device. A sequence that stops
+        at N was scheduled into N+1 too: that output is discarded. While a request needs its tokens on the host
+        to sample (penalties, min_tokens, logprobs), a step is launched and collected in one call.
+        """
+        previous, self._in_flight = self._in_flight, None
+        batch = ScheduledBatch()
+        if previous is None or not self._needs_host_tokens:   # else only N finishes: N+1 must see its tokens
+            batch = self.scheduler.schedule()
+            if batch.seqs:
+                self._in_flight = self._launch(batch, previous)
+        if previous is None and self._needs_host_tokens:
+            previous, self._in_flight = self._in_flight, None
+        run = self.runner.collect(previous.launched) if previous is not None else None
+        return batch, run, self._postprocess_launched(previous, run)
+
+    def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
+        launched = self.runner.launch(batch, self.eos_token_ids, previous.launched if previous is not None else None)
+        slots = []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == len(seq.token_ids):   # it samples: row `row` of this step's tokens
+                slots.append(len(seq.token_ids))
+                seq.token_ids.append(-1 - row)
+                row += 1
+            else:
+                slots.append(-1)
+        return _InFlight(batch, launched, slots)
+
+    def _postprocess_launched(self, step: _InFlight | None, run: RunOutput | None) -> list[RequestOutput]:
+        """Put a collected step's tokens in place of its placeholders; stop and report as `_postprocess` does."""
+        outputs, self._aborted = self._aborted, []
+        if step is None or run is None:
+            return outputs
+        finish_reason, cache_full_blocks = self._finish_reason, self.block_manager.cache_full_blocks
+        for seq, slot, token, logprob in zip(step.batch.seqs, step.slots, run.token_ids, run.logprobs):
+            if token is None or seq.status is SequenceStatus.FINISHED:   # a prefill chunk, or aborted meanwhile
+                continue
+            seq.token_ids[slot] = token
+            reason = finish_reason(seq, token, slot + 1)
+            if reason is not None:
+                del seq.token_ids[slot + 1:]   # the placeholder of the step launched since: its output is discarded
+                self._finish(seq, reason)
+            elif seq.status is SequenceStatus.RUNNING:   # not preempted meanwhile: its blocks are its own
+                cache_full_blocks(seq, seq.num_computed_tokens)
+            outputs.append(RequestOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
+                                         reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens))
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        del self.seqs[seq.request_id]
+        self._needs_host_tokens.discard(seq.request_id)
+        if self.config.log_token_ids:
+            logger.info("request %s finished (%s) output_token_ids=%s", seq.request_id, reason, seq.output_token_ids)
+
     @staticmethod
-    def _finish_reason(seq: Sequence, token: int) -> str | None:
-        if token in seq.stop_ids and len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens:
+    def _finish_reason(seq: Sequence, token: int, length: int) -> str | None:
+        """`length`: the sequence's tokens up to and including `token`."""
+        if token in seq.stop_ids and length - seq.num_prompt_tokens >= seq.params.min_tokens:
             return "stop"
-        if len(seq.token_ids) >= seq.max_len:
+        if length >= seq.max_len:
             return "length"
         return None
 

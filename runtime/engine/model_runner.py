@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .gpu_memory import AddressTaken, Arena, CudaDriverError, ParkReport, WakeReport, tensor_bytes
 from .models.loader import load_model, model_config, snapshot_key
-from .sampling import SamplingRow, draw
+from .sampling import Draws, HostCopy, SamplingRow, draw
 from .scheduler import ScheduledBatch
 from .step_inputs import step_inputs
 
@@ -29,6 +29,21 @@ logger = logging.getLogger(__name__)
 KV_CACHE = "kv_cache"  # the arena region of every layer's KV blocks
 last_gpu_image: str | None = None  # this process's latest engine start: its GPU memory image, for the start breakdown
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Launched:
+    """A batch queued on the device, collected by `ModelRunner.collect`."""
+    num_seqs: int
+    sampled: list[int]                 # the sequences that sample, in the order of the draws' rows
+    samples_all: bool
+    draws: Draws | None                # the sampled tokens on the device; None when no sequence samples
+    copy: HostCopy | None              # with overlap: the draws' tokens on their way to a host buffer
+    timer: "_GpuTimer"
+    began: float                       # perf_counter() at the launch's start
+    prepared: float                    # once the inputs were on their way and attention was planned
+    queued: float                      # once the forward pass and sampling were queued (on CPU: done)
+    graph_batch_size: int | None
 
 
 @dataclass
@@ -110,6 +125,8 @@ class ModelRunner:
         # idles, so a restored replica takes its first request sooner.
         self.graphs = self._capture_graphs(None if config.graph_capture == "start" else []) if use_graphs else None
         self.start_phases["graph_capture"] = time.perf_counter() - began
+        self._planned: torch.cuda.Event | None = None   # overlap: the last step's plan is on the device
+        self._token_buffers: list[torch.Tensor] = []     # overlap: host buffers of sampled tokens (_host_tokens)
         logger.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s, decode graphs %s; start %s",
                     config.model, self.device, self.dtype, self.num_blocks, self.block_size,
                     type(self.attention).__name__, self.graphs.batch_sizes if self.graphs else "off",
@@ -240,21 +257,33 @@ class ModelRunner:
         """Capture one decode graph not captured yet (the engine calls this while idle); False when none is left."""
         return self.graphs is not None and not self.arena.parked and self.graphs.capture_next()
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> RunOutput:
         """Compute the batch's new tokens; sample for every sequence whose tokens are now all in the cache."""
+        return self.collect(self.launch(batch, eos_token_ids))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, eos_token_ids: set[int], previous: "Launched | None" = None) -> "Launched":
+        """Queue the batch's forward pass and sampling on the device (on CPU: run them) without waiting for them.
+        `previous`: the step launched before, still running (overlap scheduling), whose sampled tokens the
+        batch's placeholders stand for; they go from its output into this step's inputs on the device."""
         began = time.perf_counter()
         inputs = step_inputs(batch, self.block_size)
         sample_index = inputs.sample_index
         seqs = batch.seqs
         rows = self._sampling_rows(seqs if inputs.samples_all else [seqs[i] for i in inputs.sampled], eos_token_ids)
         timer = _GpuTimer(self.device.type == "cuda")
+        if self._planned is not None:
+            # attention plans copy from host buffers they reuse (flashinfer: one pinned buffer per wrapper): the
+            # previous step's copies must have left them before this step plans; they run first in that step
+            self._planned.synchronize()
         # one new token per sequence: a decode step, replayed from a graph unless above the largest
         graph_size = self.graphs.batch_size_for(len(seqs)) if self.graphs is not None and inputs.decode else None
         if self.graphs is not None and graph_size is not None:
             self.graphs.capture(graph_size)  # once per size, when not done yet
             graph_size = self.graphs.prepare(inputs.tokens, inputs.block_tables, inputs.num_blocks,
                                              inputs.context_lens)
+            self._feed(self.graphs.inputs[0], inputs.feeds, previous)
+            self._planned_now()
             prepared = time.perf_counter()
             timer.start()
             logits = self.graphs.replay(graph_size, len(seqs))
@@ -262,8 +291,10 @@ class ModelRunner:
                 logits = logits[torch.from_numpy(sample_index).to(self.device, non_blocking=True)]
         else:
             ids, pos, blocks, offsets = torch.from_numpy(inputs.tokens).to(self.device)
+            self._feed(ids, inputs.feeds, previous)
             self.attention.plan(AttentionBatch(inputs.query_lens, inputs.context_lens, inputs.block_tables,
                                                inputs.num_blocks, blocks, offsets))
+            self._planned_now()
             prepared = time.perf_counter()
             timer.start()
             hidden = self.model(ids, pos, self.attention, self.kv_caches)
@@ -272,21 +303,55 @@ class ModelRunner:
                                                                                            non_blocking=True)])
         draws = draw(logits, rows) if rows else None
         timer.stop()
-        queued = time.perf_counter()
-        # The step's one synchronisation: the sampled tokens come back (or, with none to sample, the stream ends).
-        sampled, sampled_logprobs = draws.to_host() if draws else timer.synchronize()
+        copy = draws.copy_to_host(self._host_tokens()) if draws is not None and self.config.overlap else None
+        return Launched(len(seqs), inputs.sampled, inputs.samples_all, draws, copy, timer, began, prepared,
+                        time.perf_counter(), graph_size)
+
+    def collect(self, launched: "Launched") -> RunOutput:
+        """Wait for a launched step's sampled tokens (the step's one synchronisation) and bring them to the host."""
+        waiting = time.perf_counter()
+        draws, timer = launched.draws, launched.timer
+        if launched.copy is not None:
+            sampled, sampled_logprobs = launched.copy.result()
+        else:   # with none to sample, the stream ends
+            sampled, sampled_logprobs = draws.to_host() if draws else timer.synchronize()
         done = time.perf_counter()
         tokens: list[int | None]
         logprobs: list[dict | None]
-        if inputs.samples_all:
+        if launched.samples_all:
             tokens, logprobs = list(sampled), sampled_logprobs
         else:
-            tokens, logprobs = [None] * len(seqs), [None] * len(seqs)
-            for i, token, logprob in zip(inputs.sampled, sampled, sampled_logprobs):
+            tokens, logprobs = [None] * launched.num_seqs, [None] * launched.num_seqs
+            for i, token, logprob in zip(launched.sampled, sampled, sampled_logprobs):
                 tokens[i], logprobs[i] = token, logprob
         # On CPU the forward pass runs on the host: all of it counts as the wait for the "device".
-        wait = done - (queued if timer.enabled else prepared)
-        return RunOutput(tokens, logprobs, prepared - began, wait, timer.elapsed(), graph_size)
+        wait = done - waiting + (0.0 if timer.enabled else launched.queued - launched.prepared)
+        return RunOutput(tokens, logprobs, launched.prepared - launched.began, wait, timer.elapsed(),
+                         launched.graph_batch_size)
+
+    def _feed(self, token_ids: torch.Tensor, feeds: np.ndarray, previous: "Launched | None") -> None:
+        """Fill the placeholders among the step's token ids with the previous step's sampled tokens, on the device."""
+        if not feeds.shape[1]:
+            return
+        assert previous is not None and previous.draws is not None, "placeholders without the step that samples them"
+        columns, rows = torch.from_numpy(feeds).to(self.device, non_blocking=True)
+        token_ids.index_copy_(0, columns, previous.draws.token_ids[rows])
+
+    def _planned_now(self) -> None:
+        """With overlap on CUDA, mark where this step's attention plan has been copied to the device."""
+        if self.config.overlap and self.device.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+
+    def _host_tokens(self) -> torch.Tensor:
+        """One of two host buffers of sampled tokens, in turn: a step's tokens are read before the step after the
+        next one copies (one step at most is in flight)."""
+        if not self._token_buffers:
+            pinned = self.device.type == "cuda"
+            self._token_buffers = [torch.empty(self.config.max_num_seqs, dtype=torch.long, pin_memory=pinned)
+                                   for _ in range(2)]
+        self._token_buffers.reverse()
+        return self._token_buffers[0]
 
     def _sampling_rows(self, seqs: list, eos_token_ids: set[int]) -> list[SamplingRow]:
         return [seq.sampling_row or self._sampling_row(seq, eos_token_ids) for seq in seqs]

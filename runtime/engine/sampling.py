@@ -88,14 +88,42 @@ class Draws:
 
     def to_host(self) -> tuple[list[int], list[dict | None]]:
         token_ids = self.token_ids.tolist()
+        return token_ids, self.logprobs_to_host(token_ids)
+
+    def copy_to_host(self, buffer: torch.Tensor) -> "HostCopy":
+        """Start copying the tokens into `buffer` (host memory, pinned on CUDA) without waiting for them; the
+        buffer must not be reused before `HostCopy.result` returned."""
+        host = buffer[:len(self.token_ids)]
+        host.copy_(self.token_ids, non_blocking=True)
+        event = None
+        if self.token_ids.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return HostCopy(self, host, event)
+
+    def logprobs_to_host(self, token_ids: list[int]) -> list[dict | None]:
         out: list[dict | None] = [None] * len(self.rows)
         if self.logprobs is None:
-            return token_ids, out
+            return out
         drawn = self.logprobs
         chosen, values, ids = drawn.chosen.tolist(), drawn.top_values.tolist(), drawn.top_ids.tolist()
         for j, (i, n) in enumerate(drawn.rows.items()):
             out[i] = {"token_id": token_ids[i], "logprob": chosen[j], "top": list(zip(ids[j][:n], values[j][:n]))}
-        return token_ids, out
+        return out
+
+
+@dataclass
+class HostCopy:
+    """Draws' tokens on their way to host memory: `result` waits for the copy only, not for later work."""
+    draws: Draws
+    host: torch.Tensor                       # [B] the slice of the buffer the copy writes
+    event: torch.cuda.Event | None           # recorded after the copy on CUDA; None on CPU (copied already)
+
+    def result(self) -> tuple[list[int], list[dict | None]]:
+        if self.event is not None:
+            self.event.synchronize()
+        token_ids = self.host.tolist()
+        return token_ids, self.draws.logprobs_to_host(token_ids)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[dict | None]]:

@@ -50,7 +50,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            # Its last token never needs K/V: with overlap scheduling, a sequence whose placeholder is its last
+            # token (the length limit ends it) sits out the step rather than compute one that is thrown away.
+            n = min(min(len(seq.token_ids), seq.max_len - 1) - seq.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
             while not allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -38,6 +38,15 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows: all but the placeholders at the tail, which stand for tokens a step
+        launched with overlap scheduling is still sampling (-1 - j: row j of that step's sampled tokens)."""
+        n = len(self.token_ids)
+        while n and self.token_ids[n - 1] < 0:
+            n -= 1
+        return n
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

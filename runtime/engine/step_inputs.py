@@ -2,8 +2,8 @@
 
 A decode step of 256 sequences built them token by token in Python lists (~4 us a sequence); here the Python
 left is one pass over the sequences per field read (computed tokens, length, block-table row, input token), and
-the rest (positions, KV slots, block tables, which rows sample) is array arithmetic. The block tables come from
-BlockTables' rows, gathered in one indexing op.
+the rest (positions, KV slots, block tables, which rows sample, which tokens are placeholders) is array
+arithmetic. The block tables come from BlockTables' rows, gathered in one indexing op.
 """
 from dataclasses import dataclass
 
@@ -22,6 +22,9 @@ class StepInputs:
     sampled: list[int]          # the sequences whose tokens are all computed after this step: they sample
     sample_index: np.ndarray    # [len(sampled)] int64: each one's last token in `tokens`
     decode: bool                # one new token per sequence
+    # [2, F] int64: the tokens that are placeholders (overlap scheduling), as their columns in `tokens` and the
+    # rows of the previous step's sampled tokens that hold them; the runner fills them in on the device
+    feeds: np.ndarray
 
     @property
     def samples_all(self) -> bool:
@@ -50,6 +53,9 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         token_rows = np.repeat(rows, query_lens)
     tokens = np.empty((4, len(token_ids)), dtype=np.int64)
     tokens[0] = token_ids
+    feed = np.flatnonzero(tokens[0] < 0)
+    feeds = np.stack([feed, -1 - tokens[0, feed]])
+    tokens[0, feed] = 0
     tokens[1] = positions
     tokens[2] = tables.array[token_rows, positions // block_size]
     tokens[3] = positions % block_size
@@ -58,4 +64,4 @@ def step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
     lengths = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
     sampled = np.flatnonzero(context_lens == lengths)
     return StepInputs(tokens, query_lens, context_lens, tables.array[rows, :num_blocks.max()], num_blocks,
-                      sampled.tolist(), ends[sampled] - 1, decode)
+                      sampled.tolist(), ends[sampled] - 1, decode, feeds)
