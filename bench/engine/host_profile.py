@@ -5,6 +5,7 @@
     python bench/engine/host_profile.py --against DIR           # the same, also for the engine in DIR, side by side
     python bench/engine/host_profile.py --seqs 256 --cprofile   # cProfile's top functions of the decode steps
     python bench/engine/host_profile.py --model DIR --offline   # a real model, on the GPU where there is one
+    python bench/engine/host_profile.py --overlap               # EngineConfig(overlap=True)
 
 The real LLMEngine runs on the CPU with the tiny model of runtime/engine/tiny.py, and everything a GPU step does
 on the host runs as it would on the GPU: the decode steps go through DecodeGraphs.prepare and
@@ -24,6 +25,9 @@ wrapper per call would cost more than the call), graph_prepare (DecodeGraphs.pre
 plan (the attention backend's), draw, to_host, postprocess, observer, step_other (the rest of LLMEngine.step),
 detokenize (the text per request as AsyncLLM makes it on its callers' event loops: outside LLMEngine.step, but on
 the same host and GIL), and the garbage collector's share of all of them.
+
+--overlap runs EngineConfig(overlap=True): its inputs checksum must equal the serial engine's; its token checksum
+does not, as its outputs lag one step (the last measured step's tokens are still in flight).
 
 --against DIR runs this script again in a second process whose `ember.runtime` is DIR/runtime (a checkout of
 another commit, e.g. `git archive BASE runtime | tar -x -C DIR`), with the same workload. Prints only; records
@@ -209,18 +213,28 @@ def instrument(eng, phases: Phases, real: bool) -> None:
 
     runner = eng.runner
     eng.scheduler.schedule = phases.wrap("schedule", eng.scheduler.schedule)
-    run = phases.wrap("inputs", runner.run)
+    overlap = getattr(eng.config, "overlap", False)
 
-    def run_and_wait(*args):
-        out = run(*args)
+    def waited(out, where: str):
         if out.gpu_seconds is not None:   # the wait is the device's time, not the host's
-            # it happened in to_host, or in run itself when nothing was sampled
-            where = "to_host" if any(t is not None for t in out.token_ids) else "inputs"
             phases.seconds[where] = phases.seconds.get(where, 0.0) - out.wait_seconds
             phases.seconds[WAIT] = phases.seconds.get(WAIT, 0.0) + out.wait_seconds
         return out
 
-    runner.run = run_and_wait
+    if overlap:   # launch and collect in place of run; the wait happens in collect
+        runner.launch = phases.wrap("inputs", runner.launch)
+        collect = phases.wrap("to_host", runner.collect)
+        runner.collect = lambda launched: waited(collect(launched), "to_host")
+        eng._postprocess_launched = phases.wrap("postprocess", eng._postprocess_launched)
+    else:
+        run = phases.wrap("inputs", runner.run)
+
+        def run_and_wait(*args):
+            out = run(*args)
+            # the wait happened in to_host, or in run itself when nothing was sampled
+            return waited(out, "to_host" if any(t is not None for t in out.token_ids) else "inputs")
+
+        runner.run = run_and_wait
     if hasattr(runner, "_sampling_rows"):   # an engine that builds a step's rows in one call (else: in inputs)
         runner._sampling_rows = phases.wrap("rows", runner._sampling_rows)
     if runner.graphs is not None:
@@ -247,8 +261,9 @@ def make_engine(model_dir: Path, max_num_seqs: int, args, phases: Phases):
     from ember.runtime.engine.engine import LLMEngine
 
     blocks = None if args.model and torch.cuda.is_available() else max_num_seqs * -(-args.max_model_len // 16) + 1
+    overlap = {"overlap": True} if args.overlap else {}   # an engine of --against may not have the flag
     eng = LLMEngine(EngineConfig(model=str(model_dir), max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                                 max_model_len=args.max_model_len, num_kv_blocks=blocks))
+                                 max_model_len=args.max_model_len, num_kv_blocks=blocks, **overlap))
     if not args.model:
         emulate_gpu_path(eng, phases)
     elif eng.runner.device.type == "cpu":   # the real forward pass on the CPU: the device's stand-in
@@ -453,6 +468,9 @@ def main() -> None:
                         help="where the tiny model is built (and reused)")
     parser.add_argument("--model", help="a model directory to run for real (on the GPU where there is one: "
                                             "e.g. speed.py's --workdir model), without the stand-ins")
+    parser.add_argument("--overlap", action="store_true",
+                        help="EngineConfig(overlap=True): launch and collect in place of run (on a CPU the device's "
+                             "stand-in runs at launch, so this shows the host's cost of overlapping, not its gain)")
     parser.add_argument("--json", action="store_true", help="print the rows as one JSON line (for --against)")
     args = parser.parse_args()
     torch.set_num_threads(1)   # the host path is single-threaded; a second thread only adds noise here

@@ -5,6 +5,7 @@
     python bench/engine/speed.py --models 0.6B --skip-online --offline-requests 16   # a quick look
     python bench/engine/speed.py --models 8B --parts b1,offline,b64 --record --results DIR   # one call's share
     python bench/engine/speed.py --merge DIR1/engine_speed.json DIR2/engine_speed.json     # join the shares
+    python bench/engine/speed.py --models 8B --parts b1,b64 --overlap both    # overlap scheduling off and on
 
 Random-weight models of the shapes of Qwen3-0.6B, 4B and 8B (bf16, built on the GPU, the tiny tokenizer of
 runtime/engine/tiny.py). Per model:
@@ -18,7 +19,8 @@ runtime/engine/tiny.py). Per model:
     --hf-offline-requests prompts, each generating the mean output length, since it takes one max_new_tokens for a
     batch;
   - host vs GPU per decode step at batch 64 (256-token prompts): host = step wall time minus the time the host
-    waited for the device, GPU = CUDA events around the forward pass and sampling;
+    waited for the device, GPU = CUDA events around the forward pass and sampling, and the step's wall time;
+  - with --overlap on or both, Ember's parts again with EngineConfig(overlap=True), in fields named "..._overlap";
   - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
     128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99.
 """
@@ -144,14 +146,14 @@ def hf_offline(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     return produced / (time.perf_counter() - began), "generate (padded batches of 64)"
 
 
-def ember_engine(model_dir: Path, max_num_seqs: int | None = None):
+def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool = False):
     """The engine with batches of up to `max_num_seqs` sequences and 8192 tokens a step; with None, with
     EngineConfig's defaults (what a user gets)."""
     from ember.runtime.engine.config import EngineConfig
     from ember.runtime.engine.engine import LLMEngine
 
     tuned = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 8192}
-    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, **tuned))
+    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, overlap=overlap, **tuned))
 
 
 def ember_batch1(eng, prompt: list[int], new_tokens: int) -> float:
@@ -174,13 +176,13 @@ def ember_offline(eng, prompts: list[list[int]], output_lens: list[int]) -> tupl
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     runs = []
-    run = eng.runner.run
+    collect = eng.runner.collect   # every step's RunOutput comes from it, overlapped or not
 
-    def recorded(*args):
-        runs.append(run(*args))
+    def recorded(launched):
+        runs.append(collect(launched))
         return runs[-1]
 
-    eng.runner.run = recorded
+    eng.runner.collect = recorded
     graphs = eng.runner.graphs
     captured = graphs.capture_seconds if graphs else 0.0
     try:
@@ -188,7 +190,7 @@ def ember_offline(eng, prompts: list[list[int]], output_lens: list[int]) -> tupl
         outputs = eng.generate(prompts, params)
         elapsed = time.perf_counter() - began
     finally:
-        eng.runner.run = run
+        del eng.runner.collect
     assert [len(o) for o in outputs] == output_lens
     graphed = [r for r in runs if r.graph_batch_size is not None]
     eager = [r for r in runs if r.graph_batch_size is None]
@@ -201,21 +203,22 @@ def ember_offline(eng, prompts: list[list[int]], output_lens: list[int]) -> tupl
     return sum(output_lens) / elapsed, split
 
 
-def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float]:
-    """Median host and GPU milliseconds per decode step with `batch` sequences running."""
+def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float, float]:
+    """Median host, GPU and wall milliseconds per decode step with `batch` sequences running (with overlap, the
+    wall time is what the host does not hide behind the device)."""
     from ember.runtime.engine.sampling import SamplingParams
 
     for i, prompt in enumerate(random_prompts(batch, 256, 256, seed=3)):
         eng.add_request(f"b64-{i}", prompt, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
-    host, gpu = [], []
+    host, gpu, walls = [], [], []
     runs = []
-    run = eng.runner.run
+    collect = eng.runner.collect
 
-    def recorded(*args):   # the bench reads each step's RunOutput beside the engine
-        runs.append(run(*args))
+    def recorded(launched):   # the bench reads each step's RunOutput beside the engine
+        runs.append(collect(launched))
         return runs[-1]
 
-    eng.runner.run = recorded
+    eng.runner.collect = recorded
     try:
         while eng.has_unfinished_requests():
             runs.clear()
@@ -225,9 +228,10 @@ def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float]:
             if runs and runs[0].graph_batch_size == batch and len(eng.scheduler.running) == batch:
                 host.append(wall - runs[0].wait_seconds)
                 gpu.append(runs[0].gpu_seconds)
+                walls.append(wall)
     finally:
-        eng.runner.run = run
-    return 1000 * statistics.median(host), 1000 * statistics.median(gpu)
+        del eng.runner.collect
+    return 1000 * statistics.median(host), 1000 * statistics.median(gpu), 1000 * statistics.median(walls)
 
 
 def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: int) -> list[dict]:
@@ -351,41 +355,52 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     hf = None   # its GPU memory goes before the engine sizes its KV cache
     gc.collect()
     torch.cuda.empty_cache()
-    began = time.perf_counter()
-    eng = ember_engine(model_dir, max_num_seqs=256)
-    row["ember_start_phases_s"] = {k: round(v, 3) for k, v in eng.runner.start_phases.items()}
-    log(f"[{shape}] ember engine up in {time.perf_counter() - began:.1f} s: {row['ember_start_phases_s']}")
-    if "b1" in args.parts:
-        row["ember_b1_tok_s"] = round(ember_batch1(eng, b1_prompt, 256), 1)
-        log(f"[{shape}] ember batch 1: {row['ember_b1_tok_s']} tok/s "
-            f"({row['ember_b1_tok_s'] / row['roofline_b1_tok_s']:.0%} of roofline)")
-    if "offline" in args.parts:
-        rate, split = ember_offline(eng, prompts, output_lens)
-        row["offline_output_tok_s"], row["offline_time_split"] = round(rate, 1), split
-        log(f"[{shape}] ember offline: {row['offline_output_tok_s']} output tok/s; {split}")
-    if "b64" in args.parts:
-        host, gpu = ember_host_vs_gpu(eng)
-        row["host_ms_per_step_b64"], row["gpu_ms_per_step_b64"] = round(host, 3), round(gpu, 3)
-        log(f"[{shape}] batch 64 decode step: host {host:.3f} ms, GPU {gpu:.3f} ms ({host / gpu:.1%})")
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
-    if "offline-defaults" in args.parts:  # the same run with EngineConfig's defaults for the batch sizes
-        eng = ember_engine(model_dir)
-        rate, split = ember_offline(eng, prompts, output_lens)
-        row["offline_defaults_output_tok_s"], row["offline_defaults_time_split"] = round(rate, 1), split
-        row["offline_defaults"] = {"max_num_seqs": eng.config.max_num_seqs,
-                                   "max_num_batched_tokens": eng.config.max_num_batched_tokens}
-        log(f"[{shape}] ember offline, default batch sizes {row['offline_defaults']}: "
-            f"{row['offline_defaults_output_tok_s']} output tok/s; {split}")
-        del eng
-        gc.collect()
-        torch.cuda.empty_cache()
+    for overlap in {"off": [False], "on": [True], "both": [False, True]}[args.overlap]:
+        ember_parts(row, shape, model_dir, args, b1_prompt, prompts, output_lens, overlap)
     if "online" in args.parts:
         row["online"] = online(model_dir, tuple(args.concurrency), args.online_requests)
     if not args.workdir:   # a model in a given --workdir stays for the next run
         shutil.rmtree(model_dir, ignore_errors=True)
     return row
+
+
+def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[int], prompts: list[list[int]],
+                output_lens: list[int], overlap: bool) -> None:
+    """Ember's batch-1, offline and batch-64 parts into `row`; with overlap, each field named with "_overlap"."""
+    suffix, label = ("_overlap", " (overlap)") if overlap else ("", "")
+    began = time.perf_counter()
+    eng = ember_engine(model_dir, max_num_seqs=256, overlap=overlap)
+    row[f"ember_start_phases_s{suffix}"] = {k: round(v, 3) for k, v in eng.runner.start_phases.items()}
+    log(f"[{shape}] ember engine{label} up in {time.perf_counter() - began:.1f} s: "
+        f"{row[f'ember_start_phases_s{suffix}']}")
+    if "b1" in args.parts:
+        b1 = row[f"ember_b1_tok_s{suffix}"] = round(ember_batch1(eng, b1_prompt, 256), 1)
+        log(f"[{shape}] ember batch 1{label}: {b1} tok/s ({b1 / row['roofline_b1_tok_s']:.0%} of roofline)")
+    if "offline" in args.parts:
+        rate, split = ember_offline(eng, prompts, output_lens)
+        row[f"offline_output_tok_s{suffix}"], row[f"offline_time_split{suffix}"] = round(rate, 1), split
+        log(f"[{shape}] ember offline{label}: {round(rate, 1)} output tok/s; {split}")
+    if "b64" in args.parts:
+        host, gpu, wall = ember_host_vs_gpu(eng)
+        row[f"host_ms_per_step_b64{suffix}"], row[f"gpu_ms_per_step_b64{suffix}"] = round(host, 3), round(gpu, 3)
+        row[f"wall_ms_per_step_b64{suffix}"] = round(wall, 3)
+        log(f"[{shape}] batch 64 decode step{label}: host {host:.3f} ms, GPU {gpu:.3f} ms ({host / gpu:.1%}), "
+            f"wall {wall:.3f} ms")
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    if "offline-defaults" in args.parts:  # the same run with EngineConfig's defaults for the batch sizes
+        eng = ember_engine(model_dir, overlap=overlap)
+        rate, split = ember_offline(eng, prompts, output_lens)
+        row[f"offline_defaults_output_tok_s{suffix}"] = round(rate, 1)
+        row[f"offline_defaults_time_split{suffix}"] = split
+        row["offline_defaults"] = {"max_num_seqs": eng.config.max_num_seqs,
+                                   "max_num_batched_tokens": eng.config.max_num_batched_tokens}
+        log(f"[{shape}] ember offline{label}, default batch sizes {row['offline_defaults']}: "
+            f"{round(rate, 1)} output tok/s; {split}")
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -405,6 +420,10 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated, of {','.join(PARTS)} (default all): a run that must end within a "
                              "time limit measures some, and --merge joins the runs")
+    parser.add_argument("--overlap", choices=("off", "on", "both"), default="off",
+                        help="Ember's parts with EngineConfig(overlap=...): 'on' names their fields with an "
+                             "'_overlap' suffix (ember_b1_tok_s_overlap, ...), 'both' measures each twice, side by "
+                             "side")
     parser.add_argument("--record", action="store_true", help="write bench/results/engine_speed.json")
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="where --record writes engine_speed.json (and, for bench/results, the SVG and README)")
@@ -472,11 +491,15 @@ def record(result: dict, results: Path = RESULTS) -> None:
     for m in result["models"]:
         b1 = m.get("ember_b1_tok_s")
         b1_text = f"{b1} ({b1 / m['roofline_b1_tok_s']:.0%})" if b1 else "-"
+        if "ember_b1_tok_s_overlap" in m:
+            b1_text += f"; overlap {m['ember_b1_tok_s_overlap']}"
         rows.append(f"| {m['name']} | {m['weight_bytes'] / 1e9:.2f} | {m['roofline_b1_tok_s']} | {b1_text} | "
                     f"{m.get('transformers_b1_tok_s') or '-'} | {m.get('offline_output_tok_s') or '-'} "
                     f"({m.get('offline_defaults_output_tok_s') or '-'}) | "
                     f"{m.get('transformers_offline_output_tok_s') or '-'} | "
-                    f"{m.get('host_ms_per_step_b64', '-')} / {m.get('gpu_ms_per_step_b64', '-')} |")
+                    f"{m.get('host_ms_per_step_b64', '-')} / {m.get('gpu_ms_per_step_b64', '-')}"
+                    + (f"; overlap: step wall {m['wall_ms_per_step_b64_overlap']} against "
+                       f"{m.get('wall_ms_per_step_b64', '-')}" if "wall_ms_per_step_b64_overlap" in m else "") + " |")
     online = [f"| {m['name']} | {o['concurrency']} | {o['output_tok_s']} | {o['ttft_ms_p50']} / {o['ttft_ms_p99']} | "
               f"{o['itl_ms_p50']} / {o['itl_ms_p99']} |" for m in result["models"] for o in m.get("online", [])]
     section = "\n".join([
