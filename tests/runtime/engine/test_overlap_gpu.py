@@ -1,0 +1,70 @@
+"""Overlap scheduling on a CUDA GPU (bf16, flashinfer, decode graphs): the same tokens as the serial engine.
+
+Run on the GPU machine:
+    python -m pytest tests/runtime/engine/test_overlap_gpu.py -m gpu
+
+Only workloads whose batches are the same with and without overlap: a request that stops rides along in the step
+launched after its stop, which can change a batch's graph size and so, in bf16, its neighbours' logits.
+"""
+import pytest
+import torch
+
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.engine import LLMEngine
+from ember.runtime.engine.sampling import SamplingParams
+from ember.runtime.engine.tiny import build_tiny_model
+
+from .hf_models import random_prompts
+from .test_overlap import Outcome, run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # head_dim 64: a size every attention backend takes.
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", hidden_size=128, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=64))
+
+
+def both(model_dir: str, scenario) -> Outcome:
+    outcomes = []
+    for overlap in (False, True):
+        eng = LLMEngine(EngineConfig(model=model_dir, max_model_len=512, max_num_seqs=32, overlap=overlap))
+        assert eng.runner.graphs is not None
+        outcomes.append(scenario(eng))
+        assert not eng.has_unfinished_requests() and eng.block_manager.usage == 0
+    assert outcomes[1] == outcomes[0]
+    return outcomes[1]
+
+
+@pytest.mark.parametrize("batch", [3, 12])   # the Triton decode of graphs up to 8, flashinfer's above
+@pytest.mark.parametrize("seeded", [False, True])
+def test_decode_graphs_take_the_previous_steps_tokens_on_the_device(model_dir, batch, seeded):
+    params = (SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=7, ignore_eos=True) if seeded
+              else SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    prompts = random_prompts([5 + 3 * i for i in range(batch)], seed=batch)
+
+    def scenario(eng):
+        for i, prompt in enumerate(prompts):
+            eng.add_request(str(i), prompt, params)
+        return run(eng)
+
+    outcome = both(model_dir, scenario)
+    assert all(len(tokens) == 40 for tokens, _ in outcome.values())
+
+
+def test_prefills_mixed_with_overlapped_decodes(model_dir):
+    """Requests arriving while others decode: eager mixed steps, whose decodes' tokens come from the step before."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = random_prompts([9, 40, 17, 70, 33, 5], seed=3)
+
+    def scenario(eng):
+        for i, prompt in enumerate(prompts[:3]):
+            eng.add_request(str(i), prompt, params)
+        outcome = run(eng, steps=6)
+        for i, prompt in enumerate(prompts[3:], start=3):
+            eng.add_request(str(i), prompt, params)
+        return run(eng, outcome)
+
+    both(model_dir, scenario)
