@@ -217,15 +217,26 @@ class LLMEngine:
         to sample (penalties, min_tokens, logprobs), a step is launched and collected in one call.
         """
         previous, self._in_flight = self._in_flight, None
-        batch = ScheduledBatch()
-        if previous is None or not self._needs_host_tokens:   # else only N finishes: N+1 must see its tokens
-            batch = self.scheduler.schedule()
-            if batch.seqs:
-                self._in_flight = self._launch(batch, previous)
-        if previous is None and self._needs_host_tokens:
-            previous, self._in_flight = self._in_flight, None
-        run = self.runner.collect(previous.launched) if previous is not None else None
-        return batch, run, self._postprocess_launched(previous, run)
+        try:
+            batch = ScheduledBatch()
+            if previous is None or not self._needs_host_tokens:   # else only N finishes: N+1 must see its tokens
+                batch = self.scheduler.schedule()
+                if batch.seqs:
+                    self._in_flight = self._launch(batch, previous)
+            if previous is None and self._needs_host_tokens:
+                previous, self._in_flight = self._in_flight, None
+            run = self.runner.collect(previous.launched) if previous is not None else None
+            return batch, run, self._postprocess_launched(previous, run)
+        except BaseException:
+            # the steps' tokens are lost: each sequence samples again from its last known token (the caller
+            # decides whether its requests go on, as AsyncLLM aborts those of a failed step)
+            for step in (previous, self._in_flight):
+                for seq in step.batch.seqs if step is not None else ():
+                    del seq.token_ids[seq.num_known_tokens:]
+                    if seq.status is SequenceStatus.RUNNING:
+                        seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+            self._in_flight = None
+            raise
 
     def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
         launched = self.runner.launch(batch, self.eos_token_ids, previous.launched if previous is not None else None)

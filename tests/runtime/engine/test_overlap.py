@@ -295,3 +295,26 @@ def test_async_streaming_matches_the_serial_engine(tiny):
     serial, overlapped = streams(False), streams(True)
     assert overlapped == serial
     assert overlapped[2][-1][3] == "stop" and isinstance(overlapped[2][-1][4], str)   # the stop string matched
+
+
+def test_a_failed_collect_loses_no_token(llama):
+    """A step that raises takes its tokens and those of the step launched after it: both are sampled again."""
+    model_dir, model = llama
+    prompts = random_prompts([6, 21], seed=12)
+    eng = engine(model_dir, overlap=True)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(str(i), prompt, GREEDY)
+    outcome = run(eng, steps=4)
+    collect = eng.runner.collect
+
+    def fails_once(launched):
+        del eng.runner.collect
+        raise RuntimeError("device error")
+
+    eng.runner.collect = fails_once
+    with pytest.raises(RuntimeError, match="device error"):
+        eng.step()
+    outcome = run(eng, outcome)
+    assert eng.runner.collect == collect
+    assert [outcome[str(i)] for i in range(2)] == [(reference_greedy(model, p, 12), "length") for p in prompts]
+    assert_idle(eng)
