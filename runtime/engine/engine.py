@@ -103,7 +103,7 @@ class LLMEngine:
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, prompt_token_ids, params, generator, self.eos_token_ids, self.max_model_len)
         self.seqs[request_id] = seq
-        if self.config.overlap and (params.has_penalties or params.min_tokens or params.logprobs is not None):
+        if self.config.overlap and _needs_host_tokens(seq):
             self._needs_host_tokens.add(request_id)
         self.scheduler.add(seq)
         self.observer.added(seq, trace_context)
@@ -266,8 +266,11 @@ class LLMEngine:
             if reason is not None:
                 del seq.token_ids[slot + 1:]   # the placeholder of the step launched since: its output is discarded
                 self._finish(seq, reason)
-            elif seq.status is SequenceStatus.RUNNING:   # not preempted meanwhile: its blocks are its own
-                cache_full_blocks(seq, seq.num_computed_tokens)
+            else:
+                if seq.status is SequenceStatus.RUNNING:   # not preempted meanwhile: its blocks are its own
+                    cache_full_blocks(seq, seq.num_computed_tokens)
+                if self._needs_host_tokens and not _needs_host_tokens(seq):   # past its min_tokens
+                    self._needs_host_tokens.discard(seq.request_id)
             outputs.append(RequestOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
                                          reason is not None, reason, seq.num_prompt_tokens, seq.num_cached_tokens))
         return outputs
@@ -291,6 +294,13 @@ class LLMEngine:
     def _output(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None) -> RequestOutput:
         return RequestOutput(seq.request_id, tokens, logprobs, seq.status is SequenceStatus.FINISHED,
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens)
+
+
+def _needs_host_tokens(seq: Sequence) -> bool:
+    """Whether sampling the sequence's next token reads its tokens on the host (so overlap waits for them):
+    penalties count them, a min_tokens ban ends with them, logprobs are read with them."""
+    p = seq.params
+    return p.has_penalties or p.logprobs is not None or seq.num_output_tokens < p.min_tokens
 
 
 def _eos_token_ids(model_dir: str, hf_config) -> set[int]:

@@ -70,6 +70,20 @@ def test_steps_overlap_one_in_flight_at_most(llama):
     assert calls == ["launch"] + ["launch", "collect"] * 11 + ["collect"]
 
 
+def test_steps_run_one_at_a_time_until_min_tokens_is_reached(llama):
+    model_dir, model = llama
+    eng = engine(model_dir, overlap=True)
+    calls = []
+    launch, collect = eng.runner.launch, eng.runner.collect
+    eng.runner.launch = lambda *args: calls.append("launch") or launch(*args)
+    eng.runner.collect = lambda launched: calls.append("collect") or collect(launched)
+    prompt = random_prompts([7], seed=14)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=4, ignore_eos=True)
+    assert eng.generate([prompt], params) == [reference_greedy(model, prompt, 12)]
+    # stop tokens are banned from its first four tokens: the host counts them before each of those steps
+    assert calls == ["launch", "collect"] * 4 + ["launch"] + ["launch", "collect"] * 7 + ["collect"]
+
+
 def test_greedy_under_continuous_batching_and_chunked_prefill(llama):
     model_dir, model = llama
     prompts = random_prompts([3, 17, 40, 9, 64, 25], seed=2)
