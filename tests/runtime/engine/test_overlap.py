@@ -57,13 +57,19 @@ def serial_and_overlapped(scenario, model_dir: str, **overrides) -> Outcome:
     return outcomes[1]
 
 
-def test_steps_overlap_one_in_flight_at_most(llama):
-    model_dir, _ = llama
-    eng = engine(model_dir, overlap=True)
-    calls = []
+def record_calls(eng) -> list[str]:
+    """The order of the runner's launches and collects from now on."""
+    calls: list[str] = []
     launch, collect = eng.runner.launch, eng.runner.collect
     eng.runner.launch = lambda *args: calls.append("launch") or launch(*args)
     eng.runner.collect = lambda launched: calls.append("collect") or collect(launched)
+    return calls
+
+
+def test_steps_overlap_one_in_flight_at_most(llama):
+    model_dir, _ = llama
+    eng = engine(model_dir, overlap=True)
+    calls = record_calls(eng)
     prompts = random_prompts([5, 9])
     assert eng.generate(prompts, GREEDY) == [reference_greedy(llama[1], p, 12) for p in prompts]
     # step N+1 launches before step N is collected, every step but the first and the last
@@ -73,10 +79,7 @@ def test_steps_overlap_one_in_flight_at_most(llama):
 def test_steps_run_one_at_a_time_until_min_tokens_is_reached(llama):
     model_dir, model = llama
     eng = engine(model_dir, overlap=True)
-    calls = []
-    launch, collect = eng.runner.launch, eng.runner.collect
-    eng.runner.launch = lambda *args: calls.append("launch") or launch(*args)
-    eng.runner.collect = lambda launched: calls.append("collect") or collect(launched)
+    calls = record_calls(eng)
     prompt = random_prompts([7], seed=14)[0]
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=4, ignore_eos=True)
     assert eng.generate([prompt], params) == [reference_greedy(model, prompt, 12)]
