@@ -118,6 +118,16 @@ class FlashInferBackend:
             paged_kv_indices_buffer=buffer(batch_size * max_blocks_per_seq),
             paged_kv_last_page_len_buffer=buffer(batch_size))
 
+    def build_decode_module(self) -> None:
+        """Plans a one-sequence decode on the eager decode wrapper, which builds (or loads) flashinfer's decode
+        module. Graphs of more than `triton_graph_max_batch` sequences run it; a full boot's warm-up decodes at
+        most two, so without this a node compiled the module inside its first step of nine or more sequences (on
+        the H200, seconds of every running request's time). Reads no KV: the next plan replaces this one."""
+        one = np.ones(1, dtype=np.int32)
+        slots = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.plan(AttentionBatch(query_lens=one, context_lens=one, block_tables=np.zeros((1, 1), dtype=np.int32),
+                                 num_blocks=one, slot_blocks=slots, slot_offsets=slots))
+
     def plan(self, batch: AttentionBatch, graph_batch_size: int | None = None) -> None:
         """`graph_batch_size`: plan the graph's attention of that size (the batch is padded to it)."""
         self.batch = batch

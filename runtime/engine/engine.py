@@ -83,6 +83,12 @@ class LLMEngine:
         self.block_manager.forget_cached()
         self.observer.stats = EngineStats()
         if self.runner.device.type == "cuda":
+            build_decode_module = getattr(self.runner.attention, "build_decode_module", None)
+            if build_decode_module is not None:   # kept with the rest, so no request step compiles it
+                try:
+                    build_decode_module()
+                except Exception as err:  # noqa: BLE001 - the first large decode step then builds it instead
+                    logger.warning("flashinfer's decode module was not built at warm-up: %s", err)
             kernels.keep(self.runner.store)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -44,3 +44,26 @@ def test_second_boot_restores_cuda_weights_from_the_snapshot(tmp_path, monkeypat
     print(f"\nrestored {start.load}")
     assert second.generate(prompts, GREEDY) == expected
     assert len(LocalStore().ls()) == 1
+
+
+def test_a_full_boot_builds_flashinfer_s_decode_module_before_any_request(tmp_path):
+    """Graphs of more than 8 sequences run flashinfer's decode module; a full boot builds (and keeps) it in its
+    warm-up, so no request step of nine or more sequences compiles it. In a fresh process: the module cache is
+    per process."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=128, vocab_size=8192, max_position_embeddings=1024)
+    Qwen3ForCausalLM(config).save_pretrained(tmp_path / "qwen3")
+    probe = ("import sys; from ember.runtime.engine.config import EngineConfig; "
+             "from ember.runtime.engine.engine import LLMEngine; "
+             "LLMEngine(EngineConfig(model=sys.argv[1], dtype='bfloat16', num_kv_blocks=1024, max_model_len=1024)); "
+             "import flashinfer.decode as d; "
+             "print('decode modules loaded:', d.get_batch_decode_module.cache_info().currsize)")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "qwen3")], capture_output=True, text=True,
+                         env=os.environ | {"EMBER_HOME": str(tmp_path / "home")}, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decode modules loaded: 1" in out.stdout, out.stdout + out.stderr[-3000:]
