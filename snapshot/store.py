@@ -3,7 +3,9 @@
 Both stores answer the same calls, `SnapshotStore`: put, resolve, open, ls, rm, quarantine, and small blobs beside
 the snapshots. An object is named by its id (the sha256 of its header); names are refs pointing at ids.
 """
+import contextlib
 import ctypes
+import logging
 import mmap
 import os
 import re
@@ -160,13 +162,21 @@ class VerifiedMarks:
             return False
 
     def mark(self, snapshot_id: str, now: str) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Best effort: a mark that cannot be written (a full or read-only disk) only means the next load checks."""
         tmp = self.folder / f".{snapshot_id}.{uuid.uuid4().hex}"
-        tmp.write_text(now)
-        os.replace(tmp, self.folder / snapshot_id)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(now)
+            os.replace(tmp, self.folder / snapshot_id)
+        except OSError as err:
+            logging.getLogger("ember.snapshot").info("snapshot %s not marked verified: %s", snapshot_id, err)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
     def drop(self, snapshot_id: str) -> None:
-        (self.folder / snapshot_id).unlink(missing_ok=True)
+        """Best effort too: a mark left behind matches no other file (a new file has another change time)."""
+        with contextlib.suppress(OSError):
+            (self.folder / snapshot_id).unlink(missing_ok=True)
 
 
 def read_header(path: str | os.PathLike, snapshot_id: str | None = None) -> Header:

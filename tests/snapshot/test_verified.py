@@ -102,3 +102,14 @@ def test_rm_and_quarantine_drop_the_mark(mixed_state):
     ref = capture(mixed_state, store, "again", chunk_size=4096)
     store.rm("again")
     assert not (store.root / "verified" / ref.id).exists()
+
+
+def test_a_mark_that_cannot_be_written_only_means_the_next_load_checks(mixed_state):
+    store = LocalStore()
+    store.marks.folder.write_text("not a folder")  # every mark write now fails
+    capture(mixed_state, store, "mixed", chunk_size=4096)
+    for _ in range(2):
+        tensors, report = load(store.open("mixed"), threads=2)
+        assert report.trusted == 0
+        assert_same(tensors, mixed_state)
+    store.rm("mixed")
