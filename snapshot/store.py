@@ -158,7 +158,7 @@ class VerifiedMarks:
             return False
         try:
             return (self.folder / snapshot_id).read_text() == now
-        except OSError:
+        except (OSError, ValueError):  # unreadable, or not text: no mark
             return False
 
     def mark(self, snapshot_id: str, now: str) -> None:

@@ -113,3 +113,12 @@ def test_a_mark_that_cannot_be_written_only_means_the_next_load_checks(mixed_sta
         assert report.trusted == 0
         assert_same(tensors, mixed_state)
     store.rm("mixed")
+
+
+def test_a_garbled_mark_is_no_mark(mixed_state):
+    store = LocalStore()
+    ref = capture(mixed_state, store, "mixed", chunk_size=4096)
+    (store.marks.folder / ref.id).write_bytes(b"\xff\xfe\x00garbage")
+    tensors, report = load(store.open("mixed"), threads=2)
+    assert report.trusted == 0
+    assert_same(tensors, mixed_state)
