@@ -21,7 +21,7 @@ runtime/engine/tiny.py). Per model:
   - host vs GPU per decode step at batch 64 (256-token prompts): host = step wall time minus the time the host
     waited for the device, GPU = CUDA events around the forward pass and sampling, and the step's wall time;
   - with --overlap on or both, Ember's parts again with EngineConfig(overlap=True), in fields named "..._overlap";
-  - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
+  - online: `ember serve` with one replica (with --overlap, also or only with overlap scheduling, "online_overlap"), the OpenAI completions API streaming, 256-token prompts and
     128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99.
 """
 import argparse
@@ -234,14 +234,17 @@ def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float, float]:
     return 1000 * statistics.median(host), 1000 * statistics.median(gpu), 1000 * statistics.median(walls)
 
 
-def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: int) -> list[dict]:
-    """`ember serve` with one replica; streaming completions at each concurrency."""
+def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: int,
+           overlap: bool = False) -> list[dict]:
+    """`ember serve` with one replica (its engine with EngineConfig(overlap=overlap)); streaming completions at each
+    concurrency."""
     import httpx
 
     home = Path(tempfile.mkdtemp(prefix="ember-speed-"))
     process = subprocess.Popen(
         [sys.executable, "-m", "ember.cli", "serve", str(Path(__file__).parent / "serve_app.py"), "--port", "0"],
-        env=os.environ | {"EMBER_HOME": str(home), "EMBER_BENCH_MODEL": str(model_dir)},
+        env=os.environ | {"EMBER_HOME": str(home), "EMBER_BENCH_MODEL": str(model_dir),
+                          "EMBER_BENCH_OVERLAP": "1" if overlap else "0"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT)
     try:
         url = next(line.split(" at ")[-1].strip() for line in process.stdout if line.startswith("Ember is serving"))
@@ -358,7 +361,9 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     for overlap in {"off": [False], "on": [True], "both": [False, True]}[args.overlap]:
         ember_parts(row, shape, model_dir, args, b1_prompt, prompts, output_lens, overlap)
     if "online" in args.parts:
-        row["online"] = online(model_dir, tuple(args.concurrency), args.online_requests)
+        for overlap in {"off": [False], "on": [True], "both": [False, True]}[args.overlap]:
+            row["online_overlap" if overlap else "online"] = online(model_dir, tuple(args.concurrency),
+                                                                   args.online_requests, overlap)
     if not args.workdir:   # a model in a given --workdir stays for the next run
         shutil.rmtree(model_dir, ignore_errors=True)
     return row
@@ -500,8 +505,9 @@ def record(result: dict, results: Path = RESULTS) -> None:
                     f"{m.get('host_ms_per_step_b64', '-')} / {m.get('gpu_ms_per_step_b64', '-')}"
                     + (f"; overlap: step wall {m['wall_ms_per_step_b64_overlap']} against "
                        f"{m.get('wall_ms_per_step_b64', '-')}" if "wall_ms_per_step_b64_overlap" in m else "") + " |")
-    online = [f"| {m['name']} | {o['concurrency']} | {o['output_tok_s']} | {o['ttft_ms_p50']} / {o['ttft_ms_p99']} | "
-              f"{o['itl_ms_p50']} / {o['itl_ms_p99']} |" for m in result["models"] for o in m.get("online", [])]
+    online = [f"| {m['name']}{label} | {o['concurrency']} | {o['output_tok_s']} | {o['ttft_ms_p50']} / "
+              f"{o['ttft_ms_p99']} | {o['itl_ms_p50']} / {o['itl_ms_p99']} |" for m in result["models"]
+              for key, label in (("online", ""), ("online_overlap", " (overlap)")) for o in m.get(key, [])]
     section = "\n".join([
         MARK_BEGIN, "## Engine speed (`bench/engine/speed.py --record`)", "", f"Machine: {result['machine']}; "
         f"device copy bandwidth {result['copy_bandwidth_gb_s']} GB/s.", *([result["note"], ""] if "note" in result
