@@ -21,8 +21,9 @@ runtime/engine/tiny.py). Per model:
   - host vs GPU per decode step at batch 64 (256-token prompts): host = step wall time minus the time the host
     waited for the device, GPU = CUDA events around the forward pass and sampling, and the step's wall time;
   - with --overlap on or both, Ember's parts again with EngineConfig(overlap=True), in fields named "..._overlap";
-  - online: `ember serve` with one replica (with --overlap, also or only with overlap scheduling, "online_overlap"), the OpenAI completions API streaming, 256-token prompts and
-    128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99.
+  - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
+    128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99 (with --overlap, also or only
+    with overlap scheduling, in "online_overlap").
 """
 import argparse
 import concurrent.futures
