@@ -227,7 +227,10 @@ NOTES = """## How to read this
 - GPU-seconds count a replica from the moment it starts until it stops, and while parked where the park
   keeps the GPU (the 13s rows); where a park frees the GPU, a parked replica is billed as pinned host RAM.
   The measured tiers (bench/results/coldstart.json, re-recorded on the H200) park in 1.10 GiB of GPU memory,
-  under the 2 GiB this bench counts as freed, so measured rows park.
+  under the 2 GiB this bench counts as freed, so measured rows park. This run's measured tiers are the
+  2026-12-01 record (wake 0.199 s, T2 warm 0.882 s, T2 cold 5.017 s); the counts in the seed-1 small note
+  below (requests over KPA-like's p99, wakes needed) were worked out under the record before it (T2 warm
+  0.966 s, KPA-like's p99 0.38 s), and the table above is this run's.
 - Every function of a trace shares one finite cluster: 5 nodes of 8 GPUs (40 GPUs; `CLUSTER`). A start
   that finds every GPU taken stops the longest-parked replica that holds one (13s rows, where a park
   keeps its GPU), else the longest-idle hot replica with nothing in flight, of any function, else waits
@@ -276,10 +279,10 @@ NOTES = """## How to read this
     wake's tail, or the first starts on nodes without the function's snapshot that every policy pays.
   - seed 0 small: 0.95% of requests come after 90 s idle (the expectation from the 20 rates,
     sum(r e^(-90 r)) / sum(r); counted, it hovers at 0.8-1.2%), so Ember parks fast part of the time:
-    -31% (ladder and measured) at p99 0.48 / 0.42 s against 1.55 / 1.02 s. KPA-like's p99 is a start
+    -31% (ladder and measured) at p99 0.48 / 0.42 s against 1.55 / 0.94 s. KPA-like's p99 is a start
     only with its 20 first starts (0.6% of the 30 minutes' requests) on top; counting those (above)
     reaches -60% here and costs the p99 on seeds 1-3.
-  - seed 1 small: 0.24% after 90 s idle (expected 0.24%); KPA-like's p99 (0.30 s ladder, 0.38 measured)
+  - seed 1 small: 0.24% after 90 s idle (expected 0.24%); KPA-like's p99 (0.30 s ladder, 0.36 measured)
     is its hot replicas' tail and partial waits on its first starts. Under ladder tiers a wake's TTFT
     (>= 0.32 s) is over KPA-like's p99, and Ember's run already has the 40 requests of 4,049 over
     0.2975 s that a p99 no worse allows (KPA-like has 40 too): no further wake fits, and -40% needs
