@@ -20,9 +20,8 @@ def boot(model_dir: str) -> LLMEngine:
                                   snapshot_store="local"))
 
 
-def test_second_boot_restores_cuda_weights_from_the_snapshot(tmp_path, monkeypatch):
+def test_second_boot_restores_cuda_weights_from_the_snapshot(tmp_path, home_with_kept_kernels):
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, vocab_size=8192, max_position_embeddings=1024,
@@ -46,7 +45,7 @@ def test_second_boot_restores_cuda_weights_from_the_snapshot(tmp_path, monkeypat
     assert len(LocalStore().ls()) == 1
 
 
-def test_a_full_boot_builds_flashinfer_s_decode_module_before_any_request(tmp_path):
+def test_a_full_boot_builds_flashinfer_s_decode_module_before_any_request(tmp_path, home_with_kept_kernels):
     """Graphs of more than 8 sequences run flashinfer's decode module; a full boot builds (and keeps) it in its
     warm-up, so no request step of nine or more sequences compiles it. In a fresh process: the module cache is
     per process."""
@@ -64,6 +63,6 @@ def test_a_full_boot_builds_flashinfer_s_decode_module_before_any_request(tmp_pa
              "import flashinfer.decode as d; "
              "print('decode modules loaded:', d.get_batch_decode_module.cache_info().currsize)")
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "qwen3")], capture_output=True, text=True,
-                         env=os.environ | {"EMBER_HOME": str(tmp_path / "home")}, timeout=600)
+                         env=os.environ | {"EMBER_HOME": str(home_with_kept_kernels)}, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "decode modules loaded: 1" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -77,14 +77,8 @@ print(json.dumps({"weights": engine.runner.weights_start.source, "image": engine
 """
 
 
-def test_a_fresh_process_restores_into_the_recorded_address_ranges_and_answers_the_same(tmp_path, monkeypatch):
-    import shutil
-
-    from ember.runtime.engine.kernels import kernel_dir
-
-    if kernel_dir().is_dir():  # this machine's kept kernels, so the test compiles nothing the machine has built
-        shutil.copytree(kernel_dir(), tmp_path / "home" / "kernels")
-    monkeypatch.setenv("EMBER_HOME", str(tmp_path / "home"))
+def test_a_fresh_process_restores_into_the_recorded_address_ranges_and_answers_the_same(tmp_path,
+                                                                                         home_with_kept_kernels):
     build(tmp_path / "model")
     prompts = [torch.randint(3, 8192, (n,)).tolist() for n in (5, 40, 200)]
 
