@@ -41,6 +41,7 @@ class Launched:
     copy: HostCopy | None              # with overlap: the draws' tokens on their way to a host buffer
     timer: "_GpuTimer"
     began: float                       # perf_counter() at the launch's start
+    blocked: float                     # seconds of the launch spent waiting for the device (the last plan's copies)
     prepared: float                    # once the inputs were on their way and attention was planned
     queued: float                      # once the forward pass and sampling were queued (on CPU: done)
     graph_batch_size: int | None
@@ -52,7 +53,9 @@ class RunOutput:
     token_ids: list[int | None]        # per sequence; None for a prefill chunk that did not reach the prompt's end
     logprobs: list[dict | None]
     prepare_seconds: float             # host work before the forward pass was queued
-    wait_seconds: float                # host blocked on the device for the sampled tokens (on CPU: the forward pass)
+    # host blocked on the device: for the sampled tokens and, with overlap, for the previous plan's copies (on CPU:
+    # the forward pass)
+    wait_seconds: float
     gpu_seconds: float | None          # device time of the forward pass and sampling (CUDA events); None on CPU
     graph_batch_size: int | None       # the CUDA graph replayed, None when the step ran eagerly
 
@@ -272,10 +275,12 @@ class ModelRunner:
         seqs = batch.seqs
         rows = self._sampling_rows(seqs if inputs.samples_all else [seqs[i] for i in inputs.sampled], eos_token_ids)
         timer = _GpuTimer(self.device.type == "cuda")
+        blocked = time.perf_counter()
         if self._planned is not None:
             # attention plans copy from host buffers they reuse (flashinfer: one pinned buffer per wrapper): the
             # previous step's copies must have left them before this step plans; they run first in that step
             self._planned.synchronize()
+        blocked = time.perf_counter() - blocked
         # one new token per sequence: a decode step, replayed from a graph unless above the largest
         graph_size = self.graphs.batch_size_for(len(seqs)) if self.graphs is not None and inputs.decode else None
         if self.graphs is not None and graph_size is not None:
@@ -304,7 +309,7 @@ class ModelRunner:
         draws = draw(logits, rows) if rows else None
         timer.stop()
         copy = draws.copy_to_host(self._host_tokens()) if draws is not None and self.config.overlap else None
-        return Launched(len(seqs), inputs.sampled, inputs.samples_all, draws, copy, timer, began, prepared,
+        return Launched(len(seqs), inputs.sampled, inputs.samples_all, draws, copy, timer, began, blocked, prepared,
                         time.perf_counter(), graph_size)
 
     def collect(self, launched: "Launched") -> RunOutput:
@@ -325,9 +330,9 @@ class ModelRunner:
             for i, token, logprob in zip(launched.sampled, sampled, sampled_logprobs):
                 tokens[i], logprobs[i] = token, logprob
         # On CPU the forward pass runs on the host: all of it counts as the wait for the "device".
-        wait = done - waiting + (0.0 if timer.enabled else launched.queued - launched.prepared)
-        return RunOutput(tokens, logprobs, launched.prepared - launched.began, wait, timer.elapsed(),
-                         launched.graph_batch_size)
+        wait = done - waiting + launched.blocked + (0.0 if timer.enabled else launched.queued - launched.prepared)
+        return RunOutput(tokens, logprobs, launched.prepared - launched.began - launched.blocked, wait,
+                         timer.elapsed(), launched.graph_batch_size)
 
     def _feed(self, token_ids: torch.Tensor, feeds: np.ndarray, previous: "Launched | None") -> None:
         """Fill the placeholders among the step's token ids with the previous step's sampled tokens, on the device."""
