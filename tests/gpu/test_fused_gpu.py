@@ -75,3 +75,33 @@ def test_write_kv_lands_in_each_tokens_slot():
     assert torch.equal(cache[blocks, 0, offsets], k) and torch.equal(cache[blocks, 1, offsets], v)
     assert cache.float().abs().sum().item() == pytest.approx((k.float().abs().sum() + v.float().abs().sum()).item(),
                                                              rel=1e-3)
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 12288), (151936, 4096), (1000, 4100), (32768, 1024)])
+def test_single_row_products_match_cublas(n, k):
+    """gemv.py's kernel where it applies (a reduction of 4096 or more, or a vocabulary), including sizes that are
+    not a multiple of its tiles; each output is the fp32 sum rounded once, so it sits within a rounding step of
+    cuBLAS's and mostly equals it."""
+    from ember.runtime.engine import gemv
+
+    x, weight = randn(1, k), randn(n, k) * 0.05
+    assert gemv.applies(x, weight, None)
+    reference = torch.nn.functional.linear(x, weight)
+    close(gemv.linear(x, weight), reference, equal_fraction=0.9)
+    layer = gemv.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    assert torch.equal(layer(x), gemv.linear(x, weight))
+
+
+def test_products_the_kernel_does_not_take_are_cublas_s():
+    from ember.runtime.engine import gemv
+
+    weight = randn(4096, 4096)
+    for x in (randn(2, 4096), randn(1, 4096)[:, :2048]):   # two rows; a reduction too short for the kernel
+        w = weight[:, :x.shape[1]].contiguous()
+        assert not gemv.applies(x, w, None)
+        assert torch.equal(gemv.linear(x, w), torch.nn.functional.linear(x, w))
+    x = randn(1, 4096)
+    assert not gemv.applies(x, weight, randn(4096))   # a bias
+    assert not gemv.applies(x, weight.t(), None)      # a weight not in rows

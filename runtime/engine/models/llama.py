@@ -2,13 +2,14 @@
 
 Module names follow Hugging Face's so safetensors weights load by name, except two merged projections: q, k and v
 are one `qkv_proj` and gate and up one `gate_up_proj` (at batch 1 one product reads the weights faster than three
-small ones, and launches once). The loader copies each Hugging Face tensor into its rows (the parts are listed in
+small ones, and launches once). Products of a single row (batch-1 decode) take gemv.py's kernel where it beats
+cuBLAS. The loader copies each Hugging Face tensor into its rows (the parts are listed in
 ember.snapshot.writer.MERGED_PROJECTIONS, so that a snapshot built from a model directory has this layout too).
 """
 import torch
 from torch import nn
 
-from .. import fused
+from .. import fused, gemv
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +26,7 @@ class RMSNorm(nn.Module):
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class MergedLinear(nn.Linear):
+class MergedLinear(gemv.Linear):
     """One product for several of Hugging Face's projections of the same input, their rows stacked in order."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
@@ -77,7 +78,7 @@ class LlamaAttention(nn.Module):
         h = config.hidden_size
         self.qkv_sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
         self.qkv_proj = MergedLinear(h, self.qkv_sizes, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, h, bias=o_bias)
+        self.o_proj = gemv.Linear(self.num_heads * head_dim, h, bias=o_bias)
 
     def forward(self, x, cos, sin, attention, kv_cache):
         t = x.shape[0]
@@ -99,7 +100,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported: only silu")
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = gemv.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
         return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
@@ -142,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.model = LlamaModel(config, self.head_dim, self.attention_cls)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = gemv.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config, self.head_dim)

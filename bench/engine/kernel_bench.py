@@ -1,0 +1,208 @@
+"""The decode step's kernels against the library kernels they could replace, side by side on one GPU.
+
+    python bench/engine/kernel_bench.py [--parts gemv,attention,gemm] [--record]
+
+  - gemv: runtime/engine/gemv.py's Triton product over a sweep of its configurations against F.linear (cuBLAS),
+    for the Qwen3-8B shape's products at 1 row (and 2 and 4 with the best of 1), each timed inside a CUDA graph
+    (as the decode graphs run them) over enough copies of the weight that none is read from L2; the weight-read
+    floor at the device copy bandwidth measured in the same run beside them, and the configuration
+    gemv.config_for() picks;
+  - attention: one decode step's attention over the paged KV cache (32 query heads, 8 KV heads, head_dim 128,
+    16-token pages in a shuffled order) at several batch sizes and context lengths: flashinfer's decode kernel,
+    flashinfer's tensor-core decode (its prefill kernel, fa3 on Hopper), and paged_decode.py's Triton kernels, with
+    the KV bytes each reads over the time;
+  - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run).
+--record writes bench/results/kernels.json; otherwise it only prints.
+"""
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+
+# (name, rows N, columns K) of the Qwen3-8B shape's decode products
+PRODUCTS = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 24576, 4096),
+            ("down_proj", 4096, 12288), ("lm_head", 151936, 4096)]
+ATTENTION_CASES = [(1, 384), (4, 1024), (16, 1024), (64, 512), (64, 1024), (128, 1024), (256, 1024), (256, 2048)]
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(10):
+        best = min(best, timed(lambda: dst.copy_(src), 1))
+    return 2 * (2 << 30) / best
+
+
+def timed(fn, reps: int = 20) -> float:
+    """Seconds per call of fn, best of 5 rounds of `reps` calls timed with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000 / reps)
+    return best
+
+
+def in_graph(calls, reps: int = 3) -> float:
+    """Seconds per call of a list of calls captured in one CUDA graph, best of several replays."""
+    for call in calls:   # loads kernels and settles the allocator outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return timed(graph.replay, reps) / len(calls)
+
+
+def bench_gemv(bandwidth: float) -> list[dict]:
+    from ember.runtime.engine import gemv
+
+    configs = [gemv.Config(n, k, w) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4, 8)]
+    rows = []
+    best_config = gemv.Config()
+    for name, n, k in PRODUCTS:
+        weight_bytes = n * k * 2
+        copies = max(2, math.ceil((512 << 20) / weight_bytes))   # far more than the L2 cache
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+        floor_us = weight_bytes / bandwidth * 1e6
+        for m in (1, 2, 4):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            cublas = in_graph([functools.partial(F.linear, x, w) for w in weights]) * 1e6
+            tried = []
+            for config in configs if m == 1 else [best_config]:
+                try:
+                    us = in_graph([functools.partial(gemv.gemv, x, w, config) for w in weights]) * 1e6
+                except Exception as err:  # noqa: BLE001 - a configuration the GPU cannot run (registers, shared memory)
+                    log(f"  {name} m={m} {config}: {type(err).__name__}: {str(err)[:120]}")
+                    continue
+                tried.append((us, config))
+            us, config = min(tried, key=lambda t: t[0])
+            if m == 1:
+                best_config = config
+            check = (gemv.gemv(x, weights[0], config).float() - F.linear(x, weights[0]).float()).abs().max()
+            row = {"product": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
+                   "cublas_us": round(cublas, 2), "triton_us": round(us, 2), "config": vars(config),
+                   "picked": vars(gemv.config_for(n, k)),
+                   "triton_of_floor": round(floor_us / us, 3), "cublas_of_floor": round(floor_us / cublas, 3),
+                   "max_abs_diff": float(check)}
+            rows.append(row)
+            log(f"gemv {name:13s} m={m}: floor {floor_us:7.2f} us, cuBLAS {cublas:7.2f} ({floor_us / cublas:.0%}), "
+                f"Triton {us:7.2f} ({floor_us / us:.0%}) {vars(config)}, max diff {float(check):.3g}")
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_attention(bandwidth: float) -> list[dict]:
+    import flashinfer
+
+    from ember.runtime.engine.paged_decode import PagedDecode
+
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    kernels = {"flashinfer_decode": flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")}
+    try:
+        kernels["flashinfer_tensor_cores_fa3"] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_tensor_cores=True, backend="fa3")
+    except Exception as err:  # noqa: BLE001
+        log(f"tensor-core decode unavailable: {err}")
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for batch, ctx in ATTENTION_CASES:
+        per_seq = -(-ctx // page)
+        pages = batch * per_seq
+        kv = torch.randn(pages + 1, 2, page, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+        order = torch.randperm(pages, generator=g).to(torch.int32)
+        indptr = torch.arange(batch + 1, dtype=torch.int32) * per_seq
+        last = torch.full((batch,), (ctx - 1) % page + 1, dtype=torch.int32)
+        q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+        kv_bytes = batch * ctx * kv_heads * dim * 2 * 2
+        row = {"batch": batch, "context": ctx, "kv_mb": round(kv_bytes / 1e6, 1),
+               "floor_us": round(kv_bytes / bandwidth * 1e6, 2)}
+        outputs = {}
+        for name, wrapper in kernels.items():
+            try:
+                wrapper.plan(indptr.to("cuda"), order.to("cuda"), last.to("cuda"), heads, kv_heads, dim, page,
+                             q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                row[f"{name}_us"] = round(timed(functools.partial(wrapper.run, q, kv)) * 1e6, 2)
+                outputs[name] = wrapper.run(q, kv).float()
+            except Exception as err:  # noqa: BLE001 - the row says which kernel could not run
+                log(f"  {name} b={batch} ctx={ctx}: {type(err).__name__}: {str(err)[:200]}")
+        if batch <= 8 or batch == 16:
+            decode = PagedDecode(batch, -(-4096 // page), page, heads, kv_heads, dim, q.device)
+            tables = order.view(batch, per_seq).tolist()
+            decode.prepare(tables, [ctx] * batch)
+            row["triton_split_us"] = round(timed(functools.partial(decode.forward, q, kv, dim ** -0.5)) * 1e6, 2)
+            outputs["triton_split"] = decode.forward(q, kv, dim ** -0.5).float()
+        reference = outputs.get("flashinfer_decode")
+        row["max_abs_diff"] = {k: float((v - reference).abs().max()) for k, v in outputs.items()
+                               if reference is not None}
+        rows.append(row)
+        log("attention " + json.dumps(row))
+    return rows
+
+
+def bench_gemm() -> list[dict]:
+    rows = []
+    for m, k, n in ((8192, 4096, 12288), (8192, 4096, 4096), (8192, 12288, 4096), (4096, 4096, 24576)):
+        a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+        seconds = timed(functools.partial(F.linear, a, b), 10)
+        rows.append({"m": m, "k": k, "n": n, "tflops": round(2 * m * k * n / seconds / 1e12, 1)})
+        log(f"gemm {m}x{k}x{n}: {rows[-1]['tflops']} TFLOPS")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="gemv,attention,gemm")
+    parser.add_argument("--record", action="store_true", help="write bench/results/kernels.json")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernel_bench.py needs a CUDA GPU: run it on the GPU machine")
+    from ember.runtime.engine import kernels
+    kernels.install()
+    began = time.perf_counter()
+    bandwidth = copy_bandwidth()
+    log(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    parts = {p.strip() for p in args.parts.split(",")}
+    result = {"machine": f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, {platform.machine()}; "
+                         f"torch {torch.__version__}", "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
+    if "gemv" in parts:
+        result["gemv"] = bench_gemv(bandwidth)
+    if "attention" in parts:
+        result["attention"] = bench_attention(bandwidth)
+    if "gemm" in parts:
+        result["gemm"] = bench_gemm()
+    log(f"done in {time.perf_counter() - began:.0f} s")
+    if args.record:
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / "kernels.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
