@@ -261,7 +261,8 @@ def make_engine(model_dir: Path, max_num_seqs: int, args, phases: Phases):
     from ember.runtime.engine.engine import LLMEngine
 
     blocks = None if args.model and torch.cuda.is_available() else max_num_seqs * -(-args.max_model_len // 16) + 1
-    overlap = {"overlap": True} if args.overlap else {}   # an engine of --against may not have the flag
+    # serial steps unless --overlap (an engine of --against may not have the flag)
+    overlap = {"overlap": args.overlap} if "overlap" in EngineConfig.__dataclass_fields__ else {}
     eng = LLMEngine(EngineConfig(model=str(model_dir), max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
                                  max_model_len=args.max_model_len, num_kv_blocks=blocks, **overlap))
     if not args.model:

@@ -19,7 +19,7 @@ class Engine:
 
         model = os.environ["EMBER_BENCH_MODEL"]
         longest = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
-        overlap = os.environ.get("EMBER_BENCH_OVERLAP", "0") == "1"
+        overlap = os.environ.get("EMBER_BENCH_OVERLAP", "1") == "1"
         self.api = create_app(LLMEngine(EngineConfig(model=model, max_model_len=min(4096, longest),
                                                      max_num_seqs=64, overlap=overlap)))
 

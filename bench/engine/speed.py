@@ -5,7 +5,7 @@
     python bench/engine/speed.py --models 0.6B --skip-online --offline-requests 16   # a quick look
     python bench/engine/speed.py --models 8B --parts b1,offline,b64 --record --results DIR   # one call's share
     python bench/engine/speed.py --merge DIR1/engine_speed.json DIR2/engine_speed.json     # join the shares
-    python bench/engine/speed.py --models 8B --parts b1,b64 --overlap both    # overlap scheduling off and on
+    python bench/engine/speed.py --models 8B --parts b1,b64 --overlap both    # overlap scheduling on and off
 
 Random-weight models of the shapes of Qwen3-0.6B, 4B and 8B (bf16, built on the GPU, the tiny tokenizer of
 runtime/engine/tiny.py). Per model:
@@ -20,10 +20,10 @@ runtime/engine/tiny.py). Per model:
     batch;
   - host vs GPU per decode step at batch 64 (256-token prompts): host = step wall time minus the time the host
     waited for the device, GPU = CUDA events around the forward pass and sampling, and the step's wall time;
-  - with --overlap on or both, Ember's parts again with EngineConfig(overlap=True), in fields named "..._overlap";
+  - Ember runs with overlap scheduling, EngineConfig's default; with --overlap both or off, also or only with
+    EngineConfig(overlap=False), in fields named "..._serial";
   - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
-    128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99 (with --overlap, also or only
-    with overlap scheduling, in "online_overlap").
+    128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99 (serial steps in "online_serial").
 """
 import argparse
 import concurrent.futures
@@ -98,6 +98,47 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / best
 
 
+def matmul_rate() -> float:
+    """FLOP/s of the best bf16 product of prefill sizes (8192 tokens through the 8B shape's MLP), best of 10."""
+    a = torch.randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(12288, 4096, dtype=torch.bfloat16, device="cuda")
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.nn.functional.linear(a, w)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    del a, w
+    return 2 * 8192 * 4096 * 12288 / best
+
+
+def offline_floor(model_dir: Path, weight_bytes: int, prompt_lens: list[int], output_lens: list[int],
+                  bandwidth: float, flops: float) -> float:
+    """Seconds an ideal engine needs for the offline workload at this run's measured copy bandwidth and matrix
+    product rate: every prompt prefilled at the product rate (weights and causal attention), then each decode step
+    of every sequence still running, taking the longer of reading the weights and computing the step's products,
+    plus reading each sequence's K/V at the copy bandwidth. Nothing is wasted: no padding, no launch gaps, no
+    host time, and prefill overlaps nothing. A lower bound on the run's time."""
+    shape = json.loads((model_dir / "config.json").read_text())
+    layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
+    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
+    kv_per_token = layers * shape["num_key_value_heads"] * head_dim * 2 * 2   # K and V, bf16
+    # the embedding table is gathered, not read whole; the head is a product like the others
+    product_bytes = weight_bytes - (0 if shape.get("tie_word_embeddings") else shape["vocab_size"] * hidden * 2)
+    flops_per_token = product_bytes   # 2 FLOPs per bf16 parameter (2 bytes)
+    attention_flops = sum(4 * layers * shape["num_attention_heads"] * head_dim * p * p / 2 for p in prompt_lens)
+    seconds = (sum(prompt_lens) * flops_per_token + attention_flops) / flops
+    running = sorted(zip(output_lens, prompt_lens))
+    for step in range(1, max(output_lens)):   # the token of step 0 came with the prefill
+        running = [(o, p) for o, p in running if o > step]
+        batch_flops = flops_per_token * len(running)
+        context = sum(p + step for _, p in running)
+        seconds += max(product_bytes / bandwidth, batch_flops / flops) + context * kv_per_token / bandwidth
+    return seconds
+
+
 def random_prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(10, 1000, (int(torch.randint(low, high + 1, (1,), generator=g)),), generator=g).tolist()
@@ -147,7 +188,7 @@ def hf_offline(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     return produced / (time.perf_counter() - began), "generate (padded batches of 64)"
 
 
-def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool = False):
+def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool = True):
     """The engine with batches of up to `max_num_seqs` sequences and 8192 tokens a step; with None, with
     EngineConfig's defaults (what a user gets)."""
     from ember.runtime.engine.config import EngineConfig
@@ -204,25 +245,31 @@ def ember_offline(eng, prompts: list[list[int]], output_lens: list[int]) -> tupl
     return sum(output_lens) / elapsed, split
 
 
-def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float, float]:
+def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float, float, dict]:
     """Median host, GPU and wall milliseconds per decode step with `batch` sequences running (with overlap, the
-    wall time is what the host does not hide behind the device)."""
+    wall time is what the host does not hide behind the device), and the launch's parts: host work up to the
+    forward pass (prepare), waiting on the device within it (blocked), queueing the forward pass and sampling."""
     from ember.runtime.engine.sampling import SamplingParams
 
     for i, prompt in enumerate(random_prompts(batch, 256, 256, seed=3)):
         eng.add_request(f"b64-{i}", prompt, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
-    host, gpu, walls = [], [], []
-    runs = []
-    collect = eng.runner.collect
+    host, gpu, walls, parts = [], [], [], {"prepare": [], "blocked": [], "queue": []}
+    runs, launches = [], []
+    launch, collect = eng.runner.launch, eng.runner.collect
 
     def recorded(launched):   # the bench reads each step's RunOutput beside the engine
         runs.append(collect(launched))
         return runs[-1]
 
-    eng.runner.collect = recorded
+    def launched(*args, **kwargs):
+        launches.append(launch(*args, **kwargs))
+        return launches[-1]
+
+    eng.runner.collect, eng.runner.launch = recorded, launched
     try:
         while eng.has_unfinished_requests():
             runs.clear()
+            launches.clear()
             began = time.perf_counter()
             eng.step()
             wall = time.perf_counter() - began
@@ -230,13 +277,18 @@ def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float, float]:
                 host.append(wall - runs[0].wait_seconds)
                 gpu.append(runs[0].gpu_seconds)
                 walls.append(wall)
+                for step in launches:
+                    parts["prepare"].append(step.prepared - step.began - step.blocked)
+                    parts["blocked"].append(step.blocked)
+                    parts["queue"].append(step.queued - step.prepared)
     finally:
-        del eng.runner.collect
-    return 1000 * statistics.median(host), 1000 * statistics.median(gpu), 1000 * statistics.median(walls)
+        del eng.runner.collect, eng.runner.launch
+    return (1000 * statistics.median(host), 1000 * statistics.median(gpu), 1000 * statistics.median(walls),
+            {k: round(1000 * statistics.median(v), 3) for k, v in parts.items() if v})
 
 
 def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: int,
-           overlap: bool = False) -> list[dict]:
+           overlap: bool = True) -> list[dict]:
     """`ember serve` with one replica (its engine with EngineConfig(overlap=overlap)); streaming completions at each
     concurrency."""
     import httpx
@@ -343,6 +395,11 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = random_prompts(args.offline_requests, 100, 1024, seed=0)
     output_lens = torch.randint(100, 1025, (args.offline_requests,), generator=g).tolist()
+    floor = offline_floor(model_dir, weight_bytes, [len(p) for p in prompts], output_lens, bandwidth, args.flops)
+    row["offline_floor_s"] = round(floor, 2)
+    row["offline_floor_output_tok_s"] = round(sum(output_lens) / floor, 1)
+    log(f"[{shape}] offline floor: {floor:.2f} s = {row['offline_floor_output_tok_s']} output tok/s at "
+        f"{bandwidth / 1e9:.0f} GB/s and {args.flops / 1e12:.0f} TFLOPS")
     if "transformers" in args.parts:
         from transformers import Qwen3ForCausalLM
 
@@ -359,12 +416,12 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     hf = None   # its GPU memory goes before the engine sizes its KV cache
     gc.collect()
     torch.cuda.empty_cache()
-    for overlap in {"off": [False], "on": [True], "both": [False, True]}[args.overlap]:
+    for overlap in OVERLAP_MODES[args.overlap]:
         ember_parts(row, shape, model_dir, args, b1_prompt, prompts, output_lens, overlap)
     if "online" in args.parts:
-        for overlap in {"off": [False], "on": [True], "both": [False, True]}[args.overlap]:
-            row["online_overlap" if overlap else "online"] = online(model_dir, tuple(args.concurrency),
-                                                                   args.online_requests, overlap)
+        for overlap in OVERLAP_MODES[args.overlap]:
+            row["online" if overlap else "online_serial"] = online(model_dir, tuple(args.concurrency),
+                                                                  args.online_requests, overlap)
     if not args.workdir:   # a model in a given --workdir stays for the next run
         shutil.rmtree(model_dir, ignore_errors=True)
     return row
@@ -372,8 +429,8 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
 
 def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[int], prompts: list[list[int]],
                 output_lens: list[int], overlap: bool) -> None:
-    """Ember's batch-1, offline and batch-64 parts into `row`; with overlap, each field named with "_overlap"."""
-    suffix, label = ("_overlap", " (overlap)") if overlap else ("", "")
+    """Ember's batch-1, offline and batch-64 parts into `row`; without overlap, each field named with "_serial"."""
+    suffix, label = ("", "") if overlap else ("_serial", " (serial)")
     began = time.perf_counter()
     eng = ember_engine(model_dir, max_num_seqs=256, overlap=overlap)
     row[f"ember_start_phases_s{suffix}"] = {k: round(v, 3) for k, v in eng.runner.start_phases.items()}
@@ -387,11 +444,11 @@ def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[in
         row[f"offline_output_tok_s{suffix}"], row[f"offline_time_split{suffix}"] = round(rate, 1), split
         log(f"[{shape}] ember offline{label}: {round(rate, 1)} output tok/s; {split}")
     if "b64" in args.parts:
-        host, gpu, wall = ember_host_vs_gpu(eng)
+        host, gpu, wall, launch = ember_host_vs_gpu(eng)
         row[f"host_ms_per_step_b64{suffix}"], row[f"gpu_ms_per_step_b64{suffix}"] = round(host, 3), round(gpu, 3)
-        row[f"wall_ms_per_step_b64{suffix}"] = round(wall, 3)
+        row[f"wall_ms_per_step_b64{suffix}"], row[f"launch_ms_b64{suffix}"] = round(wall, 3), launch
         log(f"[{shape}] batch 64 decode step{label}: host {host:.3f} ms, GPU {gpu:.3f} ms ({host / gpu:.1%}), "
-            f"wall {wall:.3f} ms")
+            f"wall {wall:.3f} ms; launch {launch}")
     del eng
     gc.collect()
     torch.cuda.empty_cache()
@@ -426,9 +483,10 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated, of {','.join(PARTS)} (default all): a run that must end within a "
                              "time limit measures some, and --merge joins the runs")
-    parser.add_argument("--overlap", choices=("off", "on", "both"), default="off",
-                        help="Ember's parts with EngineConfig(overlap=...): 'on' names their fields with an "
-                             "'_overlap' suffix (ember_b1_tok_s_overlap, ...), 'both' measures each twice, side by "
+    parser.add_argument("--overlap", choices=tuple(OVERLAP_MODES), default="on",
+                        help="Ember's parts with EngineConfig(overlap=...): 'on' (the default config), 'off' names "
+                             "their fields with a '_serial' suffix (ember_b1_tok_s_serial, ...), 'both' measures "
+                             "each twice, side by "
                              "side")
     parser.add_argument("--record", action="store_true", help="write bench/results/engine_speed.json")
     parser.add_argument("--results", type=Path, default=RESULTS,
@@ -450,19 +508,22 @@ def main() -> None:
     import transformers
 
     bandwidth = copy_bandwidth()
-    log(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    args.flops = matmul_rate()
+    log(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 products {args.flops / 1e12:.0f} TFLOPS")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ember-speed-models-"))
     workdir.mkdir(parents=True, exist_ok=True)
     rows = [measure(shape, args, bandwidth, workdir) for shape in args.models]
     result = {"machine": f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, {platform.machine()}; "
                          f"torch {torch.__version__}, transformers {transformers.__version__}",
-              "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "models": rows}
+              "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "matmul_tflops": round(args.flops / 1e12, 1),
+              "models": rows}
     print(json.dumps(result, indent=1))
     if args.record:
         record(result, args.results)
 
 
 PARTS = ("transformers", "b1", "offline", "b64", "offline-defaults", "online")
+OVERLAP_MODES = {"on": [True], "off": [False], "both": [True, False]}
 
 
 def merge(files: list[Path]) -> dict:
@@ -497,18 +558,19 @@ def record(result: dict, results: Path = RESULTS) -> None:
     for m in result["models"]:
         b1 = m.get("ember_b1_tok_s")
         b1_text = f"{b1} ({b1 / m['roofline_b1_tok_s']:.0%})" if b1 else "-"
-        if "ember_b1_tok_s_overlap" in m:
-            b1_text += f"; overlap {m['ember_b1_tok_s_overlap']}"
+        if "ember_b1_tok_s_serial" in m:
+            b1_text += f"; serial steps {m['ember_b1_tok_s_serial']}"
         rows.append(f"| {m['name']} | {m['weight_bytes'] / 1e9:.2f} | {m['roofline_b1_tok_s']} | {b1_text} | "
                     f"{m.get('transformers_b1_tok_s') or '-'} | {m.get('offline_output_tok_s') or '-'} "
                     f"({m.get('offline_defaults_output_tok_s') or '-'}) | "
                     f"{m.get('transformers_offline_output_tok_s') or '-'} | "
                     f"{m.get('host_ms_per_step_b64', '-')} / {m.get('gpu_ms_per_step_b64', '-')}"
-                    + (f"; overlap: step wall {m['wall_ms_per_step_b64_overlap']} against "
-                       f"{m.get('wall_ms_per_step_b64', '-')}" if "wall_ms_per_step_b64_overlap" in m else "") + " |")
+                    + (f"; step wall {m.get('wall_ms_per_step_b64', '-')} against "
+                       f"{m['wall_ms_per_step_b64_serial']} serial" if "wall_ms_per_step_b64_serial" in m else "")
+                    + " |")
     online = [f"| {m['name']}{label} | {o['concurrency']} | {o['output_tok_s']} | {o['ttft_ms_p50']} / "
               f"{o['ttft_ms_p99']} | {o['itl_ms_p50']} / {o['itl_ms_p99']} |" for m in result["models"]
-              for key, label in (("online", ""), ("online_overlap", " (overlap)")) for o in m.get(key, [])]
+              for key, label in (("online", ""), ("online_serial", " (serial steps)")) for o in m.get(key, [])]
     section = "\n".join([
         MARK_BEGIN, "## Engine speed (`bench/engine/speed.py --record`)", "", f"Machine: {result['machine']}; "
         f"device copy bandwidth {result['copy_bandwidth_gb_s']} GB/s.", *([result["note"], ""] if "note" in result

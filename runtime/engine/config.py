@@ -33,8 +33,9 @@ class EngineConfig:
     log_token_ids: bool = False        # log prompt/output token ids per request
     # Overlap scheduling: the host schedules and launches step N+1 while the device runs step N, whose tokens reach
     # step N+1's inputs on the device. A request with penalties or logprobs, or short of its min_tokens, needs its
-    # tokens on the host before the next step, so while one is in the engine the steps run one at a time.
-    overlap: bool = False
+    # tokens on the host before the next step, so while one is in the engine the steps run one at a time. On by
+    # default: on the H200 it gained 6% at batch 1 and offline (bench/results/engine_speed.json).
+    overlap: bool = True
     # Weight snapshots: "local" ($EMBER_HOME/snapshots) or "s3://bucket/prefix"; None boots from safetensors
     # every time. A replica of a snapshot=True function gets EMBER_SNAPSHOT_STORE from its worker.
     snapshot_store: str | None = field(default_factory=lambda: os.environ.get("EMBER_SNAPSHOT_STORE") or None)

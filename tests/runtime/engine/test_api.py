@@ -289,7 +289,7 @@ def test_an_engine_that_cannot_go_on_answers_503_and_marks_the_replica_unhealthy
     def broken_forward(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    engine.runner.run = broken_forward
+    engine.runner.launch = broken_forward   # the one entry of a step, serial or overlapped
     app = create_app(engine, served_model_name=MODEL)
 
     async def go():

@@ -124,7 +124,7 @@ def test_steps_failing_in_a_row_fail_waiting_requests_and_mark_the_engine_and_pr
     def broken_forward(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    engine.runner.run = broken_forward
+    engine.runner.launch = broken_forward   # the one entry of a step, serial or overlapped
     for _ in range(MAX_FAILED_STEPS - 1):
         with pytest.raises(RequestFailedError, match="device lost"):
             asyncio.run(collect(llm.generate([5, 6, 7], SamplingParams(max_tokens=4))))
@@ -158,14 +158,14 @@ def test_a_request_that_fails_a_step_fails_alone_and_the_engine_goes_on(llm, mon
     from ember.runtime.engine.async_engine import RequestFailedError
 
     monkeypatch.setattr(health, "reason", None)
-    original = llm.engine.runner.run
+    original = llm.engine.runner.launch
 
-    def run(batch, *args, **kwargs):
+    def launch(batch, *args, **kwargs):
         if any(seq.request_id == "poison" for seq in batch.seqs):
             raise RuntimeError("Overflow when unpacking long long")
         return original(batch, *args, **kwargs)
 
-    monkeypatch.setattr(llm.engine.runner, "run", run)
+    monkeypatch.setattr(llm.engine.runner, "launch", launch)
 
     async def go():
         with pytest.raises(RequestFailedError, match="Overflow"):
