@@ -531,15 +531,16 @@ def merge(files: list[Path]) -> dict:
     later run's winning; the machines named once each."""
     models: dict[str, dict] = {}
     machines: list[str] = []
-    bandwidth = None
+    bandwidth = flops = None
     for file in files:
         run = json.loads(file.read_text())
         machines += [run["machine"]] if run["machine"] not in machines else []
         bandwidth = run.get("copy_bandwidth_gb_s", bandwidth)
+        flops = run.get("matmul_tflops", flops)
         for model in run["models"]:
             models.setdefault(model["name"], {}).update(model)
     order = {f"Qwen3-{shape} shape (random weights)": i for i, shape in enumerate(SHAPES)}
-    return {"machine": "; ".join(machines), "copy_bandwidth_gb_s": bandwidth,
+    return {"machine": "; ".join(machines), "copy_bandwidth_gb_s": bandwidth, "matmul_tflops": flops,
             "models": sorted(models.values(), key=lambda m: order.get(m["name"], len(order)))}
 
 
@@ -552,9 +553,9 @@ def record(result: dict, results: Path = RESULTS) -> None:
         return
     (RESULTS / "engine_speed_b1.svg").write_text(bar_chart(result["models"]))
     rows = ["| model | weights GB | roofline b1 tok/s | Ember b1 tok/s | transformers b1 tok/s "
-            "| Ember offline out tok/s (at default batch sizes) | transformers offline out tok/s "
-            "| host / GPU ms per step at b64 |",
-            "|---" * 8 + "|"]
+            "| Ember offline out tok/s (at default batch sizes) | offline floor out tok/s "
+            "| transformers offline out tok/s | host / GPU ms per step at b64 |",
+            "|---" * 9 + "|"]
     for m in result["models"]:
         b1 = m.get("ember_b1_tok_s")
         b1_text = f"{b1} ({b1 / m['roofline_b1_tok_s']:.0%})" if b1 else "-"
@@ -563,6 +564,7 @@ def record(result: dict, results: Path = RESULTS) -> None:
         rows.append(f"| {m['name']} | {m['weight_bytes'] / 1e9:.2f} | {m['roofline_b1_tok_s']} | {b1_text} | "
                     f"{m.get('transformers_b1_tok_s') or '-'} | {m.get('offline_output_tok_s') or '-'} "
                     f"({m.get('offline_defaults_output_tok_s') or '-'}) | "
+                    f"{m.get('offline_floor_output_tok_s') or '-'} | "
                     f"{m.get('transformers_offline_output_tok_s') or '-'} | "
                     f"{m.get('host_ms_per_step_b64', '-')} / {m.get('gpu_ms_per_step_b64', '-')}"
                     + (f"; step wall {m.get('wall_ms_per_step_b64', '-')} against "
@@ -571,10 +573,11 @@ def record(result: dict, results: Path = RESULTS) -> None:
     online = [f"| {m['name']}{label} | {o['concurrency']} | {o['output_tok_s']} | {o['ttft_ms_p50']} / "
               f"{o['ttft_ms_p99']} | {o['itl_ms_p50']} / {o['itl_ms_p99']} |" for m in result["models"]
               for key, label in (("online", ""), ("online_serial", " (serial steps)")) for o in m.get(key, [])]
+    products = f", bf16 products {result['matmul_tflops']} TFLOPS" if result.get("matmul_tflops") else ""
     section = "\n".join([
         MARK_BEGIN, "## Engine speed (`bench/engine/speed.py --record`)", "", f"Machine: {result['machine']}; "
-        f"device copy bandwidth {result['copy_bandwidth_gb_s']} GB/s.", *([result["note"], ""] if "note" in result
-                                                                           else [""]),
+        f"device copy bandwidth {result['copy_bandwidth_gb_s']} GB/s{products}.",
+        *([result["note"], ""] if "note" in result else [""]),
         *rows, "", "![batch-1 decode against the roofline](results/engine_speed_b1.svg)", "",
         *(["| model | concurrency | output tok/s | TTFT ms p50 / p99 | ITL ms p50 / p99 |", "|---" * 5 + "|", *online]
           if online else ["Online serving: not measured in this run."]), MARK_END])
