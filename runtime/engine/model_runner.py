@@ -202,7 +202,8 @@ class ModelRunner:
                                  f"{self._block_bytes(head_dim)} bytes: raise it")
             return blocks
         if self.device.type != "cuda":
-            return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            # host memory for 64 full-length sequences at most (more preempt): CPU engines run tests and tiny models
+            return min(self.config.max_num_seqs, 64) * -(-self.max_model_len // self.block_size)
         free, total = torch.cuda.mem_get_info(self.device)
         hf = self.hf_config
         # Headroom for one step's activations: the MLP intermediate of a full token budget and the logits.
@@ -227,7 +228,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.config.warm_kernels:
             began = time.perf_counter()
             try:
-                warm_kernels(model_dir, self.dtype, self.device, backend, self.config.block_size)
+                parts = warm_kernels(model_dir, self.dtype, self.device, backend, self.config.block_size)
+                self.start_phases.update({f"kernel_warm_{name}": seconds for name, seconds in parts.items()})
             except Exception as err:  # noqa: BLE001 - an optimisation: the first request then pays what it skipped
                 logger.warning("kernel warm-up skipped (the first request loads the kernels instead): %s", err)
             self.start_phases["kernel_warm"] = time.perf_counter() - began
@@ -404,14 +406,26 @@ class _GpuTimer:
 
 
 def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, attention, block_size: int,
-                 prompt_tokens: int = 24) -> None:
+                 prompt_tokens: int = 24) -> dict[str, float]:
     """One prefill, one greedy draw and one decode step through a single decoder layer of the model's shape on
     throwaway weights, so a restored replica's first request does not pay what the first forward pays once per
     process: cuBLAS's handle and kernels for each product shape, the loading of torch's, Triton's and flashinfer's
     kernels. Runs on the attention thread while the weights stream in (the warm-up forward a full boot runs needs
     the weights); its memory is given back before the KV cache is sized. Tensors match the real ones in shape,
-    dtype and strides, so Triton specialises the same way; the values are garbage and nothing of them is kept."""
+    dtype and strides, so Triton specialises the same way; the values are garbage and nothing of them is kept.
+    Returns the seconds of its parts (model, prefill, decode, release), each waiting for its own work on the
+    device (its stream only: the weights' copies on theirs go on)."""
     from .models.loader import ARCHITECTURES, empty_model
+
+    phases: dict[str, float] = {}
+    began = time.perf_counter()
+
+    def done(phase: str) -> None:
+        nonlocal began
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        phases[phase], began = time.perf_counter() - began, time.perf_counter()
+
     from .sampling import SamplingParams
 
     config = model_config(Path(model_dir))
@@ -427,6 +441,7 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
                          device=device)
         ids = torch.zeros(prompt_tokens, dtype=torch.long, device=device)
         positions = torch.arange(prompt_tokens, device=device)
+        done("model")
         table = np.arange(blocks, dtype=np.int32)[None]
         slots = torch.arange(prompt_tokens, dtype=torch.long)
         lens = np.array([prompt_tokens], dtype=np.int32)
@@ -436,6 +451,7 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
         logits = model.compute_logits(hidden[-1:])
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         draw(logits.float(), [SamplingRow(greedy, [0] * prompt_tokens, [], None, [])])
+        done("prefill")
         # one decode step: the single-row products (gemv.py's kernels) the batch-1 graph runs
         one = np.ones(1, dtype=np.int32)
         slot = torch.tensor([prompt_tokens], dtype=torch.long)
@@ -444,6 +460,7 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
                                       (slot // block_size).to(device), (slot % block_size).to(device)))
         hidden = model(ids[:1], positions[-1:] + 1, attention, [kv])
         logits = model.compute_logits(hidden)
+        done("decode")
     del model, kv, hidden, logits
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -453,3 +470,5 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
         if clear_workspaces is not None:
             clear_workspaces()
         torch.cuda.empty_cache()  # the KV cache is sized from the free memory next
+    done("release")
+    return phases
