@@ -21,7 +21,7 @@ class Engine:
         longest = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
         overlap = os.environ.get("EMBER_BENCH_OVERLAP", "1") == "1"
         self.api = create_app(LLMEngine(EngineConfig(model=model, max_model_len=min(4096, longest),
-                                                     max_num_seqs=64, overlap=overlap)))
+                                                     overlap=overlap)))
 
     @ember.asgi_app()
     def web(self):

@@ -13,13 +13,15 @@ class EngineConfig:
     device: str = "auto"               # "auto": cuda if available else cpu
     block_size: int = 16               # tokens per KV block
     num_kv_blocks: int | None = None   # None: from kv_cache_bytes, else gpu_memory_utilization on GPU, else
-                                       # max_model_len*max_num_seqs on CPU
+                                       # max_model_len for min(max_num_seqs, 64) sequences on CPU
     # The fraction of the GPU's memory this engine may take, weights, activations and KV cache together (as in
     # vLLM): engines of several small models share a GPU by giving each a part.
     gpu_memory_utilization: float = 0.9
     kv_cache_bytes: int | None = None  # a byte budget for the KV cache instead of gpu_memory_utilization
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048 # token budget per step (prefill chunks + decodes)
+    # vLLM's defaults for a large GPU: a user who sets nothing gets the batches an offline run needs (on the H200,
+    # 64 sequences and 2048 tokens gave the 8B shape 4,375 output tok/s where 256 and 8192 gave 7,388)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192 # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None   # None: from config.max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"    # "flashinfer" on CUDA when importable, else "sdpa"
