@@ -163,7 +163,7 @@ class FlashInferBackend:
         n = len(indices)
         if self._pinned_indices is None or self._pinned_indices.numel() < n:
             size = max(n, 2 * (0 if self._pinned_indices is None else self._pinned_indices.numel()), 1 << 16)
-            self._pinned_indices = torch.empty(size, dtype=torch.int32, pin_memory=True)
+            self._pinned_indices = torch.empty(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._staged_indices = torch.empty(size, dtype=torch.int32, device=self.device)
         assert self._staged_indices is not None
         self._pinned_indices[:n].numpy()[:] = indices
