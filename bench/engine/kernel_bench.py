@@ -8,9 +8,10 @@
     floor at the device copy bandwidth measured in the same run beside them, and the configuration
     gemv.config_for() picks;
   - attention: one decode step's attention over the paged KV cache (32 query heads, 8 KV heads, head_dim 128,
-    16-token pages in a shuffled order) at several batch sizes and context lengths: flashinfer's decode kernel,
-    flashinfer's tensor-core decode (its prefill kernel, fa3 on Hopper), and paged_decode.py's Triton kernels, with
-    the KV bytes each reads over the time;
+    pages in a shuffled order) at several batch sizes and context lengths, each kernel replayed from a CUDA graph:
+    flashinfer's decode kernel (16-token pages, also without split-KV, and with 64-token pages), its tensor-core
+    decode (its prefill kernel, fa3 on Hopper), and paged_decode.py's Triton kernels, against the KV bytes' read
+    time at the copy bandwidth;
   - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run).
 --record writes bench/results/kernels.json; otherwise it only prints.
 """
@@ -117,46 +118,58 @@ def bench_gemv(bandwidth: float) -> list[dict]:
 
 
 def bench_attention(bandwidth: float) -> list[dict]:
+    """Each kernel replayed from a CUDA graph (as the decode graphs run it), so small cases time the kernel rather
+    than its launch from Python."""
     import flashinfer
 
     from ember.runtime.engine.paged_decode import PagedDecode
 
-    heads, kv_heads, dim, page = 32, 8, 128, 16
+    heads, kv_heads, dim = 32, 8, 128
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    kernels = {"flashinfer_decode": flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")}
-    try:
-        kernels["flashinfer_tensor_cores_fa3"] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=True, backend="fa3")
-    except Exception as err:  # noqa: BLE001
-        log(f"tensor-core decode unavailable: {err}")
+    # name: (page size, wrapper options, plan options)
+    variants = {"flashinfer_decode": (16, {}, {}),
+                "flashinfer_decode_no_split": (16, {}, {"disable_split_kv": True}),
+                "flashinfer_decode_page64": (64, {}, {}),
+                "flashinfer_tensor_cores_fa3": (16, {"use_tensor_cores": True, "backend": "fa3"}, {})}
     rows = []
     g = torch.Generator().manual_seed(0)
     for batch, ctx in ATTENTION_CASES:
-        per_seq = -(-ctx // page)
-        pages = batch * per_seq
-        kv = torch.randn(pages + 1, 2, page, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
-        order = torch.randperm(pages, generator=g).to(torch.int32)
-        indptr = torch.arange(batch + 1, dtype=torch.int32) * per_seq
-        last = torch.full((batch,), (ctx - 1) % page + 1, dtype=torch.int32)
-        q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
         kv_bytes = batch * ctx * kv_heads * dim * 2 * 2
         row = {"batch": batch, "context": ctx, "kv_mb": round(kv_bytes / 1e6, 1),
                "floor_us": round(kv_bytes / bandwidth * 1e6, 2)}
+        q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+        caches = {}
+        for page in (16, 64):
+            per_seq = -(-ctx // page)
+            order = torch.randperm(batch * per_seq, generator=g).to(torch.int32)
+            caches[page] = (torch.randn(batch * per_seq, 2, page, kv_heads, dim, dtype=torch.bfloat16, device="cuda"),
+                            order, per_seq)
         outputs = {}
-        for name, wrapper in kernels.items():
+        for name, (page, options, plan_options) in variants.items():
+            kv, order, per_seq = caches[page]
             try:
-                wrapper.plan(indptr.to("cuda"), order.to("cuda"), last.to("cuda"), heads, kv_heads, dim, page,
-                             q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-                row[f"{name}_us"] = round(timed(functools.partial(wrapper.run, q, kv)) * 1e6, 2)
-                outputs[name] = wrapper.run(q, kv).float()
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_cuda_graph=True, **options,
+                    paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+                    paged_kv_indices_buffer=torch.empty(len(order), dtype=torch.int32, device="cuda"),
+                    paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device="cuda"))
+                wrapper.plan(torch.arange(batch + 1, dtype=torch.int32) * per_seq, order,
+                             torch.full((batch,), (ctx - 1) % page + 1, dtype=torch.int32), heads, kv_heads, dim,
+                             page, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, **plan_options)
+                row[f"{name}_us"] = round(in_graph([functools.partial(wrapper.run, q, kv)] * 10) * 1e6, 2)
+                if page == 16:
+                    outputs[name] = wrapper.run(q, kv).float()
             except Exception as err:  # noqa: BLE001 - the row says which kernel could not run
                 log(f"  {name} b={batch} ctx={ctx}: {type(err).__name__}: {str(err)[:200]}")
-        if batch <= 8 or batch == 16:
-            decode = PagedDecode(batch, -(-4096 // page), page, heads, kv_heads, dim, q.device)
-            tables = order.view(batch, per_seq).tolist()
-            decode.prepare(tables, [ctx] * batch)
-            row["triton_split_us"] = round(timed(functools.partial(decode.forward, q, kv, dim ** -0.5)) * 1e6, 2)
-            outputs["triton_split"] = decode.forward(q, kv, dim ** -0.5).float()
+        kv, order, per_seq = caches[16]
+        try:
+            decode = PagedDecode(batch, -(-4096 // 16), 16, heads, kv_heads, dim, q.device)
+            decode.prepare(order.view(batch, per_seq).tolist(), [ctx] * batch)
+            run = functools.partial(decode.forward, q, kv, dim ** -0.5)
+            row["triton_split_us"] = round(in_graph([run] * 10) * 1e6, 2)
+            outputs["triton_split"] = run().float()
+        except Exception as err:  # noqa: BLE001
+            log(f"  triton_split b={batch} ctx={ctx}: {type(err).__name__}: {str(err)[:200]}")
         reference = outputs.get("flashinfer_decode")
         row["max_abs_diff"] = {k: float((v - reference).abs().max()) for k, v in outputs.items()
                                if reference is not None}
