@@ -26,8 +26,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"    # "flashinfer" on CUDA when importable, else "sdpa"
     enforce_eager: bool = False        # True disables CUDA graphs
-    # "lazy": capture decode graphs of batch size 1 at start and the others on first use or while idle (a cold
-    # start does not wait ~1.5 s for twenty captures); "start": all of them before the engine serves.
+    # "lazy": capture each decode graph on the first step that needs it or while the engine idles (a cold start
+    # does not wait ~1.5 s for twenty captures); "start": all of them before the engine serves.
     graph_capture: str = "lazy"
     # CUDA: one throwaway decoder layer of the model's shape runs on the attention thread while the weights stream
     # in, so the first request does not load cuBLAS's, Triton's and flashinfer's kernels (~0.5 s on an H200).
