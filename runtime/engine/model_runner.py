@@ -421,6 +421,7 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
     Returns the seconds of its parts (model, prefill, decode, release), each waiting for its own work on the
     device (its stream only: the weights' copies on theirs go on)."""
     from .models.loader import ARCHITECTURES, empty_model
+    from .sampling import SamplingParams
 
     phases: dict[str, float] = {}
     began = time.perf_counter()
@@ -430,8 +431,6 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         phases[phase], began = time.perf_counter() - began, time.perf_counter()
-
-    from .sampling import SamplingParams
 
     config = model_config(Path(model_dir))
     config.num_hidden_layers = 1
