@@ -18,8 +18,9 @@ class EngineConfig:
     # vLLM): engines of several small models share a GPU by giving each a part.
     gpu_memory_utilization: float = 0.9
     kv_cache_bytes: int | None = None  # a byte budget for the KV cache instead of gpu_memory_utilization
-    # vLLM's defaults for a large GPU: a user who sets nothing gets the batches an offline run needs (on the H200,
-    # 64 sequences and 2048 tokens gave the 8B shape 4,375 output tok/s where 256 and 8192 gave 7,388)
+    # vLLM's defaults: a user who sets nothing gets batches large enough for the weights read by each decode step
+    # to serve many sequences (on the H200 the 8B shape's offline run gave 4,375 output tok/s at 64 and 2048, an
+    # older engine; 7,388 at 256 and 8192, this one)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192 # token budget per step (prefill chunks + decodes)
     max_model_len: int | None = None   # None: from config.max_position_embeddings
