@@ -203,38 +203,49 @@ class PolicyMemo:
 @dataclass(frozen=True)
 class Tail:
     """A function's requests, the seconds requests spent queued behind its busy hot replicas, and the requests that
-    came after it had been idle IDLE_HOLD or longer, each counted with a weight that fades over TAIL_HORIZON seconds.
+    found no replica to route to (stranded), each counted with a weight that fades over TAIL_HORIZON seconds.
 
     Its p99 is set by capacity it lacked, not by its wakes, where the queueing adds up to more than a wake's delay
-    for 1 in TAIL of the requests, or where more than 1 in TAIL of them came after such an idle stretch: those find
-    no replica under any policy that holds an idle one at most IDLE_HOLD (KPA's window and grace), so they wait for
-    a start, or a wake where the replica parked; or where more than 1 in TAIL came in a surge, while the concurrency
-    averaged over the panic window overflowed the slots of the replicas the stable average sizes: a policy that sizes
-    on that average (KPA) has no slot for them until a start ends, whatever its panic asks for (a peak over the slots
-    for a moment waits only for one of them to free). A function's first requests ever are not
-    counted as stranded: every function starts once, and a new deployment's first minutes say nothing about its
-    traffic.
+    for 1 in TAIL of the requests, or where more than 1 in TAIL of them were stranded, or where more than 1 in TAIL
+    came in a surge, while the concurrency averaged over the panic window overflowed the slots of the replicas the
+    stable average sizes: a policy that sizes on that average (KPA) has no slot for them until a start ends, whatever
+    its panic asks for (a peak over the slots for a moment waits only for one of them to free).
+
+    A request is stranded where it came after the function had been idle IDLE_HOLD or longer: it finds no replica
+    under any policy that holds an idle one at most IDLE_HOLD (KPA's window and grace), so it waits for a start, or a
+    wake where the replica parked. And once the function has served, a request that waited while none of its replicas
+    could take it (all parked, starting or draining) is stranded too: it waited for a wake or a start, which puts it
+    over a hot replica's TTFT, so where such requests are more than 1 in TAIL the p99 already is a wake's, and parking
+    fast costs it nothing more until they fade. Without them, a p99 lost to requests after long idle stretches was
+    regained the moment their share dipped under 1 in TAIL, though the wakes that parking fast had cost were still in
+    the window: the last replica went back to holding and forth (small seed 0: the share hovers at 0.8-1.2%).
+    A function's first requests ever, and those that wait for its first start, are not counted: every function starts
+    once, and a new deployment's first minutes say nothing about its traffic.
     """
 
     t: float | None = None
     requests: float = 0.0
     queued_s: float = 0.0
-    stranded: float = 0.0  # requests that came after an idle stretch of IDLE_HOLD or longer
+    stranded: float = 0.0  # requests that came after an idle stretch of IDLE_HOLD or longer, or waited for a replica
     last_work: float | None = None  # the latest sample with a request in flight, queued or arriving (None: none yet)
     surged: float = 0.0  # requests that came while the panic window's concurrency overflowed the stable count's slots
+    served: bool = False  # the function has had a replica to route to (its first start is behind it)
 
-    def add(self, sample: Sample, busy: bool, surge: bool = False) -> Tail:
+    def add(self, sample: Sample, busy: bool, surge: bool = False, routed: bool = True) -> Tail:
+        """`busy`: a hot replica was there to queue behind; `routed`: one could take requests (hot, not draining)."""
         working = sample.arrivals > 0 or sample.concurrency > 0
         last_work = sample.t if working else self.last_work
         if self.t is None:
-            return Tail(sample.t, sample.arrivals, 0.0, 0.0, last_work, sample.arrivals if surge else 0)
+            return Tail(sample.t, sample.arrivals, 0.0, 0.0, last_work, sample.arrivals if surge else 0, routed)
         dt = max(sample.t - self.t, 0.0)
         fade = math.exp(-dt / TAIL_HORIZON)
         idle_long = self.last_work is not None and sample.t - self.last_work >= IDLE_HOLD
+        # requests of this sample still queued with no replica to take them wait for a wake or a start
+        waited = min(sample.arrivals, sample.queued) if self.served and not routed else 0
         return Tail(sample.t, fade * self.requests + sample.arrivals,
                     fade * self.queued_s + (sample.queued * dt if busy else 0.0),
-                    fade * self.stranded + (sample.arrivals if idle_long else 0), last_work,
-                    fade * self.surged + (sample.arrivals if surge else 0))
+                    fade * self.stranded + (sample.arrivals if idle_long else waited), last_work,
+                    fade * self.surged + (sample.arrivals if surge else 0), self.served or routed)
 
     def faded(self, now: float) -> Tail:
         """The same counts as seen at `now` (no later than any sample yet to come)."""
@@ -242,7 +253,7 @@ class Tail:
             return self
         fade = math.exp(-(now - self.t) / TAIL_HORIZON)
         return Tail(now, fade * self.requests, fade * self.queued_s, fade * self.stranded, self.last_work,
-                    fade * self.surged)
+                    fade * self.surged, self.served)
 
     def __add__(self, other: Tail) -> Tail:
         """Two functions' tails pooled: the p99 of their requests together."""
@@ -253,7 +264,7 @@ class Tail:
         now = max(self.t, other.t)
         a, b = self.faded(now), other.faded(now)
         return Tail(now, a.requests + b.requests, a.queued_s + b.queued_s, a.stranded + b.stranded, self.last_work,
-                    a.surged + b.surged)
+                    a.surged + b.surged, self.served)
 
     def lost(self, wake_s: float) -> bool:
         return self.requests >= TAIL and (self.queued_s * TAIL > self.requests * wake_s
@@ -352,7 +363,8 @@ def decide(
     # count) hold; a moment's Poisson peak over them waits for a slot, not a start
     surge = bool(history) and mean_concurrency(window(history, now, s.panic_window)) > \
         replicas_for(mean_concurrency(stable), s.target_concurrency) * s.max_concurrency
-    tail = memo.tail.add(history[-1], any(r.state == HOT for r in replicas), surge) if history else memo.tail
+    routed = any(r.state == HOT and not r.draining for r in replicas)
+    tail = memo.tail.add(history[-1], any(r.state == HOT for r in replicas), surge, routed) if history else memo.tail
     holds = s.holds(costs, rate, (tail + peers).lost(costs.wake_s), recent_rate)
     park_after, spare_after, scaledown = holds.park_after, holds.spare_after, holds.scaledown
     parking = park_after is not None and spare_after is not None

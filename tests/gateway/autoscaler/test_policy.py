@@ -345,6 +345,58 @@ def test_tail_counts_requests_that_come_after_an_idle_stretch_no_hold_would_brid
     assert Tail(0.0, requests=150.0, stranded=2.0).lost(0.3) and not Tail(0.0, requests=150.0, stranded=1.0).lost(0.3)
 
 
+def test_tail_counts_requests_that_wait_with_no_replica_to_take_them_once_the_function_has_served():
+    # waiting for the first start: every function starts once, so those say nothing of its p99
+    tail = Tail().add(Sample(0.0, 0, 0, 0), busy=False, routed=False)
+    tail = tail.add(Sample(0.5, 2, 0, 2), busy=False, routed=False).add(Sample(1.0, 3, 0, 1), busy=False, routed=False)
+    assert tail.stranded == 0 and not tail.served
+    tail = tail.add(Sample(2.0, 0, 3, 0), busy=True)  # the first replica is hot
+    assert tail.served
+    # parked since, 2 s idle: the 2 requests that came queue for a wake (or a start), over a hot replica's TTFT
+    tail = tail.add(Sample(10.0, 2, 0, 2), busy=False, routed=False)
+    assert tail.stranded == pytest.approx(2, rel=1e-2)
+    # a request that came and was routed at once, or one queued behind a hot replica, did not wait for one
+    tail = tail.add(Sample(10.5, 1, 16, 1), busy=True, routed=True)
+    assert tail.stranded == pytest.approx(2, rel=1e-2)
+    # a draining replica takes nothing new: requests queued while the only hot one drains wait for a wake
+    _, memo = run(DEFAULTS, [ReplicaView("h0", "hot", 1, None, draining=True)],
+                  load(1, 59) + [Sample(60.0, 1, 1, 1)], 60.0, replace(FAST, tail=tail))
+    assert memo.tail.stranded == pytest.approx(tail.faded(60.0).stranded + 1)
+
+
+def test_a_p99_lost_to_stranded_requests_stays_lost_while_parking_fast_keeps_waking():
+    # a trickle every 5 s (0.2 req/s, under one arrival per wake's cost) in an app whose p99 was lost, 3 of 150
+    # requests stranded; 2 of them fade out of the tail within ~4 minutes, but every request since woke a replica
+    # parked after the floor, and those are over a hot replica's TTFT too: the p99 stays lost, the parks go on
+    s = ScalingSettings(target_concurrency=10, max_concurrency=16)
+    memo = replace(FAST, tail=Tail(0.0, requests=150.0, stranded=3.0, last_work=0.0, served=True))
+    replicas: list[ReplicaView] = [ReplicaView("h0", "hot", 0, 0.0)]
+    history: list[Sample] = []
+    parks = wakes = 0
+    for tick in range(1, 2 * 1200):
+        now = tick / 2
+        arrivals = int(now % 5 == 0)
+        state = replicas[0].state
+        history.append(Sample(now, arrivals if state == "parked" else 0, arrivals if state == "hot" else 0,
+                              arrivals))
+        actions, memo = decide(s, replicas, history[-240:], now, memo)
+        for a in actions:
+            if isinstance(a, Park):
+                replicas, parks = [ReplicaView("h0", "parked", 0, now)], parks + 1
+            elif isinstance(a, Wake):
+                replicas, wakes = [ReplicaView("h0", "hot", 1, None)], wakes + 1
+        if state == "hot" and not arrivals and replicas[0].state == "hot" and replicas[0].in_flight:
+            replicas = [ReplicaView("h0", "hot", 0, now)]  # the request (0.5 s of work) is done
+        if now >= 1000:
+            assert memo.tail.lost(0.3), f"regained the p99 at t={now} while still waking for every request"
+    assert parks >= 200 and wakes >= 200  # one of each per request for 20 minutes
+    # the same trickle in an app whose p99 is a hot replica's holds the replica: nothing strands, nothing parks
+    calm = replace(FAST, tail=Tail(0.0, requests=150.0, last_work=0.0, served=True))
+    history = [Sample(t / 2, 0, int(t % 10 == 0), int(t % 10 == 0)) for t in range(240)]
+    actions, memo = decide(s, [ReplicaView("h0", "hot", 0, 118.0)], history, 119.5, calm)
+    assert actions == [] and not memo.tail.lost(0.3)
+
+
 def test_an_apps_functions_pool_their_tails_and_a_lost_pool_parks_a_trickle_after_a_round_trip():
     s = ScalingSettings(target_concurrency=10, max_concurrency=16)
     idle = [ReplicaView("h0", "hot", 0, 56.0)]
