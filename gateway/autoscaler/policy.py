@@ -22,11 +22,15 @@ is the app's (its functions' requests together, `app_tail`), and it is lost wher
 with bursts), came after an idle stretch longer than any replica is held (as with many small
 functions), or came while the concurrency, averaged over the panic window, overflowed the slots of
 the replicas the stable average sizes (a surge, as at a burst's onset): under KPA, which sizes on that
-average and holds an idle replica at most IDLE_HOLD, those wait for a start; here, for a wake. A
-panic within a stable window of a burst holds as the burst's does: the average it would be near is
-the burst's; and after a burst, spare capacity parks no lower than the panic window, still counting
-the burst's tail, would panic over at once. Where parking does not pay, idle replicas are stopped as
-KPA stops them, the last one after `scaledown_window` without a request.
+average and holds an idle replica at most IDLE_HOLD, those wait for a start; here, for a wake; or, once
+the function has served, waited with no replica to take them (a wake or a start: over a hot replica's
+TTFT, so a lost p99 stays lost while parking fast wakes for them). A panic within a stable window of a
+burst holds as the burst's does: the average it would be near is the burst's. No scale-down, parking or
+not, goes under what the panic window would panic over at once: the next call would panic, take the
+capacity back and hold it as long as a panic holds (after a burst the panic window still counts its
+tail; as a near-target panic ends, the load that crossed the target is still there). Where parking does
+not pay, idle replicas are stopped as KPA stops them, the last one after `scaledown_window` without a
+request.
 Every action carries the reason shown in `ember status`.
 """
 
@@ -416,14 +420,15 @@ def decide(
     elif parking and (raw_peak == 0 or (burst_at is not None and now - burst_at < s.stable_window)):
         # the stable average still counts an ended burst, or the function is idle: a wake brings capacity back
         keep = min(steady, replicas_for(recent_peak, s.target_concurrency))
-        # never under what the panic window would panic over at once: its average still counts the load
-        # that is draining away, and a panic holds what it wakes
-        if want_panic >= s.panic_threshold * max(keep, 1) and want_panic > keep:
-            keep = math.floor(want_panic / s.panic_threshold) + 1
         if not keep and any(x.concurrency for x in window(history, now, park_after or 0.0)):
             keep = 1  # the last replica waits out the longer park_after
     else:  # as KPA: the stable average's count, and the last replica until a whole hold is idle
         keep = max(steady, 1 if recent_peak > 0 else 0)
+    if have and want_panic >= s.panic_threshold * max(keep, 1) and want_panic > keep:
+        # never under what the panic window would panic over at once: the next call would panic and take back what
+        # this one lets go, and hold it as long as a panic holds (after a burst, the panic window's average still
+        # counts the load draining away; as a near-target panic ends, the load that crossed the target is there)
+        keep = math.floor(want_panic / s.panic_threshold) + 1
     want = keep
     if panicking:
         want = max(want, want_panic, memo.panic_peak)

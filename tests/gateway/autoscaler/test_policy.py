@@ -250,6 +250,20 @@ def test_after_a_burst_spare_capacity_parks_no_lower_than_the_panic_window_would
     assert actions == [] and memo.panic_since is None  # 2 replicas: no panic, and nothing woken back
 
 
+def test_a_panic_that_ends_scales_down_no_lower_than_the_panic_window_would_panic_over_at_once():
+    # 9 concurrent for a minute, 11 over the last 6 s: the 60 s average (9.2) sizes 1 replica, the panic window 2;
+    # letting the second go would panic at once (2 >= 2 x 1), take it back and hold it another stable window
+    crossing = load(9, 54) + load(11, 60, since=55)
+    two = hot(1, in_flight=6) + hot(1, in_flight=5, prefix="b")
+    for memo, goes in ((FAST, Park), (SLOW_WAKE, Evict)):  # with parking, and where parking does not pay
+        ended = replace(memo, panic_since=0.0, panic_peak=2)  # a near-target panic, a stable window old
+        actions, after = run(DEFAULTS, two, crossing, 60.0, ended)
+        assert actions == [] and after.panic_since is None
+        # once the panic window's average fits one replica, the second goes
+        actions, after = run(DEFAULTS, two, load(9, 60), 60.0, ended)
+        assert [type(a) for a in actions] == [goes] and after.panic_since is None
+
+
 def test_a_rate_that_fell_is_seen_half_a_stable_window_sooner():
     # 3 arrivals a second until 25 s, then one request at 50 s that ran until 55 s; the p99 is already lost
     history = [Sample(t / 2, 0, 8 if t < 50 else int(100 <= t < 110), 1 if t < 50 and t % 2 else int(t == 100))
