@@ -412,14 +412,14 @@ class _GpuTimer:
 
 def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, attention, block_size: int,
                  prompt_tokens: int = 24) -> dict[str, float]:
-    """One prefill, one greedy draw and one decode step through a single decoder layer of the model's shape on
-    throwaway weights, so a restored replica's first request does not pay what the first forward pays once per
-    process: cuBLAS's handle and kernels for each product shape, the loading of torch's, Triton's and flashinfer's
-    kernels. Runs on the attention thread while the weights stream in (the warm-up forward a full boot runs needs
-    the weights); its memory is given back before the KV cache is sized. Tensors match the real ones in shape,
-    dtype and strides, so Triton specialises the same way; the values are garbage and nothing of them is kept.
-    Returns the seconds of its parts (model, prefill, decode, release), each waiting for its own work on the
-    device (its stream only: the weights' copies on theirs go on)."""
+    """One prefill and one greedy draw through a single decoder layer of the model's shape on throwaway weights,
+    so a restored replica's first request does not pay what the first forward pays once per process: cuBLAS's
+    handle and kernels for each product shape, the loading of torch's, Triton's and flashinfer's kernels. Runs on
+    the attention thread while the weights stream in (the warm-up forward a full boot runs needs the weights);
+    its memory is given back before the KV cache is sized. Tensors match the real ones in shape, dtype and strides,
+    so Triton specialises the same way; the values are garbage and nothing of them is kept. Returns the seconds of
+    its parts (model, prefill, release), each waiting for its own work on the device (its stream only: the
+    weights' copies on theirs go on)."""
     from .models.loader import ARCHITECTURES, empty_model
     from .sampling import SamplingParams
 
@@ -455,16 +455,9 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
         logits = model.compute_logits(hidden[-1:])
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         draw(logits.float(), [SamplingRow(greedy, [0] * prompt_tokens, [], None, [])])
+        # No decode step: the batch-1 graph's single-row products (gemv.py) load with the first decode step, which
+        # captures that graph anyway, rather than on this branch, which on the 4B shape is T2's critical one
         done("prefill")
-        # one decode step: the single-row products (gemv.py's kernels) the batch-1 graph runs
-        one = np.ones(1, dtype=np.int32)
-        slot = torch.tensor([prompt_tokens], dtype=torch.long)
-        attention.plan(AttentionBatch(one, one + prompt_tokens, table,
-                                      np.array([-(-(prompt_tokens + 1) // block_size)], dtype=np.int32),
-                                      (slot // block_size).to(device), (slot % block_size).to(device)))
-        hidden = model(ids[:1], positions[-1:] + 1, attention, [kv])
-        logits = model.compute_logits(hidden)
-        done("decode")
     del model, kv, hidden, logits
     if device.type == "cuda":
         torch.cuda.synchronize(device)

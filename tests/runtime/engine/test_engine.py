@@ -318,6 +318,6 @@ def test_the_kernel_warm_up_runs_one_layer_of_the_models_shape_and_changes_no_an
     for prompt_tokens in (1, 24, 40):  # within one block, a block and a half, more than two blocks
         parts = warm_kernels(model_dir, runner.dtype, runner.device, runner.attention, runner.block_size,
                              prompt_tokens)
-        assert list(parts) == ["model", "prefill", "decode", "release"]   # its start breakdown's sub-phases
+        assert list(parts) == ["model", "prefill", "release"]   # its start breakdown's sub-phases
     for prompt in random_prompts([5, 33]):  # the attention backend plans afresh: the warm-up's batch is gone
         assert eng.generate([prompt], GREEDY) == [reference(prompt)]
