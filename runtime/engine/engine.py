@@ -71,11 +71,14 @@ class LLMEngine:
 
     def warmup(self) -> None:
         """One prefill and a few decode steps, greedy and sampled, before the first request: whatever the kernels
-        need the first time (flashinfer's modules, compiled when the node has none, cuBLAS handles) happens here,
-        and new modules are kept for the next start (kernels.py). Leaves no trace in the cache or the stats."""
-        prompt = [0] * max(min(self.config.block_size + 1, self.max_model_len - 4), 2)
+        need the first time (flashinfer's modules, compiled when the node has none, cuBLAS handles, Triton's
+        kernels) happens here, and new modules are kept for the next start (kernels.py). The sampled request
+        outlives the greedy one, so decode steps of two sequences and of one both run: a single sequence's products
+        take gemv.py's kernels, which a restored replica's first decode step then loads rather than compiles.
+        Leaves no trace in the cache or the stats."""
+        prompt = [0] * max(min(self.config.block_size + 1, self.max_model_len - 6), 2)
         for i, params in enumerate((SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-                                    SamplingParams(max_tokens=3, temperature=1.0, top_p=0.9, top_k=20, seed=0,
+                                    SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, top_k=20, seed=0,
                                                    ignore_eos=True))):
             self.add_request(f"warmup-{i}", prompt[:len(prompt) - i], params)
         while self.has_unfinished_requests():

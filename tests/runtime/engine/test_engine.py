@@ -308,6 +308,24 @@ def test_a_kv_cache_byte_budget_sizes_the_cache(family):
         engine(model_dir, num_kv_blocks=None, kv_cache_bytes=0)
 
 
+def test_the_engine_warm_up_decodes_two_sequences_and_then_one(family):
+    """Decode steps of one sequence take other kernels (gemv.py's, on CUDA) than steps of several: the full boot's
+    warm-up runs both, so the kernels it keeps cover a restored replica's first single-sequence step."""
+    model_dir, _ = family
+    eng = engine(model_dir)
+    launch, decodes = eng.runner.launch, []
+
+    def recorded(batch, *args, **kwargs):
+        if all(n == 1 for n in batch.num_new_tokens):
+            decodes.append(len(batch.seqs))
+        return launch(batch, *args, **kwargs)
+
+    eng.runner.launch = recorded
+    eng.warmup()
+    assert 2 in decodes and 1 in decodes
+    assert not eng.has_unfinished_requests() and eng.block_manager.usage == 0
+
+
 def test_the_kernel_warm_up_runs_one_layer_of_the_models_shape_and_changes_no_answer(family):
     # On a GPU it runs on the attention thread while the weights stream in; here it runs the same code on the CPU.
     from ember.runtime.engine.model_runner import warm_kernels
