@@ -117,9 +117,10 @@ def bench_gemv(bandwidth: float) -> list[dict]:
     return rows
 
 
-def bench_attention(bandwidth: float) -> list[dict]:
+def bench_attention(bandwidth: float, fa2: bool = False) -> list[dict]:
     """Each kernel replayed from a CUDA graph (as the decode graphs run it), so small cases time the kernel rather
-    than its launch from Python."""
+    than its launch from Python. `fa2`: also flashinfer's tensor-core decode on its fa2 prefill kernel (what SGLang
+    runs for grouped-query attention), whose module a node without it compiles first (minutes)."""
     import flashinfer
 
     from ember.runtime.engine.paged_decode import PagedDecode
@@ -131,6 +132,8 @@ def bench_attention(bandwidth: float) -> list[dict]:
                 "flashinfer_decode_no_split": (16, {}, {"disable_split_kv": True}),
                 "flashinfer_decode_page64": (64, {}, {}),
                 "flashinfer_tensor_cores_fa3": (16, {"use_tensor_cores": True, "backend": "fa3"}, {})}
+    if fa2:
+        variants["flashinfer_tensor_cores_fa2"] = (16, {"use_tensor_cores": True, "backend": "fa2"}, {})
     rows = []
     g = torch.Generator().manual_seed(0)
     for batch, ctx in ATTENTION_CASES:
@@ -193,6 +196,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="gemv,attention,gemm")
     parser.add_argument("--record", action="store_true", help="write bench/results/kernels.json")
+    parser.add_argument("--fa2", action="store_true",
+                        help="attention: also flashinfer's tensor-core decode on fa2 (compiles its module if missing)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -208,7 +213,7 @@ def main() -> None:
     if "gemv" in parts:
         result["gemv"] = bench_gemv(bandwidth)
     if "attention" in parts:
-        result["attention"] = bench_attention(bandwidth)
+        result["attention"] = bench_attention(bandwidth, args.fa2)
     if "gemm" in parts:
         result["gemm"] = bench_gemm()
     log(f"done in {time.perf_counter() - began:.0f} s")
