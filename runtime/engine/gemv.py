@@ -30,8 +30,10 @@ except ImportError:   # CPU-only installs: F.linear runs instead
     triton = None
 
 
-# Outputs this wide are a vocabulary (a language model head): they took the kernel at every width measured, and the
-# kernel warm-up's head, cut to 32768 rows, runs the same configuration as the real one.
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension, which counts the programs along the output
+
+# Outputs this wide are a vocabulary (a language model head; Qwen3's 151936 rows took the kernel), and the kernel
+# warm-up's head, cut to 32768 rows, runs the same configuration as the real one.
 VOCABULARY = 32768
 
 
@@ -54,7 +56,8 @@ def config_for(n: int, k: int) -> Config:
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     n, k = weight.shape
     return (triton is not None and x.is_cuda and bias is None and x.dim() == 2 and x.shape[0] == 1
-            and x.stride(-1) == 1 and weight.is_contiguous() and (k >= 4096 or n >= VOCABULARY))
+            and x.stride(-1) == 1 and weight.is_contiguous() and (k >= 4096 or n >= VOCABULARY)
+            and n <= MAX_GRID_Y * config_for(n, k).block_n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
