@@ -7,6 +7,9 @@
     python bench/engine/speed.py --merge DIR1/engine_speed.json DIR2/engine_speed.json     # join the shares
     python bench/engine/speed.py --models 8B --parts b1,b64 --overlap both    # overlap scheduling on and off
 
+With --record, engine_speed.partial.json in --results holds what the run has measured so far, rewritten after every
+part, so a run cut short (a device call's time limit) keeps it; --merge takes it like any engine_speed.json.
+
 Random-weight models of the shapes of Qwen3-0.6B, 4B and 8B (bf16, built on the GPU, the tiny tokenizer of
 runtime/engine/tiny.py). Per model:
   - roofline: weight bytes over the device-to-device copy bandwidth measured in this run (batch-1 decode
@@ -399,6 +402,7 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     row["offline_floor_output_tok_s"] = round(sum(output_lens) / floor, 1)
     log(f"[{shape}] offline floor: {floor:.2f} s = {row['offline_floor_output_tok_s']} output tok/s at "
         f"{bandwidth / 1e9:.0f} GB/s and {args.flops / 1e12:.0f} TFLOPS")
+    args.checkpoint(row)
     if "transformers" in args.parts:
         from transformers import Qwen3ForCausalLM
 
@@ -413,6 +417,7 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
             row["transformers_offline_output_tok_s"] = round(rate, 1)
             row["transformers_offline_method"] = f"{how} on {len(hf_prompts)} requests of {new_tokens} tokens"
             log(f"[{shape}] transformers offline: {rate:.1f} output tok/s ({how})")
+        args.checkpoint(row)
     hf = None   # its GPU memory goes before the engine sizes its KV cache
     gc.collect()
     torch.cuda.empty_cache()
@@ -422,6 +427,7 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
         for overlap in OVERLAP_MODES[args.overlap]:
             row["online" if overlap else "online_serial"] = online(model_dir, tuple(args.concurrency),
                                                                   args.online_requests, overlap)
+            args.checkpoint(row)
     if not args.workdir:   # a model in a given --workdir stays for the next run
         shutil.rmtree(model_dir, ignore_errors=True)
     return row
@@ -439,16 +445,19 @@ def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[in
     if "b1" in args.parts:
         b1 = row[f"ember_b1_tok_s{suffix}"] = round(ember_batch1(eng, b1_prompt, 256), 1)
         log(f"[{shape}] ember batch 1{label}: {b1} tok/s ({b1 / row['roofline_b1_tok_s']:.0%} of roofline)")
+        args.checkpoint(row)
     if "offline" in args.parts:
         rate, split = ember_offline(eng, prompts, output_lens)
         row[f"offline_output_tok_s{suffix}"], row[f"offline_time_split{suffix}"] = round(rate, 1), split
         log(f"[{shape}] ember offline{label}: {round(rate, 1)} output tok/s; {split}")
+        args.checkpoint(row)
     if "b64" in args.parts:
         host, gpu, wall, launch = ember_host_vs_gpu(eng)
         row[f"host_ms_per_step_b64{suffix}"], row[f"gpu_ms_per_step_b64{suffix}"] = round(host, 3), round(gpu, 3)
         row[f"wall_ms_per_step_b64{suffix}"], row[f"launch_ms_b64{suffix}"] = round(wall, 3), launch
         log(f"[{shape}] batch 64 decode step{label}: host {host:.3f} ms, GPU {gpu:.3f} ms ({host / gpu:.1%}), "
             f"wall {wall:.3f} ms; launch {launch}")
+        args.checkpoint(row)
     del eng
     gc.collect()
     torch.cuda.empty_cache()
@@ -516,16 +525,29 @@ def main() -> None:
     log(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 products {args.flops / 1e12:.0f} TFLOPS")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ember-speed-models-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    rows = [measure(shape, args, bandwidth, workdir) for shape in args.models]
+    rows: list[dict] = []
     result = {"machine": f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, {platform.machine()}; "
                          f"torch {torch.__version__}, transformers {transformers.__version__}",
               "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "matmul_tflops": round(args.flops / 1e12, 1),
               "models": rows}
+
+    def checkpoint(row: dict) -> None:
+        """With --record, what the run has measured so far, after every part: a run cut short keeps it."""
+        if args.record:
+            args.results.mkdir(parents=True, exist_ok=True)
+            partial = {**result, "models": [*rows, row] if row not in rows else rows}
+            (args.results / PARTIAL).write_text(json.dumps(partial, indent=1) + "\n")
+
+    args.checkpoint = checkpoint
+    for shape in args.models:
+        rows.append(measure(shape, args, bandwidth, workdir))
     print(json.dumps(result, indent=1))
     if args.record:
         record(result, args.results)
+        (args.results / PARTIAL).unlink(missing_ok=True)
 
 
+PARTIAL = "engine_speed.partial.json"   # --record's checkpoint of a run in progress (bench/results ignores it)
 PARTS = ("transformers", "b1", "offline", "b64", "offline-defaults", "online")
 OVERLAP_MODES = {"on": [True], "off": [False], "both": [True, False]}
 
