@@ -346,6 +346,11 @@ class ModelRunner:
         if not feeds.shape[1]:
             return
         assert previous is not None and previous.draws is not None, "placeholders without the step that samples them"
+        n = feeds.shape[1]
+        if feeds[0, -1] == n - 1 and feeds[1, -1] == n - 1 and (feeds == np.arange(n)).all():
+            # the common decode step: the same sequences in the same order, each token in its row: one copy
+            token_ids[:n].copy_(previous.draws.token_ids[:n])
+            return
         columns, rows = torch.from_numpy(feeds).to(self.device, non_blocking=True)
         token_ids.index_copy_(0, columns, previous.draws.token_ids[rows])
 
