@@ -10,8 +10,9 @@
   - attention: one decode step's attention over the paged KV cache (32 query heads, 8 KV heads, head_dim 128,
     pages in a shuffled order) at several batch sizes and context lengths, each kernel replayed from a CUDA graph:
     flashinfer's decode kernel (16-token pages, also without split-KV, and with 64-token pages), its tensor-core
-    decode (its prefill kernel, fa3 on Hopper), and paged_decode.py's Triton kernels, against the KV bytes' read
-    time at the copy bandwidth;
+    decode (its prefill kernel, fa3 on Hopper), and paged_decode.py's Triton kernels (from batch 16 also its
+    streamed kernel over a sweep of tiles, warps, pipeline stages and splits), against the KV bytes' read time at
+    the copy bandwidth;
   - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run).
 --record writes bench/results/kernels.json; otherwise it only prints.
 """
@@ -173,12 +174,46 @@ def bench_attention(bandwidth: float, fa2: bool = False) -> list[dict]:
             outputs["triton_split"] = run().float()
         except Exception as err:  # noqa: BLE001
             log(f"  triton_split b={batch} ctx={ctx}: {type(err).__name__}: {str(err)[:200]}")
+        if batch >= STREAM_MIN_BATCH:
+            row.update(sweep_streamed(q, kv, order.view(batch, per_seq).tolist(), ctx, outputs))
         reference = outputs.get("flashinfer_decode")
         row["max_abs_diff"] = {k: float((v - reference).abs().max()) for k, v in outputs.items()
                                if reference is not None}
         rows.append(row)
         log("attention " + json.dumps(row))
     return rows
+
+
+STREAM_MIN_BATCH = 16
+# paged_decode.StreamedDecode's configurations: (split tokens or None for one split, tokens per tile, warps, stages)
+STREAM_CONFIGS = [(split, block_t, warps, stages) for split in (None, 512) for block_t in (32, 64, 128)
+                  for warps in (4, 8) for stages in (2, 3, 4)]
+
+
+def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], ctx: int, outputs: dict) -> dict:
+    """paged_decode.StreamedDecode over STREAM_CONFIGS, each in a graph: the best time, its configuration and every
+    configuration's time ("split/block_t/warps/stages": us); the best one's output joins `outputs`."""
+    from ember.runtime.engine.paged_decode import StreamedDecode
+
+    batch, heads, dim = q.shape
+    times, best = {}, None
+    for split, block_t, warps, stages in STREAM_CONFIGS:
+        name = f"{split or 'one'}/{block_t}/{warps}/{stages}"
+        try:
+            decode = StreamedDecode(batch, -(-4096 // 16), 16, heads, kv.shape[3], dim, q.device, split=split,
+                                    block_t=block_t, warps=warps, stages=stages)
+            decode.prepare(tables, [ctx] * batch)
+            run = functools.partial(decode.forward, q, kv, dim ** -0.5)
+            times[name] = round(in_graph([run] * 10) * 1e6, 2)
+        except Exception as err:  # noqa: BLE001 - a configuration the device cannot run (shared memory) is skipped
+            log(f"  triton_stream {name} b={batch} ctx={ctx}: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        if best is None or times[name] < times[best[0]]:
+            best = (name, run)
+    if best is None:
+        return {}
+    outputs["triton_stream"] = best[1]().float()
+    return {"triton_stream_us": times[best[0]], "triton_stream_config": best[0], "triton_stream_sweep": times}
 
 
 def bench_gemm() -> list[dict]:

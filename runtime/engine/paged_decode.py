@@ -69,6 +69,44 @@ class PagedDecode:
         return out
 
 
+class StreamedDecode(PagedDecode):
+    """The same attention for large batches: each program streams its split's pages in a loop Triton pipelines
+    (`stages` tiles in flight), with bf16 products on the tensor cores, and with one split per sequence (`split`
+    None) writes the output itself, with no merge. `block_t`, `warps`, `stages` and `split` are what
+    bench/engine/kernel_bench.py sweeps."""
+
+    def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, device: torch.device, split: int | None = None, block_t: int = 64, warps: int = 4,
+                 stages: int = 3):
+        super().__init__(batch_size, max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim, device)
+        longest = max_blocks_per_seq * block_size
+        self.split_tokens = longest if split is None else split
+        self.num_splits = -(-longest // self.split_tokens)
+        self.block_t, self.warps, self.stages = block_t, warps, stages
+        if self.num_splits == 1:   # the output straight from the one split: no partial results to keep
+            self.partial = self.lse = torch.empty(0, dtype=torch.float32, device=device)
+        else:
+            self.partial = self.partial.new_empty(batch_size, num_heads, self.num_splits, head_dim)
+            self.lse = self.lse.new_empty(batch_size, num_heads, self.num_splits)
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        b, hq, d = q.shape
+        group = hq // self.num_kv_heads
+        out = q.new_empty(b, hq, d)
+        _stream_kernel[(b, self.num_kv_heads, self.num_splits)](
+            q, kv_cache, self.block_tables, self.context_lens, out, self.partial, self.lse,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            kv_cache.stride(3), self.block_tables.stride(0), scale * _LOG2_E, GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, PAGE=self.block_size, SPLIT=self.split_tokens,
+            BLOCK_T=self.block_t, DIRECT=self.num_splits == 1, num_warps=self.warps, num_stages=self.stages)
+        if self.num_splits > 1:
+            _merge_kernel[(b, hq)](self.partial, self.lse, out, self.num_splits, D=d, CHUNK=MERGE_CHUNK)
+        return out
+
+
+_LOG2_E = 1.4426950408889634
+
+
 def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[list[int]], context_lens: list[int],
               scale: float) -> torch.Tensor:
     """The same attention in torch (fp32), for tests."""
@@ -152,3 +190,55 @@ if triton is not None:
                             mask=(splits[:, None] < num_splits) & (weights[:, None] > 0), other=0.0)
             acc += tl.sum(parts * weights[:, None], axis=0)
         tl.store(out_ptr + row * D + dims, (acc / tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, partial_ptr, lse_ptr, q_stride_t, q_stride_h,
+                       s_block, s_kv, s_slot, s_head, table_stride, scale_log2, GROUP: tl.constexpr,
+                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
+                       BLOCK_T: tl.constexpr, DIRECT: tl.constexpr):
+        # _split_kernel's work with a loop whose bounds are the split's own tokens (Triton pipelines it: the next
+        # tiles load while this one computes), scores in base 2, and p rounded to the cache's dtype for its
+        # product with V (flash attention's rounding), which then runs on the tensor cores.
+        seq = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        context = tl.load(lens_ptr + seq)
+        begin = split * SPLIT
+        end = tl.minimum(begin + SPLIT, context)
+        rows = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + rows
+        head_ok = rows < GROUP
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=head_ok[:, None],
+                    other=0.0)
+        table = tables_ptr + seq * table_stride
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        for start in range(begin, end, BLOCK_T):
+            tokens = start + tl.arange(0, BLOCK_T)
+            valid = tokens < end
+            blocks = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
+            slots = blocks * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
+            k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale_log2
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(cache_ptr + s_kv + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        num_heads = GROUP * tl.num_programs(1)
+        if DIRECT:   # every sequence has a token, so its one split saw it
+            tl.store(out_ptr + (seq * num_heads + heads[:, None]) * D + dims[None, :],
+                     (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        else:
+            out_row = (seq * num_heads + heads) * tl.num_programs(2) + split
+            seen = total > 0   # else a split past the sequence's end: lse -inf, which the merge skips
+            tl.store(partial_ptr + out_row[:, None] * D + dims[None, :], acc / tl.where(seen, total, 1.0)[:, None],
+                     mask=head_ok[:, None])
+            # the merge weighs splits by exp(lse): natural log
+            tl.store(lse_ptr + out_row, tl.where(seen, (m + tl.log2(total)) * 0.6931471805599453, float("-inf")),
+                     mask=head_ok)

@@ -35,6 +35,30 @@ def test_split_attention_matches_the_reference_over_scattered_blocks(batch_size)
     torch.testing.assert_close(decode.forward(q, cache, d ** -0.5).float(), expected.float(), **close)
 
 
+@pytest.mark.parametrize("batch_size,split,block_t,stages", [(40, None, 64, 3), (200, None, 32, 2),
+                                                               (40, 256, 128, 4), (3, 512, 64, 3)])
+def test_streamed_attention_matches_the_reference(batch_size, split, block_t, stages):
+    """The large-batch kernel, with one split (its output written directly) and with several (merged)."""
+    g = torch.Generator().manual_seed(batch_size)
+    page, kv_heads, heads, d, max_blocks = 16, 8, 32, 128, 128
+    lengths = [1, 2047, 15, 16, 17, 64, 65, 1000][:batch_size]
+    lengths += torch.randint(1, max_blocks * page, (batch_size - len(lengths),), generator=g).tolist()
+    order = torch.randperm(sum(-(-n // page) for n in lengths) + 1, generator=g).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        tables.append(order[used:used + -(-n // page)])
+        used += len(tables[-1])
+    cache = torch.randn(len(order), 2, page, kv_heads, d, generator=g).bfloat16().cuda()
+    q = torch.randn(batch_size, heads + 2 * kv_heads, d, generator=g).bfloat16().cuda()[:, :heads]
+    decode = paged_decode.StreamedDecode(batch_size, max_blocks, page, heads, kv_heads, d, torch.device("cuda"),
+                                         split=split, block_t=block_t, stages=stages)
+    decode.prepare(tables, lengths)
+    expected = paged_decode.reference(q, cache, tables, lengths, d ** -0.5)
+    # p is rounded to bf16 before its product with V, as flash attention does: two bf16 steps of the output
+    torch.testing.assert_close(decode.forward(q, cache, d ** -0.5).float(), expected.float(), atol=2 ** -6,
+                               rtol=2 ** -6)
+
+
 def test_the_merge_keeps_its_tiles_in_registers_at_the_longest_context():
     """A 40,960-token context is 640 splits at batch 1: the merge walks them in chunks. Its one-piece tile had
     spilled to local memory, which the CUDA context keeps for good (a parked replica then held ~1.9 GiB more)."""
