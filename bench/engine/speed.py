@@ -190,14 +190,16 @@ def hf_offline(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     return produced / (time.perf_counter() - began), "generate (padded batches of 64)"
 
 
-def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool = True):
+def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool = True,
+                 streamed_decode: int | None = None):
     """The engine with batches of up to `max_num_seqs` sequences and 8192 tokens a step; with None, with
-    EngineConfig's defaults (what a user gets)."""
+    EngineConfig's defaults (what a user gets). `streamed_decode`: EngineConfig.streamed_decode_min_batch."""
     from ember.runtime.engine.config import EngineConfig
     from ember.runtime.engine.engine import LLMEngine
 
     tuned = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 8192}
-    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, overlap=overlap, **tuned))
+    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, overlap=overlap,
+                                  streamed_decode_min_batch=streamed_decode, **tuned))
 
 
 def ember_batch1(eng, prompt: list[int], new_tokens: int) -> float:
@@ -438,7 +440,9 @@ def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[in
     """Ember's batch-1, offline and batch-64 parts into `row`; without overlap, each field named with "_serial"."""
     suffix, label = ("", "") if overlap else ("_serial", " (serial)")
     began = time.perf_counter()
-    eng = ember_engine(model_dir, max_num_seqs=256, overlap=overlap)
+    eng = ember_engine(model_dir, max_num_seqs=256, overlap=overlap, streamed_decode=args.streamed_decode)
+    if args.streamed_decode is not None:
+        row["streamed_decode_min_batch"] = args.streamed_decode
     row[f"ember_start_phases_s{suffix}"] = {k: round(v, 3) for k, v in eng.runner.start_phases.items()}
     log(f"[{shape}] ember engine{label} up in {time.perf_counter() - began:.1f} s: "
         f"{row[f'ember_start_phases_s{suffix}']}")
@@ -501,6 +505,10 @@ def main() -> None:
                              "their fields with a '_serial' suffix (ember_b1_tok_s_serial, ...), 'both' measures "
                              "each twice, side by "
                              "side")
+    parser.add_argument("--streamed-decode", type=int, metavar="N",
+                        help="Ember's b1, offline and b64 parts with EngineConfig(streamed_decode_min_batch=N): decode "
+                             "graphs of N or more sequences run paged_decode's streamed attention (online keeps the "
+                             "default)")
     parser.add_argument("--record", action="store_true", help="write bench/results/engine_speed.json")
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="where --record writes engine_speed.json (and, for bench/results, the SVG and README)")

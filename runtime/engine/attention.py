@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
-from .paged_decode import PagedDecode
+from .paged_decode import PagedDecode, StreamedDecode
 
 
 @dataclass
@@ -81,21 +81,25 @@ class FlashInferBackend:
     kernels, and above, a flashinfer decode wrapper: either of its own fixed batch size, whose page tables live in
     buffers the graph captured (`plan` refreshes them on the host side of each step). Measured on the H200
     (bench/engine/decode_profile.py), the Triton kernels take 8.6 us where flashinfer takes 16.2 at batch 1 and a
-    256-token context, but 69 us where it takes 31 at batch 16 and 1024 tokens.
+    256-token context, but 69 us where it takes 31 at batch 16 and 1024 tokens. With `streamed_min_batch`, graphs
+    of at least that many sequences run paged_decode's streamed kernel instead of flashinfer's (off by default until
+    bench/engine/kernel_bench.py shows it faster on the GPU).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
-                 dtype: torch.dtype, device: torch.device, triton_graph_max_batch: int = 8):
+                 dtype: torch.dtype, device: torch.device, triton_graph_max_batch: int = 8,
+                 streamed_min_batch: int | None = None):
         import flashinfer
 
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.scale, self.dtype = block_size, scale, dtype
         self.device = device
         self.triton_graph_max_batch = triton_graph_max_batch
+        self.streamed_min_batch = streamed_min_batch
         self.workspace = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.triton_graph_decode: dict[int, PagedDecode] = {}   # batch size -> decode of graphs this small
+        self.triton_graph_decode: dict[int, PagedDecode] = {}   # batch size -> Triton decode of graphs this size
         self.graph_decode: dict[int, Any] = {}    # batch size -> graph-safe flashinfer wrapper (flashinfer is untyped)
         self.graph: PagedDecode | None = None       # the Triton decode of the batch planned last, if any
         self._pinned_indices: torch.Tensor | None = None   # _device_indices' host and device buffers
@@ -106,10 +110,13 @@ class FlashInferBackend:
         flashinfer wrappers share the float workspace."""
         import flashinfer
 
+        shape = (batch_size, max_blocks_per_seq, self.block_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                 self.device)
         if batch_size <= self.triton_graph_max_batch:
-            self.triton_graph_decode[batch_size] = PagedDecode(batch_size, max_blocks_per_seq, self.block_size,
-                                                               self.num_heads, self.num_kv_heads, self.head_dim,
-                                                               self.device)
+            self.triton_graph_decode[batch_size] = PagedDecode(*shape)
+            return
+        if self.streamed_min_batch is not None and batch_size >= self.streamed_min_batch:
+            self.triton_graph_decode[batch_size] = StreamedDecode(*shape)
             return
 
         def buffer(n: int) -> torch.Tensor:
@@ -134,9 +141,9 @@ class FlashInferBackend:
         """`graph_batch_size`: plan the graph's attention of that size (the batch is padded to it)."""
         self.batch = batch
         self.graph = None
-        if graph_batch_size and graph_batch_size <= self.triton_graph_max_batch:
+        if graph_batch_size and graph_batch_size in self.triton_graph_decode:
             self.graph = self.triton_graph_decode[graph_batch_size]
-            self.graph.prepare([t.tolist() for t in batch.tables()], batch.context_lens.tolist())  # <= 8 rows
+            self.graph.stage(batch.block_tables, batch.context_lens)
             return
         indptr, indices = batch.paged_kv()
         kv_indptr, kv_indices = torch.from_numpy(indptr), torch.from_numpy(indices)

@@ -27,6 +27,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"    # "flashinfer" on CUDA when importable, else "sdpa"
     enforce_eager: bool = False        # True disables CUDA graphs
+    # Decode graphs of at least this many sequences run paged_decode's streamed Triton attention instead of
+    # flashinfer's decode kernel; None: flashinfer's (see bench/engine/kernel_bench.py for both on the GPU)
+    streamed_decode_min_batch: int | None = None
     # "lazy": capture each decode graph on the first step that needs it or while the engine idles (a cold start
     # does not wait ~1.5 s for twenty captures); "start": all of them before the engine serves.
     graph_capture: str = "lazy"
@@ -62,6 +65,10 @@ class EngineConfig:
         if self.snapshot_store not in (None, "local") and not self.snapshot_store.startswith("s3://"):
             raise ValueError(f"snapshot_store={self.snapshot_store!r} (EMBER_SNAPSHOT_STORE): use 'local', "
                              "'s3://bucket/prefix', or None for no snapshots")
+        if self.streamed_decode_min_batch is not None and (
+                not isinstance(self.streamed_decode_min_batch, int) or self.streamed_decode_min_batch < 1):
+            raise ValueError(f"streamed_decode_min_batch={self.streamed_decode_min_batch!r}: use a batch size of at "
+                             "least 1, or None for flashinfer's decode kernel")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r}: use True or False")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

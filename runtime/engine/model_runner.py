@@ -253,7 +253,8 @@ class ModelRunner:
                 raise ValueError("attention_backend='flashinfer' needs a CUDA device and bf16/fp16: use 'sdpa' "
                                  "on CPU or in float32")
             kernels.prepare(self.store)  # compiled modules from this node or the store: no request compiles
-            return FlashInferBackend(*args, dtype=self.dtype, device=self.device)
+            return FlashInferBackend(*args, dtype=self.dtype, device=self.device,
+                                     streamed_min_batch=self.config.streamed_decode_min_batch)
         return SdpaBackend(*args)
 
     @torch.inference_mode()

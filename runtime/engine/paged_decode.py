@@ -41,6 +41,8 @@ class PagedDecode:
         self.partial = torch.empty(batch_size, num_heads, self.num_splits, head_dim, dtype=torch.float32,
                                    device=device)
         self.lse = torch.empty(batch_size, num_heads, self.num_splits, dtype=torch.float32, device=device)
+        self._pinned: torch.Tensor | None = None   # stage's host and device buffers
+        self._staged: torch.Tensor | None = None
 
     def prepare(self, block_tables: list[list[int]], context_lens: list[int]) -> None:
         """Copies the step's tables in (the batch already padded to this size); columns past the longest table
@@ -51,6 +53,27 @@ class PagedDecode:
             row[:len(table)] = table
         self.block_tables[:, :width].copy_(torch.from_numpy(rows), non_blocking=True)
         self.context_lens.copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
+
+    def stage(self, block_tables: np.ndarray, context_lens: np.ndarray) -> None:
+        """`prepare` for a step's arrays ([B, W] tables, [B] lengths, the batch padded to this size), in one queued
+        copy from a pinned buffer and a device copy into the tables' first W columns: a copy from pageable memory
+        can block the host until the device has run the step before (overlap scheduling), and a row-by-row copy
+        costs host time per sequence. The pinned buffer is rewritten by the next step's stage, which the model
+        runner starts only after this step's copies ran."""
+        b, width = block_tables.shape
+        n = b * width
+        if self._pinned is None or self._pinned.numel() < n + b:
+            size = max(n + b, 2 * (0 if self._pinned is None else self._pinned.numel()))
+            self._pinned = torch.empty(size, dtype=torch.int32, pin_memory=self.block_tables.is_cuda)
+            self._staged = torch.empty(size, dtype=torch.int32, device=self.block_tables.device)
+        assert self._staged is not None
+        host = self._pinned.numpy()
+        host[:n].reshape(b, width)[:] = block_tables
+        host[n:n + b] = context_lens
+        staged = self._staged[:n + b]
+        staged.copy_(self._pinned[:n + b], non_blocking=True)
+        self.block_tables[:b, :width].copy_(staged[:n].view(b, width))
+        self.context_lens[:b].copy_(staged[n:])
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D] (any token and head strides) against kv_cache [blocks, 2, block_size, Hkv, D]."""

@@ -1,4 +1,5 @@
 """The decode graphs' Triton attention (runtime/engine/paged_decode.py) against attention in fp32 torch."""
+import numpy as np
 import pytest
 import torch
 
@@ -52,7 +53,10 @@ def test_streamed_attention_matches_the_reference(batch_size, split, block_t, st
     q = torch.randn(batch_size, heads + 2 * kv_heads, d, generator=g).bfloat16().cuda()[:, :heads]
     decode = paged_decode.StreamedDecode(batch_size, max_blocks, page, heads, kv_heads, d, torch.device("cuda"),
                                          split=split, block_t=block_t, stages=stages)
-    decode.prepare(tables, lengths)
+    padded = np.zeros((batch_size, max(map(len, tables))), dtype=np.int32)   # as the engine stages a step
+    for row, table in zip(padded, tables):
+        row[:len(table)] = table
+    decode.stage(padded, np.array(lengths))
     expected = paged_decode.reference(q, cache, tables, lengths, d ** -0.5)
     # p is rounded to bf16 before its product with V, as flash attention does: two bf16 steps of the output
     torch.testing.assert_close(decode.forward(q, cache, d ** -0.5).float(), expected.float(), atol=2 ** -6,

@@ -1,0 +1,32 @@
+"""PagedDecode.stage, the path the decode graphs' Triton attention takes its tables by: the same buffers as prepare's,
+from a step's arrays (on CPU here; tests/gpu/test_paged_decode_gpu.py runs the kernels on what it staged)."""
+import numpy as np
+import pytest
+import torch
+
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.paged_decode import PagedDecode
+
+
+def test_stage_fills_the_same_buffers_as_prepare_and_leaves_columns_past_the_step():
+    rng = np.random.default_rng(0)
+    staged = PagedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"))
+    prepared = PagedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"))
+    for width in (9, 3, 30, 5):   # narrower and wider steps: the staging buffers are reused and grown
+        num_blocks = rng.integers(1, width + 1, 4)
+        tables = rng.integers(0, 1000, (4, width)).astype(np.int32)   # past num_blocks: whatever the step left
+        lens = (num_blocks - 1) * 16 + rng.integers(1, 17, 4)
+        staged.stage(tables, lens)
+        prepared.prepare([row[:n].tolist() for row, n in zip(tables, num_blocks)], lens.tolist())
+        assert staged.context_lens.tolist() == lens.tolist()
+        assert staged.block_tables[:, :width].tolist() == tables.tolist()
+        for row, n in enumerate(num_blocks):   # what a kernel reads: the blocks covering each context
+            assert staged.block_tables[row, :n].tolist() == prepared.block_tables[row, :n].tolist()
+        tables[:] = -1   # the step's arrays are the host's again at once: what was staged is a copy
+        assert (staged.block_tables[:, :width] >= 0).all()
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, "64"])
+def test_streamed_decode_min_batch_is_validated(value):
+    with pytest.raises(ValueError, match="streamed_decode_min_batch"):
+        EngineConfig(model="m", streamed_decode_min_batch=value)
