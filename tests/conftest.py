@@ -63,6 +63,14 @@ class Served:
         assert reply.status_code == 200, reply.text
         return reply.json()
 
+    def in_flight_after_settling(self, app: str, function: str, seconds: float = 10.0) -> int:
+        """The function's calls in flight once they drop to 0, or after `seconds`: the gateway frees a call's slot
+        just after its client has the whole response (or left), so a read at that moment can still count it."""
+        deadline = time.monotonic() + seconds
+        while (count := self.status()["apps"][app]["functions"][function]["in_flight"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return count
+
 
 def stop_serve(process: subprocess.Popen) -> None:
     """Stop the gateway and its replicas (one process group); SIGKILL whatever outlives the grace period."""

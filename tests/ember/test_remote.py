@@ -98,7 +98,7 @@ def test_cancel_stops_a_running_call(fanout, served, tmp_path):
     with pytest.raises(RemoteError) as cancelled:
         call.get(timeout=5)
     assert cancelled.value.type == "cancelled"
-    assert served.status()["apps"]["fanout"]["functions"]["wait"]["in_flight"] == 0
+    assert served.in_flight_after_settling("fanout", "wait") == 0
 
 
 def test_a_class_methods_map_and_spawn(fanout, served):

@@ -30,8 +30,8 @@ def test_asgi_forwarding_and_sse_cancellation(serve):
             assert time.monotonic() < deadline, "the upstream stream was not cancelled after the client left"
             time.sleep(0.1)
         assert http.get("/streaming/v1/nowhere").status_code == 404
-        status = served.status()["apps"]["streaming"]["functions"]["Web"]
-        assert status["in_flight"] == 0  # slots of finished and abandoned streams were returned
+        # slots of finished and abandoned streams were returned
+        assert served.in_flight_after_settling("streaming", "Web") == 0
 
 
 def test_a_slow_reader_holds_back_the_producer(serve):

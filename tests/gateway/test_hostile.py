@@ -83,8 +83,7 @@ def test_a_client_that_hangs_up_cancels_its_call_and_frees_the_keys_concurrency_
         time.sleep(0.05)
     with served.client(key) as http:  # the key's one concurrency slot is free again at once
         assert http.post("/hostile/held", json={"seconds": 0}).json() == {"result": "done"}
-    status = served.status()["apps"]["hostile"]["functions"]["held"]
-    assert status["in_flight"] == 0
+    assert served.in_flight_after_settling("hostile", "held") == 0
 
 
 @pytest.mark.parametrize("retries", [0, 1])

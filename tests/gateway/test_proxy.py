@@ -92,5 +92,4 @@ def test_replies_pass_through_with_their_length_and_one_date_and_server(serve, t
         assert over.status_code == 413 and over.json()["error"]["type"] == "body_too_large"
 
         assert http.get("/relay/sized?3").text == "xxx"  # the gateway still serves after all that
-    status = served.status()["apps"]["relay"]["functions"]["Web"]
-    assert status["in_flight"] == 0
+    assert served.in_flight_after_settling("relay", "Web") == 0
