@@ -1,6 +1,7 @@
 """Where a batch-1 decode step's time goes, against the floor of reading every weight once.
 
     python bench/engine/decode_profile.py --models 8B [--workdir DIR]
+    python bench/engine/decode_profile.py --models 8B --batch 128 --context 768 [--streamed-decode 16]
 
 On a random-weight model of a Qwen3 shape (bench/engine/speed.py builds it; a model already in --workdir is
 reused) this prints, side by side:
@@ -10,6 +11,8 @@ reused) this prints, side by side:
   - each weight shape's product at batch 1 (x[1, in] @ W.T, replayed in a CUDA graph) in GB/s, also for the
     merged QKV and gate_up shapes;
   - torch.profiler's kernel table of a few engine steps: which kernels the GPU time goes to, and the host ops.
+With --batch N, only the last, for decode steps of N sequences of about --context tokens each, with the GPU time
+summed by kind of kernel (products, attention, the rest) against the step's floor (weights and KV read once).
 """
 import argparse
 import statistics
@@ -167,15 +170,17 @@ def graph_only(eng) -> float:
     return statistics.median(times)
 
 
-def profile(eng, prompt: list[int], steps: int) -> None:
+def profile(eng, prompts: list[list[int]], steps: int) -> object:
+    """The profiler's averages over `steps` decode steps of the prompts' sequences (after their prefill)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from ember.runtime.engine.sampling import SamplingParams
 
-    eng.add_request("profiled", prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    for _ in range(4):   # the prefill and a few decode steps outside the trace
-        eng.step()
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"profiled-{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    while any(seq.num_output_tokens < 3 for seq in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()   # the prefills and a few decode steps outside the trace
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             eng.step()
@@ -187,6 +192,32 @@ def profile(eng, prompt: list[int], steps: int) -> None:
     log(table.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
     log(f"--- host time over {steps} decode steps, by op ---")
     log(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90))
+    return table
+
+
+KINDS = [("products", ("nvjet", "gemm", "gemv", "cutlass", "splitkreduce", "sm90_xmma")),
+         ("attention", ("decode", "_split_kernel", "_merge_kernel", "_stream_kernel", "mergestates", "attention")),
+         ("sampling", ("argmax", "reduce_kernel", "softmax", "topk", "sort", "sampl"))]
+
+
+def by_kind(table, steps: int, floor_ms: float) -> None:
+    """GPU ms per step by kind of kernel (by name: products, attention, sampling, the rest)."""
+    sums: dict[str, float] = {}
+    for event in table:
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if not us or event.key.startswith(("aten::", "cuda", "Memcpy", "Memset")) and "kernel" not in event.key:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, needles in KINDS if any(n in name for n in needles)), "other")
+        sums[kind] = sums.get(kind, 0.0) + us / 1000 / steps
+    total = sum(sums.values())
+    if not total:
+        log("--- no GPU kernel time in the profile (not on a GPU?) ---")
+        return
+    log(f"--- GPU ms per decode step by kind (floor {floor_ms:.3f} ms: weights and KV read once) ---")
+    for kind, ms in sorted(sums.items(), key=lambda kv: -kv[1]):
+        log(f"  {kind:10s} {ms:8.3f} ms  {ms / total:5.1%}")
+    log(f"  {'total':10s} {total:8.3f} ms  ({floor_ms / total:.0%} of the floor's speed)")
 
 
 def main() -> None:
@@ -194,23 +225,40 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["8B"], choices=list(speed.SHAPES))
     parser.add_argument("--workdir", default=None, help="model directories (reused when present)")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="above 1: only the kernel profile, of decode steps with this many sequences")
+    parser.add_argument("--context", type=int, default=768, help="with --batch: each sequence's prompt tokens")
+    parser.add_argument("--streamed-decode", type=int, metavar="N",
+                        help="EngineConfig(streamed_decode_min_batch=N): graphs of N or more run the streamed kernel")
     args = parser.parse_args()
     bandwidth = speed.copy_bandwidth()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ember-profile-"))
     for shape in args.models:
         model_dir = speed.model_directory(workdir, shape)
-        eng = speed.ember_engine(model_dir, max_num_seqs=256)
+        eng = speed.ember_engine(model_dir, max_num_seqs=256, streamed_decode=args.streamed_decode)
         weight_bytes = sum(p.nbytes for p in eng.runner.model.parameters())
         floor = 1000 * weight_bytes / bandwidth
         log(f"[{shape}] weights {weight_bytes / 1e9:.2f} GB; copy {bandwidth / 1e9:.0f} GB/s; "
             f"weight-read floor {floor:.3f} ms per step ({1000 / floor:.0f} tok/s)")
+        if args.batch > 1:
+            runner = eng.runner
+            kv_bytes = (args.batch * (args.context + 4) * runner.num_layers * 2 * runner.num_kv_heads
+                        * runner.model.head_dim * runner.dtype.itemsize)
+            steps = min(args.steps, 16)
+            table = profile(eng, speed.random_prompts(args.batch, args.context, args.context, seed=5), steps)
+            by_kind(table, steps, floor + 1000 * kv_bytes / bandwidth)
+            while eng.has_unfinished_requests():
+                eng.step()
+            del eng
+            torch.cuda.empty_cache()
+            continue
         prompt = speed.random_prompts(1, 128, 128, seed=1)[0]
         step_breakdown(eng, prompt, args.steps)
         ms = graph_only(eng)
         log(f"[{shape}] batch-1 decode graph alone: {ms:.3f} ms GPU ({floor / ms:.0%} of the floor)")
         products(eng.runner.hf_config)
         attention(eng.runner.hf_config)
-        profile(eng, prompt, steps=5)
+        profile(eng, [prompt], steps=5)
         del eng
         torch.cuda.empty_cache()
 
