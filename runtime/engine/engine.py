@@ -223,12 +223,15 @@ class LLMEngine:
         At launch, each sequence that samples gets a placeholder for its token and its computed tokens advance, so
         the scheduler plans N+1 as if N were done; N+1's inputs take N's tokens on the device. A sequence that stops
         at N was scheduled into N+1 too: that output is discarded. While a request needs its tokens on the host
-        to sample (penalties, min_tokens, logprobs), a step is launched and collected in one call.
+        to sample (penalties, min_tokens, logprobs), a step is launched and collected in one call; where N+1 would
+        capture a decode graph first, N is collected alone and N+1 launched by the next call.
         """
         previous, self._in_flight = self._in_flight, None
         try:
             batch = ScheduledBatch()
-            if previous is None or not self._needs_host_tokens:   # else only N finishes: N+1 must see its tokens
+            # Only N finishes where N+1 must see its tokens, or where N+1 would likely capture a graph first: N's
+            # tokens (a restored replica's first token, say) then reach their clients before the capture, not after
+            if previous is None or not (self._needs_host_tokens or self._capture_due()):
                 batch = self.scheduler.schedule()
                 if batch.seqs:
                     self._in_flight = self._launch(batch, previous)
@@ -246,6 +249,11 @@ class LLMEngine:
                         seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
             self._in_flight = None
             raise
+
+    def _capture_due(self) -> bool:
+        """Whether the next step is likely a decode step whose graph is not captured yet: the running sequences,
+        none waiting (a wrong guess only costs one step's overlap)."""
+        return not self.scheduler.waiting and self.runner.capture_due(len(self.scheduler.running))
 
     def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
         launched = self.runner.launch(batch, self.eos_token_ids, previous.launched if previous is not None else None)

@@ -268,6 +268,13 @@ class ModelRunner:
         """Capture one decode graph not captured yet (the engine calls this while idle); False when none is left."""
         return self.graphs is not None and not self.arena.parked and self.graphs.capture_next()
 
+    def capture_due(self, num_seqs: int) -> bool:
+        """Whether a decode step of `num_seqs` sequences would first capture its graph (tens of milliseconds)."""
+        if self.graphs is None or not num_seqs:
+            return False
+        size = self.graphs.batch_size_for(num_seqs)
+        return size is not None and size not in self.graphs.graphs
+
     def run(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> RunOutput:
         """Compute the batch's new tokens; sample for every sequence whose tokens are now all in the cache."""
         return self.collect(self.launch(batch, eos_token_ids))

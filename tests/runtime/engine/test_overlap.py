@@ -76,6 +76,36 @@ def test_steps_overlap_one_in_flight_at_most(llama):
     assert calls == ["launch"] + ["launch", "collect"] * 11 + ["collect"]
 
 
+def test_a_step_waiting_on_a_graph_capture_lets_the_step_in_flight_report_first(llama):
+    """A decode step whose graph is not captured yet (on the GPU: tens of ms) is launched only after the step in
+    flight is collected, so a restored replica's first token is not held back by its first capture. CPU engines
+    have no graphs: here the runner says a capture is due for each batch size not decoded yet."""
+    model_dir, model = llama
+    eng = engine(model_dir, overlap=True)
+    calls = record_calls(eng)
+    decoded: set[int] = set()
+    launch = eng.runner.launch
+
+    def launched(batch, *args):
+        if all(n == 1 for n in batch.num_new_tokens):
+            decoded.add(len(batch.seqs))
+        return launch(batch, *args)
+
+    eng.runner.launch = launched
+    eng.runner.capture_due = lambda num_seqs: num_seqs not in decoded
+    prompt = random_prompts([9], seed=3)[0]
+    eng.add_request("r", prompt, GREEDY)
+    first = []
+    while not first:
+        first = eng.step()
+    # the prefill's token comes out of the step that collected it, with no decode step launched before it
+    assert calls == ["launch", "collect"] and first[0].new_token_ids == reference_greedy(model, prompt, 1)
+    assert first[0].new_token_ids + run(eng)["r"][0] == reference_greedy(model, prompt, 12)
+    # the capture's step launched on its own; every step after it overlaps again
+    assert calls == ["launch", "collect", "launch"] + ["launch", "collect"] * 10 + ["collect"]
+    assert_idle(eng)
+
+
 def test_steps_run_one_at_a_time_until_min_tokens_is_reached(llama):
     model_dir, model = llama
     eng = engine(model_dir, overlap=True)

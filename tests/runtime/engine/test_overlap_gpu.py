@@ -27,10 +27,10 @@ def model_dir(tmp_path_factory):
                                 num_key_value_heads=1, head_dim=128))
 
 
-def both(model_dir: str, scenario) -> Outcome:
+def both(model_dir: str, scenario, **config) -> Outcome:
     outcomes = []
     for overlap in (False, True):
-        eng = LLMEngine(EngineConfig(model=model_dir, max_model_len=512, max_num_seqs=32, overlap=overlap))
+        eng = LLMEngine(EngineConfig(model=model_dir, max_model_len=512, max_num_seqs=32, overlap=overlap, **config))
         assert eng.runner.graphs is not None
         outcomes.append(scenario(eng))
         assert not eng.has_unfinished_requests() and eng.block_manager.usage == 0
@@ -52,6 +52,39 @@ def test_decode_graphs_take_the_previous_steps_tokens_on_the_device(model_dir, b
 
     outcome = both(model_dir, scenario)
     assert all(len(tokens) == 40 for tokens, _ in outcome.values())
+
+
+def test_streamed_decode_graphs_take_the_previous_steps_tokens_on_the_device(model_dir):
+    """Graphs of 9 or more sequences on paged_decode's streamed kernel (EngineConfig.streamed_decode_min_batch)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = random_prompts([5 + 3 * i for i in range(12)], seed=12)
+
+    def scenario(eng):
+        assert eng.runner.attention.streamed_min_batch == 9
+        for i, prompt in enumerate(prompts):
+            eng.add_request(str(i), prompt, params)
+        return run(eng)
+
+    outcome = both(model_dir, scenario, streamed_decode_min_batch=9)
+    assert all(len(tokens) == 40 for tokens, _ in outcome.values())
+
+
+def test_the_first_token_is_not_held_back_by_the_first_graph_capture(model_dir):
+    """Decode graphs are captured lazily (the warm-up captured those of 1 and 2 sequences): the first tokens of
+    three requests come out before the graph of their decode steps is captured."""
+    eng = LLMEngine(EngineConfig(model=model_dir, max_model_len=512, max_num_seqs=32))
+    graphs = eng.runner.graphs
+    size = graphs.batch_size_for(3)
+    assert size not in graphs.graphs
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts([9, 12, 15], seed=1)):
+        eng.add_request(str(i), prompt, params)
+    first = []
+    while not first:
+        first = eng.step()
+    assert len(first) == 3 and size not in graphs.graphs
+    rest = run(eng)
+    assert all(len(rest[out.request_id][0]) == 11 for out in first) and size in graphs.graphs
 
 
 def test_prefills_mixed_with_overlapped_decodes(model_dir):
