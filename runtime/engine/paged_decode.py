@@ -145,6 +145,36 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[list[i
 
 if triton is not None:
     @triton.jit
+    def _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head, scale, m, total, acc,
+                     D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, STREAMED: tl.constexpr):
+        """The query heads of one KV head against the BLOCK_T tokens from `start` (those before `end`), folded into
+        the online softmax's running max `m`, sum `total` and output `acc`. STREAMED: scores in base 2 (`scale`
+        includes log2(e)) and P rounded to the cache's dtype for its product with V, on the tensor cores; else
+        natural base and P·V in fp32."""
+        tokens = start + tl.arange(0, BLOCK_T)
+        valid = tokens < end
+        dims = tl.arange(0, D)
+        blocks = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
+        slots = blocks * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
+        k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        if STREAMED:
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+        else:
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(cache_ptr + s_kv + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if STREAMED:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        return m_new, total, acc
+
+    @triton.jit
     def _split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, partial_ptr, lse_ptr, q_stride_t, q_stride_h,
                       s_block, s_kv, s_slot, s_head, table_stride, scale, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
@@ -166,23 +196,13 @@ if triton is not None:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        table = tables_ptr + seq * table_stride
         for i in range(SPLIT // BLOCK_T):
             start = begin + i * BLOCK_T
             if start < end:
-                tokens = start + tl.arange(0, BLOCK_T)
-                valid = tokens < end
-                blocks = tl.load(tables_ptr + seq * table_stride + tokens // PAGE, mask=valid, other=0).to(tl.int64)
-                slots = blocks * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
-                k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-                scores = tl.dot(q, tl.trans(k)) * scale
-                scores = tl.where(valid[None, :], scores, float("-inf"))
-                m_new = tl.maximum(m, tl.max(scores, axis=1))
-                p = tl.exp(scores - m_new[:, None])
-                alpha = tl.exp(m - m_new)
-                total = total * alpha + tl.sum(p, axis=1)
-                v = tl.load(cache_ptr + s_kv + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                m = m_new
+                m, total, acc = _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot,
+                                             s_head, scale, m, total, acc, D=D, PAGE=PAGE, BLOCK_T=BLOCK_T,
+                                             STREAMED=False)
         # A split past the sequence's end ran no iteration: its lse is -inf and the merge skips it.
         seen = total > 0
         tl.store(partial_ptr + out_row[:, None] * D + dims[None, :], acc / tl.where(seen, total, 1.0)[:, None],
@@ -239,20 +259,8 @@ if triton is not None:
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
         for start in range(begin, end, BLOCK_T):
-            tokens = start + tl.arange(0, BLOCK_T)
-            valid = tokens < end
-            blocks = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
-            slots = blocks * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
-            k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale_log2
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp2(scores - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            total = total * alpha + tl.sum(p, axis=1)
-            v = tl.load(cache_ptr + s_kv + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, total, acc = _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head,
+                                         scale_log2, m, total, acc, D=D, PAGE=PAGE, BLOCK_T=BLOCK_T, STREAMED=True)
         num_heads = GROUP * tl.num_programs(1)
         if DIRECT:   # every sequence has a token, so its one split saw it
             tl.store(out_ptr + (seq * num_heads + heads[:, None]) * D + dims[None, :],

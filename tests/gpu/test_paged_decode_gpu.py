@@ -9,57 +9,55 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
               pytest.mark.skipif(paged_decode.triton is None, reason="needs Triton")]
 
 
-@pytest.mark.parametrize("batch_size", [1, 3, 16, 40, 200])
-def test_split_attention_matches_the_reference_over_scattered_blocks(batch_size):
-    """Lengths from one token to past several splits, blocks in random order, q a strided view as the engine's."""
+PAGE, KV_HEADS, HEADS, D, MAX_BLOCKS = 16, 8, 32, 128, 128
+
+
+def scattered(batch_size: int):
+    """Lengths from one token to past several splits, blocks in random order, q a strided view as the engine's:
+    (lengths, tables, cache, q)."""
     g = torch.Generator().manual_seed(batch_size)
-    page, kv_heads, heads, d, max_blocks = 16, 8, 32, 128, 128
     lengths = [1, 2047, 15, 16, 17, 64, 65, 1000][:batch_size]
-    lengths += torch.randint(1, max_blocks * page, (batch_size - len(lengths),), generator=g).tolist()
-    order = torch.randperm(sum(-(-n // page) for n in lengths) + 1, generator=g).tolist()
+    lengths += torch.randint(1, MAX_BLOCKS * PAGE, (batch_size - len(lengths),), generator=g).tolist()
+    order = torch.randperm(sum(-(-n // PAGE) for n in lengths) + 1, generator=g).tolist()
     tables, used = [], 0
     for n in lengths:
-        tables.append(order[used:used + -(-n // page)])
+        tables.append(order[used:used + -(-n // PAGE)])
         used += len(tables[-1])
-    cache = torch.randn(len(order), 2, page, kv_heads, d, generator=g).bfloat16().cuda()
-    qkv = torch.randn(batch_size, heads + 2 * kv_heads, d, generator=g).bfloat16().cuda()
-    q = qkv[:, :heads]
-    decode = paged_decode.PagedDecode(batch_size, max_blocks, page, heads, kv_heads, d, torch.device("cuda"))
+    cache = torch.randn(len(order), 2, PAGE, KV_HEADS, D, generator=g).bfloat16().cuda()
+    qkv = torch.randn(batch_size, HEADS + 2 * KV_HEADS, D, generator=g).bfloat16().cuda()
+    return lengths, tables, cache, qkv[:, :HEADS]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16, 40, 200])
+def test_split_attention_matches_the_reference_over_scattered_blocks(batch_size):
+    lengths, tables, cache, q = scattered(batch_size)
+    decode = paged_decode.PagedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"))
     decode.prepare(tables, lengths)
-    out = decode.forward(q, cache, d ** -0.5)
-    expected = paged_decode.reference(q, cache, tables, lengths, d ** -0.5)
+    out = decode.forward(q, cache, D ** -0.5)
+    expected = paged_decode.reference(q, cache, tables, lengths, D ** -0.5)
     close = dict(atol=2 ** -7, rtol=2 ** -7)   # a bf16 rounding step of the output
     torch.testing.assert_close(out.float(), expected.float(), **close)
     # a new step with shorter tables reuses the buffers
-    decode.prepare([t[:1] for t in tables], [min(n, page) for n in lengths])
-    expected = paged_decode.reference(q, cache, [t[:1] for t in tables], [min(n, page) for n in lengths], d ** -0.5)
-    torch.testing.assert_close(decode.forward(q, cache, d ** -0.5).float(), expected.float(), **close)
+    decode.prepare([t[:1] for t in tables], [min(n, PAGE) for n in lengths])
+    expected = paged_decode.reference(q, cache, [t[:1] for t in tables], [min(n, PAGE) for n in lengths], D ** -0.5)
+    torch.testing.assert_close(decode.forward(q, cache, D ** -0.5).float(), expected.float(), **close)
 
 
 @pytest.mark.parametrize("batch_size,split,block_t,stages", [(40, None, 64, 3), (200, None, 32, 2),
                                                                (40, 256, 128, 4), (3, 512, 64, 3)])
 def test_streamed_attention_matches_the_reference(batch_size, split, block_t, stages):
-    """The large-batch kernel, with one split (its output written directly) and with several (merged)."""
-    g = torch.Generator().manual_seed(batch_size)
-    page, kv_heads, heads, d, max_blocks = 16, 8, 32, 128, 128
-    lengths = [1, 2047, 15, 16, 17, 64, 65, 1000][:batch_size]
-    lengths += torch.randint(1, max_blocks * page, (batch_size - len(lengths),), generator=g).tolist()
-    order = torch.randperm(sum(-(-n // page) for n in lengths) + 1, generator=g).tolist()
-    tables, used = [], 0
-    for n in lengths:
-        tables.append(order[used:used + -(-n // page)])
-        used += len(tables[-1])
-    cache = torch.randn(len(order), 2, page, kv_heads, d, generator=g).bfloat16().cuda()
-    q = torch.randn(batch_size, heads + 2 * kv_heads, d, generator=g).bfloat16().cuda()[:, :heads]
-    decode = paged_decode.StreamedDecode(batch_size, max_blocks, page, heads, kv_heads, d, torch.device("cuda"),
+    """The large-batch kernel, with one split (its output written directly) and with several (merged), its tables
+    staged from a padded array as the engine stages a step."""
+    lengths, tables, cache, q = scattered(batch_size)
+    decode = paged_decode.StreamedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
                                          split=split, block_t=block_t, stages=stages)
-    padded = np.zeros((batch_size, max(map(len, tables))), dtype=np.int32)   # as the engine stages a step
+    padded = np.zeros((batch_size, max(map(len, tables))), dtype=np.int32)
     for row, table in zip(padded, tables):
         row[:len(table)] = table
     decode.stage(padded, np.array(lengths))
-    expected = paged_decode.reference(q, cache, tables, lengths, d ** -0.5)
+    expected = paged_decode.reference(q, cache, tables, lengths, D ** -0.5)
     # p is rounded to bf16 before its product with V, as flash attention does: two bf16 steps of the output
-    torch.testing.assert_close(decode.forward(q, cache, d ** -0.5).float(), expected.float(), atol=2 ** -6,
+    torch.testing.assert_close(decode.forward(q, cache, D ** -0.5).float(), expected.float(), atol=2 ** -6,
                                rtol=2 ** -6)
 
 
