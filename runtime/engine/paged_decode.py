@@ -145,6 +145,24 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[list[i
 
 if triton is not None:
     @triton.jit
+    def _program_start(q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP: tl.constexpr,
+                       GROUP_PAD: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+        """This program's sequence, KV head and split; the split's tokens [begin, end) (none past the sequence's
+        end); its query heads (GROUP_PAD rows, the first GROUP real), their q, and the sequence's block table."""
+        seq = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        begin = split * SPLIT
+        end = tl.minimum(begin + SPLIT, tl.load(lens_ptr + seq))
+        rows = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + rows
+        head_ok = rows < GROUP
+        dims = tl.arange(0, D)
+        q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=head_ok[:, None],
+                    other=0.0)
+        return seq, kv_head, split, begin, end, heads, head_ok, q, tables_ptr + seq * table_stride
+
+    @triton.jit
     def _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head, scale, m, total, acc,
                      D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, STREAMED: tl.constexpr):
         """The query heads of one KV head against the BLOCK_T tokens from `start` (those before `end`), folded into
@@ -179,24 +197,15 @@ if triton is not None:
                       s_block, s_kv, s_slot, s_head, table_stride, scale, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
                       BLOCK_T: tl.constexpr):
-        seq = tl.program_id(0).to(tl.int64)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
+        seq, kv_head, split, begin, end, heads, head_ok, q, table = _program_start(
+            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D,
+            SPLIT=SPLIT)
         num_splits = tl.num_programs(2)
-        context = tl.load(lens_ptr + seq)
-        begin = split * SPLIT
-        end = tl.minimum(begin + SPLIT, context)
-        rows = tl.arange(0, GROUP_PAD)
-        heads = kv_head * GROUP + rows
-        head_ok = rows < GROUP
         dims = tl.arange(0, D)
         out_row = (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split   # [Hq] rows of lse
-        q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=head_ok[:, None],
-                    other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        table = tables_ptr + seq * table_stride
         for i in range(SPLIT // BLOCK_T):
             start = begin + i * BLOCK_T
             if start < end:
@@ -242,19 +251,10 @@ if triton is not None:
         # _split_kernel's work with a loop whose bounds are the split's own tokens (Triton pipelines it: the next
         # tiles load while this one computes), scores in base 2, and p rounded to the cache's dtype for its
         # product with V (flash attention's rounding), which then runs on the tensor cores.
-        seq = tl.program_id(0).to(tl.int64)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        context = tl.load(lens_ptr + seq)
-        begin = split * SPLIT
-        end = tl.minimum(begin + SPLIT, context)
-        rows = tl.arange(0, GROUP_PAD)
-        heads = kv_head * GROUP + rows
-        head_ok = rows < GROUP
+        seq, kv_head, split, begin, end, heads, head_ok, q, table = _program_start(
+            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D,
+            SPLIT=SPLIT)
         dims = tl.arange(0, D)
-        q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=head_ok[:, None],
-                    other=0.0)
-        table = tables_ptr + seq * table_stride
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
