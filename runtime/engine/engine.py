@@ -252,8 +252,11 @@ class LLMEngine:
 
     def _capture_due(self) -> bool:
         """Whether the next step is likely a decode step whose graph is not captured yet: the running sequences,
-        none waiting (a wrong guess only costs one step's overlap)."""
-        return not self.scheduler.waiting and self.runner.capture_due(len(self.scheduler.running))
+        each one token short of its end (none in a chunked prefill), none waiting (a wrong guess only costs one
+        step's overlap)."""
+        running = self.scheduler.running
+        return (not self.scheduler.waiting and self.runner.capture_due(len(running))
+                and all(seq.num_computed_tokens == len(seq.token_ids) - 1 for seq in running))
 
     def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
         launched = self.runner.launch(batch, self.eos_token_ids, previous.launched if previous is not None else None)

@@ -105,6 +105,19 @@ def test_a_step_waiting_on_a_graph_capture_lets_the_step_in_flight_report_first(
     assert calls == ["launch", "collect", "launch"] + ["launch", "collect"] * 10 + ["collect"]
     assert_idle(eng)
 
+    # A prompt prefilled in chunks of 16 tokens: its chunks still overlap (no decode graph is near) until its last
+    # chunk's token is in flight
+    eng = engine(model_dir, overlap=True, max_num_batched_tokens=16)
+    calls = record_calls(eng)
+    decoded.clear()
+    launch = eng.runner.launch
+    eng.runner.launch = launched
+    eng.runner.capture_due = lambda num_seqs: num_seqs not in decoded
+    prompt = random_prompts([50], seed=4)[0]
+    assert eng.generate([prompt], GREEDY) == [reference_greedy(model, prompt, 12)]
+    assert calls == (["launch"] + ["launch", "collect"] * 3 + ["collect", "launch"] + ["launch", "collect"] * 10
+                     + ["collect"])
+
 
 def test_steps_run_one_at_a_time_until_min_tokens_is_reached(llama):
     model_dir, model = llama
