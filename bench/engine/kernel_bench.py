@@ -12,7 +12,8 @@
     flashinfer's decode kernel (16-token pages, also without split-KV, and with 64-token pages), its tensor-core
     decode (its prefill kernel, fa3 on Hopper), and paged_decode.py's Triton kernels (from batch 16 also its
     streamed kernel over a sweep of tiles, warps, pipeline stages and splits), against the KV bytes' read time at
-    the copy bandwidth;
+    the copy bandwidth; and a skewed batch (one long context among short ones), flashinfer against the streamed
+    kernel's sweep;
   - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run).
 --record writes bench/results/kernels.json; otherwise it only prints.
 """
@@ -175,7 +176,7 @@ def bench_attention(bandwidth: float, fa2: bool = False) -> list[dict]:
         except Exception as err:  # noqa: BLE001
             log(f"  triton_split b={batch} ctx={ctx}: {type(err).__name__}: {str(err)[:200]}")
         if batch >= STREAM_MIN_BATCH:
-            row.update(sweep_streamed(q, kv, order.view(batch, per_seq).tolist(), ctx, outputs))
+            row.update(sweep_streamed(q, kv, order.view(batch, per_seq).tolist(), [ctx] * batch, outputs))
         reference = outputs.get("flashinfer_decode")
         row["max_abs_diff"] = {k: float((v - reference).abs().max()) for k, v in outputs.items()
                                if reference is not None}
@@ -184,29 +185,72 @@ def bench_attention(bandwidth: float, fa2: bool = False) -> list[dict]:
     return rows
 
 
+def bench_skewed_attention(bandwidth: float) -> list[dict]:
+    """One long context among short ones (64 sequences: one of 16,384 tokens, 63 of 512), where a kernel that gives
+    each sequence the same number of programs leaves the long one's programs running alone: flashinfer's decode
+    (its plan splits the KV by length) against the streamed kernel's sweep, in graphs."""
+    import flashinfer
+
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    rows = []
+    for contexts in ([16384] + [512] * 63, [4096] * 4 + [256] * 124):
+        batch = len(contexts)
+        pages = [-(-n // page) for n in contexts]
+        order = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(1)).to(torch.int32)
+        tables, used = [], 0
+        for n in pages:
+            tables.append(order[used:used + n].tolist())
+            used += n
+        kv = torch.randn(sum(pages), 2, page, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+        kv_bytes = sum(contexts) * kv_heads * dim * 2 * 2
+        row = {"batch": batch, "contexts": f"{contexts[0]} x{contexts.count(contexts[0])}, {contexts[-1]} "
+                                           f"x{contexts.count(contexts[-1])}",
+               "kv_mb": round(kv_bytes / 1e6, 1), "floor_us": round(kv_bytes / bandwidth * 1e6, 2)}
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_cuda_graph=True,
+            paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+            paged_kv_indices_buffer=torch.empty(len(order), dtype=torch.int32, device="cuda"),
+            paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device="cuda"))
+        indptr = torch.tensor([0] + pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        wrapper.plan(indptr, order, torch.tensor([(n - 1) % page + 1 for n in contexts], dtype=torch.int32), heads,
+                     kv_heads, dim, page, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        row["flashinfer_decode_us"] = round(in_graph([functools.partial(wrapper.run, q, kv)] * 10) * 1e6, 2)
+        outputs = {"flashinfer_decode": wrapper.run(q, kv).float()}
+        row.update(sweep_streamed(q, kv, tables, contexts, outputs))
+        if "triton_stream" in outputs:
+            row["max_abs_diff"] = float((outputs["triton_stream"] - outputs["flashinfer_decode"]).abs().max())
+        rows.append(row)
+        log("skewed attention " + json.dumps({k: v for k, v in row.items() if k != "triton_stream_sweep"}))
+        del kv
+        torch.cuda.empty_cache()
+    return rows
+
+
 STREAM_MIN_BATCH = 16
-# paged_decode.StreamedDecode's configurations: (split tokens or None for one split, tokens per tile, warps, stages)
-STREAM_CONFIGS = [(split, block_t, warps, stages) for split in (None, 512) for block_t in (32, 64, 128)
-                  for warps in (4, 8) for stages in (2, 3, 4)]
+# paged_decode.StreamedDecode's configurations: (parts per sequence, tokens per tile, warps, stages)
+STREAM_CONFIGS = [(parts, block_t, warps, stages) for parts in (1, 2, 4) for block_t in (32, 64, 128)
+                  for warps in (4, 8) for stages in (2, 3)]
 
 
-def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], ctx: int, outputs: dict) -> dict:
+def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], contexts: list[int],
+                   outputs: dict) -> dict:
     """paged_decode.StreamedDecode over STREAM_CONFIGS, each in a graph: the best time, its configuration and every
-    configuration's time ("split/block_t/warps/stages": us); the best one's output joins `outputs`."""
+    configuration's time ("parts/block_t/warps/stages": us); the best one's output joins `outputs`."""
     from ember.runtime.engine.paged_decode import StreamedDecode
 
     batch, heads, dim = q.shape
     times, best = {}, None
-    for split, block_t, warps, stages in STREAM_CONFIGS:
-        name = f"{split or 'one'}/{block_t}/{warps}/{stages}"
+    for parts, block_t, warps, stages in STREAM_CONFIGS:
+        name = f"{parts}/{block_t}/{warps}/{stages}"
         try:
-            decode = StreamedDecode(batch, -(-4096 // 16), 16, heads, kv.shape[3], dim, q.device, split=split,
+            decode = StreamedDecode(batch, -(-16384 // 16), 16, heads, kv.shape[3], dim, q.device, parts=parts,
                                     block_t=block_t, warps=warps, stages=stages)
-            decode.prepare(tables, [ctx] * batch)
+            decode.prepare(tables, contexts)
             run = functools.partial(decode.forward, q, kv, dim ** -0.5)
             times[name] = round(in_graph([run] * 10) * 1e6, 2)
         except Exception as err:  # noqa: BLE001 - a configuration the device cannot run (shared memory) is skipped
-            log(f"  triton_stream {name} b={batch} ctx={ctx}: {type(err).__name__}: {str(err)[:200]}")
+            log(f"  triton_stream {name} b={batch} ctx={max(contexts)}: {type(err).__name__}: {str(err)[:200]}")
             continue
         if best is None or times[name] < times[best[0]]:
             best = (name, run)
@@ -249,6 +293,7 @@ def main() -> None:
         result["gemv"] = bench_gemv(bandwidth)
     if "attention" in parts:
         result["attention"] = bench_attention(bandwidth, args.fa2)
+        result["attention_skewed"] = bench_skewed_attention(bandwidth)
     if "gemm" in parts:
         result["gemm"] = bench_gemm()
     log(f"done in {time.perf_counter() - began:.0f} s")

@@ -93,24 +93,24 @@ class PagedDecode:
 
 
 class StreamedDecode(PagedDecode):
-    """The same attention for large batches: each program streams its split's pages in a loop Triton pipelines
-    (`stages` tiles in flight), with bf16 products on the tensor cores, and with one split per sequence (`split`
-    None) writes the output itself, with no merge. `block_t`, `warps`, `stages` and `split` are what
+    """The same attention for large batches: each program streams its part of a sequence's pages in a loop Triton
+    pipelines (`stages` tiles in flight), with bf16 products on the tensor cores. Each sequence is cut into `parts`
+    equal parts (whole tiles of `block_t` tokens), so a long context is spread over as many programs as a short one
+    and cannot hold a step back alone, and a partition needs no plan on the host; with one part the programs write
+    the output themselves, with no merge. `parts`, `block_t`, `warps` and `stages` are what
     bench/engine/kernel_bench.py sweeps."""
 
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device, split: int | None = None, block_t: int = 64, warps: int = 4,
+                 head_dim: int, device: torch.device, parts: int = 1, block_t: int = 64, warps: int = 4,
                  stages: int = 3):
         super().__init__(batch_size, max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim, device)
-        longest = max_blocks_per_seq * block_size
-        self.split_tokens = longest if split is None else split
-        self.num_splits = -(-longest // self.split_tokens)
+        self.num_splits = parts
         self.block_t, self.warps, self.stages = block_t, warps, stages
-        if self.num_splits == 1:   # the output straight from the one split: no partial results to keep
+        if parts == 1:   # the output straight from the one part: no partial results to keep
             self.partial = self.lse = torch.empty(0, dtype=torch.float32, device=device)
         else:
-            self.partial = self.partial.new_empty(batch_size, num_heads, self.num_splits, head_dim)
-            self.lse = self.lse.new_empty(batch_size, num_heads, self.num_splits)
+            self.partial = self.partial.new_empty(batch_size, num_heads, parts, head_dim)
+            self.lse = self.lse.new_empty(batch_size, num_heads, parts)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         b, hq, d = q.shape
@@ -120,8 +120,8 @@ class StreamedDecode(PagedDecode):
             q, kv_cache, self.block_tables, self.context_lens, out, self.partial, self.lse,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), self.block_tables.stride(0), scale * _LOG2_E, GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, PAGE=self.block_size, SPLIT=self.split_tokens,
-            BLOCK_T=self.block_t, DIRECT=self.num_splits == 1, num_warps=self.warps, num_stages=self.stages)
+            GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, PAGE=self.block_size, BLOCK_T=self.block_t,
+            DIRECT=self.num_splits == 1, num_warps=self.warps, num_stages=self.stages)
         if self.num_splits > 1:
             _merge_kernel[(b, hq)](self.partial, self.lse, out, self.num_splits, D=d, CHUNK=MERGE_CHUNK)
         return out
@@ -146,21 +146,20 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[list[i
 if triton is not None:
     @triton.jit
     def _program_start(q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP: tl.constexpr,
-                       GROUP_PAD: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
-        """This program's sequence, KV head and split; the split's tokens [begin, end) (none past the sequence's
-        end); its query heads (GROUP_PAD rows, the first GROUP real), their q, and the sequence's block table."""
+                       GROUP_PAD: tl.constexpr, D: tl.constexpr):
+        """This program's sequence, KV head and split; the sequence's context length; its query heads (GROUP_PAD
+        rows, the first GROUP real), their q, and the sequence's block table."""
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
-        begin = split * SPLIT
-        end = tl.minimum(begin + SPLIT, tl.load(lens_ptr + seq))
+        context = tl.load(lens_ptr + seq)
         rows = tl.arange(0, GROUP_PAD)
         heads = kv_head * GROUP + rows
         head_ok = rows < GROUP
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=head_ok[:, None],
                     other=0.0)
-        return seq, kv_head, split, begin, end, heads, head_ok, q, tables_ptr + seq * table_stride
+        return seq, kv_head, split, context, heads, head_ok, q, tables_ptr + seq * table_stride
 
     @triton.jit
     def _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head, scale, m, total, acc,
@@ -197,9 +196,10 @@ if triton is not None:
                       s_block, s_kv, s_slot, s_head, table_stride, scale, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
                       BLOCK_T: tl.constexpr):
-        seq, kv_head, split, begin, end, heads, head_ok, q, table = _program_start(
-            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D,
-            SPLIT=SPLIT)
+        seq, kv_head, split, context, heads, head_ok, q, table = _program_start(
+            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D)
+        begin = split * SPLIT
+        end = tl.minimum(begin + SPLIT, context)
         num_splits = tl.num_programs(2)
         dims = tl.arange(0, D)
         out_row = (seq * GROUP * tl.num_programs(1) + heads) * num_splits + split   # [Hq] rows of lse
@@ -246,14 +246,16 @@ if triton is not None:
     @triton.jit
     def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, partial_ptr, lse_ptr, q_stride_t, q_stride_h,
                        s_block, s_kv, s_slot, s_head, table_stride, scale_log2, GROUP: tl.constexpr,
-                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
-                       BLOCK_T: tl.constexpr, DIRECT: tl.constexpr):
-        # _split_kernel's work with a loop whose bounds are the split's own tokens (Triton pipelines it: the next
-        # tiles load while this one computes), scores in base 2, and p rounded to the cache's dtype for its
-        # product with V (flash attention's rounding), which then runs on the tensor cores.
-        seq, kv_head, split, begin, end, heads, head_ok, q, table = _program_start(
-            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D,
-            SPLIT=SPLIT)
+                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
+                       DIRECT: tl.constexpr):
+        # _split_kernel's work over one of the sequence's equal parts, with a loop whose bounds are the part's own
+        # tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2, and p
+        # rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor cores.
+        seq, kv_head, split, context, heads, head_ok, q, table = _program_start(
+            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D)
+        part = tl.cdiv(tl.cdiv(context, tl.num_programs(2)), BLOCK_T) * BLOCK_T   # whole tiles
+        begin = split * part
+        end = tl.minimum(begin + part, context)
         dims = tl.arange(0, D)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)

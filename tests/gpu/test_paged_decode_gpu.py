@@ -43,14 +43,14 @@ def test_split_attention_matches_the_reference_over_scattered_blocks(batch_size)
     torch.testing.assert_close(decode.forward(q, cache, D ** -0.5).float(), expected.float(), **close)
 
 
-@pytest.mark.parametrize("batch_size,split,block_t,stages", [(40, None, 64, 3), (200, None, 32, 2),
-                                                               (40, 256, 128, 4), (3, 512, 64, 3)])
-def test_streamed_attention_matches_the_reference(batch_size, split, block_t, stages):
-    """The large-batch kernel, with one split (its output written directly) and with several (merged), its tables
-    staged from a padded array as the engine stages a step."""
+@pytest.mark.parametrize("batch_size,parts,block_t,stages", [(40, 1, 64, 3), (200, 1, 32, 2), (40, 4, 128, 4),
+                                                               (3, 3, 64, 3)])
+def test_streamed_attention_matches_the_reference(batch_size, parts, block_t, stages):
+    """The large-batch kernel, with one part per sequence (its output written directly) and with several (merged),
+    its tables staged from a padded array as the engine stages a step."""
     lengths, tables, cache, q = scattered(batch_size)
     decode = paged_decode.StreamedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
-                                         split=split, block_t=block_t, stages=stages)
+                                         parts=parts, block_t=block_t, stages=stages)
     padded = np.zeros((batch_size, max(map(len, tables))), dtype=np.int32)
     for row, table in zip(padded, tables):
         row[:len(table)] = table
