@@ -1,35 +1,23 @@
 """A moto_server process (the local AWS API emulator) on a free port, and the environment boto3 reads to use it."""
 import contextlib
-import socket
+import re
 import subprocess
-import time
+import threading
 from collections.abc import Iterator
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
-    """Yields the emulator's endpoint URL; the process is stopped on exit."""
-    port = free_port()
-    proc = subprocess.Popen(
-        ["moto_server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    """Yields the emulator's endpoint URL; the process is stopped on exit. It binds a port of its own choosing and
+    says which: a port picked here and handed over could be taken meanwhile by another test's server, which then
+    answered the S3 calls (404s)."""
+    proc = subprocess.Popen(["moto_server", "-H", "127.0.0.1", "-p", "0"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
+        url = _listening_url(proc)
+        # it logs every request on stderr: drained, so a full pipe never blocks it
+        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        yield url
     finally:
         proc.terminate()
         try:
@@ -37,6 +25,26 @@ def moto_server() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _listening_url(proc: subprocess.Popen) -> str:
+    """The URL from the server's "Running on http://HOST:PORT" line, within 30 s."""
+    assert proc.stderr is not None
+    found: list[str] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            match = re.search(r"Running on (http://[\d.]+:\d+)", line)
+            if match:
+                found.append(match.group(1))
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(30)
+    if not found:
+        raise RuntimeError(f"moto_server did not start (exit code {proc.poll()})")
+    return found[0]
 
 
 def aws_env(endpoint: str) -> dict[str, str]:
