@@ -189,11 +189,17 @@ class Server:
             parts.append(f"== {path.relative_to(self.home)}\n" + "\n".join(text))
         return "\n".join(parts)
 
-    def scaled_to_zero(self, baseline: int | None) -> float:
+    def scaled_to_zero(self, baseline: int | None, standbys: int = 0) -> float:
         """Waits for the gateway to drop every replica and, on a GPU, for their processes to give the memory back
-        (to within 1 GiB of `baseline`); the seconds that second wait took."""
+        (to within 1 GiB of `baseline`, `standbys` processes allowed to hold a context); the seconds that second
+        wait took."""
         self.wait(lambda: not self.replicas(), "scale-down")
-        return wait_gpu_free(baseline)
+        waited = wait_gpu_free(baseline, standbys=standbys)
+        settle = time.perf_counter() + 10   # a node left idle: its standby has made its context (if it could)
+        while standbys and baseline is not None and len(gpu_processes().split()) < standbys and \
+                time.perf_counter() < settle:
+            time.sleep(0.1)
+        return waited
 
     def stop(self) -> None:
         for c in (self.admin, self.http):
@@ -206,12 +212,15 @@ class Server:
             self.process.wait()
 
 
-def wait_gpu_free(baseline: int | None, timeout: float = 120) -> float:
+def wait_gpu_free(baseline: int | None, timeout: float = 120, standbys: int = 0) -> float:
+    """Until the GPU's memory is back within 1 GiB of `baseline` and at most `standbys` processes (EMBER_GPU_STANDBY's,
+    each with a CUDA context and nothing else) hold it; the seconds that took."""
     began = time.perf_counter()
     if baseline is None:
         return 0.0
     # the memory first, then the process: the supervisor hands the GPU to the next start once the process is gone
-    while (used := gpu_memory_used()) is not None and (used > baseline + (1 << 30) or gpu_processes()):
+    while (used := gpu_memory_used()) is not None and (used > baseline + (1 << 30)
+                                                       or len(gpu_processes().split()) > standbys):
         if time.perf_counter() - began > timeout:
             raise RuntimeError(f"the GPU still holds {used / 2**30:.1f} GiB > {baseline / 2**30:.1f} GiB + 1 GiB "
                                f"after {timeout:g} s: {gpu_processes()}")
@@ -255,6 +264,9 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
     name = model.name
     env = {"EMBER_CHAT_MODEL": str(model), "EMBER_CHAT_SCALEDOWN_WINDOW": "2",
            "FLASHINFER_WORKSPACE_BASE": str(workspace)}
+    standbys = 0
+    if args.standby:   # the T2 rungs then start from a standby that initialised CUDA while the GPU was idle
+        env["EMBER_GPU_STANDBY"], standbys = "1", 1
     rows: list[dict] = []
     baseline = gpu_memory_used()  # nothing of ours on the GPU yet
 
@@ -277,10 +289,10 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
             forget_snapshots(home)
             full, headers = server.first_token(name)
         record("full boot", full, headers)
-        released = server.scaled_to_zero(baseline)
+        released = server.scaled_to_zero(baseline, standbys)
         warm, headers = server.first_token(name)
         record("T2 warm", warm, headers, f"previous replica's exit gave the GPU back {released:.1f} s after scale-down")
-        released = server.scaled_to_zero(baseline)
+        released = server.scaled_to_zero(baseline, standbys)
         how = drop_page_cache(home, model, whole=gpu)
         cold, headers = server.first_token(name)
         record("T2 cold", cold, headers, f"{how}; GPU back {released:.1f} s after scale-down")
@@ -386,6 +398,9 @@ def main() -> None:
     parser.add_argument("--t2-only", action="store_true", help="only the full boot and T2 rungs, printed (a check "
                         "of the restore path; cannot --record)")
     parser.add_argument("--results", default=str(RESULTS), help="where --record writes (default bench/results)")
+    parser.add_argument("--standby", action="store_true",
+                        help="serve with EMBER_GPU_STANDBY=1: the T2 rungs start from a standby that initialised CUDA "
+                             "while the GPU was idle")
     args = parser.parse_args()
     if args.t2_only and args.record:
         parser.error("--t2-only measures part of the ladder: it cannot --record")

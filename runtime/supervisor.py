@@ -45,6 +45,7 @@ class WorkerProcess:
     error: str | None = None
     note: str | None = None  # why it waits (for a GPU, a node) or runs degraded (no GPU here)
     stopping: bool = False  # stop() was called: a start still under way must not leave it running
+    forked_from: str | None = None  # the socket of the fork server that forked it (its GPU's standby goes there)
 
 
 def detect_gpus() -> list[str]:
@@ -217,6 +218,10 @@ class Supervisor:
         self.gpus, self.log = GpuPool(gpus), log  # the caller's log: the gateway's, or the node agent's
         self.require_gpu = os.environ.get("EMBER_REQUIRE_GPU") == "1"  # a gpu= function must not quietly run on CPU
         self.fork = os.environ.get("EMBER_FORK_SERVER", "1") != "0" if fork is None else fork
+        # EMBER_GPU_STANDBY=1: a GPU that a forked replica gave back gets a standby of its unit (forkserver.Standby),
+        # CUDA initialised, for the next replica there; off by default until measured on the GPU
+        self.standby = os.environ.get("EMBER_GPU_STANDBY") == "1"
+        self.standbys: dict[str, tuple[str, str, str]] = {}  # gpu -> (app, unit, fork server socket) of its standby
         self.forkservers: dict[str, ForkServerProcess] = {}  # app -> the fork server of its latest package
         self._sockets: str | None = None  # a short private directory: Unix socket paths must fit in 108 bytes
 
@@ -240,7 +245,42 @@ class Supervisor:
             )
             return None
         worker.gpus = await self.gpus.acquire(worker, count)
+        for gpu in worker.gpus:   # a standby of another unit would hold memory this replica's start sizes from
+            await self._drop_standby(gpu, keep=(worker.app, worker.unit) if count == 1 else None)
         return ",".join(worker.gpus)
+
+    async def _keep_standby(self, worker: WorkerProcess) -> None:
+        """After a forked single-GPU replica that served gave its GPU back: ask its fork server for a standby there."""
+        if not (self.standby and worker.forked_from and worker.port is not None and len(worker.gpus) == 1):
+            return
+        gpu = worker.gpus[0]
+        if gpu in self.gpus.holders or gpu in self.standbys or self.gpus.waiting:  # taken, or about to be
+            return
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": gpu}
+        # recorded first: a start that takes the GPU meanwhile finds it and drops it (after this message)
+        self.standbys[gpu] = (worker.app, worker.unit, worker.forked_from)
+        if not await self._tell(worker.forked_from, forkserver.Standby(worker.unit, env)):
+            if self.standbys.get(gpu) == (worker.app, worker.unit, worker.forked_from):
+                del self.standbys[gpu]
+
+    async def _drop_standby(self, gpu: str, keep: tuple[str, str] | None = None) -> None:
+        """Forget the standby kept on `gpu`, and end it unless it is of `keep` (app, unit), whose fork request takes
+        it over."""
+        kept = self.standbys.pop(gpu, None)
+        if kept is not None and kept[:2] != keep:
+            await self._tell(kept[2], forkserver.Standby(kept[1], {"CUDA_VISIBLE_DEVICES": gpu}, drop=True))
+
+    async def _tell(self, socket_path: str, message: "forkserver.Standby") -> bool:
+        """Send a fork server a message that has no answer; False when it cannot be reached."""
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(conn, socket_path), 5)
+                forkserver.send(conn, message)
+            except (OSError, TimeoutError):
+                return False
+        return True
 
     async def start(self, worker: WorkerProcess, package: Path, spec: FunctionSpec, pulled: bool = False) -> bool:
         """Fork (or else spawn) the worker and wait for its ready line: True once it serves on 127.0.0.1:`worker.port`.
@@ -356,7 +396,8 @@ class Supervisor:
                 how["fallback"] = reply.reason if isinstance(reply, forkserver.Refused) else \
                     f"the fork server of {worker.app} closed the request without an answer"
                 return None
-            how["start"] = "fork"
+            how["start"] = "standby" if reply.standby else "fork"
+            worker.forked_from = server.socket_path
             if reply.snap_ms is not None:
                 how["snap_ms"] = reply.snap_ms  # this start waited for the unit's snap=True hooks in the fork server
             stdout = asyncio.StreamReader()
@@ -463,6 +504,7 @@ class Supervisor:
             raise ValueError(f"replica {worker.id} has no process to wait for: start it first")
         code = await worker.process.wait()
         await self.gpus.release(worker)
+        await self._keep_standby(worker)
         return code
 
     async def stop(self, worker: WorkerProcess, grace: float = 10.0) -> None:
@@ -479,6 +521,7 @@ class Supervisor:
             process.kill()
             await process.wait()
         await self.gpus.release(worker)
+        await self._keep_standby(worker)
 
 
 def piped_stdout(process: asyncio.subprocess.Process) -> asyncio.StreamReader:
@@ -493,6 +536,6 @@ def start_breakdown(how: dict[str, int | str], ready: control.Ready, began: floa
     """A start's breakdown: fork or spawn (and a fallback's reason), the waits before it, ms from `launched` to the
     new process's first line, what the worker reported (import, enter hooks, weights, whatever else its timings
     carry) and the total from `began`."""
-    phase = "fork_ms" if how.get("start") == "fork" else "spawn_ms"
+    phase = "fork_ms" if how.get("start") in ("fork", "standby") else "spawn_ms"
     return {**how, phase: max(round((ready.started - launched) * 1000), 0), **ready.timings,
             "total_ms": round((now - began) * 1000)}

@@ -493,9 +493,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_forked(unit: Any, snapped: Any, env: dict[str, str], control_fd: int, log_fd: int, lifeline_fd: int,
-               started: float) -> int:
+               started: float, prepared: dict[str, int] | None = None) -> int:
     """A replica forked from a fork server (runtime/forkserver.py): the unit is loaded and its snap=True hooks ran
-    (`snapped` is that instance), so it takes its own descriptors and environment and goes on from enter(snap=False)."""
+    (`snapped` is that instance), so it takes its own descriptors and environment and goes on from enter(snap=False).
+    `prepared`: a standby's prepare_cuda() timings, done before its request came (they join the start breakdown)."""
     os.dup2(control_fd, 1)
     os.dup2(log_fd, 2)
     os.close(control_fd)
@@ -516,7 +517,7 @@ def run_forked(unit: Any, snapped: Any, env: dict[str, str], control_fd: int, lo
         unit_environment(unit)
         return unit, snapped
 
-    return serve(channel, started, load)
+    return serve(channel, started, load, prepared)
 
 
 def _end_with_lifeline(fd: int) -> None:
@@ -531,6 +532,19 @@ def _end_with_lifeline(fd: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="ember-lifeline", daemon=True).start()
+
+
+def prepare_cuda() -> dict[str, int]:
+    """A standby's work before its request (runtime/forkserver.py): CUDA initialised and the device's primary context
+    made, which a start otherwise pays in cuda_init and its first allocation; {"standby_cuda_ms": ...}, or {} with
+    no torch or no GPU to prepare."""
+    torch = sys.modules.get("torch")
+    if not os.environ.get("CUDA_VISIBLE_DEVICES") or torch is None or not torch.cuda.is_available():
+        return {}
+    began = time.monotonic()
+    torch.cuda.init()
+    torch.cuda.synchronize()  # a call that needs the context: it is made here
+    return {"standby_cuda_ms": round((time.monotonic() - began) * 1000)}
 
 
 def cuda_init() -> dict[str, int]:
@@ -582,10 +596,12 @@ def profiled_start():
                   flush=True)
 
 
-def serve(channel: ControlChannel, started: float, load: Callable[[], tuple[Any, Any]]) -> int:
+def serve(channel: ControlChannel, started: float, load: Callable[[], tuple[Any, Any]],
+          prepared: dict[str, int] | None = None) -> int:
     """Load the unit (`load()` -> the unit and its instance when its snap=True hooks already ran), run its enter
-    hooks, say ready on the control channel and serve until SIGTERM; the process's exit code."""
-    timings: dict[str, int | str] = {}
+    hooks, say ready on the control channel and serve until SIGTERM; the process's exit code. `prepared`: what a
+    standby did before the request (it joins the breakdown, outside the start's time)."""
+    timings: dict[str, int | str] = dict(prepared or {})
     phase = "import"
     try:
         unit, snapped = load()

@@ -1,0 +1,16 @@
+"""Two GPU units for the standby tests (tests/runtime/test_standby.py); on CPU they run without a GPU."""
+import os
+
+import ember
+
+app = ember.App("standby")
+
+
+@app.function(gpu="H200")
+def first() -> dict:
+    return {"pid": os.getpid(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@app.function(gpu="H200")
+def second() -> dict:
+    return {"pid": os.getpid(), "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
