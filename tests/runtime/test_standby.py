@@ -1,7 +1,7 @@
 """GPU standbys (EMBER_GPU_STANDBY=1): a GPU a forked replica gave back gets a child of its unit, forked and with CUDA
 initialised, which becomes the next replica there; a replica of another unit on that GPU ends it first. Real
 processes on a machine without a GPU: the supervisor is given one GPU id, which torch here cannot see, so the
-standby's CUDA work is skipped and the hand-over is what is tested."""
+standby's CUDA work is skipped and the hand-over is what is tested (on the GPU machine, with GPU 0, it is done)."""
 import asyncio
 import logging
 import os
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from ember.home import Home
 from ember.package import build, load_app
@@ -88,6 +89,8 @@ def test_the_next_replica_on_a_gpu_is_its_units_standby(tmp_path, monkeypatch):
         result = await call(again, "first")
         assert result == {"pid": waiting, "devices": "0"} and again.process.pid == waiting
         assert "0" not in supervisor.standbys   # taken over, not kept
+        if torch.cuda.is_available():   # on the GPU machine: CUDA was initialised before the request came
+            assert again.timings["standby_cuda_ms"] > again.timings.get("cuda_init_ms", 0), again.timings
         await supervisor.stop(again, grace=5)   # its exit is reported as any replica's
         assert again.process.returncode is not None
 
