@@ -535,15 +535,22 @@ def _end_with_lifeline(fd: int) -> None:
 
 
 def prepare_cuda() -> dict[str, int]:
-    """A standby's work before its request (runtime/forkserver.py): CUDA initialised and the device's primary context
-    made, which a start otherwise pays in cuda_init and its first allocation; {"standby_cuda_ms": ...}, or {} with
-    no torch or no GPU to prepare."""
+    """A standby's work before its request (runtime/forkserver.py): CUDA initialised, the device's primary context
+    made and cuBLAS loaded, which a start otherwise pays in cuda_init, its first allocation and its first product;
+    {"standby_cuda_ms": ...}, or {} with no torch or no GPU to prepare. Its memory (torch's cache, cuBLAS's
+    workspace) is given back: an engine sizes its KV cache from what is free."""
     torch = sys.modules.get("torch")
     if not os.environ.get("CUDA_VISIBLE_DEVICES") or torch is None or not torch.cuda.is_available():
         return {}
     began = time.monotonic()
     torch.cuda.init()
-    torch.cuda.synchronize()  # a call that needs the context: it is made here
+    square = torch.ones(16, 16, dtype=torch.bfloat16, device="cuda")  # the context is made here
+    (square @ square).sum().item()
+    del square
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
     return {"standby_cuda_ms": round((time.monotonic() - began) * 1000)}
 
 
