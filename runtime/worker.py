@@ -536,9 +536,10 @@ def _end_with_lifeline(fd: int) -> None:
 
 def prepare_cuda() -> dict[str, int]:
     """A standby's work before its request (runtime/forkserver.py): CUDA initialised, the device's primary context
-    made and cuBLAS loaded, which a start otherwise pays in cuda_init, its first allocation and its first product;
-    {"standby_cuda_ms": ...}, or {} with no torch or no GPU to prepare. Its memory (torch's cache, cuBLAS's
-    workspace) is given back: an engine sizes its KV cache from what is free."""
+    made, cuBLAS and Triton's driver utilities loaded, which a start otherwise pays in cuda_init, its first
+    allocation, its first product and its first Triton kernel; {"standby_cuda_ms": ...}, or {} with no torch or no
+    GPU to prepare. Its memory (torch's cache, cuBLAS's workspace) is given back: an engine sizes its KV cache from
+    what is free."""
     torch = sys.modules.get("torch")
     if not os.environ.get("CUDA_VISIBLE_DEVICES") or torch is None or not torch.cuda.is_available():
         return {}
@@ -551,6 +552,10 @@ def prepare_cuda() -> dict[str, int]:
     if clear_workspaces is not None:
         clear_workspaces()
     torch.cuda.empty_cache()
+    triton = sys.modules.get("triton")   # its CUDA driver utilities, which its first kernel launch loads
+    if triton is not None:
+        with contextlib.suppress(Exception):   # an optimisation: the first launch loads them instead
+            triton.runtime.driver.active.get_current_target()
     return {"standby_cuda_ms": round((time.monotonic() - began) * 1000)}
 
 
