@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
-from .paged_decode import PagedDecode, StreamedDecode
+from .paged_decode import PagedDecode, StreamedDecode, streamed_parts
 
 
 @dataclass
@@ -116,7 +116,9 @@ class FlashInferBackend:
             self.triton_graph_decode[batch_size] = PagedDecode(*shape)
             return
         if self.streamed_min_batch is not None and batch_size >= self.streamed_min_batch:
-            self.triton_graph_decode[batch_size] = StreamedDecode(*shape)
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.triton_graph_decode[batch_size] = StreamedDecode(
+                *shape, parts=streamed_parts(batch_size, self.num_kv_heads, sms))
             return
 
         def buffer(n: int) -> torch.Tensor:

@@ -92,6 +92,12 @@ class PagedDecode:
         return out
 
 
+def streamed_parts(batch_size: int, num_kv_heads: int, multiprocessors: int) -> int:
+    """Parts per sequence for StreamedDecode: enough programs for about two of them on every multiprocessor (each
+    reads one KV head's pages of one part), at most 4; a first guess for kernel_bench.py's sweep to confirm."""
+    return max(1, min(4, -(-2 * multiprocessors // (batch_size * num_kv_heads))))
+
+
 class StreamedDecode(PagedDecode):
     """The same attention for large batches: each program streams its part of a sequence's pages in a loop Triton
     pipelines (`stages` tiles in flight), with bf16 products on the tensor cores. Each sequence is cut into `parts`

@@ -30,3 +30,13 @@ def test_stage_fills_the_same_buffers_as_prepare_and_leaves_columns_past_the_ste
 def test_streamed_decode_min_batch_is_validated(value):
     with pytest.raises(ValueError, match="streamed_decode_min_batch"):
         EngineConfig(model="m", streamed_decode_min_batch=value)
+
+
+def test_streamed_parts_fill_the_multiprocessors_twice_over_up_to_four_parts():
+    from ember.runtime.engine.paged_decode import streamed_parts
+
+    for batch in range(9, 257):
+        parts = streamed_parts(batch, 8, 132)
+        assert 1 <= parts <= 4
+        assert parts * batch * 8 >= 2 * 132 or parts == 4   # about two programs on each of the 132
+        assert parts == 1 or (parts - 1) * batch * 8 < 2 * 132   # and no more parts than that takes
