@@ -98,7 +98,13 @@ class LocalBackend:
 
     def prepared(self, app: str) -> dict | None:
         server = self.workers.forkservers.get(app)
-        return None if server is None else {"forkserver": server.status()}
+        if server is None:
+            return None
+        status = {"forkserver": server.status()}
+        standbys = {gpu: unit for gpu, (owner, unit, _) in self.workers.standbys.items() if owner == app}
+        if standbys:   # EMBER_GPU_STANDBY=1: GPUs where the next replica of a unit is ready, CUDA initialised
+            status["standbys"] = standbys
+        return status
 
     async def close(self) -> None:
         """Stop the fork servers (after the replicas were stopped)."""

@@ -3,7 +3,6 @@ initialised, which becomes the next replica there; a replica of another unit on 
 processes on a machine without a GPU: the supervisor is given one GPU id, which torch here cannot see, so the
 standby's CUDA work is skipped and the hand-over is what is tested (on the GPU machine, with GPU 0, it is done)."""
 import asyncio
-import logging
 import os
 from pathlib import Path
 
@@ -11,9 +10,10 @@ import httpx
 import pytest
 import torch
 
+from ember.gateway.backends.local import LocalBackend
 from ember.home import Home
 from ember.package import build, load_app
-from ember.runtime.supervisor import Supervisor, WorkerProcess
+from ember.runtime.supervisor import WorkerProcess
 from ember.runtime.worker import CONTROL_HEADER
 
 APP = Path(__file__).parent / "apps" / "standby.py"
@@ -39,7 +39,8 @@ def run(test, tmp_path, monkeypatch, standby: bool = True):
     package = build(load_app(APP), Home(tmp_path / "home"))
 
     async def go():
-        supervisor = Supervisor(["0"], logging.getLogger("test"), fork=True)
+        backend = LocalBackend(tmp_path, parked_ram=0, gpus=["0"], fork=True)   # the gateway's, for its status
+        supervisor = backend.workers
         workers: list[WorkerProcess] = []
 
         async def start(unit: str) -> WorkerProcess:
@@ -49,7 +50,7 @@ def run(test, tmp_path, monkeypatch, standby: bool = True):
             return worker
 
         try:
-            await test(supervisor, start)
+            await test(supervisor, start, backend)
         finally:
             await asyncio.gather(*(supervisor.stop(w, grace=5) for w in workers))
             await supervisor.close()
@@ -65,7 +66,7 @@ async def call(worker: WorkerProcess, unit: str) -> dict:
     return reply.json()["result"]
 
 
-async def standby_of(supervisor: Supervisor, templates_before: set[int]) -> int:
+async def standby_of(supervisor, templates_before: set[int]) -> int:
     """The pid of the one standby the fork server's templates hold (once it is forked)."""
     server = supervisor.forkservers["standby"].process.pid
     for _ in range(200):
@@ -78,11 +79,13 @@ async def standby_of(supervisor: Supervisor, templates_before: set[int]) -> int:
 
 
 def test_the_next_replica_on_a_gpu_is_its_units_standby(tmp_path, monkeypatch):
-    async def test(supervisor, start):
+    async def test(supervisor, start, backend):
         first = await start("first")
         assert first.timings["start"] == "fork" and (await call(first, "first"))["devices"] == "0"
+        assert "standbys" not in backend.prepared("standby")
         await supervisor.stop(first, grace=5)
         assert supervisor.standbys["0"][:2] == ("standby", "first")
+        assert backend.prepared("standby")["standbys"] == {"0": "first"}   # in `ember status`
         waiting = await standby_of(supervisor, set())
         again = await start("first")
         assert again.timings["start"] == "standby" and "fork_ms" in again.timings, again.timings
@@ -98,7 +101,7 @@ def test_the_next_replica_on_a_gpu_is_its_units_standby(tmp_path, monkeypatch):
 
 
 def test_a_replica_of_another_unit_on_the_gpu_ends_the_standby(tmp_path, monkeypatch):
-    async def test(supervisor, start):
+    async def test(supervisor, start, backend):
         first = await start("first")
         await supervisor.stop(first, grace=5)
         waiting = await standby_of(supervisor, set())
@@ -115,7 +118,7 @@ def test_a_replica_of_another_unit_on_the_gpu_ends_the_standby(tmp_path, monkeyp
 
 
 def test_without_the_setting_no_standby_is_kept(tmp_path, monkeypatch):
-    async def test(supervisor, start):
+    async def test(supervisor, start, backend):
         first = await start("first")
         await supervisor.stop(first, grace=5)
         assert not supervisor.standbys
