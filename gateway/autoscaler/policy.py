@@ -28,9 +28,11 @@ TTFT, so a lost p99 stays lost while parking fast wakes for them). A panic withi
 burst holds as the burst's does: the average it would be near is the burst's. No scale-down, parking or
 not, goes under what the panic window would panic over at once: the next call would panic, take the
 capacity back and hold it as long as a panic holds (after a burst the panic window still counts its
-tail; as a near-target panic ends, the load that crossed the target is still there). Where parking does
-not pay, idle replicas are stopped as KPA stops them, the last one after `scaledown_window` without a
-request.
+tail; as a near-target panic ends, the load that crossed the target is still there). Load that fell, the
+mirror of a burst (the stable average asks panic_threshold times the replicas the panic window's does, and more
+than one beyond them), parks as after a burst where parking pays: the stable average still counts it, however long
+it lasted (a burst longer than the stable window is no burst to it by the time it ends). Where parking does
+not pay, idle replicas are stopped as KPA stops them, the last one after `scaledown_window` without a request.
 Every action carries the reason shown in `ember status`.
 """
 
@@ -415,10 +417,16 @@ def decide(
     hold = spare_after if parking and spare_after is not None else scaledown
     raw_peak = max((x.concurrency for x in window(history, now, hold)), default=0)
     recent_peak = min(peak_average(history, now, hold, s.panic_window), raw_peak)
+    # the load fell, the mirror of a burst: the stable average asks panic_threshold times the replicas the panic
+    # window's average does, and more than one beyond them, so it still counts load that ended (a burst's, however
+    # long it lasted and the stable average followed it), not a moment's Poisson dip
+    now_count = replicas_for(panic_avg, s.target_concurrency)
+    dropped = steady >= s.panic_threshold * now_count and steady > now_count + 1
     if not have:
         keep = replicas_for(now_burst, s.target_concurrency)
-    elif parking and (raw_peak == 0 or (burst_at is not None and now - burst_at < s.stable_window)):
-        # the stable average still counts an ended burst, or the function is idle: a wake brings capacity back
+    elif parking and (raw_peak == 0 or dropped or (burst_at is not None and now - burst_at < s.stable_window)):
+        # the stable average still counts an ended burst or load that fell, or the function is idle: a wake brings
+        # capacity back
         keep = min(steady, replicas_for(recent_peak, s.target_concurrency))
         if not keep and any(x.concurrency for x in window(history, now, park_after or 0.0)):
             keep = 1  # the last replica waits out the longer park_after

@@ -424,3 +424,25 @@ def test_an_apps_functions_pool_their_tails_and_a_lost_pool_parks_a_trickle_afte
     actions, memo = decide(s, idle, trickle(60.0), 60.0, mine, peers)
     assert [type(a) for a in actions] == [Park] and not memo.tail.lost(0.3)  # the pool's p99 is lost, not its own
     assert app_tail([], 60.0) == Tail()
+
+
+def test_load_that_fell_after_outlasting_the_stable_window_parks_as_after_a_burst():
+    # 90 concurrent for 110 s, long enough that the stable average followed it and no burst is on record, then the
+    # load ends: 1 request in flight over the last 10 s. The stable average (75) still counts it: 8 replicas' worth
+    fell = load(90, 110) + load(1, 120, since=111)
+    replicas = hot(1, in_flight=1) + hot(8, idle_since=112.0, prefix="idle")
+    actions, _ = run(DEFAULTS, replicas, fell, 120.0, FAST)
+    assert sorted(a.replica_id for a in actions) == [f"idle{i}" for i in range(8)]
+    assert all(isinstance(a, Park) for a in actions)
+    # where a wake costs a start, KPA's stable average sizes it: 8 of the 9 stay
+    actions, _ = run(DEFAULTS, replicas, fell, 120.0, SLOW_WAKE)
+    assert [type(a) for a in actions] == [Evict]
+    # a request at zero after such load wakes one replica, not the 7 the stable average still asks for
+    quiet = load(90, 110) + load(0, 125, since=111) + [Sample(126.0, 1, 0, 1)]
+    parked = [ReplicaView(f"p{i}", "parked", 0, 115.0) for i in range(8)]
+    woken = [ReplicaView("w0", "starting", 0, None)]
+    assert [type(a) for a in run(DEFAULTS, parked + woken, quiet, 126.5, FAST)[0]] == []
+    # a dip of steady load from 2 replicas' worth to 1 over the panic window is Poisson noise, not load that fell
+    dip = load(15, 54) + load(8, 60, since=55)
+    assert run(DEFAULTS, hot(2, in_flight=4), dip, 60.0, FAST)[0] == []
+
