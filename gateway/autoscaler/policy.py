@@ -31,8 +31,12 @@ capacity back and hold it as long as a panic holds (after a burst the panic wind
 tail; as a near-target panic ends, the load that crossed the target is still there). Load that fell, the
 mirror of a burst (the stable average asks panic_threshold times the replicas the panic window's does, and more
 than one beyond them), parks as after a burst where parking pays: the stable average still counts it, however long
-it lasted (a burst longer than the stable window is no burst to it by the time it ends). Where parking does
-not pay, idle replicas are stopped as KPA stops them, the last one after `scaledown_window` without a request.
+it lasted (a burst longer than the stable window is no burst to it by the time it ends). Where the p99 is already
+lost to requests that found no capacity (surges, stranded requests; not queueing behind busy replicas, which filling
+slots would add to) and parking pays, replicas fill their `max_concurrency` slots less the concurrency's Poisson
+spread (`sized`), never more replicas than the target asks: the target's headroom under the slots holds what comes
+while a start runs, and here capacity is a wake away. Where parking does not pay, idle replicas are stopped
+as KPA stops them, the last one after `scaledown_window` without a request.
 Every action carries the reason shown in `ember status`.
 """
 
@@ -41,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from ember.gateway.lifecycle import HOT, LIVE, PARKED, STARTING, ReplicaState
 
@@ -53,6 +58,8 @@ PARKED_HOLD = 600.0  # default seconds a replica stays parked: it holds host RAM
 WAKE_ODDS = 1000.0
 PANIC_HOLD_PARKS = 4.0  # with parking, panic holds this many park_afters: re-growing costs a wake, not a start
 TAIL = 100.0  # the p99's one request in a hundred
+# Poisson concurrency c passes c + SPREAD * sqrt(c) (its normal approximation) one time in TAIL
+SPREAD = NormalDist().inv_cdf(1 - 1 / TAIL)
 TAIL_HORIZON = PARKED_HOLD  # seconds over which a function's requests that queued for capacity are counted
 
 
@@ -272,8 +279,8 @@ class Tail:
         return Tail(now, a.requests + b.requests, a.queued_s + b.queued_s, a.stranded + b.stranded, self.last_work,
                     a.surged + b.surged, self.served)
 
-    def lost(self, wake_s: float) -> bool:
-        return self.requests >= TAIL and (self.queued_s * TAIL > self.requests * wake_s
+    def lost(self, wake_s: float, queueing: bool = True) -> bool:
+        return self.requests >= TAIL and ((queueing and self.queued_s * TAIL > self.requests * wake_s)
                                           or self.stranded * TAIL > self.requests
                                           or self.surged * TAIL > self.requests)
 
@@ -319,6 +326,20 @@ def peak_average(history: Sequence[Sample], now: float, hold: float, width: floa
 def replicas_for(concurrency: float, target: float) -> int:
     # round before ceil so 3.0000000001 replicas of float noise is 3
     return math.ceil(round(concurrency / target, 6))
+
+
+def sized(concurrency: float, settings: ScalingSettings, fill: bool = False) -> int:
+    """Replicas for `concurrency` at the target; with `fill`, no more than hold it in their `max_concurrency` slots
+    with its Poisson spread to spare (SPREAD standard deviations: passed one time in TAIL).
+
+    The target's headroom under `max_concurrency` holds the requests that come while new capacity starts. Where that
+    capacity is a wake away and the p99 is already a wait for capacity, a request over the slots waits a wake at
+    most, which the p99 already counts; the spread keeps those requests near 1 in TAIL.
+    """
+    at_target = replicas_for(concurrency, settings.target_concurrency)
+    if not fill:
+        return at_target
+    return min(at_target, replicas_for(concurrency + SPREAD * math.sqrt(concurrency), settings.max_concurrency))
 
 
 def burst(
@@ -374,6 +395,10 @@ def decide(
     holds = s.holds(costs, rate, (tail + peers).lost(costs.wake_s), recent_rate)
     park_after, spare_after, scaledown = holds.park_after, holds.spare_after, holds.scaledown
     parking = park_after is not None and spare_after is not None
+    # where the p99 is already lost to requests that found no capacity (not to queueing behind busy replicas, which
+    # filling slots adds to), and capacity over the slots is a wake away, replicas fill their slots (`sized`)
+    fill = parking and (tail + peers).lost(costs.wake_s, queueing=False)
+
     hot = [r for r in replicas if r.state == HOT and not r.draining]
     draining = [r for r in replicas if r.state == HOT and r.draining]
     starting = [r for r in replicas if r.state == STARTING]
@@ -388,7 +413,7 @@ def decide(
     now_burst = burst(s, hot, starting, history[-1]) if history else 0.0
     # at zero only requests waiting now ask for a replica: past demand was served or timed out
     demand = max(panic_avg, now_burst if quick else 0.0) if have else now_burst
-    want_panic = replicas_for(demand, s.target_concurrency)
+    want_panic = sized(demand, s, fill)
     over_threshold = want_panic >= s.panic_threshold * max(len(hot), 1) and want_panic > len(hot)
     panic_since = now if over_threshold else memo.panic_since
     # A burst is a panic whose load is panic_threshold times the stable average, or that asks for more than one
@@ -396,7 +421,7 @@ def decide(
     # always a panic, and at 9-10 concurrent against a target of 10 the stable average's own rounding flips it.
     stable_avg = mean_concurrency(stable)
     is_burst = over_threshold and (demand >= s.panic_threshold * stable_avg
-                                   or want_panic > replicas_for(stable_avg, s.target_concurrency) + 1)
+                                   or want_panic > sized(stable_avg, s, fill) + 1)
     # a panic within a stable window of a burst is that burst's: the stable average it is measured against counts it
     after_burst = memo.burst_at is not None and now - memo.burst_at < s.stable_window
     burst_at = now if is_burst else memo.burst_at
@@ -410,7 +435,7 @@ def decide(
         panic_since, panic_burst = None, False
 
     # no tolerance over the target, as KPA has none: 2 replicas at 10% over it let Poisson peaks over their slots queue
-    steady = replicas_for(stable_avg, s.target_concurrency)
+    steady = sized(stable_avg, s, fill)
     # Capacity is spare only if the peak of the hold window would still fit without it; that peak is of
     # the panic-window averages (noise in single samples is not demand), and no more than the raw peak
     # (a window with no requests at all needs no replica).
@@ -420,14 +445,14 @@ def decide(
     # the load fell, the mirror of a burst: the stable average asks panic_threshold times the replicas the panic
     # window's average does, and more than one beyond them, so it still counts load that ended (a burst's, however
     # long it lasted and the stable average followed it), not a moment's Poisson dip
-    now_count = replicas_for(panic_avg, s.target_concurrency)
+    now_count = sized(panic_avg, s, fill)
     dropped = steady >= s.panic_threshold * now_count and steady > now_count + 1
     if not have:
-        keep = replicas_for(now_burst, s.target_concurrency)
+        keep = sized(now_burst, s, fill)
     elif parking and (raw_peak == 0 or dropped or (burst_at is not None and now - burst_at < s.stable_window)):
         # the stable average still counts an ended burst or load that fell, or the function is idle: a wake brings
         # capacity back
-        keep = min(steady, replicas_for(recent_peak, s.target_concurrency))
+        keep = min(steady, sized(recent_peak, s, fill))
         if not keep and any(x.concurrency for x in window(history, now, park_after or 0.0)):
             keep = 1  # the last replica waits out the longer park_after
     else:  # as KPA: the stable average's count, and the last replica until a whole hold is idle

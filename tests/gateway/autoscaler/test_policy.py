@@ -446,3 +446,22 @@ def test_load_that_fell_after_outlasting_the_stable_window_parks_as_after_a_burs
     dip = load(15, 54) + load(8, 60, since=55)
     assert run(DEFAULTS, hot(2, in_flight=4), dip, 60.0, FAST)[0] == []
 
+
+def test_where_the_p99_is_lost_to_surges_or_stranded_requests_replicas_fill_their_slots_less_the_poisson_spread():
+    # 81 concurrent for a minute on 9 replicas (the target of 10 each). Where the app's p99 is already a wait for
+    # capacity, a slot is filled up to max_concurrency, less the spread that 81 concurrent Poisson requests pass one
+    # time in 100 (2.33 x 9): ceil((81 + 21) / 16) = 7 replicas; each request over the slots waits a wake at most
+    steady = load(81, 60)
+    nine = hot(9, in_flight=9)
+    surged = replace(FAST, tail=Tail(0.0, requests=300.0, surged=6.0))
+    actions, _ = run(DEFAULTS, nine, steady, 60.0, surged)
+    assert [type(a) for a in actions] == [Park, Park]
+    stranded = replace(FAST, tail=Tail(0.0, requests=300.0, stranded=6.0))
+    assert [type(a) for a in run(DEFAULTS, nine, steady, 60.0, stranded)[0]] == [Park, Park]
+    # a p99 lost to queueing behind busy replicas is not: filling slots would queue more and keep it lost
+    queued = replace(FAST, tail=Tail(0.0, requests=300.0, queued_s=30.0))
+    assert queued.tail.lost(0.3) and not queued.tail.lost(0.3, queueing=False)
+    assert run(DEFAULTS, nine, steady, 60.0, queued)[0] == []
+    # nor where the p99 is a hot replica's, or where a wake is slow (capacity over the slots would wait a start)
+    assert run(DEFAULTS, nine, steady, 60.0, FAST)[0] == []
+    assert run(DEFAULTS, nine, steady, 60.0, replace(SLOW_WAKE, tail=surged.tail))[0] == []
