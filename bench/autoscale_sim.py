@@ -309,9 +309,9 @@ NOTES = """## How to read this
   A user who prefers the GPU-seconds sets `park_after` (`python bench/autoscale_traces.py small --seed 1
   --duration 1800 --out small.jsonl; python bench/autoscale_sim.py --trace small.jsonl --park-after 5
   --json`); on seeds 1-3 small that costs the p99.
-- Bursts whose requests fit one replica (burst_rate=3 burst_s=30): -44/-44% (ladder) and -44/-46%
-  (measured) at p99 0.45/0.36 and 0.39/0.33 s against KPA-like's 1.41/0.62 and 1.03/0.59 s (seeds 0/1;
-  -26/-16% and -22/-24% two records ago). Three rules held replicas there: the bursts barely queue
+- Bursts whose requests fit one replica (burst_rate=3 burst_s=30): -47/-45% (ladder) and -47/-47%
+  (measured) at p99 0.61/0.41 and 0.56/0.44 s against KPA-like's 1.41/0.62 and 1.03/0.59 s (seeds 0/1;
+  -26/-16% and -22/-24% three records ago). Three rules held replicas there: the bursts barely queue
   behind Ember's replicas (a wake lands before 16 slots fill), so the app's p99 did not count as lost
   and the last replica held 90 s after each request of the 0.05 req/s trickle between bursts; their
   onsets are surges, now counted, and the trickle parks after 2 s, judged on the lower of the 60 s
@@ -320,15 +320,51 @@ NOTES = """## How to read this
   within a stable window of a burst now holds as the burst's (the 60 s average it would be near counts
   the burst). And after a burst, spare capacity parked below what the 6 s average, still counting the
   burst's tail, would panic over (to 3 of 19 replicas while it asked for 6, on bursts seed 5), so the
-  next tick panicked, woke 10 and held them 60 s; it now parks no lower than that. Every bursts row
-  gains against the last record (seed 0 ladder/measured, seed 1 ladder/measured): bursts
-  -49/-47/-50/-43% -> -59/-60/-54/-54%, alpha=1.2 -57/-54/-52/-49% -> -65/-64/-62/-64%.
-  On held-out seeds 2-5 the goal is out of reach of any policy that keeps to the target of 10 per
-  replica on five of them: replicas at exactly ceil(concurrency / 10), with no lag and no idle second,
-  come to -40%, -34%, -38% of KPA-like's GPU-seconds on burst_rate=3 seeds 3, 4, 5 (Ember -34%, -26%,
-  -24%, ladder) and -28%, -40% on alpha=1.2 seeds 4, 5 (Ember -17%, -27%): their bursts are long enough
-  that the replicas they need are busy for most of KPA-like's bill. Seed 2 passes (-41%, -54%), and so
-  do bursts seeds 2-5 (-49% to -64%).
+  next tick panicked, woke 10 and held them 60 s; it now parks no lower than that.
+- Two rules since the last record, for bursts that outlast the stable window or need several replicas:
+  - Load that fell (the 60 s average asks twice the replicas the 6 s average does, and more than one
+    beyond them: the mirror of a burst) parks as after a burst. A burst longer than 60 s stopped counting
+    as one while the stable average followed it, so when it ended the stable average's count held: on
+    held-out bursts alpha=1.2 seed 4 (ladder) 40 replicas stayed hot ~11 s after a 94 s burst at 150
+    req/s while 55 requests drained, then one trickle request at zero woke 35 parked replicas and held
+    them until they idled out (-17% -> -28% GPU-s against KPA-like).
+  - Where the app's p99 is already lost to requests that found no capacity (surges, stranded requests)
+    and a wake is quick, replicas fill their 16 slots less the concurrency's Poisson spread, ceil((c +
+    2.33 sqrt(c)) / 16) (2.33: passed one time in 100), never more than the target's ceil(c / 10). The
+    target's headroom holds what comes while a start runs; here capacity is a wake away, and a request
+    over the slots waits a wake at most, which the p99 already counts. A p99 lost only to queueing behind
+    busy replicas does not count: filling slots queues more and would keep it lost by itself (counted,
+    steady rate=20 seeds 1/2 held 8-10% fewer GPU-seconds than KPA-like and lost the p99 tie, 0.22 vs 0.21
+    and 0.20 vs 0.19 s).
+    It costs p99 margin where KPA-like's p99 is a start: bursts seed 1 0.84 -> 1.08 s (KPA-like 2.65),
+    burst_rate=3 seed 1 0.36 -> 0.41 s (0.62). A spread of 1 standard deviation instead of 2.33 saves
+    more and loses that tie (burst_rate=3 seed 1 p99 0.67 vs 0.62 s).
+  Where Ember's GPU-seconds went on held-out burst_rate=3 seed 4 (ladder) before them: 2,882 of its
+  3,271 were replicas with requests in flight, against 2,980 for replicas at exactly ceil(concurrency /
+  10) with no lag or idle second: at the target of 10, -40% was out of reach (-34%), as the last notes
+  said. That bound was too narrow: the replicas that fill 16 slots less the spread, with no lag or idle,
+  on the concurrency of every request served at once, come to -42%, -43%, -45% of KPA-like's GPU-seconds
+  on burst_rate=3 seeds 3, 4, 5 (at the target: -40%, -34%, -38%) and -46%, -55% on alpha=1.2 seeds 4, 5
+  (-28%, -40%); with every slot full, -56%, -53%, -57% and -53%, -61%. Held-out bursts rows, ladder
+  (seeds 2-7, 1800 s): burst_rate=3 seeds 3, 4, 5, 7 -34%,
+  -26%, -26%, -36% -> -35%, -37%, -34%, -37% (still short), alpha=1.2 seeds 4, 5 -17%, -27% -> -38%, -43%
+  (seed 5 passes on both fast tiers; seed 4 is short and its measured-tier p99 is 4.49 vs 4.37 s, both
+  capacity-bound at the cluster's 40 GPUs). What is left over those bounds: after each trickle request
+  the last replica holds PARK_AFTER_FLOOR (2 s, a caller's think time between turns) before it parks, and
+  on seed 7, whose bursts fit one replica's slots and barely surge, for up to 90 s where the app's p99
+  counts as a hot replica's (Ember's is 0.53 s against KPA-like's 1.23, about 1 in 100 of its requests
+  waiting at burst onsets: on the line). The trickle alone costs 280, 426, 422 and 455 GPU-s on seeds 3,
+  4, 5, 7, of which 154, 208, 266 and 344 idle (KPA-like's bill: 2,944, 4,441, 4,230, 2,683); a 0.5 s
+  floor would take seeds 3, 4, 5, 7 to -37%, -39%, -35%, -39%, still short, and drops a think time the
+  policy cannot see from the trace, so the floor stays.
+  Counts with both rules, against the commit before them, every trace of the suite under all three tiers,
+  counted as `python bench/autoscale_sim.py --seeds 8 --duration 1800` counts seeds 0-7 (the same traces,
+  policies and verdict; these runs left out Ray-default, which no verdict reads): recorded seeds 0-1 69 ->
+  69 of 72 (this record); held-out seeds 2-4 96 -> 96 of 108, seeds 5-7 96 -> 98 of 108 (alpha=1.2 seed 5,
+  ladder and measured); seeds 8-9 of day, bursts and steady 52 -> 52 of 54 (seed 9 day fails both ways:
+  p99 0.21 vs 0.17 s). No trace that passed fails. Neither rule acts on the small-functions traces (a
+  function under 10 concurrent is one replica either way, and none falls from over two replicas' worth):
+  their rows are the same run for run.
 - A panic of load near the target (1 -> 2 replicas at 9-10 concurrent against a target of 10: under
   panic_threshold x the stable average and at most one replica over its count) holds the stable window,
   as KPA's does; once the measured tiers could park, seed 1 day linear parked the second replica 9 s
