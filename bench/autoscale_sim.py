@@ -364,7 +364,7 @@ NOTES = """## How to read this
   ladder and measured); seeds 8-9 of day, bursts and steady 52 -> 52 of 54 (seed 9 day fails both ways:
   p99 0.21 vs 0.17 s). No trace that passed fails. Neither rule acts on the small-functions traces (a
   function under 10 concurrent is one replica either way, and none falls from over two replicas' worth):
-  their rows are the same run for run.
+  their rows are the same run for run (seeds 0-7: the same GPU-seconds and p99 in all 72 small runs).
 - A panic of load near the target (1 -> 2 replicas at 9-10 concurrent against a target of 10: under
   panic_threshold x the stable average and at most one replica over its count) holds the stable window,
   as KPA's does; once the measured tiers could park, seed 1 day linear parked the second replica 9 s
