@@ -6,7 +6,6 @@ import asyncio
 import os
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -14,7 +13,8 @@ from ember.gateway.backends.local import LocalBackend
 from ember.home import Home
 from ember.package import build, load_app
 from ember.runtime.supervisor import WorkerProcess
-from ember.runtime.worker import CONTROL_HEADER
+
+from .test_forkserver import Node
 
 APP = Path(__file__).parent / "apps" / "standby.py"
 
@@ -58,14 +58,6 @@ def run(test, tmp_path, monkeypatch, standby: bool = True):
     asyncio.run(asyncio.wait_for(go(), 120))
 
 
-async def call(worker: WorkerProcess, unit: str) -> dict:
-    async with httpx.AsyncClient(timeout=30) as client:
-        reply = await client.post(f"http://127.0.0.1:{worker.port}/__ember__/call/{unit}", json={},
-                                  headers={CONTROL_HEADER: worker.control_secret})
-    assert reply.status_code == 200, reply.text
-    return reply.json()["result"]
-
-
 async def standby_of(supervisor, templates_before: set[int]) -> int:
     """The pid of the one standby the fork server's templates hold (once it is forked)."""
     server = supervisor.forkservers["standby"].process.pid
@@ -81,7 +73,7 @@ async def standby_of(supervisor, templates_before: set[int]) -> int:
 def test_the_next_replica_on_a_gpu_is_its_units_standby(tmp_path, monkeypatch):
     async def test(supervisor, start, backend):
         first = await start("first")
-        assert first.timings["start"] == "fork" and (await call(first, "first"))["devices"] == "0"
+        assert first.timings["start"] == "fork" and (await Node.call(first, "first"))["devices"] == "0"
         assert "standbys" not in backend.prepared("standby")
         await supervisor.stop(first, grace=5)
         assert supervisor.standbys["0"][:2] == ("standby", "first")
@@ -89,7 +81,7 @@ def test_the_next_replica_on_a_gpu_is_its_units_standby(tmp_path, monkeypatch):
         waiting = await standby_of(supervisor, set())
         again = await start("first")
         assert again.timings["start"] == "standby" and "fork_ms" in again.timings, again.timings
-        result = await call(again, "first")
+        result = await Node.call(again, "first")
         assert result == {"pid": waiting, "devices": "0"} and again.process.pid == waiting
         assert "0" not in supervisor.standbys   # taken over, not kept
         if torch.cuda.is_available():   # on the GPU machine: CUDA was initialised before the request came
@@ -106,7 +98,7 @@ def test_a_replica_of_another_unit_on_the_gpu_ends_the_standby(tmp_path, monkeyp
         await supervisor.stop(first, grace=5)
         waiting = await standby_of(supervisor, set())
         other = await start("second")
-        assert other.timings["start"] == "fork" and (await call(other, "second"))["pid"] != waiting
+        assert other.timings["start"] == "fork" and (await Node.call(other, "second"))["pid"] != waiting
         for _ in range(200):   # it read EOF and exited, and its template reaped it
             if not Path(f"/proc/{waiting}").exists():
                 break
