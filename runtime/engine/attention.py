@@ -102,6 +102,7 @@ class FlashInferBackend:
         self.triton_graph_decode: dict[int, PagedDecode] = {}   # batch size -> Triton decode of graphs this size
         self.graph_decode: dict[int, Any] = {}    # batch size -> graph-safe flashinfer wrapper (flashinfer is untyped)
         self.graph: PagedDecode | None = None       # the Triton decode of the batch planned last, if any
+        self.max_blocks_per_seq: int | None = None   # the graphs' table width, once one was added
         self._pinned_indices: torch.Tensor | None = None   # _device_indices' host and device buffers
         self._staged_indices: torch.Tensor | None = None
 
@@ -110,6 +111,7 @@ class FlashInferBackend:
         flashinfer wrappers share the float workspace."""
         import flashinfer
 
+        self.max_blocks_per_seq = max_blocks_per_seq
         shape = (batch_size, max_blocks_per_seq, self.block_size, self.num_heads, self.num_kv_heads, self.head_dim,
                  self.device)
         if batch_size <= self.triton_graph_max_batch:
@@ -138,6 +140,23 @@ class FlashInferBackend:
         slots = torch.zeros(1, dtype=torch.long, device=self.device)
         self.plan(AttentionBatch(query_lens=one, context_lens=one, block_tables=np.zeros((1, 1), dtype=np.int32),
                                  num_blocks=one, slot_blocks=slots, slot_offsets=slots))
+
+    def build_streamed_kernels(self) -> None:
+        """With streamed_min_batch, compiles (or loads) the streamed decode kernel in both its variants (one part,
+        written directly; several, merged) on a one-sequence batch shaped as the graphs' (table width, q's
+        strides), so a node's first large batch does not compile it inside a step. Reads no real KV."""
+        if self.streamed_min_batch is None or self.max_blocks_per_seq is None:
+            return
+        cache = torch.zeros(2, 2, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                            device=self.device)
+        qkv = torch.zeros(1, self.num_heads + 2 * self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                          device=self.device)
+        for parts in (1, 2):
+            decode = StreamedDecode(1, self.max_blocks_per_seq, self.block_size, self.num_heads, self.num_kv_heads,
+                                    self.head_dim, self.device, parts=parts)
+            decode.stage(np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int32))
+            decode.forward(qkv[:, :self.num_heads], cache, self.scale)
+        torch.cuda.synchronize(self.device)
 
     def plan(self, batch: AttentionBatch, graph_batch_size: int | None = None) -> None:
         """`graph_batch_size`: plan the graph's attention of that size (the batch is padded to it)."""

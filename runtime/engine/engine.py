@@ -92,6 +92,12 @@ class LLMEngine:
                     build_decode_module()
                 except Exception as err:  # noqa: BLE001 - the first large decode step then builds it instead
                     logger.warning("flashinfer's decode module was not built at warm-up: %s", err)
+            build_streamed = getattr(self.runner.attention, "build_streamed_kernels", None)
+            if build_streamed is not None:   # with streamed_decode_min_batch: its kernel, kept with the rest
+                try:
+                    build_streamed()
+                except Exception as err:  # noqa: BLE001 - the first large decode step then compiles it instead
+                    logger.warning("the streamed decode kernel was not compiled at warm-up: %s", err)
             kernels.keep(self.runner.store)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
