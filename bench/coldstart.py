@@ -253,6 +253,23 @@ def forget_snapshots(home: Path) -> None:
         shutil.rmtree(home / "snapshots" / folder, ignore_errors=True)
 
 
+def request_timeline(spans_file: Path, seen: int) -> tuple[str, int]:
+    """With --trace: the spans of the last request's trace among the file's lines past `seen`, one per line (start
+    and length in ms from the trace's first span, sorted by start), and the lines read so far."""
+    if not spans_file.is_file():
+        return "  (no spans: tracing is off in this environment)", seen
+    lines = spans_file.read_text().splitlines()
+    spans = [json.loads(line) for line in lines[seen:] if line.strip()]
+    roots = [s for s in spans if s["parent_span_id"] is None and s["name"].startswith("POST ")]
+    if not roots:
+        return "  (no request span)", len(lines)
+    trace = [s for s in spans if s["trace_id"] == roots[-1]["trace_id"]]
+    origin = min(s["start_ns"] for s in trace)
+    rows = [f"  {(s['start_ns'] - origin) / 1e6:8.1f} ms +{(s['end_ns'] - s['start_ns']) / 1e6:8.1f} ms  "
+            f"{s['service']}: {s['name']}" for s in sorted(trace, key=lambda s: s["start_ns"])]
+    return "\n".join(rows), len(lines)
+
+
 def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list[dict]]:
     model = build_model(shape, folder / "models")
     home = folder / f"home-{shape}"
@@ -264,6 +281,10 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
     name = model.name
     env = {"EMBER_CHAT_MODEL": str(model), "EMBER_CHAT_SCALEDOWN_WINDOW": "2",
            "FLASHINFER_WORKSPACE_BASE": str(workspace)}
+    spans_file, spans_seen = home.parent / f"spans-{shape}.jsonl", 0
+    if args.trace:   # every request's spans (gateway, worker, engine) go to one file, printed after each rung
+        spans_file.unlink(missing_ok=True)
+        env["EMBER_TRACE_FILE"] = str(spans_file)
     standbys = 0
     if args.standby:   # the T2 rungs then start from a standby that initialised CUDA while the GPU was idle
         env["EMBER_GPU_STANDBY"], standbys = "1", 1
@@ -276,6 +297,11 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
                      "breakdown": headers.get("x-ember-start-breakdown", ""), "note": note})
         print(f"[{shape}] {rung}: {seconds:.3f} s  {headers.get('x-ember-cold-start', '')}  "
               f"{headers.get('x-ember-start-breakdown', '')} {note}", flush=True)
+        if args.trace:
+            nonlocal spans_seen
+            time.sleep(0.5)   # the stream's spans end with it; their exporters write them as they end
+            timeline, spans_seen = request_timeline(spans_file, spans_seen)
+            print(timeline, flush=True)
 
     server = Server(home, env)
     prepare_s = server.prepare_s
@@ -398,6 +424,9 @@ def main() -> None:
     parser.add_argument("--t2-only", action="store_true", help="only the full boot and T2 rungs, printed (a check "
                         "of the restore path; cannot --record)")
     parser.add_argument("--results", default=str(RESULTS), help="where --record writes (default bench/results)")
+    parser.add_argument("--trace", action="store_true",
+                        help="serve with EMBER_TRACE_FILE and print each rung's request spans (gateway, worker, "
+                             "engine): where the time after a replica's start goes")
     parser.add_argument("--standby", action="store_true",
                         help="serve with EMBER_GPU_STANDBY=1: the T2 rungs start from a standby that initialised CUDA "
                              "while the GPU was idle")
