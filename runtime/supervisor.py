@@ -246,7 +246,8 @@ class Supervisor:
             return None
         worker.gpus = await self.gpus.acquire(worker, count)
         for gpu in worker.gpus:   # a standby of another unit would hold memory this replica's start sizes from
-            await self._drop_standby(gpu, keep=(worker.app, worker.unit) if count == 1 else None)
+            if self.standbys.get(gpu, (None, None))[:2] != (worker.app, worker.unit) or count != 1:
+                await self._drop_standby(gpu)
         return ",".join(worker.gpus)
 
     async def _keep_standby(self, worker: WorkerProcess) -> None:
@@ -263,11 +264,10 @@ class Supervisor:
             if self.standbys.get(gpu) == (worker.app, worker.unit, worker.forked_from):
                 del self.standbys[gpu]
 
-    async def _drop_standby(self, gpu: str, keep: tuple[str, str] | None = None) -> None:
-        """Forget the standby kept on `gpu`, and end it unless it is of `keep` (app, unit), whose fork request takes
-        it over."""
+    async def _drop_standby(self, gpu: str) -> None:
+        """End the standby kept on `gpu`, if any."""
         kept = self.standbys.pop(gpu, None)
-        if kept is not None and kept[:2] != keep:
+        if kept is not None:
             await self._tell(kept[2], forkserver.Standby(kept[1], {"CUDA_VISIBLE_DEVICES": gpu}, drop=True))
 
     async def _tell(self, socket_path: str, message: "forkserver.Standby") -> bool:
@@ -307,6 +307,11 @@ class Supervisor:
         if worker.gpus and (gpu_wait := round((time.monotonic() - began) * 1000)):
             how["gpu_wait_ms"] = gpu_wait
         forked = await self._fork(worker, package, env, how, spec.requirements) if self.fork else None
+        if len(worker.gpus) == 1 and worker.gpus[0] in self.standbys:   # a standby of this unit was kept there
+            if how.get("start") == "standby":
+                del self.standbys[worker.gpus[0]]   # it is this replica now
+            else:   # forked afresh or spawned beside it: its context's memory goes back
+                await self._drop_standby(worker.gpus[0])
         process: asyncio.subprocess.Process | ForkedProcess
         if forked is not None:
             process, stdout, launched = forked, forked.stdout, forked.launched

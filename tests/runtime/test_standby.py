@@ -4,6 +4,7 @@ processes on a machine without a GPU: the supervisor is given one GPU id, which 
 standby's CUDA work is skipped and the hand-over is what is tested (on the GPU machine, with GPU 0, it is done)."""
 import asyncio
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,18 @@ def test_a_replica_of_another_unit_on_the_gpu_ends_the_standby(tmp_path, monkeyp
             await asyncio.sleep(0.05)
         else:
             raise AssertionError(f"the standby {waiting} of 'first' outlived a replica of 'second' on its GPU")
+
+    run(test, tmp_path, monkeypatch)
+
+
+def test_a_standby_that_died_leaves_the_next_start_a_plain_fork(tmp_path, monkeypatch):
+    async def test(supervisor, start, backend):
+        first = await start("first")
+        await supervisor.stop(first, grace=5)
+        os.kill(await standby_of(supervisor, set()), signal.SIGKILL)
+        again = await start("first")
+        assert again.timings["start"] == "fork" and (await Node.call(again, "first"))["devices"] == "0"
+        assert not supervisor.standbys   # forgotten, not left to hold memory beside the new replica
 
     run(test, tmp_path, monkeypatch)
 
