@@ -411,8 +411,10 @@ class UnitTemplate:
         pid, sock = kept
         with sock:
             try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:   # it exited (its CUDA init failed, say): a fork instead
+                    return None
                 send(sock, request, fds)
-            except OSError:  # it died (its CUDA init failed, say): a fork instead
+            except OSError:  # it is gone (reaped already, or its socket closed as it died): a fork instead
                 return None
         return pid
 

@@ -3,6 +3,7 @@ initialised, which becomes the next replica there; a replica of another unit on 
 processes on a machine without a GPU: the supervisor is given one GPU id, which torch here cannot see, so the
 standby's CUDA work is skipped and the hand-over is what is tested (on the GPU machine, with GPU 0, it is done)."""
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -114,7 +115,14 @@ def test_a_standby_that_died_leaves_the_next_start_a_plain_fork(tmp_path, monkey
     async def test(supervisor, start, backend):
         first = await start("first")
         await supervisor.stop(first, grace=5)
-        os.kill(await standby_of(supervisor, set()), signal.SIGKILL)
+        waiting = await standby_of(supervisor, set())
+        os.kill(waiting, signal.SIGKILL)
+        for _ in range(200):   # dead (a zombie until its template reaps it) before the next start
+            with contextlib.suppress(OSError):
+                if "\nState:\tZ" not in Path(f"/proc/{waiting}/status").read_text():
+                    await asyncio.sleep(0.01)
+                    continue
+            break
         again = await start("first")
         assert again.timings["start"] == "fork" and (await Node.call(again, "first"))["devices"] == "0"
         assert not supervisor.standbys   # forgotten, not left to hold memory beside the new replica
