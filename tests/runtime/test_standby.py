@@ -72,6 +72,12 @@ async def standby_of(supervisor, templates_before: set[int]) -> int:
     raise AssertionError("no standby was forked")
 
 
+async def kept_standby(supervisor, start) -> int:
+    """A replica of `first` started and stopped: the pid of the standby its GPU then gets."""
+    await supervisor.stop(await start("first"), grace=5)
+    return await standby_of(supervisor, set())
+
+
 def test_the_next_replica_on_a_gpu_is_its_units_standby(tmp_path, monkeypatch):
     async def test(supervisor, start, backend):
         first = await start("first")
@@ -96,9 +102,7 @@ def test_the_next_replica_on_a_gpu_is_its_units_standby(tmp_path, monkeypatch):
 
 def test_a_replica_of_another_unit_on_the_gpu_ends_the_standby(tmp_path, monkeypatch):
     async def test(supervisor, start, backend):
-        first = await start("first")
-        await supervisor.stop(first, grace=5)
-        waiting = await standby_of(supervisor, set())
+        waiting = await kept_standby(supervisor, start)
         other = await start("second")
         assert other.timings["start"] == "fork" and (await Node.call(other, "second"))["pid"] != waiting
         for _ in range(200):   # it read EOF and exited, and its template reaped it
@@ -113,9 +117,7 @@ def test_a_replica_of_another_unit_on_the_gpu_ends_the_standby(tmp_path, monkeyp
 
 def test_a_standby_that_died_leaves_the_next_start_a_plain_fork(tmp_path, monkeypatch):
     async def test(supervisor, start, backend):
-        first = await start("first")
-        await supervisor.stop(first, grace=5)
-        waiting = await standby_of(supervisor, set())
+        waiting = await kept_standby(supervisor, start)
         os.kill(waiting, signal.SIGKILL)
         for _ in range(200):   # dead (a zombie until its template reaps it) before the next start
             with contextlib.suppress(OSError):
