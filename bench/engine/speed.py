@@ -25,7 +25,8 @@ runtime/engine/tiny.py). Per model:
   - Ember runs with overlap scheduling, EngineConfig's default; with --overlap both or off, also or only with
     EngineConfig(overlap=False), in fields named "..._serial";
   - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
-    128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99 (serial steps in "online_serial").
+    128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99 (serial steps in "online_serial"),
+    and the host CPU each streamed token cost the gateway process and the rest of `ember serve`'s processes.
 """
 import argparse
 import concurrent.futures
@@ -291,6 +292,27 @@ def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float, float, dict]:
             {k: round(1000 * statistics.median(v), 3) for k, v in parts.items() if v})
 
 
+def cpu_seconds(root: int) -> dict[int, float]:
+    """CPU seconds (user + system) so far of `root` and every process under it, by pid (Linux /proc)."""
+    parents, times = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return {pid: times[pid] for pid in tree if pid in times}
+
+
 def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: int,
            overlap: bool = True) -> list[dict]:
     """`ember serve` with one replica (its engine with EngineConfig(overlap=overlap)); streaming completions at each
@@ -336,10 +358,13 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
             one(prompts[0])   # warm-up
             rows = []
             for level in concurrency:
+                before = cpu_seconds(process.pid)
                 began = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(level) as pool:
                     results = list(pool.map(one, prompts[:max(level * 4, 16)]))
                 elapsed = time.perf_counter() - began
+                used = {pid: seconds - before.get(pid, 0.0) for pid, seconds in cpu_seconds(process.pid).items()}
+                tokens = len(results) * 128
                 ttft = sorted(r[0] for r in results)
                 itl = sorted(x for r in results for x in r[1])
                 rows.append({"concurrency": level, "requests": len(results),
@@ -347,7 +372,12 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
                              "ttft_ms_p50": round(1000 * _pct(ttft, 50), 1),
                              "ttft_ms_p99": round(1000 * _pct(ttft, 99), 1),
                              "itl_ms_p50": round(1000 * _pct(itl, 50), 2),
-                             "itl_ms_p99": round(1000 * _pct(itl, 99), 2)})
+                             "itl_ms_p99": round(1000 * _pct(itl, 99), 2),
+                             # host CPU per streamed token: the gateway (one process: its ceiling is about
+                             # 1e6 / this tok/s) and the rest of `ember serve`'s processes (replica, fork server)
+                             "gateway_cpu_us_per_token": round(1e6 * used.get(process.pid, 0.0) / tokens, 1),
+                             "replica_cpu_us_per_token": round(
+                                 1e6 * (sum(used.values()) - used.get(process.pid, 0.0)) / tokens, 1)})
                 log("  online", rows[-1])
         return rows
     finally:
@@ -605,7 +635,9 @@ def record(result: dict, results: Path = RESULTS) -> None:
                        f"{m['wall_ms_per_step_b64_serial']} serial" if "wall_ms_per_step_b64_serial" in m else "")
                     + " |")
     online = [f"| {m['name']}{label} | {o['concurrency']} | {o['output_tok_s']} | {o['ttft_ms_p50']} / "
-              f"{o['ttft_ms_p99']} | {o['itl_ms_p50']} / {o['itl_ms_p99']} |" for m in result["models"]
+              f"{o['ttft_ms_p99']} | {o['itl_ms_p50']} / {o['itl_ms_p99']} | "
+              f"{o.get('gateway_cpu_us_per_token', '-')} / {o.get('replica_cpu_us_per_token', '-')} |"
+              for m in result["models"]
               for key, label in (("online", ""), ("online_serial", " (serial steps)")) for o in m.get(key, [])]
     products = f", bf16 products {result['matmul_tflops']} TFLOPS" if result.get("matmul_tflops") else ""
     section = "\n".join([
@@ -613,7 +645,8 @@ def record(result: dict, results: Path = RESULTS) -> None:
         f"device copy bandwidth {result['copy_bandwidth_gb_s']} GB/s{products}.",
         *([result["note"], ""] if "note" in result else [""]),
         *rows, "", "![batch-1 decode against the roofline](results/engine_speed_b1.svg)", "",
-        *(["| model | concurrency | output tok/s | TTFT ms p50 / p99 | ITL ms p50 / p99 |", "|---" * 5 + "|", *online]
+        *(["| model | concurrency | output tok/s | TTFT ms p50 / p99 | ITL ms p50 / p99 | host CPU us/token: gateway "
+            "/ the rest |", "|---" * 6 + "|", *online]
           if online else ["Online serving: not measured in this run."]), MARK_END])
     readme = ROOT / "bench" / "README.md"
     text = readme.read_text() if readme.exists() else "# Benchmarks\n\n"
