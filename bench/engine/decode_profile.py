@@ -229,7 +229,8 @@ def main() -> None:
                         help="above 1: only the kernel profile, of decode steps with this many sequences")
     parser.add_argument("--context", type=int, default=768, help="with --batch: each sequence's prompt tokens")
     parser.add_argument("--streamed-decode", type=int, metavar="N",
-                        help="EngineConfig(streamed_decode_min_batch=N): graphs of N or more run the streamed kernel")
+                        help="EngineConfig(streamed_decode_min_batch=N): graphs of N or more run the streamed kernel; "
+                             "0: flashinfer's decode kernel at every batch size")
     args = parser.parse_args()
     bandwidth = speed.copy_bandwidth()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ember-profile-"))

@@ -194,13 +194,15 @@ def hf_offline(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
 def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool = True,
                  streamed_decode: int | None = None):
     """The engine with batches of up to `max_num_seqs` sequences and 8192 tokens a step; with None, with
-    EngineConfig's defaults (what a user gets). `streamed_decode`: EngineConfig.streamed_decode_min_batch."""
+    EngineConfig's defaults (what a user gets). `streamed_decode`: EngineConfig.streamed_decode_min_batch when
+    given, 0 for flashinfer's decode kernel at every batch size."""
     from ember.runtime.engine.config import EngineConfig
     from ember.runtime.engine.engine import LLMEngine
 
     tuned = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 8192}
-    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, overlap=overlap,
-                                  streamed_decode_min_batch=streamed_decode, **tuned))
+    if streamed_decode is not None:
+        tuned["streamed_decode_min_batch"] = streamed_decode or None
+    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, overlap=overlap, **tuned))
 
 
 def ember_batch1(eng, prompt: list[int], new_tokens: int) -> float:
@@ -320,6 +322,9 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
     import httpx
 
     home = Path(tempfile.mkdtemp(prefix="ember-speed-"))
+    kept = Path(os.environ["EMBER_HOME"]) / "kernels" if os.environ.get("EMBER_HOME") else None
+    if kept is not None and kept.is_dir():   # the kernels this node kept from an earlier run: no compile to wait for
+        shutil.copytree(kept, home / "kernels")
     process = subprocess.Popen(
         [sys.executable, "-m", "ember.cli", "serve", str(Path(__file__).parent / "serve_app.py"), "--port", "0"],
         env=os.environ | {"EMBER_HOME": str(home), "EMBER_BENCH_MODEL": str(model_dir),
@@ -335,13 +340,19 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
         prompts = random_prompts(requests_per_level, 256, 256, seed=4)
         with httpx.Client(base_url=url, verify=verify, headers={"Authorization": f"Bearer {key}"},
                           timeout=600) as http:
-            deadline = time.monotonic() + 600
+            began = time.monotonic()
+            log(f"  online: {url} serving; waiting for its replica (a full boot: kernels compile on a fresh home)")
+            said = began
             while (reply := http.get("/speed/v1/models")).status_code != 200:   # the replica is up once this answers
                 if reply.status_code == 503 and "replica_failed" in reply.text:   # its start failed: say why, now
                     raise RuntimeError(f"the bench's replica failed to start: {reply.text[:2000]}")
-                if time.monotonic() > deadline:
+                if time.monotonic() - began > 600:
                     raise RuntimeError("the replica did not come up within 600 s")
+                if time.monotonic() - said >= 15:
+                    said = time.monotonic()
+                    log(f"  online: still waiting for the replica ({said - began:.0f} s; {reply.status_code})")
                 time.sleep(1)
+            log(f"  online: replica up in {time.monotonic() - began:.1f} s")
 
             def one(prompt: list[int]) -> tuple[float, list[float], int]:
                 began = time.perf_counter()
@@ -387,6 +398,16 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def wait_gpu_memory(free: int, timeout: float = 120) -> None:
+    """Until the GPU has `free` bytes free again (within 1 GiB): the served replica's processes have exited."""
+    deadline = time.monotonic() + timeout
+    while torch.cuda.mem_get_info()[0] < free - (1 << 30):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the served replica's GPU memory did not come back within {timeout:g} s "
+                               f"({torch.cuda.mem_get_info()[0] / 2**30:.1f} GiB free, {free / 2**30:.1f} before)")
+        time.sleep(0.5)
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -453,13 +474,16 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     hf = None   # its GPU memory goes before the engine sizes its KV cache
     gc.collect()
     torch.cuda.empty_cache()
-    for overlap in OVERLAP_MODES[args.overlap]:
-        ember_parts(row, shape, model_dir, args, b1_prompt, prompts, output_lens, overlap)
-    if "online" in args.parts:
+    if "online" in args.parts:   # first: an engine in this process keeps its GPU memory until the process ends
         for overlap in OVERLAP_MODES[args.overlap]:
+            free = torch.cuda.mem_get_info()[0]
             row["online" if overlap else "online_serial"] = online(model_dir, tuple(args.concurrency),
                                                                   args.online_requests, overlap)
             args.checkpoint(row)
+            wait_gpu_memory(free)
+    if args.parts & {"b1", "offline", "b64", "offline-defaults"}:
+        for overlap in OVERLAP_MODES[args.overlap]:
+            ember_parts(row, shape, model_dir, args, b1_prompt, prompts, output_lens, overlap)
     if not args.workdir:   # a model in a given --workdir stays for the next run
         shutil.rmtree(model_dir, ignore_errors=True)
     return row
@@ -537,8 +561,8 @@ def main() -> None:
                              "side")
     parser.add_argument("--streamed-decode", type=int, metavar="N",
                         help="Ember's b1, offline and b64 parts with EngineConfig(streamed_decode_min_batch=N): decode "
-                             "graphs of N or more sequences run paged_decode's streamed attention (online keeps the "
-                             "default)")
+                             "graphs of N or more sequences run paged_decode's streamed attention; 0: flashinfer's "
+                             "decode kernel at every batch size (online keeps the default)")
     parser.add_argument("--record", action="store_true", help="write bench/results/engine_speed.json")
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="where --record writes engine_speed.json (and, for bench/results, the SVG and README)")
