@@ -39,6 +39,7 @@ import threading  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 # tqdm's progress-bar monitor only wakes to check its bars; a child that shows a bar starts its own
@@ -178,6 +179,24 @@ def fork_child(child: Callable[[], int]) -> int:
                 sys.stderr.flush()
             os._exit(code)
     return pid
+
+
+def dying(pid: int) -> bool:
+    """Whether `pid` is gone or on its way out: killed (SIGKILL pending) or inside the kernel's exit, which for a
+    process with a CUDA context lasts seconds while the driver frees its memory. Such a process cannot take a
+    request although waitpid does not report it yet."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        flags = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[6])
+    except (OSError, ValueError, IndexError):
+        return True
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    sigkill = 1 << (signal.SIGKILL - 1)
+    killed = any(int(fields.get(key, "0"), 16) & sigkill for key in ("SigPnd", "ShdPnd"))
+    return bool(flags & PF_EXITING) or fields.get("State", "").split()[:1] in (["Z"], ["X"]) or killed
+
+
+PF_EXITING = 0x4   # linux/sched.h: set on a task as it enters do_exit
 
 
 def close_fds(fds: list[int]) -> None:
@@ -411,7 +430,8 @@ class UnitTemplate:
         pid, sock = kept
         with sock:
             try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:   # it exited (its CUDA init failed, say): a fork instead
+                # it exited (its CUDA init failed, say), or was killed and is still freeing its context: a fork
+                if os.waitpid(pid, os.WNOHANG)[0] == pid or dying(pid):
                     return None
                 send(sock, request, fds)
             except OSError:  # it is gone (reaped already, or its socket closed as it died): a fork instead

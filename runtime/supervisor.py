@@ -218,9 +218,10 @@ class Supervisor:
         self.gpus, self.log = GpuPool(gpus), log  # the caller's log: the gateway's, or the node agent's
         self.require_gpu = os.environ.get("EMBER_REQUIRE_GPU") == "1"  # a gpu= function must not quietly run on CPU
         self.fork = os.environ.get("EMBER_FORK_SERVER", "1") != "0" if fork is None else fork
-        # EMBER_GPU_STANDBY=1: a GPU that a forked replica gave back gets a standby of its unit (forkserver.Standby),
-        # CUDA initialised, for the next replica there; off by default until measured on the GPU
-        self.standby = os.environ.get("EMBER_GPU_STANDBY") == "1"
+        # a GPU that a forked replica gave back gets a standby of its unit (forkserver.Standby), CUDA initialised,
+        # for the next replica there (EMBER_GPU_STANDBY=0 turns it off). On the H200 it took the 4B shape's T2 start
+        # with a warm page cache from 1.168 to 0.776 s (bench/coldstart.py --no-standby for the other side)
+        self.standby = os.environ.get("EMBER_GPU_STANDBY", "1") != "0"
         self.standbys: dict[str, tuple[str, str, str]] = {}  # gpu -> (app, unit, fork server socket) of its standby
         self.forkservers: dict[str, ForkServerProcess] = {}  # app -> the fork server of its latest package
         self._sockets: str | None = None  # a short private directory: Unix socket paths must fit in 108 bytes
