@@ -65,6 +65,18 @@ def measured_tiers(path: Path = COLDSTART) -> ReplicaModel | None:
 
 
 MEASURED = measured_tiers()
+
+
+def measured_note(path: Path = COLDSTART) -> str:
+    """What the measured rows of this run used, from bench/coldstart.py's record."""
+    if MEASURED is None:
+        return f"No measured tiers in this run ({path} is missing or not bench/coldstart.py's output)."
+    parked = json.loads(path.read_text())["models"][0].get("parked_gpu_bytes") or 0
+    shown = "bench/results/coldstart.json" if path == COLDSTART else str(path)
+    return (f"The measured tiers ({shown}, recorded on the H200) park in {parked / 2**30:.2f} GiB "
+            f"of GPU memory, {'under' if MEASURED.park_frees_gpu else 'over'} the 2 GiB this bench counts as freed, "
+            f"so measured rows {'park' if MEASURED.park_frees_gpu else 'keep the GPU while parked'}: wake "
+            f"{MEASURED.wake} s, T2 warm {MEASURED.node_warm} s, T2 cold {MEASURED.node_cold} s.")
 NAMES = {"ember": "ember", "kpa": "kpa-like", "ray": "ray-default"}
 
 # The suite: each kind at the issue's parameters, and variations that move rates and shapes around.
@@ -226,9 +238,8 @@ NOTES = """## How to read this
   function of a deployment.
 - GPU-seconds count a replica from the moment it starts until it stops, and while parked where the park
   keeps the GPU (the 13s rows); where a park frees the GPU, a parked replica is billed as pinned host RAM.
-  The measured tiers (bench/results/coldstart.json, re-recorded on the H200) park in 1.10 GiB of GPU memory,
-  under the 2 GiB this bench counts as freed, so measured rows park. This run's measured tiers are the
-  2026-12-01 record (wake 0.199 s, T2 warm 0.882 s, T2 cold 5.017 s), as are the counts in the notes below.
+  MEASURED_NOTE The measured-tier counts in the notes below are from the record whose tiers were wake
+  0.199 s, T2 warm 0.882 s and T2 cold 5.017 s; the list and table above are this run's.
 - Every function of a trace shares one finite cluster: 5 nodes of 8 GPUs (40 GPUs; `CLUSTER`). A start
   that finds every GPU taken stops the longest-parked replica that holds one (13s rows, where a park
   keeps its GPU), else the longest-idle hot replica with nothing in flight, of any function, else waits
@@ -466,7 +477,7 @@ def main() -> None:
         "",
         table(base),
         "",
-        NOTES,
+        NOTES.replace("MEASURED_NOTE", measured_note()),
     ])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "autoscale_sim.md").write_text(md)
