@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes, against the floor of reading every weight once.
 
     python bench/engine/decode_profile.py --models 8B [--workdir DIR]
-    python bench/engine/decode_profile.py --models 8B --batch 128 --context 768 [--streamed-decode 16]
+    python bench/engine/decode_profile.py --models 8B --batch 128 --context 768 [--streamed-decode 16] [--host]
 
 On a random-weight model of a Qwen3 shape (bench/engine/speed.py builds it; a model already in --workdir is
 reused) this prints, side by side:
@@ -195,6 +195,34 @@ def profile(eng, prompts: list[list[int]], steps: int) -> object:
     return table
 
 
+def host_profile(eng, prompts: list[list[int]], steps: int, rows: int = 20) -> None:
+    """Python's profile of `steps` engine steps of the prompts' sequences, all decoding: which functions the
+    host's share of a step goes to (scheduling, inputs, the plan, launching, the tokens' bookkeeping). The
+    profiler slows every Python call, so read the shares, not the milliseconds."""
+    import cProfile
+    import pstats
+
+    from ember.runtime.engine.sampling import SamplingParams
+
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"host-{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    while any(seq.num_output_tokens < 3 for seq in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    profiler = cProfile.Profile()
+    began = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        eng.step()
+    profiler.disable()
+    elapsed = time.perf_counter() - began
+    while eng.has_unfinished_requests():
+        eng.step()
+    stats = pstats.Stats(profiler)
+    log(f"--- host functions over {steps} decode steps of {len(prompts)} sequences "
+        f"({1000 * elapsed / steps:.3f} ms a step under the profiler), by own time ---")
+    stats.sort_stats("tottime").print_stats(rows)
+
+
 KINDS = [("products", ("nvjet", "gemm", "gemv", "cutlass", "splitkreduce", "sm90_xmma")),
          ("attention", ("decode", "_split_kernel", "_merge_kernel", "_stream_kernel", "mergestates", "attention")),
          ("sampling", ("argmax", "reduce_kernel", "softmax", "topk", "sort", "sampl"))]
@@ -231,6 +259,8 @@ def main() -> None:
     parser.add_argument("--streamed-decode", type=int, metavar="N",
                         help="EngineConfig(streamed_decode_min_batch=N): graphs of N or more run the streamed kernel; "
                              "0: flashinfer's decode kernel at every batch size")
+    parser.add_argument("--host", action="store_true",
+                        help="with --batch: also Python's profile of the host side of the steps, by function")
     args = parser.parse_args()
     bandwidth = speed.copy_bandwidth()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ember-profile-"))
@@ -248,6 +278,8 @@ def main() -> None:
             steps = min(args.steps, 16)
             table = profile(eng, speed.random_prompts(args.batch, args.context, args.context, seed=5), steps)
             by_kind(table, steps, floor + 1000 * kv_bytes / bandwidth)
+            if args.host:
+                host_profile(eng, speed.random_prompts(args.batch, args.context, args.context, seed=6), steps)
             while eng.has_unfinished_requests():
                 eng.step()
             del eng
