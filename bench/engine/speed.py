@@ -315,23 +315,47 @@ def cpu_seconds(root: int) -> dict[int, float]:
     return {pid: times[pid] for pid in tree if pid in times}
 
 
+def serving_url(process: subprocess.Popen, serve_log: Path, timeout: float = 300) -> str:
+    """The URL `ember serve` prints once it serves, read from its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in serve_log.read_text(errors="replace").splitlines():
+            if line.startswith("Ember is serving"):
+                return line.split(" at ")[-1].strip()
+        if process.poll() is not None:
+            raise RuntimeError(f"`ember serve` exited with {process.returncode}; its log ({serve_log}) ends:\n"
+                               + serve_log.read_text(errors="replace")[-3000:])
+        time.sleep(0.2)
+    raise RuntimeError(f"`ember serve` printed no URL within {timeout:g} s; see {serve_log}")
+
+
 def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: int,
-           overlap: bool = True) -> list[dict]:
+           overlap: bool = True, serve_log_dir: Path | None = None) -> list[dict]:
     """`ember serve` with one replica (its engine with EngineConfig(overlap=overlap)); streaming completions at each
-    concurrency."""
+    concurrency. The server's log is kept in `serve_log_dir` (default: beside the model)."""
+    serve_log_dir = serve_log_dir or model_dir.parent
     import httpx
 
     home = Path(tempfile.mkdtemp(prefix="ember-speed-"))
     kept = Path(os.environ["EMBER_HOME"]) / "kernels" if os.environ.get("EMBER_HOME") else None
     if kept is not None and kept.is_dir():   # the kernels this node kept from an earlier run: no compile to wait for
         shutil.copytree(kept, home / "kernels")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ember.cli", "serve", str(Path(__file__).parent / "serve_app.py"), "--port", "0"],
-        env=os.environ | {"EMBER_HOME": str(home), "EMBER_BENCH_MODEL": str(model_dir),
-                          "EMBER_BENCH_OVERLAP": "1" if overlap else "0"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=ROOT)
+    # the server's output goes to a file, never a pipe: a pipe nobody drains fills and stops the server mid-run
+    serve_log = serve_log_dir / f"serve-{model_dir.name}{'' if overlap else '-serial'}.log"
+    with serve_log.open("w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ember.cli", "serve", str(Path(__file__).parent / "serve_app.py"), "--port", "0"],
+            env=os.environ | {"EMBER_HOME": str(home), "EMBER_BENCH_MODEL": str(model_dir),
+                              "EMBER_BENCH_OVERLAP": "1" if overlap else "0"},
+            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+
+    def stop(signum, frame):   # `timeout` ends this bench: the server (its own session) goes with it
+        os.killpg(process.pid, signal.SIGKILL)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
-        url = next(line.split(" at ")[-1].strip() for line in process.stdout if line.startswith("Ember is serving"))
+        url = serving_url(process, serve_log)
         from ember.gateway.keys import KeyStore
 
         verify = ssl.create_default_context(cafile=str(home / "tls" / "ca.pem"))
@@ -339,7 +363,7 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
         name = model_dir.name
         prompts = random_prompts(requests_per_level, 256, 256, seed=4)
         with httpx.Client(base_url=url, verify=verify, headers={"Authorization": f"Bearer {key}"},
-                          timeout=600) as http:
+                          timeout=httpx.Timeout(30, read=300)) as http:
             began = time.monotonic()
             log(f"  online: {url} serving; waiting for its replica (a full boot: kernels compile on a fresh home)")
             said = began
@@ -366,7 +390,9 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
                             stamps.append(time.perf_counter())
                 return stamps[0] - began, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
 
-            one(prompts[0])   # warm-up
+            began = time.monotonic()
+            first = one(prompts[0])   # warm-up: the replica's first decode steps capture their graphs
+            log(f"  online: warm-up request done in {time.monotonic() - began:.1f} s (TTFT {first[0]:.2f} s)")
             rows = []
             for level in concurrency:
                 before = cpu_seconds(process.pid)
@@ -397,6 +423,7 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
             process.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(home, ignore_errors=True)
 
 
