@@ -145,9 +145,12 @@ class OpenAIServer:
                     started.add(c.index)
                     yield chunk(c.index, {"role": "assistant", "content": ""})
                 logprobs = {"content": self._chat_logprobs(c.logprobs)} if req.logprobs and c.logprobs else None
-                if c.text or c.finish_reason or logprobs:
+                # a chunk for every step that made tokens, its text empty while the detokenizer holds it back (half
+                # a UTF-8 character, a possible stop string): a client sees each token arrive, as with vLLM
+                if c.text or c.token_ids or c.finish_reason or logprobs:
                     extra = {"stop_reason": c.stop_reason} if c.finish_reason else {}
-                    yield chunk(c.index, {"content": c.text} if c.text else {}, c.finish_reason, logprobs, **extra)
+                    delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                    yield chunk(c.index, delta, c.finish_reason, logprobs, **extra)
         if req.include_usage:
             yield {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                    "choices": [], "usage": usage.as_dict(), "system_fingerprint": None}
@@ -166,7 +169,7 @@ class OpenAIServer:
                     logprobs = _empty_completion_logprobs()
                     self._completion_logprobs(logprobs, c.logprobs, offsets[c.index])
                 offsets[c.index] += len(c.text)
-                if not (text or c.finish_reason or logprobs):
+                if not (text or c.token_ids or c.finish_reason or logprobs):   # as in chat: a chunk per step's tokens
                     continue
                 choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
                 if c.finish_reason:

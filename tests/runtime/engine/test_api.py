@@ -156,6 +156,22 @@ def test_completions_streaming_and_logprobs(call):
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
+def test_streaming_sends_a_chunk_per_token_while_the_text_is_held_back(call):
+    """Text that may begin a stop string is held back; each token still reaches the client as a chunk (empty text),
+    so a streaming client sees tokens arrive (its TTFT and ITL) whatever the detokenizer holds."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 12, "seed": 5, "ignore_eos": True, "stream": True}
+    texts = [c["choices"][0]["text"] for c in events(call("POST", "/v1/completions", json=body))]
+    assert len(texts) == 12
+    # from the fifth token on, every text so far is a prefix of this stop string, which never completes
+    stop = "".join(texts[4:]) + "\u2603"
+    chunks = events(call("POST", "/v1/completions", json={**body, "stop": [stop]}))
+    assert len(chunks) == 12 and [c["choices"][0]["text"] for c in chunks[4:-1]] == [""] * 7
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(texts)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    chat_chunks = events(chat(call, max_tokens=12, seed=5, ignore_eos=True, stream=True))
+    assert len(chat_chunks) == 13   # the role's chunk, then one a token
+
+
 def test_repeated_prompt_hits_the_prefix_cache(call):
     body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_tokens": 1}
     call("POST", "/v1/completions", json=body)
