@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -126,6 +127,7 @@ class AsyncLLM:
         detokenizers = [Detokenizer(self.tokenizer, prompt_token_ids, stop, include_stop_str_in_output,
                                     skip_special_tokens) for _ in range(n)]
         running: set[int] = set()
+        pending: deque[Delivery] = deque()   # what the loop delivered while this caller was busy
         try:
             for i, rid in enumerate(ids):
                 # n samples of one seeded request must differ from each other, reproducibly.
@@ -133,7 +135,11 @@ class AsyncLLM:
                 running.add(i)  # before the await, so a cancelled add is still aborted
                 await self._add(rid, prompt_token_ids, sample, _Route(loop, outputs, i), trace_context)
             while running:
-                item = await outputs.get()
+                if not pending:
+                    pending.append(await outputs.get())
+                    while not outputs.empty():
+                        pending.append(outputs.get_nowait())
+                item = pending.popleft()
                 if isinstance(item, RequestFailedError):
                     raise item
                 if isinstance(item, BaseException):
@@ -141,6 +147,12 @@ class AsyncLLM:
                 i, out = item
                 if i not in running:
                     continue
+                while not stop and pending:   # a caller that fell behind gets one increment for the steps it missed
+                    following = pending[0]
+                    if isinstance(following, BaseException) or following[0] != i:
+                        break
+                    out = _joined(out, following[1])
+                    pending.popleft()
                 detok = detokenizers[i]
                 text = detok.step(out.new_token_ids, finished=out.finished)
                 finish, stop_reason = (out.finish_reason, None) if out.finished else (None, None)
@@ -288,6 +300,17 @@ class AsyncLLM:
                 for _, (_, out) in batch:
                     self._routes.pop(out.request_id, None)
                     self.engine.abort_request(out.request_id)
+
+
+def _joined(first: "RequestOutput", then: "RequestOutput") -> "RequestOutput":
+    """Two consecutive outputs of one request as one. Under load the caller's event loop (detokenizing, framing
+    and sending every chunk) can fall behind the engine's steps; joined, the outputs it missed cost one chunk, not
+    one each, so it catches up instead of queueing more. Not with stop strings: those are matched in the text, and
+    the tokens after a match must not be reported."""
+    logprobs = None
+    if first.new_logprobs is not None or then.new_logprobs is not None:
+        logprobs = [*(first.new_logprobs or ()), *(then.new_logprobs or ())]
+    return replace(then, new_token_ids=[*first.new_token_ids, *then.new_token_ids], new_logprobs=logprobs)
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

@@ -158,8 +158,10 @@ def test_completions_streaming_and_logprobs(call):
 
 def test_streaming_sends_a_chunk_per_token_while_the_text_is_held_back(call):
     """Text that may begin a stop string is held back; each token still reaches the client as a chunk (empty text),
-    so a streaming client sees tokens arrive (its TTFT and ITL) whatever the detokenizer holds."""
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 12, "seed": 5, "ignore_eos": True, "stream": True}
+    so a streaming client sees tokens arrive (its TTFT and ITL) whatever the detokenizer holds. (With stop strings
+    a step's tokens are never joined with the next step's, as they are for a client that falls behind.)"""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 12, "seed": 5, "ignore_eos": True, "stream": True,
+            "stop": ["\u2603\u2603"]}
     texts = [c["choices"][0]["text"] for c in events(call("POST", "/v1/completions", json=body))]
     assert len(texts) == 12
     # from the fifth token on, every text so far is a prefix of this stop string, which never completes
@@ -168,7 +170,7 @@ def test_streaming_sends_a_chunk_per_token_while_the_text_is_held_back(call):
     assert len(chunks) == 12 and [c["choices"][0]["text"] for c in chunks[4:-1]] == [""] * 7
     assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(texts)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    chat_chunks = events(chat(call, max_tokens=12, seed=5, ignore_eos=True, stream=True))
+    chat_chunks = events(chat(call, max_tokens=12, seed=5, ignore_eos=True, stream=True, stop=["\u2603\u2603"]))
     assert len(chat_chunks) == 13   # the role's chunk, then one a token
 
 

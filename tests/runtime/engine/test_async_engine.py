@@ -39,6 +39,31 @@ def test_streams_tokens_and_text_that_match_offline_generate(llm):
     assert tokens == offline
 
 
+def test_a_caller_that_falls_behind_gets_the_steps_it_missed_as_one_increment(llm):
+    """Outputs queued while the caller was busy come out joined (their tokens, logprobs and text in order), so an
+    event loop behind the engine catches up; with stop strings every step stays its own increment."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+
+    async def slow(stop=()):
+        chunks = []
+        async for c in llm.generate(prompt(llm), params, stop=stop):
+            chunks.append(c)
+            if len(chunks) == 1:   # busy while the engine runs the rest of the request
+                while llm.engine.has_unfinished_requests():
+                    await asyncio.sleep(0.01)
+        return chunks
+
+    chunks = asyncio.run(slow())
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert len(chunks) == 2 and len(chunks[1].token_ids) == 15 and chunks[1].finish_reason == "length"
+    assert [e["token_id"] for c in chunks for e in c.logprobs] == tokens
+    assert "".join(c.text for c in chunks) == llm.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert tokens == [t for c in asyncio.run(collect(llm.generate(prompt(llm), params))) for t in c.token_ids]
+    separate = asyncio.run(slow(stop=["\u2603\u2603"]))   # a stop string that never matches
+    assert [len(c.token_ids) for c in separate] == [1] * 16
+    assert [t for c in separate for t in c.token_ids] == tokens
+
+
 def test_n_fans_out_with_seed_plus_i_and_is_reproducible(llm):
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=11)
 
