@@ -28,7 +28,9 @@ runtime/engine/tiny.py). Per model:
     EngineConfig(overlap=False), in fields named "..._serial";
   - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
     128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99 (serial steps in "online_serial"),
-    and the host CPU each streamed token cost the gateway process and the rest of `ember serve`'s processes.
+    and the host CPU each streamed token cost the gateway process and the rest of `ember serve`'s processes,
+    and the replica's forward passes by kind (decode graphs replayed, eager steps: prefills and the decode steps a
+    new request's prefill joined) with their mean GPU ms, from the engine's counters at the gateway's /metrics.
 """
 import argparse
 import concurrent.futures
@@ -409,11 +411,13 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
             rows = []
             for level in concurrency:
                 before = cpu_seconds(process.pid)
+                steps_before = engine_steps(http)
                 began = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(level) as pool:
                     results = list(pool.map(one, prompts[:max(level * 4, 16)]))
                 elapsed = time.perf_counter() - began
                 used = {pid: seconds - before.get(pid, 0.0) for pid, seconds in cpu_seconds(process.pid).items()}
+                steps = {key: value - steps_before.get(key, 0.0) for key, value in engine_steps(http).items()}
                 tokens = len(results) * 128
                 ttft = sorted(r[0] for r in results)
                 itl = sorted(x for r in results for x in r[1])
@@ -427,7 +431,10 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
                              # 1e6 / this tok/s) and the rest of `ember serve`'s processes (replica, fork server)
                              "gateway_cpu_us_per_token": round(1e6 * used.get(process.pid, 0.0) / tokens, 1),
                              "replica_cpu_us_per_token": round(
-                                 1e6 * (sum(used.values()) - used.get(process.pid, 0.0)) / tokens, 1)})
+                                 1e6 * (sum(used.values()) - used.get(process.pid, 0.0)) / tokens, 1),
+                             # the replica's forward passes in the level: replayed decode graphs, and eager ones
+                             # (prefills, and decode steps a new request's prefill joined), with GPU ms each
+                             **step_split(steps)})
                 log("  online", rows[-1])
         return rows
     finally:
@@ -438,6 +445,31 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
             os.killpg(process.pid, signal.SIGKILL)
         signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(home, ignore_errors=True)
+
+
+def engine_steps(http) -> dict[tuple[str, str], float]:
+    """The served engine's step counters, from the gateway's /metrics: {(series, kind): value}. The gateway
+    reuses a replica's scrape for a second, so this waits that long first."""
+    time.sleep(1.1)
+    totals: dict[tuple[str, str], float] = {}
+    for line in http.get("/metrics").text.splitlines():
+        for series in ("ember:engine_steps_total", "ember:engine_step_device_seconds_total"):
+            if line.startswith(series + "{") and 'kind="' in line:
+                kind = line.split('kind="', 1)[1].split('"', 1)[0]
+                totals[series, kind] = totals.get((series, kind), 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def step_split(steps: dict[tuple[str, str], float]) -> dict:
+    """Steps by kind over a load level, and each kind's mean GPU milliseconds."""
+    row = {}
+    for kind in ("graph", "eager"):
+        count = steps.get(("ember:engine_steps_total", kind), 0.0)
+        row[f"{kind}_steps"] = int(count)
+        device = steps.get(("ember:engine_step_device_seconds_total", kind), 0.0)
+        if count and device:   # none measured on a CPU
+            row[f"{kind}_step_gpu_ms"] = round(1000 * device / count, 2)
+    return row
 
 
 def wait_gpu_memory(free: int, timeout: float = 120) -> None:

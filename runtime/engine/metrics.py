@@ -26,6 +26,8 @@ COUNTERS = [
     ("num_preemptions", "num_preemptions", "Requests preempted because the KV cache ran out."),
 ]
 
+KINDS = ("graph", "eager")   # of engine steps
+
 
 def render(stats: EngineStats, model_name: str) -> str:
     """Prometheus text exposition (version 0.0.4) of one engine's stats."""
@@ -41,6 +43,13 @@ def render(stats: EngineStats, model_name: str) -> str:
     for reason in ("stop", "length", "abort"):
         count = stats.request_success.get(reason, 0)
         lines.append(f'{PREFIX}request_success_total{{{label},finished_reason="{reason}"}} {count}')
+    lines += _header("engine_steps", "counter", "Forward passes, by kind: graph (a decode step replayed from a CUDA "
+                     "graph) or eager (prefill chunks, mixed steps, decode batches without a graph).")
+    lines += [f'{PREFIX}engine_steps_total{{{label},kind="{kind}"}} {stats.steps[kind]}' for kind in KINDS]
+    lines += _header("engine_step_device_seconds", "counter", "Device (GPU) seconds of the forward passes and "
+                     "sampling, by kind of step; 0 on CPU.")
+    lines += [f'{PREFIX}engine_step_device_seconds_total{{{label},kind="{kind}"}} '
+              f'{_number(stats.step_device_seconds[kind])}' for kind in KINDS]
     for name, attr, help_text in HISTOGRAMS:
         lines += _header(name, "histogram", help_text)
         lines += _histogram(name, getattr(stats, attr), label)

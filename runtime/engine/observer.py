@@ -74,6 +74,11 @@ class EngineObserver:
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_cache_usage = self.scheduler.block_manager.usage
+        if step.run is not None:
+            kind = "eager" if step.run.graph_batch_size is None else "graph"
+            s.steps[kind] += 1
+            if step.run.gpu_seconds is not None:
+                s.step_device_seconds[kind] += step.run.gpu_seconds
         s.step_time.observe(step.seconds)
         s.step_host_time.observe(step.seconds - (step.run.wait_seconds if step.run else 0.0))
 

@@ -286,6 +286,10 @@ def test_health_and_metrics_use_vllm_names(call):
     assert samples[f"ember:prefix_cache_queries_total{{{label}}}"] > 0
     assert f"ember:prefix_cache_hits_total{{{label}}}" in samples
     assert samples[f'ember:request_success_total{{{label},finished_reason="length"}}'] > 0
+    # on a CPU every forward pass is eager (CUDA graphs need a GPU) and no device time is measured
+    assert samples[f'ember:engine_steps_total{{{label},kind="eager"}}'] >= 3
+    assert samples[f'ember:engine_steps_total{{{label},kind="graph"}}'] == 0
+    assert samples[f'ember:engine_step_device_seconds_total{{{label},kind="eager"}}'] == 0
 
 
 @pytest.mark.parametrize("name, value", [("temperature", "NaN"), ("top_p", "Infinity"), ("min_p", "-Infinity")])

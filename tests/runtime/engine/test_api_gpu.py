@@ -51,6 +51,17 @@ def test_streaming_matches_non_streaming_and_stop_strings_hold(server):
     assert (cut["message"]["content"], cut["finish_reason"]) == (text[:text.find(stop)], "stop")
 
 
+def test_metrics_count_graph_and_eager_steps_with_their_device_time(server):
+    _, base = server
+    chat(base, max_tokens=16, ignore_eos=True)   # a prefill (eager), then decode steps replayed from graphs
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in httpx.get(f"{base}/metrics", timeout=60).text.splitlines() if line[:1] not in ("#", "")}
+    label = f'model_name="{MODEL}"'
+    for kind in ("graph", "eager"):
+        assert samples[f'ember:engine_steps_total{{{label},kind="{kind}"}}'] >= 1
+        assert samples[f'ember:engine_step_device_seconds_total{{{label},kind="{kind}"}}'] > 0
+
+
 def test_disconnect_frees_gpu_kv_blocks(server):
     app, base = server
     engine = app.state.llm.engine
