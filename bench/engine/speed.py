@@ -712,6 +712,9 @@ def record(result: dict, results: Path = RESULTS) -> None:
     if results.resolve() != RESULTS.resolve():
         return
     (RESULTS / "engine_speed_b1.svg").write_text(bar_chart(result["models"]))
+    has_online = any(m.get("online") for m in result["models"])
+    if has_online:
+        (RESULTS / "engine_speed_online.svg").write_text(online_chart(result["models"]))
     rows = ["| model | weights GB | roofline b1 tok/s | Ember b1 tok/s | transformers b1 tok/s "
             "| Ember offline out tok/s (at default batch sizes) | offline floor out tok/s "
             "| transformers offline out tok/s | host / GPU ms per step at b64 |",
@@ -742,7 +745,8 @@ def record(result: dict, results: Path = RESULTS) -> None:
         *([result["note"], ""] if "note" in result else [""]),
         *rows, "", "![batch-1 decode against the roofline](results/engine_speed_b1.svg)", "",
         *(["| model | concurrency | output tok/s | TTFT ms p50 / p99 | ITL ms p50 / p99 | host CPU us/token: gateway "
-            "/ the rest |", "|---" * 6 + "|", *online]
+            "/ the rest |", "|---" * 6 + "|", *online, "",
+            "![online output tok/s by concurrency](results/engine_speed_online.svg)"]
           if online else ["Online serving: not measured in this run."]), MARK_END])
     readme = ROOT / "bench" / "README.md"
     text = readme.read_text() if readme.exists() else "# Benchmarks\n\n"
@@ -775,6 +779,45 @@ def bar_chart(models: list[dict]) -> str:
         y += 8
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="620" height="{y}" font-family="sans-serif">'
             + "".join(bars) + "</svg>\n")
+
+
+def online_chart(models: list[dict]) -> str:
+    """Online output tok/s against concurrency (the levels evenly spaced), a line per model, and dashed the rate the
+    engine's batch-64 decode step allows in-process (64 tokens per step), as a plain SVG."""
+    colors = ["#d9534f", "#5b8def", "#5cb85c", "#f0ad4e"]
+    served = [m for m in models if m.get("online")]
+    levels = sorted({o["concurrency"] for m in served for o in m["online"]})
+    ceilings = {m["name"]: 64e3 / m["gpu_ms_per_step_b64"] for m in served if m.get("gpu_ms_per_step_b64")}
+    top = max([o["output_tok_s"] for m in served for o in m["online"]] + list(ceilings.values()))
+    left, width, height = 60, 440, 240
+
+    def x(level: int) -> float:
+        return left + width * levels.index(level) / max(1, len(levels) - 1)
+
+    def y(rate: float) -> float:
+        return 20 + height * (1 - rate / top)
+
+    parts = [f'<line x1="{left}" y1="{20 + height}" x2="{left + width}" y2="{20 + height}" stroke="#888"/>',
+             f'<line x1="{left}" y1="20" x2="{left}" y2="{20 + height}" stroke="#888"/>']
+    parts += [f'<text x="{x(c) - 6:.1f}" y="{height + 38}" font-size="11">{c}</text>' for c in levels]
+    parts.append(f'<text x="{left + width / 2 - 40:.1f}" y="{height + 54}" font-size="11">concurrency</text>')
+    for tick in range(0, int(top) + 1, max(1000, int(top / 5) // 1000 * 1000)):
+        parts.append(f'<text x="5" y="{y(tick) + 4:.1f}" font-size="11">{tick}</text>')
+    for i, m in enumerate(served):
+        color = colors[i % len(colors)]
+        points = " ".join(f"{x(o['concurrency']):.1f},{y(o['output_tok_s']):.1f}" for o in m["online"])
+        parts.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="2"/>')
+        label_y = 20 + height + 72 + 16 * i
+        parts.append(f'<rect x="{left}" y="{label_y - 9}" width="12" height="3" fill="{color}"/>'
+                     f'<text x="{left + 18}" y="{label_y}" font-size="11">{m["name"]}: output tok/s served'
+                     + (f"; dashed: its batch-64 step in-process ({ceilings[m['name']]:.0f})" if m["name"] in ceilings
+                        else "") + "</text>")
+        if m["name"] in ceilings:
+            parts.append(f'<line x1="{left}" y1="{y(ceilings[m["name"]]):.1f}" x2="{left + width}" '
+                         f'y2="{y(ceilings[m["name"]]):.1f}" stroke="{color}" stroke-dasharray="4 3"/>')
+    total = 20 + height + 72 + 16 * len(served)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="620" height="{total}" font-family="sans-serif">'
+            + "".join(parts) + "</svg>\n")
 
 
 if __name__ == "__main__":
