@@ -405,14 +405,12 @@ def decide(
     parked = [r for r in replicas if r.state == PARKED]
     have = len(hot) + len(starting)
 
-    lead = costs.wake_s if parked else costs.start_s  # seconds until capacity asked for now can serve
-    # Reacting to one sample pays only when that capacity comes within the panic window;
-    # slower than that, the panic average has seen the burst by the time it could have helped.
-    quick = lead <= s.panic_window
     panic_avg = mean_concurrency(window(history, now, s.panic_window))
+    # A burst in the latest sample asks for capacity at once, however slow a start: capacity comes a start after it
+    # is asked for, and waiting for the panic average to catch up adds its seconds to every request queued meanwhile.
     now_burst = burst(s, hot, starting, history[-1]) if history else 0.0
     # at zero only requests waiting now ask for a replica: past demand was served or timed out
-    demand = max(panic_avg, now_burst if quick else 0.0) if have else now_burst
+    demand = max(panic_avg, now_burst) if have else now_burst
     want_panic = sized(demand, s, fill)
     over_threshold = want_panic >= s.panic_threshold * max(len(hot), 1) and want_panic > len(hot)
     panic_since = now if over_threshold else memo.panic_since

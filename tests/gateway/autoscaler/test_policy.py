@@ -227,6 +227,15 @@ def test_learns_from_measured_wakes_and_stops_parking():
     assert [type(a) for a in actions] == [Evict]
 
 
+def test_a_burst_in_the_latest_sample_starts_capacity_at_once_however_slow_a_start():
+    # 2 concurrent for a minute, then 40 in the latest sample: the 6 s average (8.3) still asks for 1 replica, and
+    # with 13 s starts, waiting for it to catch up would add its seconds to every request queued meanwhile
+    history = load(2, 59) + [Sample(60.0, 24, 16, 30)]
+    for memo in (FAST, SLOW_WAKE):
+        actions, after = run(DEFAULTS, hot(1, in_flight=16), history, 60.0, memo)
+        assert actions == [Start(3, actions[0].reason)] and after.panic_since == 60.0
+
+
 def test_after_a_burst_spare_capacity_parks_within_seconds_where_kpa_holds_a_minute():
     burst = load(60, 40) + load(5, 60, since=41)  # 6 replicas' worth, then 5 concurrent for 20 s
     replicas = hot(1, in_flight=5) + hot(5, idle_since=41.0, prefix="idle")
