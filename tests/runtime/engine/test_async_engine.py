@@ -55,7 +55,9 @@ def test_a_caller_that_falls_behind_gets_the_steps_it_missed_as_one_increment(ll
 
     chunks = asyncio.run(slow())
     tokens = [t for c in chunks for t in c.token_ids]
-    assert len(chunks) == 2 and len(chunks[1].token_ids) == 15 and chunks[1].finish_reason == "length"
+    # the first chunk holds what came before the caller first read (a step or a few on a busy machine), the second
+    # everything the engine made while the caller was busy (one at a time, they would be 16)
+    assert len(chunks) <= 2 and len(tokens) == 16 and chunks[-1].finish_reason == "length"
     assert [e["token_id"] for c in chunks for e in c.logprobs] == tokens
     assert "".join(c.text for c in chunks) == llm.tokenizer.decode(tokens, skip_special_tokens=True)
     assert tokens == [t for c in asyncio.run(collect(llm.generate(prompt(llm), params))) for t in c.token_ids]
