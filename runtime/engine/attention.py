@@ -10,7 +10,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import fused
 from .paged_decode import PagedDecode, StreamedDecode, streamed_parts
 
 
@@ -39,10 +38,6 @@ class AttentionBatch:
         return indptr, self.block_tables[np.arange(width) < self.num_blocks[:, None]].astype(np.int32, copy=False)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> None:
-    fused.write_kv(kv_cache, k, v, batch.slot_blocks, batch.slot_offsets)
-
-
 class SdpaBackend:
     """Gathers each sequence's K/V from its blocks and runs torch SDPA with a causal mask offset by the prefix."""
 
@@ -59,8 +54,8 @@ class SdpaBackend:
             query_pos = torch.arange(ctx - n, ctx, device=device)
             self.masks.append(torch.arange(ctx, device=device)[None, :] <= query_pos[:, None])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        write_kv(kv_cache, k, v, self.batch)
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """q's attention over the cache, which holds the step's K and V already (fused.norm_rope_store_)."""
         out = torch.empty_like(q)
         start = 0
         for n, ctx, table, mask in zip(self.batch.query_lens.tolist(), self.batch.context_lens.tolist(), self.tables,
@@ -200,8 +195,8 @@ class FlashInferBackend:
         self._staged_indices[:n].copy_(self._pinned_indices[:n], non_blocking=True)
         return self._staged_indices[:n]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        write_kv(kv_cache, k, v, self.batch)
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """q's attention over the cache, which holds the step's K and V already (fused.norm_rope_store_)."""
         if self.graph is not None:
             return self.graph.forward(q, kv_cache, self.scale)
         return self.wrapper.run(q, kv_cache)

@@ -58,33 +58,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def norm_rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> None:
+def norm_rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor,
+                     slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
     """In place on q [T, Hq, D] and k [T, Hk, D]: an RMSNorm per head when weights are given (Qwen3), then
-    rotate-half RoPE with cos/sin [T, 1, D]."""
+    rotate-half RoPE with cos/sin [T, 1, D]; then K and V [T, Hk, D] (v read only) into kv_cache [blocks, 2,
+    block_size, Hk, D] at each token's block and offset. One kernel on CUDA, each K head stored to its slot as it
+    is rotated: a layer launches one kernel where it launched two (norm/RoPE, then the KV write), one node fewer
+    per layer in a decode graph, whose launch costs the host about a microsecond a node."""
     if not enabled(q, per_head=True):
         for x, weight in ((q, q_weight), (k, k_weight)):
             h = _rms_norm_reference(x, weight, eps) if weight is not None else x
             x.copy_(_rope_reference(h, cos, sin))
+        kv_cache[slot_blocks, 0, slot_offsets] = k
+        kv_cache[slot_blocks, 1, slot_offsets] = v
         return
     t, hq, d = q.shape
     hk = k.shape[1]
     has_norm = q_weight is not None
-    _norm_rope_kernel[(t, hq + hk)](q, k, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k,
-                                    hq, q.stride(0), k.stride(0), cos.stride(0), eps, HAS_NORM=has_norm, D=d)
-
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_blocks: torch.Tensor,
-             slot_offsets: torch.Tensor) -> None:
-    """K and V [T, Hk, D] into kv_cache [blocks, 2, block_size, Hk, D] at each token's block and offset."""
-    if not enabled(k, per_head=True):
-        kv_cache[slot_blocks, 0, slot_offsets] = k
-        kv_cache[slot_blocks, 1, slot_offsets] = v
-        return
-    t, hk, d = k.shape
-    _write_kv_kernel[(t, hk)](kv_cache, k, v, slot_blocks, slot_offsets, kv_cache.stride(0), kv_cache.stride(1),
-                              kv_cache.stride(2), kv_cache.stride(3), k.stride(0), k.stride(1), v.stride(0),
-                              v.stride(1), D=d)
+    _norm_rope_store_kernel[(t, hq + 2 * hk)](
+        q, k, v, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k, kv_cache, slot_blocks,
+        slot_offsets, hq, hk, q.stride(0), k.stride(0), v.stride(0), cos.stride(0), kv_cache.stride(0),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), eps, HAS_NORM=has_norm, D=d)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -137,39 +132,41 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, num_q_heads, q_stride, k_stride,
-                          cs_stride, eps, HAS_NORM: tl.constexpr, D: tl.constexpr):
+    def _norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_ptr, blocks_ptr,
+                                offsets_ptr, num_q_heads, num_kv_heads, q_stride, k_stride, v_stride, cs_stride,
+                                s_block, s_kv, s_slot, s_head, eps, HAS_NORM: tl.constexpr, D: tl.constexpr):
+        """Programs (token, head) over the q heads, then the k heads, then the v heads; heads are D apart."""
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
-        if head < num_q_heads:
-            base, w_ptr = q_ptr + token * q_stride + head * D, qw_ptr
-        else:
-            base, w_ptr = k_ptr + token * k_stride + (head - num_q_heads) * D, kw_ptr
         dtype = q_ptr.dtype.element_ty
         half = tl.arange(0, D // 2)
-        x1 = tl.load(base + half).to(tl.float32)
-        x2 = tl.load(base + D // 2 + half).to(tl.float32)
-        if HAS_NORM:
-            r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
-            w1 = tl.load(w_ptr + half).to(tl.float32)
-            w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)
-            x1 = _round(_round(x1 * r, dtype) * w1, dtype)
-            x2 = _round(_round(x2 * r, dtype) * w2, dtype)
-        c = tl.load(cos_ptr + token * cs_stride + half).to(tl.float32)   # cos and sin repeat across the halves
-        s = tl.load(sin_ptr + token * cs_stride + half).to(tl.float32)
-        out1 = _round(x1 * c, dtype) + _round(-x2 * s, dtype)
-        out2 = _round(x2 * c, dtype) + _round(x1 * s, dtype)
-        tl.store(base + half, out1.to(dtype))
-        tl.store(base + D // 2 + half, out2.to(dtype))
-
-    @triton.jit
-    def _write_kv_kernel(cache_ptr, k_ptr, v_ptr, blocks_ptr, offsets_ptr, s_block, s_kv, s_slot, s_head,
-                         k_token, k_head, v_token, v_head, D: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1).to(tl.int64)
-        block = tl.load(blocks_ptr + token)
-        offset = tl.load(offsets_ptr + token)
-        dims = tl.arange(0, D)
-        dst = cache_ptr + block * s_block + offset * s_slot + head * s_head + dims
-        tl.store(dst, tl.load(k_ptr + token * k_token + head * k_head + dims))
-        tl.store(dst + s_kv, tl.load(v_ptr + token * v_token + head * v_head + dims))
+        slot = cache_ptr + tl.load(blocks_ptr + token) * s_block + tl.load(offsets_ptr + token) * s_slot
+        if head >= num_q_heads + num_kv_heads:   # a V head: copied to its slot as it is
+            v_head = head - num_q_heads - num_kv_heads
+            src = v_ptr + token * v_stride + v_head * D
+            dst = slot + s_kv + v_head * s_head
+            tl.store(dst + half, tl.load(src + half))
+            tl.store(dst + D // 2 + half, tl.load(src + D // 2 + half))
+        else:
+            if head < num_q_heads:
+                base, w_ptr = q_ptr + token * q_stride + head * D, qw_ptr
+            else:
+                base, w_ptr = k_ptr + token * k_stride + (head - num_q_heads) * D, kw_ptr
+            x1 = tl.load(base + half).to(tl.float32)
+            x2 = tl.load(base + D // 2 + half).to(tl.float32)
+            if HAS_NORM:
+                r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+                w1 = tl.load(w_ptr + half).to(tl.float32)
+                w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)
+                x1 = _round(_round(x1 * r, dtype) * w1, dtype)
+                x2 = _round(_round(x2 * r, dtype) * w2, dtype)
+            c = tl.load(cos_ptr + token * cs_stride + half).to(tl.float32)
+            s = tl.load(sin_ptr + token * cs_stride + half).to(tl.float32)
+            out1 = (_round(x1 * c, dtype) + _round(-x2 * s, dtype)).to(dtype)
+            out2 = (_round(x2 * c, dtype) + _round(x1 * s, dtype)).to(dtype)
+            tl.store(base + half, out1)
+            tl.store(base + D // 2 + half, out2)
+            if head >= num_q_heads:   # a K head: also to its slot
+                dst = slot + (head - num_q_heads) * s_head
+                tl.store(dst + half, out1)
+                tl.store(dst + D // 2 + half, out2)

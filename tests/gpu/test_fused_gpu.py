@@ -32,49 +32,35 @@ def test_silu_mul_of_the_merged_gate_up_product():
     close(fused.silu_mul(gate_up), torch.nn.functional.silu(gate_up[:, :12288]) * gate_up[:, 12288:])
 
 
-@pytest.mark.parametrize("with_norm", [True, False])
-def test_norm_rope_in_place(with_norm):
-    t, d = 23, 128
-    q, k = randn(t, 32, d), randn(t, 8, d)
+def rope_tables(t: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     angles = torch.arange(t, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")
-    emb = torch.cat((angles, angles), -1)
-    cos, sin = emb.cos().bfloat16()[:, None, :], emb.sin().bfloat16()[:, None, :]
+    emb = torch.cat((angles, angles), -1)   # RoPE's cos and sin repeat across the halves of a head
+    return emb.cos().bfloat16()[:, None, :], emb.sin().bfloat16()[:, None, :]
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_norm_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v_in_their_slots(with_norm):
+    """q, k and v as the engine passes them: strided views into one [T, q + 2 kv] product."""
+    t, d = 23, 128
+    qkv = randn(t, (32 + 2 * 8) * d)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([32 * d, 8 * d, 8 * d], dim=-1))
+    v_before = v.clone()
+    cos, sin = rope_tables(t, d)
     weights = (randn(d), randn(d)) if with_norm else (None, None)
     expected = []
     for x, w in zip((q, k), weights):
         h = fused._rms_norm_reference(x, w, 1e-6) if w is not None else x
         expected.append(fused._rope_reference(h, cos, sin))
-    fused.norm_rope_(q, k, cos, sin, *weights, 1e-6)
-    close(q, expected[0])
-    close(k, expected[1])
-
-
-def test_norm_rope_on_views_of_the_merged_qkv_product():
-    """q and k as the engine passes them: strided views into one [T, q + 2 kv] product, rewritten in place."""
-    t, d = 9, 128
-    qkv = randn(t, (32 + 2 * 8) * d)
-    q, k, v = qkv.split([32 * d, 8 * d, 8 * d], dim=-1)
-    q, k, v = q.view(t, 32, d), k.view(t, 8, d), v.view(t, 8, d)
-    v_before = v.clone()
-    angles = torch.arange(t, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")
-    emb = torch.cat((angles, angles), -1)   # RoPE's cos and sin repeat across the halves of a head
-    cos, sin = emb.cos().bfloat16()[:, None, :], emb.sin().bfloat16()[:, None, :]
-    expected = [fused._rope_reference(x, cos, sin) for x in (q, k)]
-    fused.norm_rope_(q, k, cos, sin, None, None, 1e-6)
+    cache = torch.zeros(40, 2, 16, 8, d, dtype=torch.bfloat16, device="cuda")
+    slots = torch.randperm(40 * 16, device="cuda")[:t]   # distinct slots, in no order
+    blocks, offsets = slots // 16, slots % 16
+    fused.norm_rope_store_(q, k, v, cos, sin, *weights, 1e-6, cache, blocks, offsets)
     close(q, expected[0])
     close(k, expected[1])
     assert torch.equal(v, v_before)
-
-
-def test_write_kv_lands_in_each_tokens_slot():
-    cache = torch.zeros(10, 2, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
-    k, v = randn(5, 8, 128), randn(5, 8, 128)
-    blocks = torch.tensor([3, 3, 7, 0, 9], device="cuda")
-    offsets = torch.tensor([0, 15, 4, 1, 8], device="cuda")
-    fused.write_kv(cache, k, v, blocks, offsets)
     assert torch.equal(cache[blocks, 0, offsets], k) and torch.equal(cache[blocks, 1, offsets], v)
     assert cache.float().abs().sum().item() == pytest.approx((k.float().abs().sum() + v.float().abs().sum()).item(),
-                                                             rel=1e-3)
+                                                             rel=1e-3)   # nothing written outside the slots
 
 
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 12288), (151936, 4096), (1000, 4100), (32768, 1024)])

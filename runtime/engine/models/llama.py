@@ -88,8 +88,9 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        fused.norm_rope_(q, k, cos, sin, *norms, self.eps)
-        out = attention.forward(q, k, v, kv_cache)
+        batch = attention.batch
+        fused.norm_rope_store_(q, k, v, cos, sin, *norms, self.eps, kv_cache, batch.slot_blocks, batch.slot_offsets)
+        out = attention.attend(q, kv_cache)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
