@@ -95,6 +95,7 @@ class AsyncLLM:
         self._closed = False
         self._idle_capture_failed = False
         self._busy_at = time.monotonic()  # when the engine last had work (its start counts)
+        self.owns_engine = False  # made by from_config: a shutdown frees its device memory
         self._thread = threading.Thread(target=self._run, name="ember-engine-loop", daemon=True)
         self._thread.start()
 
@@ -104,7 +105,9 @@ class AsyncLLM:
 
         from ember.runtime.engine.engine import LLMEngine
 
-        return cls(LLMEngine(config), AutoTokenizer.from_pretrained(config.model))
+        llm = cls(LLMEngine(config), AutoTokenizer.from_pretrained(config.model))
+        llm.owns_engine = True
+        return llm
 
     @property
     def alive(self) -> bool:
@@ -177,6 +180,10 @@ class AsyncLLM:
         self._closed = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        if self.owns_engine and not self._thread.is_alive():
+            # A process that serves again (a test, an embedding app) gets the GPU memory back now, not whenever the
+            # collector finds the engine; a loop still inside a step keeps it.
+            self.engine.close()
 
     async def _add(self, request_id, prompt_token_ids, params, route, trace_context) -> None:
         done = asyncio.get_running_loop().create_future()

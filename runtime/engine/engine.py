@@ -69,6 +69,11 @@ class LLMEngine:
             self.warmup()
             startup.report({"warmup_ms": round((time.perf_counter() - began) * 1000)})
 
+    def close(self) -> None:
+        """Frees the engine's device memory (weights, KV cache, graphs); it must not step again."""
+        with self._device:
+            self.runner.close()
+
     def warmup(self) -> None:
         """One prefill and a few decode steps, greedy and sampled, before the first request: whatever the kernels
         need the first time (flashinfer's modules, compiled when the node has none, cuBLAS handles, Triton's

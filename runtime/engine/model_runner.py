@@ -196,6 +196,15 @@ class ModelRunner:
     def wake(self) -> WakeReport:
         return self.arena.wake()
 
+    def close(self) -> None:
+        """Frees the weights, the KV cache and the graphs; the runner must not run again."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # an overlapped step may still run on what is freed next
+        self.graphs = None
+        self.arena.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _block_bytes(self, head_dim: int) -> int:
         return 2 * self.block_size * self.num_kv_heads * head_dim * self.dtype.itemsize * self.num_layers
 

@@ -27,10 +27,14 @@ def server(tmp_path_factory):
     # head_dim 64: a size every attention backend takes.
     path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", hidden_size=128, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=64)
+    free_before = torch.cuda.mem_get_info()[0]
     app = create_app(EngineConfig(model=str(path), max_model_len=1024), served_model_name=MODEL)
     assert app.state.llm.engine.runner.device.type == "cuda"
     with uvicorn_thread(app) as url:
         yield app, url
+    # The app's shutdown frees the engine's device memory (it takes most of the GPU), so GPU tests that follow in
+    # this process can start engines of their own.
+    assert torch.cuda.mem_get_info()[0] > free_before - (1 << 30)
 
 
 def chat(base, **body):
