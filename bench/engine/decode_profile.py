@@ -170,23 +170,42 @@ def graph_only(eng) -> float:
     return statistics.median(times)
 
 
+def full_batch(eng, prompts: list[list[int]], name: str) -> list[str]:
+    """Starts the prompts' sequences and steps until every one decodes, with every decode graph captured: the steps
+    that follow are decode steps of all of them, at one graph size. Their lengths run past any profile (the first
+    admitted ones decode while the last prefill, and a shrinking batch would replay other graphs, even capture
+    them, inside the profile); `end` aborts them. Returns the request ids."""
+    from ember.runtime.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=eng.max_model_len - max(map(len, prompts)), ignore_eos=True)
+    ids = [f"{name}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        eng.add_request(request_id, prompt, params)
+    while any(seq.num_output_tokens < 3 for seq in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()   # the prefills and a few decode steps outside the trace
+    while eng.capture_idle():
+        pass
+    return ids
+
+
+def end(eng, ids: list[str]) -> None:
+    for request_id in ids:
+        eng.abort_request(request_id)
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
 def profile(eng, prompts: list[list[int]], steps: int) -> object:
     """The profiler's averages over `steps` decode steps of the prompts' sequences (after their prefill)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from ember.runtime.engine.sampling import SamplingParams
-
-    for i, prompt in enumerate(prompts):
-        eng.add_request(f"profiled-{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    while any(seq.num_output_tokens < 3 for seq in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()   # the prefills and a few decode steps outside the trace
+    ids = full_batch(eng, prompts, "profiled")
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             eng.step()
         torch.cuda.synchronize()
-    while eng.has_unfinished_requests():
-        eng.step()
+    end(eng, ids)
     table = prof.key_averages()
     log(f"--- GPU time over {steps} decode steps, by kernel ---")
     log(table.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
@@ -202,12 +221,7 @@ def host_profile(eng, prompts: list[list[int]], steps: int, rows: int = 20) -> N
     import cProfile
     import pstats
 
-    from ember.runtime.engine.sampling import SamplingParams
-
-    for i, prompt in enumerate(prompts):
-        eng.add_request(f"host-{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    while any(seq.num_output_tokens < 3 for seq in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()
+    ids = full_batch(eng, prompts, "host")
     profiler = cProfile.Profile()
     began = time.perf_counter()
     profiler.enable()
@@ -215,8 +229,7 @@ def host_profile(eng, prompts: list[list[int]], steps: int, rows: int = 20) -> N
         eng.step()
     profiler.disable()
     elapsed = time.perf_counter() - began
-    while eng.has_unfinished_requests():
-        eng.step()
+    end(eng, ids)
     stats = pstats.Stats(profiler)
     log(f"--- host functions over {steps} decode steps of {len(prompts)} sequences "
         f"({1000 * elapsed / steps:.3f} ms a step under the profiler), by own time ---")
