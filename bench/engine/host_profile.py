@@ -188,10 +188,12 @@ def emulate_gpu_path(eng, phases: Phases) -> None:
             return self._replay(size, num_seqs)
 
     def replay(self, size: int, num_seqs: int) -> torch.Tensor:
-        DIGEST.add(self.inputs[:, :size])
+        # an engine of --against from before DecodeGraphs.rows kept its inputs as one [4, max size] tensor
+        rows = self.rows(size) if hasattr(self, "rows") else self.inputs[:, :size]
+        DIGEST.add(rows)
         if self.attention.graph is not None:   # the Triton decode of small batches: its tables
             DIGEST.add(self.attention.graph.block_tables, self.attention.graph.context_lens)
-        torch.index_select(logits.table, 0, self.inputs[0, :size], out=self.logits[size])
+        torch.index_select(logits.table, 0, rows[0], out=self.logits[size])
         return self.logits[size][:num_seqs]
 
     HostGraphs._replay = phases.wrap(FORWARD, replay)

@@ -2,7 +2,7 @@
 
 A decode step of an 8B model launches hundreds of small kernels; launched from Python they leave the GPU idle
 most of the step at small batches. A graph launches them all at once. What a graph reads must sit at the
-addresses it was captured with: the step's inputs go through `inputs` (a static buffer), the page tables through
+addresses it was captured with: the step's inputs go through a static buffer (`rows`), the page tables through
 the attention backend's graph wrappers (planned on the host before each replay), and the weights and KV cache
 are never reallocated (a parked engine unmaps their memory but keeps the addresses). The graphs, their inputs
 and outputs live in torch's allocator, which a park leaves alone.
@@ -42,8 +42,11 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.scratch_block = scratch_block
         device = kv_caches[0].device
-        # Rows: token ids, positions, block of each token's KV slot, offset in that block.
-        self.inputs = torch.zeros(4, self.batch_sizes[-1], dtype=torch.long, device=device)
+        # The step's inputs, [4, size] for a graph of `size` (token ids, positions, block of each token's KV slot,
+        # offset in that block): the first 4 * size elements, contiguous for every size, so one copy from the
+        # pinned buffer fills them (a strided destination took a copy to a temporary and a kernel besides)
+        self._inputs = torch.zeros(4 * self.batch_sizes[-1], dtype=torch.long, device=device)
+        self._pinned_inputs = torch.zeros(4 * self.batch_sizes[-1], dtype=torch.long, pin_memory=device.type == "cuda")
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for all of them: only one replays at a time
@@ -59,6 +62,10 @@ class DecodeGraphs:
     def pending(self) -> list[int]:
         """Sizes not captured yet, the smallest first (small batches are the common ones)."""
         return [s for s in self.batch_sizes if s not in self.graphs]
+
+    def rows(self, size: int) -> torch.Tensor:
+        """The inputs [4, size] a graph of `size` reads."""
+        return self._inputs[:4 * size].view(4, size)
 
     def capture(self, size: int) -> None:
         """Capture the graph of `size` sequences (no-op when it exists). It writes only the scratch block."""
@@ -100,10 +107,14 @@ class DecodeGraphs:
         size = self.batch_size_for(n)
         if size is None:
             raise ValueError(f"{n} sequences are more than the largest graph holds ({self.batch_sizes[-1]})")
-        rows = np.zeros((4, size), dtype=np.int64)
-        rows[:, :n] = inputs
-        rows[2, n:] = self.scratch_block
-        self.inputs[:, :size].copy_(torch.from_numpy(rows), non_blocking=True)
+        # The pinned buffer is rewritten by the next step's prepare, which the model runner starts only after this
+        # step's copies ran (as the attention plan's)
+        host = self._pinned_inputs.numpy()[:4 * size].reshape(4, size)
+        host[:, :n] = inputs
+        host[:, n:] = 0
+        host[2, n:] = self.scratch_block
+        self._inputs[:4 * size].copy_(self._pinned_inputs[:4 * size], non_blocking=True)
+        rows = self.rows(size)
         tables = np.empty((size, max(block_tables.shape[1], 1)), dtype=np.int32)
         tables[:n, :block_tables.shape[1]] = block_tables
         tables[n:, 0] = self.scratch_block
@@ -111,7 +122,7 @@ class DecodeGraphs:
         padded_blocks[:n], padded_lens[:n] = num_blocks, context_lens
         self.attention.plan(AttentionBatch(
             query_lens=np.ones(size, dtype=np.int32), context_lens=padded_lens, block_tables=tables,
-            num_blocks=padded_blocks, slot_blocks=self.inputs[2, :size], slot_offsets=self.inputs[3, :size]),
+            num_blocks=padded_blocks, slot_blocks=rows[2], slot_offsets=rows[3]),
             graph_batch_size=size)
         return size
 
@@ -121,6 +132,6 @@ class DecodeGraphs:
         return self.logits[size][:num_seqs]
 
     def _forward(self, size: int) -> torch.Tensor:
-        token_ids, positions = self.inputs[0, :size], self.inputs[1, :size]
+        token_ids, positions = self.rows(size)[:2]
         hidden = self.model(token_ids, positions, self.attention, self.kv_caches)
         return self.model.compute_logits(hidden)

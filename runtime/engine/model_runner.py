@@ -1,4 +1,5 @@
 """Owns the device: the model weights, the KV cache tensors, the attention backend; runs one scheduled batch."""
+import collections
 import importlib.util
 import json
 import logging
@@ -135,6 +136,9 @@ class ModelRunner:
         self.start_phases["graph_capture"] = time.perf_counter() - began
         self._planned: torch.cuda.Event | None = None   # overlap: the last step's plan is on the device
         self._token_buffers: list[torch.Tensor] = []     # overlap: host buffers of sampled tokens (_host_tokens)
+        # steps' GPU timers, in turn: a step's is read when it is collected, before the step after next launches;
+        # reusing their events spares each step creating and destroying two (four calls to the driver)
+        self._timers = collections.deque(_GpuTimer(self.device.type == "cuda") for _ in range(3))
         logger.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s, decode graphs %s; start %s",
                     config.model, self.device, self.dtype, self.num_blocks, self.block_size,
                     type(self.attention).__name__, self.graphs.batch_sizes if self.graphs else "off",
@@ -298,7 +302,8 @@ class ModelRunner:
         sample_index = inputs.sample_index
         seqs = batch.seqs
         rows = self._sampling_rows(seqs if inputs.samples_all else [seqs[i] for i in inputs.sampled], eos_token_ids)
-        timer = _GpuTimer(self.device.type == "cuda")
+        self._timers.rotate()
+        timer = self._timers[0]
         blocked = time.perf_counter()
         if self._planned is not None:
             # attention plans copy from host buffers they reuse (flashinfer: one pinned buffer per wrapper): the
@@ -311,10 +316,9 @@ class ModelRunner:
             self.graphs.capture(graph_size)  # once per size, when not done yet
             graph_size = self.graphs.prepare(inputs.tokens, inputs.block_tables, inputs.num_blocks,
                                              inputs.context_lens)
-            self._feed(self.graphs.inputs[0], inputs.feeds, previous)
-            self._planned_now()
+            self._feed(self.graphs.rows(graph_size)[0], inputs.feeds, previous)
+            self._planned_now(timer)
             prepared = time.perf_counter()
-            timer.start()
             logits = self.graphs.replay(graph_size, len(seqs))
             if len(sample_index) < len(seqs):
                 logits = logits[torch.from_numpy(sample_index).to(self.device, non_blocking=True)]
@@ -323,9 +327,8 @@ class ModelRunner:
             self._feed(ids, inputs.feeds, previous)
             self.attention.plan(AttentionBatch(inputs.query_lens, inputs.context_lens, inputs.block_tables,
                                                inputs.num_blocks, blocks, offsets))
-            self._planned_now()
+            self._planned_now(timer)
             prepared = time.perf_counter()
-            timer.start()
             hidden = self.model(ids, pos, self.attention, self.kv_caches)
             if rows:
                 logits = self.model.compute_logits(hidden[torch.from_numpy(sample_index).to(self.device,
@@ -371,11 +374,13 @@ class ModelRunner:
         columns, rows = torch.from_numpy(feeds).to(self.device, non_blocking=True)
         token_ids.index_copy_(0, columns, previous.draws.token_ids[rows])
 
-    def _planned_now(self) -> None:
-        """With overlap on CUDA, mark where this step's attention plan has been copied to the device."""
-        if self.config.overlap and self.device.type == "cuda":
-            self._planned = torch.cuda.Event()
-            self._planned.record()
+    def _planned_now(self, timer: "_GpuTimer") -> None:
+        """Start the step's GPU timer; with overlap on CUDA, its event also marks where this step's inputs and
+        attention plan have been copied to the device (one event where there were two: each call to the driver
+        costs ~10 us of host time on the H200 machine)."""
+        timer.start()
+        if self.config.overlap and timer.enabled:
+            self._planned = timer.begin
 
     def _host_tokens(self) -> torch.Tensor:
         """One of two host buffers of sampled tokens, in turn: a step's tokens are read before the step after the
