@@ -334,8 +334,12 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[torch.from_numpy(sample_index).to(self.device,
                                                                                            non_blocking=True)])
         draws = draw(logits, rows) if rows else None
-        timer.stop()
-        copy = draws.copy_to_host(self._host_tokens()) if draws is not None and self.config.overlap else None
+        copy = None
+        if draws is not None and self.config.overlap:
+            # the timer's end event also marks the tokens' copy (one event recorded, none made)
+            copy = draws.copy_to_host(self._host_tokens(), done=timer.end if timer.enabled else None)
+        else:
+            timer.stop()
         return Launched(len(seqs), inputs.sampled, inputs.samples_all, draws, copy, timer, began, blocked, prepared,
                         time.perf_counter(), graph_size)
 

@@ -90,14 +90,15 @@ class Draws:
         token_ids = self.token_ids.tolist()
         return token_ids, self.logprobs_to_host(token_ids)
 
-    def copy_to_host(self, buffer: torch.Tensor) -> "HostCopy":
+    def copy_to_host(self, buffer: torch.Tensor, done: "torch.cuda.Event | None" = None) -> "HostCopy":
         """Start copying the tokens into `buffer` (host memory, pinned on CUDA) without waiting for them; the
-        buffer must not be reused before `HostCopy.result` returned."""
+        buffer must not be reused before `HostCopy.result` returned. `done`: the event to record after the copy
+        (on CUDA; a new one by default)."""
         host = buffer[:len(self.token_ids)]
         host.copy_(self.token_ids, non_blocking=True)
         event = None
         if self.token_ids.is_cuda:
-            event = torch.cuda.Event()
+            event = done if done is not None else torch.cuda.Event()
             event.record()
         return HostCopy(self, host, event)
 
