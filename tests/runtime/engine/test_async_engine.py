@@ -179,6 +179,17 @@ def test_shutdown_fails_requests_in_flight(tmp_path):
     assert not llm.alive
 
 
+def test_shutdown_frees_the_memory_of_an_engine_it_made_and_only_that(tmp_path):
+    path = build_tiny_model(tmp_path / "m")
+    made = AsyncLLM.from_config(EngineConfig(model=str(path), max_model_len=256))
+    given = AsyncLLM(LLMEngine(EngineConfig(model=str(path), max_model_len=256)), AutoTokenizer.from_pretrained(path))
+    assert made.engine.runner.arena.regions and given.engine.runner.arena.regions   # weights and KV cache
+    made.shutdown()
+    given.shutdown()
+    assert made.engine.runner.arena.regions == []
+    assert given.engine.runner.arena.regions   # the caller's engine: the caller frees it
+
+
 def test_a_request_that_fails_a_step_fails_alone_and_the_engine_goes_on(llm, monkeypatch):
     """A fault injected into the forward pass of one request (what an unchecked top_k=2**63 did in the sampler)."""
     from ember.runtime import health
