@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "serve_cpu.json"
 MODEL = "tiny"
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 128
+SERVER_CPU = 1   # the servers run on this core and the client on the others: less noise from moving between cores
 # what uvicorn's "auto" picks, as for a replica: uvloop and httptools where installed, else asyncio's loop and h11
 HTTP_STACK = " + ".join(("uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
                          "httptools" if importlib.util.find_spec("httptools") else "h11"))
@@ -97,6 +98,7 @@ def serve(model_dir: str, step_ms: float) -> None:
     from ember.runtime.engine.config import EngineConfig
 
     torch.set_num_threads(1)
+    os.sched_setaffinity(0, {SERVER_CPU})
     if step_ms:
         llm = AsyncLLM(PacedEngine(AutoTokenizer.from_pretrained(model_dir), step_ms / 1000),
                        AutoTokenizer.from_pretrained(model_dir))
@@ -210,6 +212,7 @@ def main() -> None:
     from ember.runtime.engine.tiny import build_tiny_model
 
     model_dir = build_tiny_model(Path(args.workdir) / "qwen3")
+    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) - {SERVER_CPU} or {SERVER_CPU})
     runtimes = {"this": ROOT / "runtime"} | ({"against": Path(args.against) / "runtime"} if args.against else {})
     step_ms = 0 if args.cpu_engine else args.step_ms
     servers = {name: start_server(model_dir, runtime, step_ms) for name, runtime in runtimes.items()}
