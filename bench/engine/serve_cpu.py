@@ -196,6 +196,14 @@ def measure(server: subprocess.Popen, port: int, concurrency: int, requests: int
             "other_us_per_token": round(1e6 * (other_after - other_before) / tokens, 1)}
 
 
+def commit(checkout: Path) -> str:
+    """`checkout`'s commit, with a + where its runtime/ differs from it."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "runtime") else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
@@ -241,7 +249,8 @@ def main() -> None:
     if args.record:
         result = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.processor()}",
                   "engine": "tiny on the CPU" if args.cpu_engine else f"paced, {args.step_ms} ms a step",
-                  "http": HTTP_STACK, "against": args.against, "rounds": args.rounds,
+                  "http": HTTP_STACK, "this": commit(ROOT), "against": args.against and commit(Path(args.against)),
+                  "rounds": args.rounds,
                   "rows": [{"server": name, **row} for (name, _), row in best.items()]}
         RESULTS.write_text(json.dumps(result, indent=1) + "\n")
         log(f"wrote {RESULTS}")
