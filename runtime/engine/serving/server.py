@@ -207,8 +207,8 @@ class ChunkJSON:
     chunk repeats (id, object, created, model, the fields after the choices) is rendered once, and a choice of
     text alone fills a template: dumping each chunk whole cost ~3.5 us of the replica's event loop per token."""
 
-    def __init__(self, response_id: str, object: str, created: int, model: str, include_usage: bool):
-        envelope = _json({"id": response_id, "object": object, "created": created, "model": model})
+    def __init__(self, response_id: str, kind: str, created: int, model: str, include_usage: bool):
+        envelope = _json({"id": response_id, "object": kind, "created": created, "model": model})
         self.head = envelope[:-1] + ', "choices": ['
         self.tail = '], "system_fingerprint": null' + (', "usage": null' if include_usage else "") + "}"
 
