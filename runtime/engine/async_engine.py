@@ -60,10 +60,33 @@ class Completion:
 Delivery = tuple[int, "RequestOutput"] | BaseException
 
 
+class _Inbox:
+    """What the loop thread delivered to one generate() call, in order. Only its caller's event loop touches it
+    (the loop thread posts `put` there): a deque and a future cost less per step than an asyncio.Queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: deque[Delivery] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: Delivery) -> None:
+        self.items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Return once something was delivered."""
+        while not self.items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+
 @dataclass
 class _Route:
-    loop: asyncio.AbstractEventLoop
-    outputs: "asyncio.Queue[Delivery]"
+    inbox: _Inbox
     index: int
 
 
@@ -126,23 +149,20 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         trace_context = tracing.current_context() if tracing.enabled else None  # the engine's spans join this trace
         ids = [request_id if n == 1 else f"{request_id}-{i}" for i in range(n)]
-        loop, outputs = asyncio.get_running_loop(), asyncio.Queue[Delivery]()
+        inbox = _Inbox(asyncio.get_running_loop())
         detokenizers = [Detokenizer(self.tokenizer, prompt_token_ids, stop, include_stop_str_in_output,
                                     skip_special_tokens) for _ in range(n)]
         running: set[int] = set()
-        pending: deque[Delivery] = deque()   # what the loop delivered while this caller was busy
         try:
             for i, rid in enumerate(ids):
                 # n samples of one seeded request must differ from each other, reproducibly.
                 sample = params if params.seed is None or n == 1 else replace(params, seed=params.seed + i)
                 running.add(i)  # before the await, so a cancelled add is still aborted
-                await self._add(rid, prompt_token_ids, sample, _Route(loop, outputs, i), trace_context)
+                await self._add(rid, prompt_token_ids, sample, _Route(inbox, i), trace_context)
             while running:
-                if not pending:
-                    pending.append(await outputs.get())
-                    while not outputs.empty():
-                        pending.append(outputs.get_nowait())
-                item = pending.popleft()
+                if not inbox.items:
+                    await inbox.wait()
+                item = inbox.items.popleft()
                 if isinstance(item, RequestFailedError):
                     raise item
                 if isinstance(item, BaseException):
@@ -150,12 +170,12 @@ class AsyncLLM:
                 i, out = item
                 if i not in running:
                     continue
-                while not stop and pending:   # a caller that fell behind gets one increment for the steps it missed
-                    following = pending[0]
+                while not stop and inbox.items:   # a caller that fell behind gets one increment for the steps it missed
+                    following = inbox.items[0]
                     if isinstance(following, BaseException) or following[0] != i:
                         break
                     out = _joined(out, following[1])
-                    pending.popleft()
+                    inbox.items.popleft()
                 detok = detokenizers[i]
                 text = detok.step(out.new_token_ids, finished=out.finished)
                 finish, stop_reason = (out.finish_reason, None) if out.finished else (None, None)
@@ -231,7 +251,7 @@ class AsyncLLM:
             health.fail(f"the LLM engine cannot go on: {e!r}")
         self.error = error
         for route in self._routes.values():
-            _post(route.loop, route.outputs.put_nowait, error)
+            _post(route.inbox.loop, route.inbox.put, error)
         self._routes.clear()
         self._drain_commands(dead=error)
 
@@ -256,7 +276,7 @@ class AsyncLLM:
             route = self._routes.pop(request_id, None)
             self.engine.abort_request(request_id)
             if route is not None:
-                _post(route.loop, route.outputs.put_nowait,
+                _post(route.inbox.loop, route.inbox.put,
                       RequestFailedError(f"the engine failed on this request: {error!r}"))
 
     def _drain_commands(self, dead: BaseException | None = None) -> None:
@@ -272,7 +292,7 @@ class AsyncLLM:
                     self._routes.pop(command.request_id, None)
                     self.engine.abort_request(command.request_id, command.reason)
             elif dead is not None:
-                _post(command.route.loop, _settle, command.done, EngineDeadError(repr(dead)))
+                _post(command.route.inbox.loop, _settle, command.done, EngineDeadError(repr(dead)))
             else:
                 self._admit(command)
 
@@ -281,14 +301,14 @@ class AsyncLLM:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                     command.trace_context)
         except ValueError as e:
-            _post(command.route.loop, _settle, command.done, e)
+            _post(command.route.inbox.loop, _settle, command.done, e)
         except Exception as e:  # a bug this request hit: it fails alone, the loop goes on
             log.exception("engine refused request %s", command.request_id)
-            _post(command.route.loop, _settle, command.done,
+            _post(command.route.inbox.loop, _settle, command.done,
                   RequestFailedError(f"the engine could not add this request: {e!r}"))
         else:
             self._routes[command.request_id] = command.route
-            _post(command.route.loop, _settle, command.done, None)
+            _post(command.route.inbox.loop, _settle, command.done, None)
 
     def _deliver(self, outputs) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}
@@ -298,7 +318,7 @@ class AsyncLLM:
                 continue
             if out.finished:
                 del self._routes[out.request_id]
-            batches.setdefault(route.loop, []).append((route.outputs, (route.index, out)))
+            batches.setdefault(route.inbox.loop, []).append((route.inbox, (route.index, out)))
         for loop, batch in batches.items():
             if not _post(loop, _put_all, batch):
                 # The caller's event loop is gone: nobody will read these, so stop them; an abort the
@@ -313,11 +333,12 @@ def _joined(first: "RequestOutput", then: "RequestOutput") -> "RequestOutput":
     """Two consecutive outputs of one request as one. Under load the caller's event loop (detokenizing, framing
     and sending every chunk) can fall behind the engine's steps; joined, the outputs it missed cost one chunk, not
     one each, so it catches up instead of queueing more. Not with stop strings: those are matched in the text, and
-    the tokens after a match must not be reported."""
-    logprobs = None
+    the tokens after a match must not be reported. `then`, which only this caller holds, becomes the joined one
+    (dataclasses.replace cost more than the rest of a join)."""
     if first.new_logprobs is not None or then.new_logprobs is not None:
-        logprobs = [*(first.new_logprobs or ()), *(then.new_logprobs or ())]
-    return replace(then, new_token_ids=[*first.new_token_ids, *then.new_token_ids], new_logprobs=logprobs)
+        then.new_logprobs = [*(first.new_logprobs or ()), *(then.new_logprobs or ())]
+    then.new_token_ids = [*first.new_token_ids, *then.new_token_ids]
+    return then
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
@@ -338,5 +359,5 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
 
 
 def _put_all(batch) -> None:
-    for outputs, item in batch:
-        outputs.put_nowait(item)
+    for inbox, item in batch:
+        inbox.put(item)

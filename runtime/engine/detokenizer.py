@@ -25,7 +25,7 @@ class Detokenizer:
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""          # output text decoded so far (complete characters only)
+        self.text = ""          # output text decoded so far (complete characters only), kept where stop strings are
         self.sent = 0           # how much of self.text has been returned
         self.stop_reason = None  # the stop string that ended the request
 
@@ -38,11 +38,8 @@ class Detokenizer:
         if self.stop_reason is not None:
             return ""
         self.tokens.extend(token_ids)
-        if not self.stop:   # nothing to look for or hold back: the new text goes out whole
-            delta = self._decode_new(flush=finished)
-            self.text += delta
-            self.sent = len(self.text)
-            return delta
+        if not self.stop:   # nothing to look for or hold back: the new text goes out whole, and is not kept
+            return self._decode_new(flush=finished)
         searched = len(self.text)
         self.text += self._decode_new(flush=finished)
         match = find_stop(self.text, self.stop, searched)

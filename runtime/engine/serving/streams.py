@@ -77,11 +77,13 @@ async def merge(streams: list[AsyncGenerator[Completion, None]]) -> AsyncGenerat
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def event_stream(events: AsyncIterator[dict]) -> StreamingResponse:
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events of `events`, each a JSON text, ending in [DONE] (after an error's JSON if the engine
+    failed)."""
     async def sse():
         try:
             async for event in events:
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+                yield f"data: {event}\n\n"
         except (EngineDeadError, RequestFailedError) as e:
             fix = "; restart the replica" if isinstance(e, EngineDeadError) else "; retry the request"
             error = {"error": {"message": f"{e}{fix}", "type": "server_error", "param": None, "code": None}}

@@ -8,6 +8,7 @@ import pytest
 from ember.runtime.engine.api import create_app
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.engine import LLMEngine
+from ember.runtime.engine.serving.server import ChunkJSON
 from ember.runtime.engine.tiny import build_tiny_model
 
 MODEL = "tiny-chat"
@@ -41,10 +42,13 @@ def chat(call, **body):
 
 
 def events(response):
+    """The chunks of a streamed response, each checked to be written as json.dumps(chunk, ensure_ascii=False)."""
     assert response.headers["content-type"].startswith("text/event-stream")
     lines = [line for line in response.text.split("\n\n") if line]
     assert lines[-1] == "data: [DONE]"
-    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert [f"data: {json.dumps(chunk, ensure_ascii=False)}" for chunk in chunks] == lines[:-1]
+    return chunks
 
 
 def test_models_lists_the_served_model(call):
@@ -172,6 +176,27 @@ def test_streaming_sends_a_chunk_per_token_while_the_text_is_held_back(call):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     chat_chunks = events(chat(call, max_tokens=12, seed=5, ignore_eos=True, stream=True, stop=["\u2603\u2603"]))
     assert len(chat_chunks) == 13   # the role's chunk, then one a token
+
+
+@pytest.mark.parametrize("text", ["", " plain", 'quote " and backslash \\', "new\nline\ttab\x01\x1f",
+                                  "caf\u00e9 \u2603 \U0001f600", "\u2028\u2029 \ud800 lone surrogate"])
+def test_streamed_chunks_are_written_as_json_dumps_writes_them(text):
+    chunks = ChunkJSON("cmpl-1", "text_completion", 1700000000, 'model "x"', include_usage=True)
+    envelope = {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": 'model "x"'}
+
+    def dumped(choice):
+        return json.dumps({**envelope, "choices": [choice], "system_fingerprint": None, "usage": None},
+                          ensure_ascii=False)
+
+    assert chunks.text(3, text) == dumped({"index": 3, "text": text, "logprobs": None, "finish_reason": None})
+    assert chunks.content(0, text) == dumped({"index": 0, "delta": {"content": text}, "logprobs": None,
+                                              "finish_reason": None})
+    choice = {"index": 1, "text": text, "logprobs": None, "finish_reason": "stop", "stop_reason": text}
+    assert chunks.choice(choice) == dumped(choice)
+    plain = ChunkJSON("cmpl-1", "text_completion", 1700000000, 'model "x"', include_usage=False)
+    assert json.loads(plain.text(0, text)) == {**envelope, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                                                        "finish_reason": None}],
+                                               "system_fingerprint": None}
 
 
 def test_repeated_prompt_hits_the_prefix_cache(call):
