@@ -247,7 +247,7 @@ def main() -> None:
     for (name, _), row in sorted(best.items(), key=lambda item: (item[0][1], item[0][0] != "against")):
         print(f"{name:8}" + "".join(f"{row[c]:>20}" for c in columns))
     if args.record:
-        result = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.processor()}",
+        result = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.machine()}",
                   "engine": "tiny on the CPU" if args.cpu_engine else f"paced, {args.step_ms} ms a step",
                   "http": HTTP_STACK, "this": commit(ROOT), "against": args.against and commit(Path(args.against)),
                   "rounds": args.rounds,
