@@ -3,6 +3,7 @@
     python bench/engine/serve_cpu.py                               # concurrency 16 and 64, this checkout
     python bench/engine/serve_cpu.py --against /work/main          # also the runtime of another checkout, alternated
     python bench/engine/serve_cpu.py --cpu-engine                  # the real engine on the CPU in place of the pace
+    python bench/engine/serve_cpu.py --against . --against-http h11   # this checkout's HTTP stack against h11
     python bench/engine/serve_cpu.py --concurrency 64 --rounds 3 --record
 
 The OpenAI app of runtime/engine/api.py is served by uvicorn in a process of its own, configured as
@@ -18,7 +19,9 @@ detokenizing, SSE framing, the socket sends: what this bench is for) and the res
 --against DIR serves a second app whose `ember.runtime` is DIR/runtime (e.g. /work/main, or
 `git archive BASE runtime | tar -x -C DIR`), and runs the levels on the two servers in turn, round by round, so
 that both see the same machine. Each row is the round of least main-thread CPU per token: this machine's other
-work only ever adds to it. With --record the rows go to bench/results/serve_cpu.json.
+work only ever adds to it. --against-http h11 has the second server parse HTTP with h11 whatever is installed (a
+replica's uvicorn picks httptools where it is, as Ember's dependencies install it). With --record the rows go to
+bench/results/serve_cpu.json (serve_cpu_http.json with --against-http h11).
 """
 import argparse
 import asyncio
@@ -86,7 +89,7 @@ class PacedEngine:
         return outputs
 
 
-def serve(model_dir: str, step_ms: float) -> None:
+def serve(model_dir: str, step_ms: float, http: str = "auto") -> None:
     """Run the app on a free loopback port until killed (over the real engine where `step_ms` is 0); prints the
     port once it listens."""
     import torch
@@ -109,14 +112,15 @@ def serve(model_dir: str, step_ms: float) -> None:
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)   # connections wait in its backlog until uvicorn accepts them
     print(sock.getsockname()[1], flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="auto")).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="auto", http=http)).run(sockets=[sock])
 
 
-def start_server(model_dir: Path, runtime: Path, step_ms: float) -> tuple[subprocess.Popen, int]:
-    """A server process whose `ember.runtime` is `runtime` (a checkout's runtime/ folder)."""
+def start_server(model_dir: Path, runtime: Path, step_ms: float, http: str = "auto") -> tuple[subprocess.Popen, int]:
+    """A server process whose `ember.runtime` is `runtime` (a checkout's runtime/ folder), parsing HTTP with `http`
+    (uvicorn's choice)."""
     code = (f"import sys, ember.runtime; ember.runtime.__path__[:] = [{str(runtime)!r}]; "
             f"sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import serve_cpu; serve_cpu.serve({str(model_dir)!r}, {step_ms!r})")
+            f"import serve_cpu; serve_cpu.serve({str(model_dir)!r}, {step_ms!r}, {http!r})")
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                                env=os.environ | {"TOKENIZERS_PARALLELISM": "false"})
     port = process.stdout.readline().strip()
@@ -212,6 +216,8 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=5.0, help="the stand-in engine's step (ms)")
     parser.add_argument("--cpu-engine", action="store_true", help="the real engine over the tiny model on the CPU")
     parser.add_argument("--against", metavar="DIR", help="also serve the runtime of DIR/runtime, in turn with this")
+    parser.add_argument("--against-http", choices=["auto", "h11"], default="auto",
+                        help="the --against server's HTTP parser (auto: as this one's)")
     parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "ember-serve-cpu"),
                         help="where the tiny model is built (and reused)")
     parser.add_argument("--record", action="store_true", help=f"write the rows to {RESULTS.relative_to(ROOT)}")
@@ -223,7 +229,8 @@ def main() -> None:
     os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) - {SERVER_CPU} or {SERVER_CPU})
     runtimes = {"this": ROOT / "runtime"} | ({"against": Path(args.against) / "runtime"} if args.against else {})
     step_ms = 0 if args.cpu_engine else args.step_ms
-    servers = {name: start_server(model_dir, runtime, step_ms) for name, runtime in runtimes.items()}
+    http = {"this": "auto", "against": args.against_http}
+    servers = {name: start_server(model_dir, runtime, step_ms, http[name]) for name, runtime in runtimes.items()}
     best: dict[tuple[str, int], dict] = {}
     try:
         for server, port in servers.values():   # the first requests load what the first step needs
@@ -249,11 +256,13 @@ def main() -> None:
     if args.record:
         result = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, {platform.machine()}",
                   "engine": "tiny on the CPU" if args.cpu_engine else f"paced, {args.step_ms} ms a step",
-                  "http": HTTP_STACK, "this": commit(ROOT), "against": args.against and commit(Path(args.against)),
+                  "http": HTTP_STACK, "against_http": args.against_http if args.against else None,
+                  "this": commit(ROOT), "against": args.against and commit(Path(args.against)),
                   "rounds": args.rounds,
                   "rows": [{"server": name, **row} for (name, _), row in best.items()]}
-        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-        log(f"wrote {RESULTS}")
+        path = RESULTS.with_name("serve_cpu_http.json") if args.against and args.against_http == "h11" else RESULTS
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        log(f"wrote {path}")
 
 
 if __name__ == "__main__":
