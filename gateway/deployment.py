@@ -77,6 +77,7 @@ class Unit:
     failures: deque[dict] = field(default_factory=lambda: deque(maxlen=5))
     schemas: dict[str, dict] = field(default_factory=dict)  # method -> its arguments' and result's JSON schemas
     openai_base: str | None = None  # an ASGI unit that serves the OpenAI API under this path (ember serve --model)
+    successor: "Unit | None" = None  # the same function of the version that replaced this one (a redeploy)
     arrivals_seen: int = 0
     last_failure: tuple[int, float] | None = None  # (arrivals, monotonic time) when a start last failed
 

@@ -42,6 +42,11 @@ class Lease:
     attempt: int = 1  # 2 for the one retry on another replica
 
 
+class Retired(Exception):
+    """The queue's function belongs to a version that no longer takes calls (a redeploy replaced it): nothing was
+    sent to a replica yet, so the call may go to the version that did."""
+
+
 @dataclass(eq=False)
 class Waiter:
     future: "asyncio.Future[GatewayReplica]"
@@ -61,6 +66,7 @@ class FunctionQueue:
         self.arrivals = 0
         self.callers: dict[str | None, OrderedDict[Waiter, None]] = {}  # caller -> its waiting calls, in order
         self.turns: OrderedDict[str | None, None] = OrderedDict()  # callers with calls waiting: whose turn is next
+        self.retired = False  # its version was replaced: acquire raises Retired (close)
 
     @property
     def depth(self) -> int:
@@ -72,6 +78,8 @@ class FunctionQueue:
 
     async def acquire(self, key: str | None = None, caller: str | None = None) -> Lease:
         """A slot for a call with affinity `key` from `caller` (an API key's id), waiting for it if need be."""
+        if self.retired:
+            raise Retired()
         self.arrivals += 1
         now = time.monotonic()
         if not self.waiters and (replica := self.router.pick(key)) is not None:
@@ -172,3 +180,12 @@ class FunctionQueue:
             waiter = next(iter(self.waiters))
             self._remove(waiter)
             waiter.future.set_exception(ApiError(503, "replica_failed", error, {"Retry-After": "5"}))
+
+    def close(self) -> None:
+        """Its version was replaced: the calls waiting, and every call that comes later (one that found this
+        function before the redeploy and reaches the queue after it), raise Retired, to go to the new version."""
+        self.retired = True
+        while self.waiters:
+            waiter = next(iter(self.waiters))
+            self._remove(waiter)
+            waiter.future.set_exception(Retired())

@@ -7,6 +7,7 @@ Only a call that did not succeed is run again: the function raised (the worker's
 replica was lost mid-call; a result, a timeout or a bad request is final."""
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -18,7 +19,8 @@ from starlette.responses import Response
 
 from ember.gateway import proxy
 from ember.gateway.deployment import Unit
-from ember.gateway.queue import Lease
+from ember.gateway.errors import ApiError
+from ember.gateway.queue import Lease, Retired
 from ember.gateway.replica import GatewayReplica
 from ember.gateway.routing import Call, Forward
 from ember.gateway.settlement import Settlement
@@ -83,6 +85,28 @@ async def send_with_retry(unit: Unit, lease: Lease, key: str | None,
             raise
 
 
+async def acquire(unit: Unit, method: str | None, key: str | None, caller: str | None) -> tuple[Unit, Lease]:
+    """A slot for a call to `unit` (`method` of it, or None for its ASGI app). A call that reaches the queue of a
+    version a redeploy replaced goes to the same function of the version that replaced it: it was sent nowhere yet.
+    The unit whose slot it holds, and the slot."""
+    while True:
+        try:
+            return unit, await unit.queue.acquire(key, caller)
+        except Retired:
+            unit = successor(unit, method)
+
+
+def successor(unit: Unit, method: str | None) -> Unit:
+    """What replaced `unit` and serves `method`, else an error saying what the new version lacks."""
+    new = unit.successor
+    serves = new is not None and (new.asgi if method is None else method in new.methods)
+    if new is None or not serves:
+        what = f"function {unit.name!r}" if method is None or unit.kind == "function" else f"{unit.name}.{method}"
+        raise ApiError(404, "not_found", f"app {unit.app!r} was redeployed while this call waited, and its new "
+                                         f"version has no {what}; `ember status` lists what it serves")
+    return new
+
+
 def raised(reply: Response) -> bool:
     """Whether the worker answered that the function raised."""
     if reply.status_code != 500:
@@ -102,10 +126,11 @@ async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: by
     policy = unit.spec.retry_policy
     budget, attempts = RetryBudget(policy.max_retries, on_retry), 0
     while True:
-        lease = dataclasses.replace(await unit.queue.acquire(key, caller), attempt=attempts + 1)
+        unit, lease = await acquire(unit, target.method, key, caller)
+        lease = dataclasses.replace(lease, attempt=attempts + 1)
         reply, lease = await send_with_retry(
             unit, lease, key,
-            lambda replica, trace: proxy.call(client, replica, target.method, body, unit.spec.timeout, trace), budget)
+            functools.partial(call_on, client, target.method, body, unit.spec.timeout), budget)
         attempts = lease.attempt
         if isinstance(reply, aiohttp.ClientResponse) or not raised(reply) or not budget.take(FUNCTION_ERROR):
             break
@@ -126,6 +151,12 @@ async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: by
     return reply, lease
 
 
+def call_on(client: aiohttp.ClientSession, method: str, body: bytes | bytearray, timeout: float,
+            replica: GatewayReplica, trace: dict | None) -> Awaitable[Response | aiohttp.ClientResponse]:
+    """proxy.call with the replica and trace headers last, as send_with_retry passes them."""
+    return proxy.call(client, replica, method, body, timeout, trace)
+
+
 async def forward(request: Request, unit: Unit, target: Forward, body: bytes | bytearray, key: str | None,
                   meter: UsageMeter | None, settle: Settlement, on_retry: Callable[[str], None],
                   caller: str | None = None) -> tuple[Response, Lease]:
@@ -133,8 +164,9 @@ async def forward(request: Request, unit: Unit, target: Forward, body: bytes | b
     rate-limit charge are held until the streamed response ends. Only a lost replica is retried: an ASGI reply
     has no sign that the function raised."""
     client = request.app.state.client
+    unit, lease = await acquire(unit, None, key, caller)
     upstream, lease = await send_with_retry(
-        unit, await unit.queue.acquire(key, caller), key,
+        unit, lease, key,
         lambda replica, trace: proxy.open_stream(client, replica, request, target.path, body, unit.spec.timeout,
                                                  trace), RetryBudget(unit.spec.retry_policy.max_retries, on_retry))
 

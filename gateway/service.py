@@ -151,7 +151,7 @@ class Gateway:
                  deployed_by or "-", extra={"fields": {"kind": "deploy", "app": name, "version": version.version,
                                                        "package": package.name, "by": deployed_by}})
         if previous is not None:  # the new version takes new calls; the old one's replicas finish theirs and stop
-            await self._drain(previous)
+            await self._drain(previous, deployment)
         return deployment
 
     async def rollback(self, app: str, to: int | None, deployed_by: str | None) -> Deployment:
@@ -181,10 +181,14 @@ class Gateway:
         replica = failed[0]
         return f"{replica.unit}: {replica.error}{log_tail(replica.log_path)}"
 
-    async def _drain(self, previous: Deployment) -> None:
+    async def _drain(self, previous: Deployment, current: Deployment) -> None:
+        """Stop the replaced version's replicas once their calls finish. Calls that found it but hold no slot yet,
+        waiting in its queues or still on their way there (reading their body, charging their key), go to the
+        same function of `current`."""
         replicas: list[GatewayReplica] = []
         for unit in previous.units.values():
-            unit.queue.fail_waiters(f"app {previous.name!r} was redeployed while this call waited; retry it")
+            unit.successor = current.units.get(unit.name)
+            unit.queue.close()
             replicas += unit.router.replicas.values()
         for replica in replicas:
             replica.stop()

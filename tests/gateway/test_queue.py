@@ -5,12 +5,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from ember.gateway import retry
+from ember.gateway.deployment import Unit, scaling_settings
 from ember.gateway.errors import ApiError
 from ember.gateway.lifecycle import HOT
-from ember.gateway.queue import FunctionQueue
+from ember.gateway.queue import FunctionQueue, Retired
 from ember.gateway.replica import GatewayReplica
 from ember.gateway.routing import Router
 from ember.gateway.scaler import Scaler
+from ember.spec import FunctionSpec
 
 
 def replica(name: str) -> GatewayReplica:
@@ -149,5 +152,47 @@ def test_a_full_queue_takes_another_callers_call_in_place_of_the_newest_of_the_l
             task.cancel()
         await asyncio.gather(*flood, *others, return_exceptions=True)
         assert queue.depth == 0 and not queue.callers and not queue.turns
+
+    asyncio.run(scenario())
+
+
+def unit(name: str, methods: list[str], queue: FunctionQueue) -> Unit:
+    spec = FunctionSpec()
+    return Unit("app", name, "class", methods, False, spec, queue.router, queue, scaling_settings(spec))
+
+
+def test_a_replaced_versions_queue_sends_its_calls_to_the_new_version():
+    """A redeploy closes the old version's queues: calls waiting there, and calls that found the old function
+    before the redeploy and reach its queue after, take a slot on the new version's replicas; a method the new
+    version dropped is a 404 that says so."""
+    async def scenario():
+        old = unit("Greeter", ["greet", "wave"], function_queue(1, 8))
+        busy = replica("old-1")
+        busy.ready()
+        old.router.add(busy)
+        assert (await retry.acquire(old, "greet", None, None))[1].replica is busy  # its one slot is taken
+        waiting = asyncio.create_task(retry.acquire(old, "greet", None, None))
+        await asyncio.sleep(0.01)
+        assert old.queue.depth == 1
+
+        new = unit("Greeter", ["greet"], function_queue(4, 8))
+        fresh = replica("new-1")
+        fresh.ready()
+        new.router.add(fresh)
+        old.successor = new
+        old.queue.close()
+        moved_unit, moved = await waiting
+        assert moved_unit is new and moved.replica is fresh and old.queue.depth == 0
+        late_unit, late = await retry.acquire(old, "greet", None, None)
+        assert late_unit is new and late.replica is fresh and fresh.in_flight == 2
+        with pytest.raises(Retired):
+            await old.queue.acquire()
+        with pytest.raises(ApiError) as dropped:
+            await retry.acquire(old, "wave", None, None)
+        assert dropped.value.status == 404 and "new version has no Greeter.wave" in dropped.value.message
+        old.successor = None  # the new version has no such class at all
+        with pytest.raises(ApiError) as gone:
+            await retry.acquire(old, "greet", None, None)
+        assert gone.value.status == 404 and "was redeployed while this call waited" in gone.value.message
 
     asyncio.run(scenario())

@@ -1,6 +1,8 @@
 """Versions of an app through the CLI against a real gateway: each deploy a version, a failing one never replacing
 the live one, rollbacks, and the live versions served again after a restart."""
 import json
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,32 @@ def test_deploying_the_live_code_again_adds_no_version(served, versions):
     before = history(served)
     again = served.cli("deploy", str(versions["howdy"])).stdout
     assert f"version {before[0][0]}" in again and history(served) == before
+
+
+def test_a_call_that_found_the_old_version_before_a_deploy_is_served_by_the_new_one(served, versions):
+    """A call resolved to the live version, whose body arrives after a deploy replaced that version, reaches the
+    queue of a version with no replicas: it goes to the new version (nothing was sent anywhere yet) instead of
+    waiting out the queue's 300 s for a replica that never comes."""
+    served.cli("deploy", str(versions["hello"]))
+    assert greet(served) == "hello ada"
+    key = served.key()
+    host, port = served.url.removeprefix("https://").rsplit(":", 1)
+    body = b'{"name": "ada"}'
+    with served.tls().wrap_socket(socket.create_connection((host, int(port))), server_hostname=host) as late:
+        late.sendall(b"POST /versioned/Greeter.greet HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer " +
+                     key.encode() + b"\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        time.sleep(0.5)  # the gateway has the headers: it found the function of the live version, and reads the body
+        served.cli("deploy", str(versions["howdy"]))  # returns once the new version is live and the old one drained
+        late.sendall(body)
+        late.settimeout(20)
+        reply = b""
+        while chunk := late.recv(1 << 16):
+            reply += chunk
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), reply[:500]
+    assert json.loads(payload) == {"result": "howdy ada"}
+    assert greet(served) == "howdy ada"
 
 
 def test_deployed_apps_are_served_again_after_a_restart(serve, versions):
