@@ -187,6 +187,37 @@ def _client(scope: Scope) -> str:
     return f"{client[0]}:{client[1]}" if client else "?"
 
 
+class StallWatch:
+    """Ends a stream whose client has taken none of it for `stall` seconds: a send pending that long. The relay marks
+    each send's start and end (`since`); one timer, rearmed at most once per `stall`, checks, so no chunk pays for a
+    timeout of its own."""
+
+    def __init__(self, stall: float):
+        self.stall = stall
+        self.since: float | None = None  # when the send in progress began
+        self.timer: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop, cancel: Callable[[], object], say: Callable[[], None]) -> None:
+        if math.isinf(self.stall):
+            return
+
+        def check() -> None:
+            since = self.since
+            if since is not None and loop.time() - since >= self.stall:
+                self.timer = None
+                say()
+                cancel()
+                return
+            self.timer = loop.call_at((since if since is not None else loop.time()) + self.stall, check)
+
+        self.timer = loop.call_later(self.stall, check)
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
 class Relay(Response):
     """Streams an upstream response to the client as it arrives (SSE untouched, backpressure by awaiting
     each send); a client disconnect closes the upstream connection, which cancels the request there. So does a
@@ -215,6 +246,7 @@ class Relay(Response):
 
         app_state = getattr(scope.get("app"), "state", None)
         stall = getattr(app_state, "send_timeout", None) or math.inf
+        watch, loop = StallWatch(stall), asyncio.get_running_loop()
 
         async def pump() -> None:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -222,12 +254,9 @@ class Relay(Response):
                 async for chunk in self.upstream.content.iter_any():
                     if self.meter is not None:
                         self.meter.feed(chunk)
-                    with anyio.move_on_after(stall) as waited:  # the send returns once the client's side drains
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    if waited.cancelled_caught:
-                        log.warning("client %s took none of a streamed reply for %g s: dropped, its call cancelled "
-                                    "(--send-timeout)", _client(scope), stall)
-                        return  # an unfinished reply: the server closes the connection
+                    watch.since = loop.time()  # the send returns once the client's side drains
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    watch.since = None
             except aiohttp.ClientError as exc:
                 if not self.cut:
                     log.warning("upstream failed mid-response: %s: %s", type(exc).__name__, exc)
@@ -252,6 +281,10 @@ class Relay(Response):
             self.cut = True
             self.upstream.close()  # pump's read ends; it finishes the reply
 
+        def stalled() -> None:
+            log.warning("client %s took none of a streamed reply for %g s: dropped, its call cancelled "
+                        "(--send-timeout)", _client(scope), stall)
+
         try:
             async with anyio.create_task_group() as group:
                 async def first_done(job: Callable) -> None:
@@ -263,9 +296,11 @@ class Relay(Response):
                 cut_short = getattr(app_state, "cut_short", None)
                 if cut_short is not None:
                     group.start_soon(watch_stop, cut_short)
+                watch.start(loop, group.cancel_scope.cancel, stalled)  # an unfinished reply: the server closes it
         except OSError:
             pass  # the client went away mid-send
         finally:
+            watch.stop()
             await self.close()
 
     async def _send_whole(self, scope: Scope, receive: Receive, send: Send) -> None:
