@@ -23,7 +23,8 @@ subtracted. With --record the rows go to bench/results/gateway_stream.json.
 
 --against DIR serves the same app from a second `ember serve` whose gateway code is DIR's (DIR/gateway and
 DIR/ember, e.g. `git archive BASE gateway ember | tar -x -C DIR`), measured in the same rounds as a fourth target;
-its replica runs this checkout's runtime, as this one's does.
+its replica runs this checkout's runtime, as this one's does. --against-loop asyncio runs that gateway on asyncio's
+event loop even where uvloop is installed (what a gateway got before uvloop was one of Ember's dependencies).
 """
 import argparse
 import asyncio
@@ -124,6 +125,8 @@ FROM_TREE = """
 import importlib.machinery, importlib.util, sys
 from pathlib import Path
 tree = Path(sys.argv.pop(1))
+if sys.argv.pop(1) == "asyncio":
+    sys.modules["uvloop"] = None  # uvicorn's "auto" loop falls back to asyncio's
 folders = {"ember": tree / "ember", "ember.gateway": tree / "gateway"}
 
 class Tree:
@@ -143,9 +146,9 @@ sys.exit(main())
 """
 
 
-def start_ember(procs: Processes, home: Path, tree: Path | None = None) -> dict:
+def start_ember(procs: Processes, home: Path, tree: Path | None = None, loop: str = "auto") -> dict:
     env = os.environ | {"EMBER_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    ember = [sys.executable, "-c", FROM_TREE, str(tree)] if tree else [sys.executable, "-m", "ember.cli"]
+    ember = [sys.executable, "-c", FROM_TREE, str(tree), loop] if tree else [sys.executable, "-m", "ember.cli"]
     process, log_path = procs.start(home.name, ember + ["serve", str(APP), "--port", "0"], env)
     printed = lambda: re.search(r"at (https://\S+)", log_path.read_text())  # noqa: E731
     url = _wait_for("ember serve", log_path, process, printed).group(1)
@@ -225,6 +228,16 @@ def measure(target: dict, concurrency: int, args) -> dict:
     return row
 
 
+def loop_name() -> str:
+    """The event loop uvicorn's "auto" picks here: uvloop where installed (Ember's dependencies install it)."""
+    try:
+        import uvloop
+
+        return f"uvloop {uvloop.__version__}"
+    except ImportError:
+        return "asyncio"
+
+
 def machine() -> dict:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = re.search(r"Model name:\s+(.+)", lscpu)
@@ -239,7 +252,8 @@ def run(args) -> dict:
     try:
         log(f"starting ember serve and the relay (logs in {workdir}) ...")
         ember = start_ember(procs, workdir / "ember_home")
-        against = start_ember(procs, workdir / "against_home", Path(args.against).resolve()) if args.against else None
+        against = (start_ember(procs, workdir / "against_home", Path(args.against).resolve(), args.against_loop)
+                   if args.against else None)
         relay_pid, relay_port = start_relay(procs, ember["replica"], ember["tls"])
         for served in filter(None, (ember, against)):
             pin(served["pid"], SERVER_CPU)
@@ -288,7 +302,8 @@ def run(args) -> dict:
                          "rounds": args.rounds, "pinning": f"relaying process on cpu {SERVER_CPU}, replica and "
                                                            f"client on cpu {CLIENT_CPU}",
                          "row": "the round of least relay CPU per token", "commit": commit(),
-                         "against": args.against},
+                         "against": args.against and {"tree": args.against, "loop": args.against_loop},
+                         "loop": loop_name()},
             "gateway_idle_cpu_ms_per_s": round(1000 * idle, 2), "rows": ordered}
 
 
@@ -311,6 +326,8 @@ def main() -> int:
     parser.add_argument("--step-ms", type=float, default=20.0, help="the upstream's decode step (default 20 ms)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every level and target (default 3)")
     parser.add_argument("--against", metavar="DIR", help="also measure the gateway code of DIR (its gateway/, ember/)")
+    parser.add_argument("--against-loop", choices=["auto", "asyncio"], default="auto",
+                        help="the --against gateway's event loop (auto: uvloop where installed, as `ember serve`)")
     parser.add_argument("--keep", action="store_true", help="keep the servers' logs (their folder is printed)")
     parser.add_argument("--record", action="store_true", help=f"write {RESULTS.relative_to(ROOT.parent)}")
     parser.add_argument("--relay-serve", nargs=3, metavar=("HOST:PORT", "CERT", "KEY"), help=argparse.SUPPRESS)

@@ -27,6 +27,7 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 # From a reply: hop-by-hop headers, and date/server, which uvicorn writes itself. Content-Length stays: the body
 # passes unchanged, so the client gets it whole rather than chunked.
 REPLY_DROP = {k.encode() for k in HOP_BY_HOP - {"content-length"} | {"date", "server"}}
+CLOCK_SLACK = 0.005  # seconds: a stall this close to the send timeout is one (StallWatch)
 WHOLE_BODY = 256 * 1024  # a non-SSE reply up to this size (by its Content-Length) is read whole, then sent in one piece
 CALL_HEADERS = {"content-type": "application/json"}
 TRACE_HEADERS = {"traceparent", "tracestate", "x-ember-replica"}  # a traced hop sends its own
@@ -202,13 +203,14 @@ class StallWatch:
             return
 
         def check() -> None:
-            since = self.since
-            if since is not None and loop.time() - since >= self.stall:
+            since, now = self.since, loop.time()
+            left = self.stall if since is None else since + self.stall - now
+            if left <= CLOCK_SLACK:  # uvloop's clock counts whole milliseconds: a timer may fire just before its time
                 self.timer = None
                 say()
                 cancel()
                 return
-            self.timer = loop.call_at((since if since is not None else loop.time()) + self.stall, check)
+            self.timer = loop.call_later(left, check)
 
         self.timer = loop.call_later(self.stall, check)
 

@@ -83,7 +83,7 @@ class _Server(uvicorn.Server):
         try:
             loop.create_server = functools.partial(  # type: ignore[method-assign]  # uvicorn has no option for it
                 loop.create_server, ssl_handshake_timeout=self.handshake_timeout)
-        except AttributeError:  # uvloop's loop takes no attributes: its own 60 s handshake timeout stays
+        except AttributeError:  # a loop whose methods cannot be replaced keeps its own 60 s handshake timeout
             return await super().startup(sockets=sockets)
         try:
             await super().startup(sockets=sockets)

@@ -40,11 +40,16 @@ class UsageMeter:
         self.partial = b""
         self.chunks = 0
         self.usage: int | None = None
-        self.tail = bytearray()
+        self.tail: bytearray | None = bytearray()  # a JSON reply's end, where its usage is; None for a stream
+        self.sorted = False  # whether the first bytes have said which of the two the reply is
         logs.annotate(usage=self)  # the request's key is charged what it used when the reply ends
 
     def feed(self, data: bytes) -> None:
-        if len(self.tail) < JSON_TAIL:
+        if not self.sorted and (start := (bytes(self.tail or b"") + data).lstrip()[:1]):
+            self.sorted = True
+            if start != b"{":
+                self.tail = None  # events: their usage is read as they pass, and none of them is kept
+        if self.tail is not None and len(self.tail) < JSON_TAIL:
             self.tail += data[: JSON_TAIL - len(self.tail)]
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
@@ -65,7 +70,7 @@ class UsageMeter:
             self.usage = usage["total_tokens"]
 
     def total(self) -> int:
-        if self.usage is None and self.chunks == 0 and self.tail.startswith(b"{"):
+        if self.usage is None and self.chunks == 0 and self.tail is not None and self.tail.lstrip().startswith(b"{"):
             self._read_usage(bytes(self.tail))  # a plain JSON reply
         if self.usage is not None:
             return self.usage

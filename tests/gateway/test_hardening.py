@@ -131,6 +131,20 @@ def test_usage_meter_reads_usage_wherever_the_chunks_split(chunks, usage):
         meter.feed(body[start:end])
     meter.feed(b"")
     assert meter.total() == (usage if usage is not None else 10 + 3)
+    assert meter.tail is None  # a stream's bytes are not kept
+
+
+@given(chunks=st.lists(st.binary(max_size=64), max_size=20), usage=st.integers(0, 10**6) | st.none())
+def test_usage_meter_reads_a_json_replys_usage_wherever_the_chunks_split(chunks, usage):
+    from ember.gateway.usage import UsageMeter
+
+    reply = {"choices": [{"message": {"content": "data: not an event"}}]}
+    body = b"  " + json.dumps(reply | ({"usage": {"total_tokens": usage}} if usage is not None else {})).encode()
+    meter = UsageMeter(prompt_estimate=10)
+    cuts = sorted({min(len(c), len(body)) for c in chunks} | {0, len(body)})
+    for start, end in zip(cuts, cuts[1:]):
+        meter.feed(body[start:end])
+    assert meter.total() == (usage if usage is not None else 10)
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=40)

@@ -93,3 +93,33 @@ def test_replies_pass_through_with_their_length_and_one_date_and_server(serve, t
 
         assert http.get("/relay/sized?3").text == "xxx"  # the gateway still serves after all that
     assert served.in_flight_after_settling("relay", "Web") == 0
+
+
+def test_the_stall_watch_ends_only_a_send_pending_for_the_whole_timeout():
+    """StallWatch (the relay's --send-timeout): sends that each finish keep a stream going however long it runs; one
+    send pending for the timeout ends it, once, and stop() leaves nothing armed."""
+    import asyncio
+
+    from ember.gateway.proxy import StallWatch
+
+    async def scenario() -> tuple[list[float], list[float]]:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        flowing, stalled = StallWatch(0.2), StallWatch(0.2)
+        ended: dict[str, list[float]] = {"flowing": [], "stalled": []}
+        flowing.start(loop, lambda: ended["flowing"].append(loop.time() - began), lambda: None)
+        stalled.start(loop, lambda: ended["stalled"].append(loop.time() - began), lambda: None)
+        for _ in range(10):  # 0.5 s of sends of 0.05 s each: never one pending for 0.2 s
+            flowing.since = stalled.since = loop.time()
+            await asyncio.sleep(0.05)
+            flowing.since = stalled.since = None
+        stalled.since = loop.time()  # a client that takes nothing from here on
+        await asyncio.sleep(0.5)
+        flowing.stop()
+        stalled.stop()
+        assert flowing.timer is None and stalled.timer is None
+        return ended["flowing"], ended["stalled"]
+
+    flowing, stalled = asyncio.run(scenario())
+    assert flowing == []
+    assert len(stalled) == 1 and 0.68 <= stalled[0] <= 0.85, stalled  # its last send began at ~0.5 s
