@@ -3,8 +3,11 @@
 Tokens are decoded through a sliding window (prefix/read offsets, as in vLLM): the
 window is decoded with and without the newest tokens, and only the text they add is
 emitted, once it no longer ends in U+FFFD, i.e. once a character split across byte
-tokens is complete. Text that could still grow into a stop string is held back, so a
-stop string never reaches the client.
+tokens is complete. Where the tokenizer is a plain Rust one, its own DecodeStream keeps
+that window (one call into Rust per token instead of two decodes: ~0.8 against ~1.7 us a
+token); the window here then only serves the flush of a request's last, incomplete
+characters. Text that could still grow into a stop string is held back, so a stop string
+never reaches the client.
 """
 import functools
 
@@ -22,6 +25,7 @@ class Detokenizer:
         self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
+        self.stream = _stream(tokenizer, self.decode, self.tokens, skip_special_tokens)
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
@@ -37,11 +41,10 @@ class Detokenizer:
         """
         if self.stop_reason is not None:
             return ""
-        self.tokens.extend(token_ids)
         if not self.stop:   # nothing to look for or hold back: the new text goes out whole, and is not kept
-            return self._decode_new(flush=finished)
+            return self._decode_new(token_ids, flush=finished)
         searched = len(self.text)
-        self.text += self._decode_new(flush=finished)
+        self.text += self._decode_new(token_ids, flush=finished)
         match = find_stop(self.text, self.stop, searched)
         if match is not None:
             start, stop = match
@@ -56,7 +59,26 @@ class Detokenizer:
         self.sent = max(self.sent, end)
         return delta
 
-    def _decode_new(self, flush: bool) -> str:
+    def _decode_new(self, token_ids, flush: bool) -> str:
+        if self.stream is None:
+            self.tokens.extend(token_ids)
+            return self._decode_window(flush)
+        decoder, backend = self.stream
+        text = ""
+        for token in token_ids:
+            self.tokens.append(token)
+            chunk = decoder.step(backend, token)
+            if chunk is not None:  # the window moves as DecodeStream's does, for a flush to start where it stands
+                text += chunk
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        if flush and self.read_offset < len(self.tokens):  # the last characters, complete or not
+            text += self._decode_window(flush=True)
+        if len(self.tokens) > 4 * CONTEXT_TOKENS + 64 and self.prefix_offset > 0:  # keep only the window's tokens
+            del self.tokens[:self.prefix_offset]
+            self.prefix_offset, self.read_offset = 0, self.read_offset - self.prefix_offset
+        return text
+
+    def _decode_window(self, flush: bool) -> str:
         prefix = self.decode(self.tokens[self.prefix_offset:self.read_offset])
         full = self.decode(self.tokens[self.prefix_offset:])
         if len(full) <= len(prefix) or (full.endswith(REPLACEMENT) and not flush):
@@ -76,6 +98,20 @@ def _decoder(tokenizer, skip_special_tokens: bool):
             and kind._decode is PreTrainedTokenizerFast._decode and not tokenizer.clean_up_tokenization_spaces):
         return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
     return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+
+
+def _stream(tokenizer, decode, context: list[int], skip_special_tokens: bool):
+    """(DecodeStream primed with `context`, the Rust tokenizer) where `decode` is the Rust tokenizer's own decode
+    and the installed tokenizers can prime a stream (0.22 and later); else None, and the window decodes."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(decode, "func", None) != backend.decode:
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens), backend
+    except (ImportError, TypeError, ValueError, OverflowError):  # an old tokenizers, or a prompt id the engine refuses
+        return None
 
 
 def find_stop(text: str, stops: list[str], searched: int) -> tuple[int, str] | None:

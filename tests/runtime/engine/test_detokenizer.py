@@ -126,3 +126,50 @@ def test_without_stop_strings_the_deltas_are_those_of_a_stop_that_never_matches(
     plain, _ = stream(tokenizer, text)
     searched, _ = stream(tokenizer, text, stop=["\x00never"])
     assert plain == searched
+
+
+def window_only(detok: Detokenizer) -> Detokenizer:
+    detok.stream = None  # the sliding window decodes every step, as where no DecodeStream can be had
+    return detok
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab c.é🙂日\n")), min_size=1, max_size=40),
+       steps=st.lists(st.integers(1, 4), min_size=1, max_size=40), cut=st.integers(0, 3),
+       skip_special_tokens=st.booleans())
+def test_decode_stream_and_window_give_the_same_deltas(tokenizer, text, steps, cut, skip_special_tokens):
+    """Tokens in steps of 1-4, special tokens among them, and a request that may end mid-character (its last byte
+    tokens cut off): the Rust DecodeStream path emits the window path's text, never later (it decodes a step's
+    tokens one by one, so the complete characters before one still split go out at once)."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = (ids[: len(ids) - cut] if cut < len(ids) else ids) + [eos] + tokenizer.encode("ok", add_special_tokens=False)
+    prompt = tokenizer.encode("Hello there", add_special_tokens=False)
+    streamed = Detokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens)
+    windowed = window_only(Detokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens))
+    assert streamed.stream is not None  # the tiny tokenizer takes the DecodeStream path
+    batches, at = [], 0
+    for size in steps:
+        if at < len(ids):
+            batches.append(ids[at:at + size])
+            at += size
+    if at < len(ids):
+        batches.append(ids[at:])
+    sent_streamed = sent_windowed = ""
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        sent_streamed += streamed.step(batch, finished=last)
+        sent_windowed += windowed.step(batch, finished=last)
+        assert sent_streamed.startswith(sent_windowed)
+        assert "\ufffd" not in sent_streamed[len(sent_windowed):] or last
+    assert sent_streamed == sent_windowed
+
+
+def test_a_request_that_ends_mid_character_flushes_what_it_has(tokenizer):
+    ids = tokenizer.encode("ok 🙂", add_special_tokens=False)[:-1]  # the emoji's last byte never comes
+    detok = Detokenizer(tokenizer, [])
+    assert "".join(detok.step([t]) for t in ids[:-1]) == "ok "
+    assert detok.step(ids[-1:], finished=True) == tokenizer.decode(ids)[3:]  # the partial character, as decoded
+    long = Detokenizer(tokenizer, [])
+    text = "".join(long.step([t]) for t in tokenizer.encode(TEXTS[0] * 20, add_special_tokens=False))
+    assert text == TEXTS[0] * 20 and len(long.tokens) < 4 * 5 + 64 + 8  # only the window's tokens are kept
