@@ -102,24 +102,26 @@ def test_the_stall_watch_ends_only_a_send_pending_for_the_whole_timeout():
 
     from ember.gateway.proxy import StallWatch
 
-    async def scenario() -> tuple[list[float], list[float]]:
+    stall = 0.4
+
+    async def scenario() -> tuple[list[float], list[float], float]:
         loop = asyncio.get_running_loop()
-        began = loop.time()
-        flowing, stalled = StallWatch(0.2), StallWatch(0.2)
+        flowing, stalled = StallWatch(stall), StallWatch(stall)
         ended: dict[str, list[float]] = {"flowing": [], "stalled": []}
-        flowing.start(loop, lambda: ended["flowing"].append(loop.time() - began), lambda: None)
-        stalled.start(loop, lambda: ended["stalled"].append(loop.time() - began), lambda: None)
-        for _ in range(10):  # 0.5 s of sends of 0.05 s each: never one pending for 0.2 s
+        flowing.start(loop, lambda: ended["flowing"].append(loop.time()), lambda: None)
+        stalled.start(loop, lambda: ended["stalled"].append(loop.time()), lambda: None)
+        finish = loop.time() + 3 * stall
+        while loop.time() < finish:  # sends of ~0.02 s each for three timeouts: none pending for a whole one
             flowing.since = stalled.since = loop.time()
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.02)
             flowing.since = stalled.since = None
-        stalled.since = loop.time()  # a client that takes nothing from here on
-        await asyncio.sleep(0.5)
+        stalled.since = last = loop.time()  # a client that takes nothing from here on
+        await asyncio.sleep(2.5 * stall)
         flowing.stop()
         stalled.stop()
         assert flowing.timer is None and stalled.timer is None
-        return ended["flowing"], ended["stalled"]
+        return ended["flowing"], ended["stalled"], last
 
-    flowing, stalled = asyncio.run(scenario())
+    flowing, stalled, last = asyncio.run(scenario())
     assert flowing == []
-    assert len(stalled) == 1 and 0.68 <= stalled[0] <= 0.85, stalled  # its last send began at ~0.5 s
+    assert len(stalled) == 1 and stall - 0.01 <= stalled[0] - last <= 2.5 * stall, (stalled, last)
