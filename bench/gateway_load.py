@@ -377,12 +377,12 @@ def _wait_for(what: str, log: Path, process: subprocess.Popen, ready) -> object:
 KEY_RPM = 100_000_000  # a per-key limit that is checked on every request but never reached
 
 
-def start_ember(procs: Processes, home: Path, cpus: str | None) -> tuple[Target, Target, Path]:
-    """`ember serve` on the upstream app and a key with a per-key rpm limit; returns the ember and direct
-    targets and the dev CA path."""
+def serve_upstream(procs: Processes, home: Path, command: list[str], name: str, app: str,
+                   function: str) -> tuple[subprocess.Popen, str, Path, dict, str]:
+    """`command` (an `ember serve APP.py --port 0` line) with EMBER_HOME=home, once `app`'s `function` has a hot
+    replica, and a key with a per-key rpm limit: (process, URL, dev CA path, the replica's status entry, key)."""
     env = os.environ | {"EMBER_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-    command = _pinned([sys.executable, "-m", "ember.cli", "serve", str(UPSTREAM_APP), "--port", "0"], cpus)
-    process, log = procs.start("ember", command, env)
+    process, log = procs.start(name, command, env)
     printed = lambda: re.search(r"at (https://\S+)", log.read_text())  # noqa: E731
     url = _wait_for("ember serve", log, process, printed).group(1)
     ca = home / "tls" / "ca.pem"
@@ -390,7 +390,7 @@ def start_ember(procs: Processes, home: Path, cpus: str | None) -> tuple[Target,
 
     def hot_replica() -> dict | None:
         status = httpx.get(f"{url}/admin/status", headers=admin, verify=str(ca), timeout=5).json()
-        replicas = status["apps"]["upstream"]["functions"]["Upstream"]["replicas"]
+        replicas = status["apps"][app]["functions"][function]["replicas"]
         return next((r for r in replicas if r["state"] == "hot"), None)
 
     replica = _wait_for("the upstream replica", log, process, hot_replica)
@@ -398,9 +398,17 @@ def start_ember(procs: Processes, home: Path, cpus: str | None) -> tuple[Target,
                              env=env, capture_output=True, text=True, timeout=60)
     if created.returncode != 0:
         raise RuntimeError(f"ember keys create failed: {created.stderr.strip()}")
+    return process, url, ca, replica, created.stdout.strip()
+
+
+def start_ember(procs: Processes, home: Path, cpus: str | None) -> tuple[Target, Target, Path]:
+    """`ember serve` on the upstream app and a key with a per-key rpm limit; returns the ember and direct
+    targets and the dev CA path."""
+    command = _pinned([sys.executable, "-m", "ember.cli", "serve", str(UPSTREAM_APP), "--port", "0"], cpus)
+    process, url, ca, replica, key = serve_upstream(procs, home, command, "ember", "upstream", "Upstream")
     host, _, port = replica["address"].rpartition(":")
     path = "/v1/chat/completions"
-    return (Target("ember", "127.0.0.1", int(url.rsplit(":", 1)[1]), "/upstream" + path, True, created.stdout.strip(), process.pid),
+    return (Target("ember", "127.0.0.1", int(url.rsplit(":", 1)[1]), "/upstream" + path, True, key, process.pid),
             Target("direct", host, int(port), path, False, None, replica["pid"]), ca)
 
 

@@ -41,8 +41,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-import httpx
-from gateway_load import Processes, _wait_for, commit
+from gateway_load import Processes, _wait_for, commit, serve_upstream
 
 ROOT = Path(__file__).resolve().parent
 APP = ROOT / "gateway_stream_app.py"
@@ -147,26 +146,11 @@ sys.exit(main())
 
 
 def start_ember(procs: Processes, home: Path, tree: Path | None = None, loop: str = "auto") -> dict:
-    env = os.environ | {"EMBER_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     ember = [sys.executable, "-c", FROM_TREE, str(tree), loop] if tree else [sys.executable, "-m", "ember.cli"]
-    process, log_path = procs.start(home.name, ember + ["serve", str(APP), "--port", "0"], env)
-    printed = lambda: re.search(r"at (https://\S+)", log_path.read_text())  # noqa: E731
-    url = _wait_for("ember serve", log_path, process, printed).group(1)
-    ca = home / "tls" / "ca.pem"
-    admin = {"Authorization": f"Bearer {(home / 'cli.key').read_text().strip()}"}
-
-    def hot_replica() -> dict | None:
-        status = httpx.get(f"{url}/admin/status", headers=admin, verify=str(ca), timeout=5).json()
-        replicas = status["apps"]["stream"]["functions"]["Upstream"]["replicas"]
-        return next((r for r in replicas if r["state"] == "hot"), None)
-
-    replica = _wait_for("the upstream replica", log_path, process, hot_replica)
-    created = subprocess.run([sys.executable, "-m", "ember.cli", "keys", "create", "--name", "bench", "--rpm",
-                              "100000000", "--quiet"], env=env, capture_output=True, text=True, timeout=60)
-    if created.returncode != 0:
-        raise RuntimeError(f"ember keys create failed: {created.stderr.strip()}")
+    process, url, ca, replica, key = serve_upstream(procs, home, ember + ["serve", str(APP), "--port", "0"],
+                                                    home.name, "stream", "Upstream")
     host, _, port = replica["address"].rpartition(":")
-    return {"url": url, "ca": ca, "key": created.stdout.strip(), "pid": process.pid, "replica_pid": replica["pid"],
+    return {"url": url, "ca": ca, "key": key, "pid": process.pid, "replica_pid": replica["pid"],
             "replica": (host, int(port)), "tls": home / "tls"}
 
 
