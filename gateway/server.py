@@ -90,6 +90,7 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any
                 gateway.ready = False
                 for task in tasks:
                     task.cancel()
+                await gateway.close()  # the replaced versions' replicas
                 await gateway.scaler.stop_all()
                 await asyncio.to_thread(tracing.flush)
 

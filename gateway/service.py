@@ -16,7 +16,7 @@ from ember.gateway.keys import KeyStore
 from ember.gateway.lifecycle import HOT
 from ember.gateway.metrics import Metrics
 from ember.gateway.ratelimit import Limiter, MemoryLimiter
-from ember.gateway.replica import GatewayReplica
+from ember.gateway.replica import Drain, GatewayReplica
 from ember.gateway.routing import APP_NAME
 from ember.gateway.scaler import Scaler
 from ember.gateway.secret_files import SecretStore
@@ -27,6 +27,9 @@ from ember.runtime import environments
 
 log = logging.getLogger("ember.gateway")
 CLI_USER = "ember serve"  # who deployed the app `ember serve FILE` starts with
+# A replaced version's replica stops once its calls are done: after its function's timeout, or this long for an ASGI
+# app's streams (whose timeout bounds each chunk, not the whole), at most, plus the slack.
+RETIRE_AT_LEAST, RETIRE_SLACK, RETIRE_POLL = 300.0, 5.0, 0.1
 
 
 class DeployFailed(RuntimeError):
@@ -55,6 +58,8 @@ class Gateway:
         self.calls = SpawnedCalls(CallStore(home.db), self.metrics.spawned_call_ended)
         self.versions = VersionStore(home.db)
         self._deploying: dict[str, asyncio.Lock] = {}  # one deploy of an app at a time
+        self.retiring: set[asyncio.Task] = set()  # replaced versions' replicas finishing their calls (_drain)
+        self.closing = False  # the gateway is stopping: replaced replicas stop now, calls or not
         self.limiter: Limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits
         self.routing = routing
         limits = limits or ClientLimits()
@@ -151,7 +156,7 @@ class Gateway:
                  deployed_by or "-", extra={"fields": {"kind": "deploy", "app": name, "version": version.version,
                                                        "package": package.name, "by": deployed_by}})
         if previous is not None:  # the new version takes new calls; the old one's replicas finish theirs and stop
-            await self._drain(previous, deployment)
+            self._drain(previous, deployment)
         return deployment
 
     async def rollback(self, app: str, to: int | None, deployed_by: str | None) -> Deployment:
@@ -181,18 +186,42 @@ class Gateway:
         replica = failed[0]
         return f"{replica.unit}: {replica.error}{log_tail(replica.log_path)}"
 
-    async def _drain(self, previous: Deployment, current: Deployment) -> None:
-        """Stop the replaced version's replicas once their calls finish. Calls that found it but hold no slot yet,
-        waiting in its queues or still on their way there (reading their body, charging their key), go to the
-        same function of `current`."""
-        replicas: list[GatewayReplica] = []
+    def _drain(self, previous: Deployment, current: Deployment) -> None:
+        """Retire the replaced version: calls that found it but hold no slot yet, waiting in its queues or still on
+        their way there (reading their body, charging their key), go to the same function of `current`; each of
+        its replicas takes nothing new and stops once the calls it runs are done, in the background (a deploy
+        does not wait for them)."""
         for unit in previous.units.values():
             unit.successor = current.units.get(unit.name)
             unit.queue.close()
-            replicas += unit.router.replicas.values()
-        for replica in replicas:
-            replica.stop()
-        await asyncio.gather(*(self.backend.stop(r) for r in replicas))
+            limit = max(unit.spec.timeout, RETIRE_AT_LEAST) + RETIRE_SLACK
+            for replica in list(unit.router.replicas.values()):
+                replica.drain(Drain.EVICT)
+                task = asyncio.create_task(self._retire(replica, limit))
+                self.retiring.add(task)
+                task.add_done_callback(self._retired)
+
+    async def _retire(self, replica: GatewayReplica, limit: float) -> None:
+        """Stop `replica` once its calls are done, after `limit` seconds at most, or at once when the gateway stops."""
+        deadline = time.monotonic() + limit
+        while replica.in_flight and not self.closing:
+            if time.monotonic() >= deadline:
+                log.warning("replica %s of a replaced version still ran %d calls after %g s: stopped", replica.id,
+                            replica.in_flight, limit)
+                break
+            await asyncio.sleep(RETIRE_POLL)
+        replica.stop()
+        await self.backend.stop(replica)
+
+    def _retired(self, task: asyncio.Task) -> None:
+        self.retiring.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("stopping a replaced version's replica failed: %s", task.exception())
+
+    async def close(self) -> None:
+        """On stop, before the scaler stops the live replicas: the replaced versions' replicas stop now."""
+        self.closing = True
+        await asyncio.gather(*self.retiring, return_exceptions=True)
 
 
 def log_tail(path: Path, lines: int = 12) -> str:

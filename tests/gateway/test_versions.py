@@ -1,7 +1,10 @@
 """Versions of an app through the CLI against a real gateway: each deploy a version, a failing one never replacing
 the live one, rollbacks, and the live versions served again after a restart."""
 import json
+import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -123,6 +126,76 @@ def test_a_call_that_found_the_old_version_before_a_deploy_is_served_by_the_new_
     assert head.startswith(b"HTTP/1.1 200"), reply[:500]
     assert json.loads(payload) == {"result": "howdy ada"}
     assert greet(served) == "howdy ada"
+
+
+DRAINING = '''import os
+import time
+
+import ember
+
+app = ember.App("draining")
+
+
+@app.function(scaledown_window=30, timeout=60)
+def slow(seconds: float) -> str:
+    time.sleep(seconds)
+    return f"{version} {{os.getpid()}}"
+'''
+
+
+def test_a_redeploy_lets_the_old_versions_calls_finish_however_long_they_run(served, tmp_path):
+    """A call on the replaced version runs to its end (here 12 s, past a replica's 5 s graceful stop), the deploy
+    does not wait for it, and the old replica stops once it is done."""
+    first, second = tmp_path / "first.py", tmp_path / "second.py"
+    first.write_text(DRAINING.format(version="one"))
+    second.write_text(DRAINING.format(version="two"))
+    served.cli("deploy", str(first))
+    with served.client(served.key(), timeout=60) as http:
+        reply: dict = {}
+        call = threading.Thread(target=lambda: reply.update(r=http.post("/draining/slow", json={"seconds": 12})))
+        call.start()
+        time.sleep(1.0)  # the call runs on version 1's replica
+        served.cli("deploy", str(second))
+        assert call.is_alive(), "the deploy waited for the old version's call"
+        assert http.post("/draining/slow", json={"seconds": 0}).json()["result"].startswith("two ")
+        call.join(30)
+    assert reply["r"].status_code == 200, reply["r"].text
+    version, pid = reply["r"].json()["result"].split()
+    assert version == "one"
+    assert gone(int(pid), 15), f"version 1's replica (pid {pid}) still runs after its last call"
+
+
+def gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_stopping_gateway_stops_the_replaced_versions_replicas_too(serve, tmp_path):
+    """A replaced version's replica still running a call when the gateway stops is stopped with it, not left
+    behind: the call is cut at the stop's grace period like any other."""
+    served = serve(APPS / "quick.py", "--no-watch")
+    first, second = tmp_path / "first.py", tmp_path / "second.py"
+    first.write_text(DRAINING.format(version="one"))
+    second.write_text(DRAINING.format(version="two"))
+    served.cli("deploy", str(first))
+    with served.client(served.key(), timeout=60) as http:
+        pid = int(http.post("/draining/slow", json={"seconds": 0}).json()["result"].split()[1])
+        reply: dict = {}
+        call = threading.Thread(target=lambda: reply.update(r=http.post("/draining/slow", json={"seconds": 40})))
+        call.start()
+        time.sleep(1.0)
+        served.cli("deploy", str(second))
+        os.kill(served.process.pid, signal.SIGTERM)  # the gateway alone: what it stops, it stops itself
+        assert served.process.wait(30) == 0
+        call.join(10)
+    assert reply["r"].status_code == 503 and reply["r"].json()["error"]["type"] == "shutting_down", reply["r"].text
+    assert gone(pid, 5), f"version 1's replica (pid {pid}) outlived the gateway"
 
 
 def test_deployed_apps_are_served_again_after_a_restart(serve, versions):
