@@ -111,7 +111,7 @@ def admin_router(gateway: "Gateway") -> APIRouter:
                     "settings": unit.spec.model_dump(),
                 }
             apps[name] = {"package": str(deployment.package), "version": deployment.version, "functions": units,
-                          "prepared": gateway.backend.prepared(name)}
+                          "prepared": gateway.backend.prepared(name), "retiring": gateway.retiring_replicas(name)}
         return {"uptime_s": round(now - gateway.started, 1), "apps": apps}
 
     @router.get("/logs", response_class=PlainTextResponse)

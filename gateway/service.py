@@ -58,7 +58,8 @@ class Gateway:
         self.calls = SpawnedCalls(CallStore(home.db), self.metrics.spawned_call_ended)
         self.versions = VersionStore(home.db)
         self._deploying: dict[str, asyncio.Lock] = {}  # one deploy of an app at a time
-        self.retiring: set[asyncio.Task] = set()  # replaced versions' replicas finishing their calls (_drain)
+        # replaced versions' replicas finishing their calls (_drain): the task that stops each, and what it stops
+        self.retiring: dict[asyncio.Task, tuple[Deployment, str, GatewayReplica]] = {}
         self.closing = False  # the gateway is stopping: replaced replicas stop now, calls or not
         self.limiter: Limiter = limiter or MemoryLimiter()  # a RedisLimiter when several gateways share the limits
         self.routing = routing
@@ -198,7 +199,7 @@ class Gateway:
             for replica in list(unit.router.replicas.values()):
                 replica.drain(Drain.EVICT)
                 task = asyncio.create_task(self._retire(replica, limit))
-                self.retiring.add(task)
+                self.retiring[task] = (previous, unit.name, replica)
                 task.add_done_callback(self._retired)
 
     async def _retire(self, replica: GatewayReplica, limit: float) -> None:
@@ -214,7 +215,7 @@ class Gateway:
         await self.backend.stop(replica)
 
     def _retired(self, task: asyncio.Task) -> None:
-        self.retiring.discard(task)
+        self.retiring.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             log.error("stopping a replaced version's replica failed: %s", task.exception())
 
@@ -222,6 +223,12 @@ class Gateway:
         """On stop, before the scaler stops the live replicas: the replaced versions' replicas stop now."""
         self.closing = True
         await asyncio.gather(*self.retiring, return_exceptions=True)
+
+    def retiring_replicas(self, app: str) -> list[dict]:
+        """The replicas of `app`'s replaced versions still finishing their calls, for `ember status`."""
+        return [{"id": replica.id, "version": deployment.version, "function": unit, "in_flight": replica.in_flight,
+                 "pid": replica.process.pid if replica.process else None}
+                for deployment, unit, replica in self.retiring.values() if deployment.name == app]
 
 
 def log_tail(path: Path, lines: int = 12) -> str:

@@ -54,6 +54,9 @@ def status(args: argparse.Namespace) -> int:
             for d in unit["decisions"][-5:]:
                 print(f"    decision at {datetime.fromtimestamp(d['t']):%H:%M:%S} ({now - d['t']:.0f}s ago): "
                       f"{d['action']} {d['replica'] or d['count']}: {d['reason']}")
+        for r in info.get("retiring", []):
+            print(f"  replaced: {r['function']} {r['id']} of version {r['version']}, finishing {r['in_flight']} "
+                  f"call(s); it stops once they are done")
     return 0
 
 

@@ -158,11 +158,17 @@ def test_a_redeploy_lets_the_old_versions_calls_finish_however_long_they_run(ser
         served.cli("deploy", str(second))
         assert call.is_alive(), "the deploy waited for the old version's call"
         assert http.post("/draining/slow", json={"seconds": 0}).json()["result"].startswith("two ")
+        retiring = served.status()["apps"]["draining"]["retiring"]
+        assert [(r["function"], r["in_flight"]) for r in retiring] == [("slow", 1)], retiring
+        assert f"replaced: slow {retiring[0]['id']} of version {retiring[0]['version']}, finishing 1 call" in \
+            served.cli("status").stdout
         call.join(30)
     assert reply["r"].status_code == 200, reply["r"].text
     version, pid = reply["r"].json()["result"].split()
     assert version == "one"
     assert gone(int(pid), 15), f"version 1's replica (pid {pid}) still runs after its last call"
+    assert served.status()["apps"]["draining"]["retiring"] == []
+    assert int(pid) == retiring[0]["pid"]
 
 
 def gone(pid: int, within: float) -> bool:
