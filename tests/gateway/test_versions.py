@@ -144,7 +144,7 @@ def slow(seconds: float) -> str:
 
 
 def test_a_redeploy_lets_the_old_versions_calls_finish_however_long_they_run(served, tmp_path):
-    """A call on the replaced version runs to its end (here 12 s, past a replica's 5 s graceful stop), the deploy
+    """A call on the replaced version runs to its end (here 20 s, well past a replica's 5 s graceful stop), the deploy
     does not wait for it, and the old replica stops once it is done."""
     first, second = tmp_path / "first.py", tmp_path / "second.py"
     first.write_text(DRAINING.format(version="one"))
@@ -152,7 +152,7 @@ def test_a_redeploy_lets_the_old_versions_calls_finish_however_long_they_run(ser
     served.cli("deploy", str(first))
     with served.client(served.key(), timeout=60) as http:
         reply: dict = {}
-        call = threading.Thread(target=lambda: reply.update(r=http.post("/draining/slow", json={"seconds": 12})))
+        call = threading.Thread(target=lambda: reply.update(r=http.post("/draining/slow", json={"seconds": 20})))
         call.start()
         time.sleep(1.0)  # the call runs on version 1's replica
         served.cli("deploy", str(second))
