@@ -635,6 +635,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the servers' logs and configs (their folder is printed at the start)")
     parser.add_argument("--record", action="store_true", help="write bench/results/gateway_load.{md,json}")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the servers it started, as Ctrl-C does
     if shutil.which("wrk") is None:
         print("error: wrk is not installed: apt-get install -y wrk", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -316,6 +317,7 @@ def main() -> int:
     parser.add_argument("--record", action="store_true", help=f"write {RESULTS.relative_to(ROOT.parent)}")
     parser.add_argument("--relay-serve", nargs=3, metavar=("HOST:PORT", "CERT", "KEY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the servers it started, as Ctrl-C does
     if args.relay_serve:
         host, _, port = args.relay_serve[0].rpartition(":")
         asyncio.run(relay_serve((host, int(port)), args.relay_serve[1], args.relay_serve[2]))
