@@ -288,17 +288,23 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         if step is None or run is None:
             return outputs
+        # per sequence per step, as in Scheduler.schedule: calls only where they may do something
         finish_reason, cache_full_blocks = self._finish_reason, self.block_manager.cache_full_blocks
+        block_size, prefix_caching = self.block_manager.block_size, self.block_manager.enable_prefix_caching
+        finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
         for seq, slot, token, logprob in zip(step.batch.seqs, step.slots, run.token_ids, run.logprobs):
-            if token is None or seq.status is SequenceStatus.FINISHED:   # a prefill chunk, or aborted meanwhile
+            if token is None or seq.status is finished:   # a prefill chunk, or aborted meanwhile
                 continue
             seq.token_ids[slot] = token
-            reason = finish_reason(seq, token, slot + 1)
+            reason = (finish_reason(seq, token, slot + 1) if token in seq.stop_ids or slot + 1 >= seq.max_len
+                      else None)
             if reason is not None:
                 del seq.token_ids[slot + 1:]   # the placeholder of the step launched since: its output is discarded
                 self._finish(seq, reason)
             else:
-                if seq.status is SequenceStatus.RUNNING:   # not preempted meanwhile: its blocks are its own
+                # not preempted meanwhile (its blocks are its own), and a block filled up
+                if (prefix_caching and seq.status is running
+                        and seq.num_computed_tokens // block_size > len(seq.block_hashes)):
                     cache_full_blocks(seq, seq.num_computed_tokens)
                 if self._needs_host_tokens and not _needs_host_tokens(seq):   # past its min_tokens
                     self._needs_host_tokens.discard(seq.request_id)

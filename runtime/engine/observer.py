@@ -57,20 +57,24 @@ class EngineObserver:
         for seq in step.batch.preempted:
             if seq.request_id in self.requests:
                 self.requests[seq.request_id].preempted_at.append(now)
+        # per request per step: the inter-token latencies go into their histogram in one call
+        requests, gaps, tokens = self.requests, [], 0
         for out in step.outputs:
-            timeline = self.requests.get(out.request_id)
+            timeline = requests.get(out.request_id)
             if timeline is None:
                 continue
             if out.new_token_ids:
-                s.generation_tokens += len(out.new_token_ids)
+                tokens += len(out.new_token_ids)
                 if timeline.last_token is None:
                     timeline.first_token = now
                     s.time_to_first_token.observe(now - timeline.arrival)
                 else:
-                    s.inter_token_latency.observe(now - timeline.last_token)
+                    gaps.append(timeline.last_token)
                 timeline.last_token = now
             if out.finished:
                 self._finished(timeline, out.finish_reason, now)
+        s.generation_tokens += tokens
+        s.inter_token_latency.observe_since(now, gaps)
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_cache_usage = self.scheduler.block_manager.usage

@@ -25,6 +25,20 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def observe_since(self, now: float, times: list[float]) -> None:
+        """Observe `now - t` for each of `times`: a step's inter-token latencies, most of them from the same
+        previous step, so a bucket is looked up only where the time differs from the one before."""
+        counts, buckets = self.counts, self.buckets
+        last, i, value, total = None, 0, 0.0, 0.0
+        for t in times:
+            if t != last:
+                last, value = t, now - t
+                i = bisect.bisect_left(buckets, value)
+            counts[i] += 1
+            total += value
+        self.sum += total
+        self.count += len(times)
+
     def cumulative(self) -> list[tuple[float, int]]:
         """(upper bound, observations <= bound) pairs ending with +Inf, as Prometheus exposes them."""
         out, total = [], 0

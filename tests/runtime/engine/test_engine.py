@@ -247,6 +247,22 @@ def test_stats_after_a_run(llama):
     assert s.step_host_time.count == s.step_time.count > 0
 
 
+def test_a_steps_inter_token_latencies_land_in_the_buckets_one_observe_each_would_give():
+    from ember.runtime.engine.stats import _ITL_BUCKETS, Histogram
+
+    now = 10.0
+    # runs of equal times (most requests last stepped together), bucket edges, and a value past the last bucket
+    times = [9.996] * 5 + [9.9975, 9.9975, 9.99, now - 0.005, now - 0.005, 9.996, -5.0, now]
+    batched, one_by_one = Histogram(_ITL_BUCKETS), Histogram(_ITL_BUCKETS)
+    batched.observe_since(now, times)
+    batched.observe_since(now, [])
+    for t in times:
+        one_by_one.observe(now - t)
+    assert batched.counts == one_by_one.counts
+    assert batched.count == one_by_one.count == len(times)
+    assert batched.sum == pytest.approx(one_by_one.sum)
+
+
 def test_configuration_errors_name_the_fix(llama, tmp_path):
     model_dir = llama[0]
     with pytest.raises(ValueError, match="use 'sdpa'"):
