@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,25 +20,6 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 RESULTS = HERE.parent / "results" / "engine_host_ab.json"
-RUN = """
-import json, sys
-from pathlib import Path
-{redirect}
-sys.path.insert(0, {here!r})
-import speed
-eng = speed.ember_engine(speed.model_directory(Path({workdir!r}), {shape!r}), max_num_seqs=256)
-host, gpu, wall, launch = speed.ember_host_vs_gpu(eng)
-print(json.dumps({{"host_ms": host, "gpu_ms": gpu, "wall_ms": wall, "launch_ms": launch}}))
-"""
-
-
-def measure(shape: str, workdir: str, runtime: str | None) -> dict:
-    """One fresh process's b64 host and GPU milliseconds, with `runtime` as ember.runtime (None: this checkout)."""
-    redirect = (f"import ember.runtime; ember.runtime.__path__[:] = [{runtime!r}]" if runtime else "")
-    code = RUN.format(redirect=redirect, here=str(HERE), workdir=workdir, shape=shape)
-    out = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True,
-                         env=os.environ).stdout
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -65,12 +45,12 @@ def main() -> None:
     result = {"machine": f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores", "against": args.against,
               "models": []}
     for shape in args.models:
-        speed.model_directory(Path(workdir), shape)   # built once, here, so every process only loads it
+        model_dir = speed.model_directory(Path(workdir), shape)   # built once, here: each process only loads it
         runs: dict[str, list[dict]] = {name: [] for name in engines}
         for round_ in range(args.rounds):
             for name, path in engines.items():
                 began = time.perf_counter()
-                runs[name].append(measure(shape, workdir, path))
+                runs[name].append(speed.b64_in_fresh_process(model_dir, path))
                 r = runs[name][-1]
                 speed.log(f"[{shape}] round {round_ + 1}, {name}: host {r['host_ms']:.3f} ms, GPU {r['gpu_ms']:.3f} "
                           f"ms ({r['host_ms'] / r['gpu_ms']:.1%}); launch {r['launch_ms']} "

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 BENCH = ROOT / "bench"
@@ -59,3 +61,47 @@ def test_engine_speed_joins_the_shares_of_runs_that_each_measured_some_parts(tmp
     bad = subprocess.run([sys.executable, str(BENCH / "engine" / "speed.py"), "--parts", "b1,warp"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "warp" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _speed():
+    sys.path.insert(0, str(BENCH / "engine"))
+    try:
+        import speed
+    finally:
+        sys.path.remove(str(BENCH / "engine"))
+    return speed
+
+
+def test_the_b64_row_is_the_median_of_its_processes_and_keeps_each_run():
+    speed = _speed()
+    runs = [{"host_ms": h, "gpu_ms": g, "wall_ms": g, "launch_ms": {"prepare": h / 2, "queue": 0.1}}
+            for h, g in ((0.864, 5.73), (0.502, 5.74), (0.622, 5.72))]
+    row: dict = {}
+    speed.b64_row(row, "8B", "", "", runs)
+    assert (row["host_ms_per_step_b64"], row["gpu_ms_per_step_b64"]) == (0.622, 5.73)
+    assert row["launch_ms_b64"] == {"prepare": 0.311, "queue": 0.1}
+    assert [r["host_ms"] for r in row["b64_runs"]] == [0.864, 0.502, 0.622]
+    one: dict = {}
+    speed.b64_row(one, "8B", "_serial", " (serial)", runs[:1])
+    assert one["host_ms_per_step_b64_serial"] == 0.864 and "b64_runs_serial" not in one
+
+
+def test_the_offline_floor_counts_the_head_once_per_prompt(tmp_path):
+    """Prefill computes logits for each prompt's last token only: a prompt one token longer costs the body's
+    products for that token, not the head's too."""
+    import json
+
+    speed = _speed()
+    hidden, vocab, layers = 64, 1000, 2
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=vocab, tie_word_embeddings=False)))
+    head = vocab * hidden * 2
+    weights = 2 * head + 100_000   # embedding, head and the body's products, in bytes
+    flops = 1e12
+    # one output token: no decode step, the floor is prefill alone
+    short, long = (speed.offline_floor(tmp_path, weights, [n], [1], 1e12, flops) for n in (10, 11))
+    body = weights - 2 * head
+    attention = 4 * layers * 4 * 16 * (11 * 11 - 10 * 10) / 2
+    assert long - short == pytest.approx((body + attention) / flops)
+    assert short == pytest.approx((10 * body + head + 4 * layers * 4 * 16 * 100 / 2) / flops)
