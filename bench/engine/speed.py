@@ -30,7 +30,8 @@ runtime/engine/tiny.py). Per model:
     EngineConfig(overlap=False), in fields named "..._serial";
   - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
     128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99 (serial steps in "online_serial"),
-    and the host CPU each streamed token cost the gateway process and the rest of `ember serve`'s processes,
+    and the host CPU each streamed token cost the gateway process and the rest of `ember serve`'s processes (and
+    of that, their main threads: the replica's event loop; its step loop spins on the device while steps run),
     and the replica's forward passes by kind (decode graphs replayed, eager steps: prefills and the decode steps a
     new request's prefill joined) with their mean GPU ms, from the engine's counters at the gateway's /metrics.
 """
@@ -360,6 +361,19 @@ def cpu_seconds(root: int) -> dict[int, float]:
     return {pid: times[pid] for pid in tree if pid in times}
 
 
+def main_thread_cpu_seconds(pids) -> dict[int, float]:
+    """CPU seconds so far of each process's main thread (a replica's event loop: HTTP, the OpenAI handlers,
+    detokenizing, the SSE sends; its engine steps on another thread), by pid; a process gone is left out."""
+    out = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def serving_url(process: subprocess.Popen, serve_log: Path, timeout: float = 300) -> str:
     """The URL `ember serve` prints once it serves, read from its log."""
     deadline = time.monotonic() + timeout
@@ -441,12 +455,15 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
             rows = []
             for level in concurrency:
                 before = cpu_seconds(process.pid)
+                loops_before = main_thread_cpu_seconds(pid for pid in before if pid != process.pid)
                 steps_before = engine_steps(http)
                 began = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(level) as pool:
                     results = list(pool.map(one, prompts[:max(level * 4, 16)]))
                 elapsed = time.perf_counter() - began
                 used = {pid: seconds - before.get(pid, 0.0) for pid, seconds in cpu_seconds(process.pid).items()}
+                loops = {pid: seconds - loops_before.get(pid, 0.0)
+                         for pid, seconds in main_thread_cpu_seconds(pid for pid in used if pid != process.pid).items()}
                 steps = {key: value - steps_before.get(key, 0.0) for key, value in engine_steps(http).items()}
                 tokens = len(results) * 128
                 ttft = sorted(r[0] for r in results)
@@ -462,6 +479,9 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
                              "gateway_cpu_us_per_token": round(1e6 * used.get(process.pid, 0.0) / tokens, 1),
                              "replica_cpu_us_per_token": round(
                                  1e6 * (sum(used.values()) - used.get(process.pid, 0.0)) / tokens, 1),
+                             # of which the main threads (the replica's event loop); the rest is mostly the step
+                             # loop, whose wait for each step's tokens is CUDA's spin-wait: about a core throughout
+                             "replica_loop_cpu_us_per_token": round(1e6 * sum(loops.values()) / tokens, 1),
                              # the replica's forward passes in the level: replayed decode graphs, and eager ones
                              # (prefills, and decode steps a new request's prefill joined), with GPU ms each
                              **step_split(steps)})
@@ -788,7 +808,8 @@ def record(result: dict, results: Path = RESULTS) -> None:
                     + " |")
     online = [f"| {m['name']}{label} | {o['concurrency']} | {o['output_tok_s']} | {o['ttft_ms_p50']} / "
               f"{o['ttft_ms_p99']} | {o['itl_ms_p50']} / {o['itl_ms_p99']} | "
-              f"{o.get('gateway_cpu_us_per_token', '-')} / {o.get('replica_cpu_us_per_token', '-')} |"
+              f"{o.get('gateway_cpu_us_per_token', '-')} / {o.get('replica_cpu_us_per_token', '-')}"
+              + (f" ({o['replica_loop_cpu_us_per_token']})" if "replica_loop_cpu_us_per_token" in o else "") + " |"
               for m in result["models"]
               for key, label in (("online", ""), ("online_serial", " (serial steps)")) for o in m.get(key, [])]
     products = f", bf16 products {result['matmul_tflops']} TFLOPS" if result.get("matmul_tflops") else ""
@@ -798,7 +819,7 @@ def record(result: dict, results: Path = RESULTS) -> None:
         *([result["note"], ""] if "note" in result else [""]),
         *rows, "", "![batch-1 decode against the roofline](results/engine_speed_b1.svg)", "",
         *(["| model | concurrency | output tok/s | TTFT ms p50 / p99 | ITL ms p50 / p99 | host CPU us/token: gateway "
-            "/ the rest |", "|---" * 6 + "|", *online, "",
+            "/ the rest (of it, the replica's event loop, where measured) |", "|---" * 6 + "|", *online, "",
             "![online output tok/s by concurrency](results/engine_speed_online.svg)"]
           if online else ["Online serving: not measured in this run."]), MARK_END])
     readme = ROOT / "bench" / "README.md"

@@ -105,3 +105,24 @@ def test_the_offline_floor_counts_the_head_once_per_prompt(tmp_path):
     attention = 4 * layers * 4 * 16 * (11 * 11 - 10 * 10) / 2
     assert long - short == pytest.approx((body + attention) / flops)
     assert short == pytest.approx((10 * body + head + 4 * layers * 4 * 16 * 100 / 2) / flops)
+
+
+def test_the_replica_loop_cpu_is_its_main_thread_alone():
+    """speed.py's online rows split the replica's CPU: a step loop spinning on another thread is not the loop's."""
+    speed = _speed()
+    burner = subprocess.Popen([sys.executable, "-c", "import threading, time, sys\n"
+                               "def spin():\n    while True: pass\n"
+                               "threading.Thread(target=spin, daemon=True).start()\n"
+                               "print('up', flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert burner.stdout.readline().strip() == "up"
+        before_all, before_main = speed.cpu_seconds(burner.pid), speed.main_thread_cpu_seconds([burner.pid])
+        import time
+        time.sleep(1.5)
+        spent = speed.cpu_seconds(burner.pid)[burner.pid] - before_all[burner.pid]
+        main = speed.main_thread_cpu_seconds([burner.pid])[burner.pid] - before_main[burner.pid]
+        assert spent > 0.5 and main < 0.2
+        assert speed.main_thread_cpu_seconds([burner.pid, 2**22 + 12345]).keys() == {burner.pid}   # gone: left out
+    finally:
+        burner.kill()
+        burner.wait()
