@@ -635,6 +635,7 @@ def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[in
         host, gpu, wall, launch = ember_host_vs_gpu(eng)
         b64_row(row, shape, suffix, label, [{"host_ms": host, "gpu_ms": gpu, "wall_ms": wall, "launch_ms": launch}])
         args.checkpoint(row)
+    eng.close()   # its weights, KV cache and graphs, now: the next engine (here or in a process) sizes by what is free
     del eng
     gc.collect()
     torch.cuda.empty_cache()
@@ -655,6 +656,7 @@ def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[in
                                    "max_num_batched_tokens": eng.config.max_num_batched_tokens}
         log(f"[{shape}] ember offline{label}, default batch sizes {row['offline_defaults']}: "
             f"{round(rate, 1)} output tok/s; {split}")
+        eng.close()
         del eng
         gc.collect()
         torch.cuda.empty_cache()
