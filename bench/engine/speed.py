@@ -615,30 +615,33 @@ def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[in
                 output_lens: list[int], overlap: bool) -> None:
     """Ember's batch-1, offline and batch-64 parts into `row`; without overlap, each field named with "_serial"."""
     suffix, label = ("", "") if overlap else ("_serial", " (serial)")
-    began = time.perf_counter()
-    eng = ember_engine(model_dir, max_num_seqs=256, overlap=overlap, streamed_decode=args.streamed_decode)
-    if args.streamed_decode is not None:
-        row["streamed_decode_min_batch"] = args.streamed_decode
-    row[f"ember_start_phases_s{suffix}"] = {k: round(v, 3) for k, v in eng.runner.start_phases.items()}
-    log(f"[{shape}] ember engine{label} up in {time.perf_counter() - began:.1f} s: "
-        f"{row[f'ember_start_phases_s{suffix}']}")
-    if "b1" in args.parts:
-        b1 = row[f"ember_b1_tok_s{suffix}"] = round(ember_batch1(eng, b1_prompt, 256), 1)
-        log(f"[{shape}] ember batch 1{label}: {b1} tok/s ({b1 / row['roofline_b1_tok_s']:.0%} of roofline)")
-        args.checkpoint(row)
-    if "offline" in args.parts:
-        rate, split = ember_offline(eng, prompts, output_lens)
-        row[f"offline_output_tok_s{suffix}"], row[f"offline_time_split{suffix}"] = round(rate, 1), split
-        log(f"[{shape}] ember offline{label}: {round(rate, 1)} output tok/s; {split}")
-        args.checkpoint(row)
-    if "b64" in args.parts and not args.b64_processes:
-        host, gpu, wall, launch = ember_host_vs_gpu(eng)
-        b64_row(row, shape, suffix, label, [{"host_ms": host, "gpu_ms": gpu, "wall_ms": wall, "launch_ms": launch}])
-        args.checkpoint(row)
-    eng.close()   # its weights, KV cache and graphs, now: the next engine (here or in a process) sizes by what is free
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
+    # this process's engine, unless every part it would run goes to fresh processes
+    if args.parts & {"b1", "offline"} or ("b64" in args.parts and not args.b64_processes):
+        began = time.perf_counter()
+        eng = ember_engine(model_dir, max_num_seqs=256, overlap=overlap, streamed_decode=args.streamed_decode)
+        if args.streamed_decode is not None:
+            row["streamed_decode_min_batch"] = args.streamed_decode
+        row[f"ember_start_phases_s{suffix}"] = {k: round(v, 3) for k, v in eng.runner.start_phases.items()}
+        log(f"[{shape}] ember engine{label} up in {time.perf_counter() - began:.1f} s: "
+            f"{row[f'ember_start_phases_s{suffix}']}")
+        if "b1" in args.parts:
+            b1 = row[f"ember_b1_tok_s{suffix}"] = round(ember_batch1(eng, b1_prompt, 256), 1)
+            log(f"[{shape}] ember batch 1{label}: {b1} tok/s ({b1 / row['roofline_b1_tok_s']:.0%} of roofline)")
+            args.checkpoint(row)
+        if "offline" in args.parts:
+            rate, split = ember_offline(eng, prompts, output_lens)
+            row[f"offline_output_tok_s{suffix}"], row[f"offline_time_split{suffix}"] = round(rate, 1), split
+            log(f"[{shape}] ember offline{label}: {round(rate, 1)} output tok/s; {split}")
+            args.checkpoint(row)
+        if "b64" in args.parts and not args.b64_processes:
+            host, gpu, wall, launch = ember_host_vs_gpu(eng)
+            b64_row(row, shape, suffix, label, [{"host_ms": host, "gpu_ms": gpu, "wall_ms": wall, "launch_ms": launch}])
+            args.checkpoint(row)
+        # its weights, KV cache and graphs freed now: the next engine (here or in a process) sizes by what is free
+        eng.close()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
     if "b64" in args.parts and args.b64_processes:   # each process needs the GPU memory this one's engine freed
         runs = []
         for i in range(args.b64_processes):
