@@ -47,6 +47,10 @@ class DecodeGraphs:
         # pinned buffer fills them (a strided destination took a copy to a temporary and a kernel besides)
         self._inputs = torch.zeros(4 * self.batch_sizes[-1], dtype=torch.long, device=device)
         self._pinned_inputs = torch.zeros(4 * self.batch_sizes[-1], dtype=torch.long, pin_memory=device.type == "cuda")
+        self._host_inputs = self._pinned_inputs.numpy()
+        # per size: the copy's destination and source, and the graph's [4, size] view (slicing a tensor costs a
+        # few microseconds of host time on the GPU machine, every step)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for all of them: only one replays at a time
@@ -65,7 +69,14 @@ class DecodeGraphs:
 
     def rows(self, size: int) -> torch.Tensor:
         """The inputs [4, size] a graph of `size` reads."""
-        return self._inputs[:4 * size].view(4, size)
+        return self._size_views(size)[2]
+
+    def _size_views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        views = self._views.get(size)
+        if views is None:
+            inputs = self._inputs[:4 * size]
+            views = self._views[size] = (inputs, self._pinned_inputs[:4 * size], inputs.view(4, size))
+        return views
 
     def capture(self, size: int) -> None:
         """Capture the graph of `size` sequences (no-op when it exists). It writes only the scratch block."""
@@ -109,12 +120,12 @@ class DecodeGraphs:
             raise ValueError(f"{n} sequences are more than the largest graph holds ({self.batch_sizes[-1]})")
         # The pinned buffer is rewritten by the next step's prepare, which the model runner starts only after this
         # step's copies ran (as the attention plan's)
-        host = self._pinned_inputs.numpy()[:4 * size].reshape(4, size)
+        host = self._host_inputs[:4 * size].reshape(4, size)
         host[:, :n] = inputs
         host[:, n:] = 0
         host[2, n:] = self.scratch_block
-        self._inputs[:4 * size].copy_(self._pinned_inputs[:4 * size], non_blocking=True)
-        rows = self.rows(size)
+        device_inputs, pinned_inputs, rows = self._size_views(size)
+        device_inputs.copy_(pinned_inputs, non_blocking=True)
         tables = np.empty((size, max(block_tables.shape[1], 1)), dtype=np.int32)
         tables[:n, :block_tables.shape[1]] = block_tables
         tables[n:, 0] = self.scratch_block

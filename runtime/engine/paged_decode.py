@@ -36,53 +36,74 @@ class PagedDecode:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.split_tokens = split_tokens(batch_size)
         self.num_splits = -(-max_blocks_per_seq * block_size // self.split_tokens)
-        self.block_tables = torch.zeros(batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(batch_size, dtype=torch.int32, device=device)
+        # What a step stages, in one int32 buffer the graphs read at fixed addresses: the tables' row stride (the
+        # step's widest table, W), the B context lengths, then the B tables, W blocks a row, each part on a 16-byte
+        # boundary as the kernels' own buffers were. One queued copy from a pinned buffer fills it: the kernels
+        # load the stride, so no device copy re-lays the tables out.
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self._tables_at = 4 + -(-batch_size // 4) * 4
+        self.staged = torch.zeros(self._tables_at + batch_size * max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.staged[0] = 1
+        self.staged[4:4 + batch_size] = 1
+        self.context_lens = self.staged[4:4 + batch_size]
+        self.tables = self.staged[self._tables_at:]
         self.partial = torch.empty(batch_size, num_heads, self.num_splits, head_dim, dtype=torch.float32,
                                    device=device)
         self.lse = torch.empty(batch_size, num_heads, self.num_splits, dtype=torch.float32, device=device)
-        self._pinned: torch.Tensor | None = None   # stage's host and device buffers
-        self._staged: torch.Tensor | None = None
+        self._pinned: torch.Tensor | None = None   # stage's host buffer, its numpy view, and its copies by size
+        self._host: np.ndarray | None = None
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def prepare(self, block_tables: list[list[int]], context_lens: list[int]) -> None:
-        """Copies the step's tables in (the batch already padded to this size); columns past the longest table
-        keep stale block ids, which no program reads."""
+        """`stage` for lists (the batch already padded to this size)."""
         width = max(map(len, block_tables))
         rows = np.zeros((len(block_tables), width), dtype=np.int32)
         for row, table in zip(rows, block_tables):
             row[:len(table)] = table
-        self.block_tables[:, :width].copy_(torch.from_numpy(rows), non_blocking=True)
-        self.context_lens.copy_(torch.tensor(context_lens, dtype=torch.int32), non_blocking=True)
+        self.stage(rows, np.array(context_lens, dtype=np.int32))
 
     def stage(self, block_tables: np.ndarray, context_lens: np.ndarray) -> None:
-        """`prepare` for a step's arrays ([B, W] tables, [B] lengths, the batch padded to this size), in one queued
-        copy from a pinned buffer and a device copy into the tables' first W columns: a copy from pageable memory
-        can block the host until the device has run the step before (overlap scheduling), and a row-by-row copy
-        costs host time per sequence. The pinned buffer is rewritten by the next step's stage, which the model
-        runner starts only after this step's copies ran."""
+        """Copies a step's arrays in ([b, W] tables, [b] lengths; b is this size, or fewer rows for a forward pass of
+        fewer) with one queued copy from a pinned buffer: a copy from pageable memory can block the host until the
+        device has run the step before (overlap scheduling). Rows past b attend to one token of a block their
+        stale table holds (every value ever staged there is a block id). The pinned buffer is rewritten by the next
+        step's stage, which the model runner starts only after this step's copies ran."""
         b, width = block_tables.shape
-        n = b * width
-        if self._pinned is None or self._pinned.numel() < n + b:
-            size = max(n + b, 2 * (0 if self._pinned is None else self._pinned.numel()))
-            self._pinned = torch.empty(size, dtype=torch.int32, pin_memory=self.block_tables.is_cuda)
-            self._staged = torch.empty(size, dtype=torch.int32, device=self.block_tables.device)
-        assert self._staged is not None
-        host = self._pinned.numpy()
-        host[:n].reshape(b, width)[:] = block_tables
-        host[n:n + b] = context_lens
-        staged = self._staged[:n + b]
-        staged.copy_(self._pinned[:n + b], non_blocking=True)
-        self.block_tables[:b, :width].copy_(staged[:n].view(b, width))
-        self.context_lens[:b].copy_(staged[n:])
+        size = self.batch_size
+        if width > self.max_blocks_per_seq or b > size:
+            raise ValueError(f"tables of {b} x {width} blocks: this decode takes at most {size} x "
+                             f"{self.max_blocks_per_seq}")
+        at = self._tables_at
+        n = at + b * width
+        if self._pinned is None or self._pinned.numel() < n:
+            grown = min(max(n, 2 * (0 if self._pinned is None else self._pinned.numel())), self.staged.numel())
+            self._pinned = torch.zeros(grown, dtype=torch.int32, pin_memory=self.staged.is_cuda)
+            self._host = self._pinned.numpy()
+            self._copies.clear()
+        host = self._host
+        assert host is not None
+        host[0] = width
+        host[4:4 + b] = context_lens
+        host[4 + b:4 + size] = 1
+        host[at:n].reshape(b, width)[:] = block_tables
+        copy = self._copies.get(n)
+        if copy is None:
+            copy = self._copies[n] = (self.staged[:n], self._pinned[:n])
+        copy[0].copy_(copy[1], non_blocking=True)
+
+    def staged_tables(self) -> torch.Tensor:
+        """The tables as the kernels read them, [B, W], W the row stride staged with them (reads the device)."""
+        width = int(self.staged[0])
+        return self.tables[:self.batch_size * width].view(self.batch_size, width)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D] (any token and head strides) against kv_cache [blocks, 2, block_size, Hkv, D]."""
         b, hq, d = q.shape
         group = hq // self.num_kv_heads
         _split_kernel[(b, self.num_kv_heads, self.num_splits)](
-            q, kv_cache, self.block_tables, self.context_lens, self.partial, self.lse,
+            q, kv_cache, self.tables, self.context_lens, self.partial, self.lse,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            kv_cache.stride(3), self.block_tables.stride(0), scale, GROUP=group,
+            kv_cache.stride(3), self.staged, scale, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, PAGE=self.block_size, SPLIT=self.split_tokens,
             BLOCK_T=BLOCK_TOKENS)
         out = q.new_empty(b, hq, d)
@@ -123,9 +144,9 @@ class StreamedDecode(PagedDecode):
         group = hq // self.num_kv_heads
         out = q.new_empty(b, hq, d)
         _stream_kernel[(b, self.num_kv_heads, self.num_splits)](
-            q, kv_cache, self.block_tables, self.context_lens, out, self.partial, self.lse,
+            q, kv_cache, self.tables, self.context_lens, out, self.partial, self.lse,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            kv_cache.stride(3), self.block_tables.stride(0), scale * _LOG2_E, GROUP=group,
+            kv_cache.stride(3), self.staged, scale * _LOG2_E, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, PAGE=self.block_size, BLOCK_T=self.block_t,
             DIRECT=self.num_splits == 1, num_warps=self.warps, num_stages=self.stages)
         if self.num_splits > 1:
@@ -151,10 +172,12 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: list[list[i
 
 if triton is not None:
     @triton.jit
-    def _program_start(q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP: tl.constexpr,
+    def _program_start(q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, stride_ptr, GROUP: tl.constexpr,
                        GROUP_PAD: tl.constexpr, D: tl.constexpr):
         """This program's sequence, KV head and split; the sequence's context length; its query heads (GROUP_PAD
-        rows, the first GROUP real), their q, and the sequence's block table."""
+        rows, the first GROUP real), their q, and the sequence's block table (the tables' row stride is staged
+        with them, at `stride_ptr`)."""
+        table_stride = tl.load(stride_ptr).to(tl.int64)
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -199,11 +222,11 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, partial_ptr, lse_ptr, q_stride_t, q_stride_h,
-                      s_block, s_kv, s_slot, s_head, table_stride, scale, GROUP: tl.constexpr,
+                      s_block, s_kv, s_slot, s_head, stride_ptr, scale, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
                       BLOCK_T: tl.constexpr):
         seq, kv_head, split, context, heads, head_ok, q, table = _program_start(
-            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D)
+            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, stride_ptr, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D)
         begin = split * SPLIT
         end = tl.minimum(begin + SPLIT, context)
         num_splits = tl.num_programs(2)
@@ -251,14 +274,14 @@ if triton is not None:
 
     @triton.jit
     def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, partial_ptr, lse_ptr, q_stride_t, q_stride_h,
-                       s_block, s_kv, s_slot, s_head, table_stride, scale_log2, GROUP: tl.constexpr,
+                       s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2, GROUP: tl.constexpr,
                        GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
                        DIRECT: tl.constexpr):
         # _split_kernel's work over one of the sequence's equal parts, with a loop whose bounds are the part's own
         # tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2, and p
         # rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor cores.
         seq, kv_head, split, context, heads, head_ok, q, table = _program_start(
-            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, table_stride, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D)
+            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, stride_ptr, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D)
         part = tl.cdiv(tl.cdiv(context, tl.num_programs(2)), BLOCK_T) * BLOCK_T   # whole tiles
         begin = split * part
         end = tl.minimum(begin + part, context)

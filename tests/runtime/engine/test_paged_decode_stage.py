@@ -8,7 +8,7 @@ from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.paged_decode import PagedDecode
 
 
-def test_stage_fills_the_same_buffers_as_prepare_and_leaves_columns_past_the_step():
+def test_stage_fills_the_same_buffers_as_prepare_with_the_steps_width_as_row_stride():
     rng = np.random.default_rng(0)
     staged = PagedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"))
     prepared = PagedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"))
@@ -19,11 +19,16 @@ def test_stage_fills_the_same_buffers_as_prepare_and_leaves_columns_past_the_ste
         staged.stage(tables, lens)
         prepared.prepare([row[:n].tolist() for row, n in zip(tables, num_blocks)], lens.tolist())
         assert staged.context_lens.tolist() == lens.tolist()
-        assert staged.block_tables[:, :width].tolist() == tables.tolist()
+        assert staged.staged_tables().tolist() == tables.tolist()   # the row stride is this step's width
         for row, n in enumerate(num_blocks):   # what a kernel reads: the blocks covering each context
-            assert staged.block_tables[row, :n].tolist() == prepared.block_tables[row, :n].tolist()
+            assert staged.staged_tables()[row, :n].tolist() == prepared.staged_tables()[row, :n].tolist()
         tables[:] = -1   # the step's arrays are the host's again at once: what was staged is a copy
-        assert (staged.block_tables[:, :width] >= 0).all()
+        assert (staged.staged_tables() >= 0).all()
+    staged.stage(np.array([[7, 8, 9]], dtype=np.int32), np.array([40]))   # fewer rows than the size
+    assert staged.context_lens.tolist() == [40, 1, 1, 1]   # the rest attend to one token
+    assert staged.staged_tables()[0].tolist() == [7, 8, 9]
+    with pytest.raises(ValueError, match="at most 4 x 32"):
+        staged.stage(np.zeros((4, 33), dtype=np.int32), np.ones(4))
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, "64"])
