@@ -24,8 +24,10 @@ class Engine:
         model = os.environ["EMBER_BENCH_MODEL"]
         longest = json.loads((Path(model) / "config.json").read_text())["max_position_embeddings"]
         overlap = os.environ.get("EMBER_BENCH_OVERLAP", "1") == "1"
+        wait = os.environ.get("EMBER_BENCH_DEVICE_WAIT")
+        wait = {"device_wait": wait} if wait else {}
         self.api = create_app(LLMEngine(EngineConfig(model=model, max_model_len=min(4096, longest),
-                                                     overlap=overlap)))
+                                                     overlap=overlap, **wait)))
 
     @ember.asgi_app()
     def web(self):

@@ -205,16 +205,19 @@ def hf_offline(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
 
 
 def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool = True,
-                 streamed_decode: int | None = None):
+                 streamed_decode: int | None = None, device_wait: str | None = None):
     """The engine with batches of up to `max_num_seqs` sequences and 8192 tokens a step; with None, with
     EngineConfig's defaults (what a user gets). `streamed_decode`: EngineConfig.streamed_decode_min_batch when
-    given, 0 for flashinfer's decode kernel at every batch size."""
+    given, 0 for flashinfer's decode kernel at every batch size; `device_wait`: EngineConfig.device_wait when
+    given."""
     from ember.runtime.engine.config import EngineConfig
     from ember.runtime.engine.engine import LLMEngine
 
     tuned = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 8192}
     if streamed_decode is not None:
         tuned["streamed_decode_min_batch"] = streamed_decode or None
+    if device_wait is not None:
+        tuned["device_wait"] = device_wait
     return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, overlap=overlap, **tuned))
 
 
@@ -321,20 +324,21 @@ from pathlib import Path
 {redirect}
 sys.path.insert(0, {here!r})
 import speed
-eng = speed.ember_engine(Path({model_dir!r}), max_num_seqs=256, overlap={overlap!r}, streamed_decode={streamed!r})
+eng = speed.ember_engine(Path({model_dir!r}), max_num_seqs=256, overlap={overlap!r}, streamed_decode={streamed!r},
+                         device_wait={device_wait!r})
 host, gpu, wall, launch = speed.ember_host_vs_gpu(eng)
 print(json.dumps({{"host_ms": host, "gpu_ms": gpu, "wall_ms": wall, "launch_ms": launch}}))
 """
 
 
 def b64_in_fresh_process(model_dir: Path, runtime: str | None = None, overlap: bool = True,
-                         streamed_decode: int | None = None) -> dict:
+                         streamed_decode: int | None = None, device_wait: str | None = None) -> dict:
     """`ember_host_vs_gpu` in a new process with its own engine on `model_dir` (this process must have freed the
     GPU memory of its own): {host_ms, gpu_ms, wall_ms, launch_ms}. `runtime`: a directory to import as
     ember.runtime in place of this checkout's (another commit's engine, for host_ab.py)."""
     redirect = f"import ember.runtime; ember.runtime.__path__[:] = [{runtime!r}]" if runtime else ""
     code = FRESH_B64.format(redirect=redirect, here=str(Path(__file__).parent), model_dir=str(model_dir),
-                            overlap=overlap, streamed=streamed_decode)
+                            overlap=overlap, streamed=streamed_decode, device_wait=device_wait)
     out = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True,
                          env=os.environ).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -389,7 +393,7 @@ def serving_url(process: subprocess.Popen, serve_log: Path, timeout: float = 300
 
 
 def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: int,
-           overlap: bool = True, serve_log_dir: Path | None = None) -> list[dict]:
+           overlap: bool = True, serve_log_dir: Path | None = None, device_wait: str | None = None) -> list[dict]:
     """`ember serve` with one replica (its engine with EngineConfig(overlap=overlap)); streaming completions at each
     concurrency. The server's log is kept in `serve_log_dir` (default: beside the model)."""
     serve_log_dir = serve_log_dir or model_dir.parent
@@ -405,7 +409,8 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
         process = subprocess.Popen(
             [sys.executable, "-m", "ember.cli", "serve", str(Path(__file__).parent / "serve_app.py"), "--port", "0"],
             env=os.environ | {"EMBER_HOME": str(home), "EMBER_BENCH_MODEL": str(model_dir),
-                              "EMBER_BENCH_OVERLAP": "1" if overlap else "0"},
+                              "EMBER_BENCH_OVERLAP": "1" if overlap else "0",
+                              "EMBER_BENCH_DEVICE_WAIT": device_wait or ""},
             stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
 
     def stop(signum, frame):   # `timeout` ends this bench: the server (its own session) goes with it
@@ -566,6 +571,8 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     weight_bytes = saved_weight_bytes(model_dir)
     row = {"name": f"Qwen3-{shape} shape (random weights)", "weight_bytes": weight_bytes,
            "roofline_b1_tok_s": round(bandwidth / weight_bytes, 1)}
+    if args.device_wait:
+        row["device_wait"] = args.device_wait
     log(f"[{shape}] built in {time.perf_counter() - began:.1f} s, {weight_bytes / 1e9:.2f} GB; roofline "
         f"{row['roofline_b1_tok_s']} tok/s")
     b1_prompt = random_prompts(1, 128, 128, seed=1)[0]
@@ -600,7 +607,8 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
         for overlap in OVERLAP_MODES[args.overlap]:
             free = torch.cuda.mem_get_info()[0]
             row["online" if overlap else "online_serial"] = online(model_dir, tuple(args.concurrency),
-                                                                  args.online_requests, overlap)
+                                                                  args.online_requests, overlap,
+                                                                  device_wait=args.device_wait)
             args.checkpoint(row)
             wait_gpu_memory(free)
     if args.parts & {"b1", "offline", "b64", "offline-defaults"}:
@@ -618,7 +626,8 @@ def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[in
     # this process's engine, unless every part it would run goes to fresh processes
     if args.parts & {"b1", "offline"} or ("b64" in args.parts and not args.b64_processes):
         began = time.perf_counter()
-        eng = ember_engine(model_dir, max_num_seqs=256, overlap=overlap, streamed_decode=args.streamed_decode)
+        eng = ember_engine(model_dir, max_num_seqs=256, overlap=overlap, streamed_decode=args.streamed_decode,
+                           device_wait=args.device_wait)
         if args.streamed_decode is not None:
             row["streamed_decode_min_batch"] = args.streamed_decode
         row[f"ember_start_phases_s{suffix}"] = {k: round(v, 3) for k, v in eng.runner.start_phases.items()}
@@ -645,13 +654,14 @@ def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[in
     if "b64" in args.parts and args.b64_processes:   # each process needs the GPU memory this one's engine freed
         runs = []
         for i in range(args.b64_processes):
-            runs.append(b64_in_fresh_process(model_dir, overlap=overlap, streamed_decode=args.streamed_decode))
+            runs.append(b64_in_fresh_process(model_dir, overlap=overlap, streamed_decode=args.streamed_decode,
+                                             device_wait=args.device_wait))
             log(f"[{shape}] batch 64 decode step{label}, process {i + 1} of {args.b64_processes}: host "
                 f"{runs[-1]['host_ms']:.3f} ms, GPU {runs[-1]['gpu_ms']:.3f} ms")
         b64_row(row, shape, suffix, label, runs)
         args.checkpoint(row)
     if "offline-defaults" in args.parts:  # the same run with EngineConfig's defaults for the batch sizes
-        eng = ember_engine(model_dir, overlap=overlap)
+        eng = ember_engine(model_dir, overlap=overlap, device_wait=args.device_wait)
         rate, split = ember_offline(eng, prompts, output_lens)
         row[f"offline_defaults_output_tok_s{suffix}"] = round(rate, 1)
         row[f"offline_defaults_time_split{suffix}"] = split
@@ -707,6 +717,9 @@ def main() -> None:
                         help="Ember's b1, offline and b64 parts with EngineConfig(streamed_decode_min_batch=N): decode "
                              "graphs of N or more sequences run paged_decode's streamed attention; 0: flashinfer's "
                              "decode kernel at every batch size (online keeps the default)")
+    parser.add_argument("--device-wait", choices=("block", "spin"),
+                        help="every Ember part with EngineConfig(device_wait=...), named in the row as device_wait "
+                             "(default: the config's default, unnamed)")
     parser.add_argument("--b64-processes", type=int, default=3, metavar="N",
                         help="the b64 part's medians over N fresh processes, each its own engine (one process's host "
                              "time moves up to 2x between processes on the H200 machine); 0: in this process's "

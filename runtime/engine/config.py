@@ -44,6 +44,11 @@ class EngineConfig:
     # tokens on the host before the next step, so while one is in the engine the steps run one at a time. On by
     # default: on the H200 it gained 6% at batch 1 and offline (bench/results/engine_speed.json).
     overlap: bool = True
+    # How the step loop waits for each step's tokens on CUDA: "block" sleeps until the device signals (an event
+    # made with blocking sync), "spin" polls, as CUDA does by default, holding a core of the replica's host for as
+    # long as the engine steps. On the H200 the 8B shape's batch-1 decode ran 227.7 tok/s either way, at 0.19
+    # against 1.0 cores of the step loop's CPU (bench/results/engine_speed.json, the online rows' replica CPU).
+    device_wait: str = "block"
     # Weight snapshots: "local" ($EMBER_HOME/snapshots) or "s3://bucket/prefix"; None boots from safetensors
     # every time. A replica of a snapshot=True function gets EMBER_SNAPSHOT_STORE from its worker.
     snapshot_store: str | None = field(default_factory=lambda: os.environ.get("EMBER_SNAPSHOT_STORE") or None)
@@ -71,6 +76,9 @@ class EngineConfig:
                 not isinstance(self.streamed_decode_min_batch, int) or self.streamed_decode_min_batch < 1):
             raise ValueError(f"streamed_decode_min_batch={self.streamed_decode_min_batch!r}: use a batch size of at "
                              "least 1, or None for flashinfer's decode kernel")
+        if self.device_wait not in ("block", "spin"):
+            raise ValueError(f"device_wait={self.device_wait!r}: use 'block' (the step loop sleeps on the device) or "
+                             "'spin' (it polls, a core busy while the engine steps)")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r}: use True or False")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -138,7 +138,8 @@ class ModelRunner:
         self._token_buffers: list[torch.Tensor] = []     # overlap: host buffers of sampled tokens (_host_tokens)
         # steps' GPU timers, in turn: a step's is read when it is collected, before the step after next launches;
         # reusing their events spares each step creating and destroying two (four calls to the driver)
-        self._timers = collections.deque(_GpuTimer(self.device.type == "cuda") for _ in range(3))
+        self._timers = collections.deque(_GpuTimer(self.device.type == "cuda", self.config.device_wait == "block")
+                                           for _ in range(3))
         logger.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s, decode graphs %s; start %s",
                     config.model, self.device, self.dtype, self.num_blocks, self.block_size,
                     type(self.attention).__name__, self.graphs.batch_sizes if self.graphs else "off",
@@ -417,12 +418,15 @@ class ModelRunner:
 
 
 class _GpuTimer:
-    """Device time between two points of the stream, read after the step's one synchronisation; off on CPU."""
+    """Device time between two points of the stream, read after the step's one synchronisation; off on CPU. The
+    host waits on `end` for the step's tokens: a blocking event lets its thread sleep there (EngineConfig.device_wait);
+    `begin`, which marks the step's inputs copied, is waited on briefly and spins."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, blocking: bool = True):
         self.enabled = enabled
         if enabled:
-            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True, blocking=blocking)
 
     def start(self) -> None:
         if self.enabled:

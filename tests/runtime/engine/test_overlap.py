@@ -322,6 +322,13 @@ def test_the_flag_is_validated(llama):
         EngineConfig(model=llama[0], overlap="yes")
 
 
+@pytest.mark.parametrize("value", ["sleep", "", None, True])
+def test_the_device_wait_is_validated(llama, value):
+    with pytest.raises(ValueError, match="device_wait=.*use 'block'"):
+        EngineConfig(model=llama[0], device_wait=value)
+    assert EngineConfig(model=llama[0], device_wait="spin").device_wait == "spin"
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3")
