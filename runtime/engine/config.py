@@ -44,11 +44,14 @@ class EngineConfig:
     # tokens on the host before the next step, so while one is in the engine the steps run one at a time. On by
     # default: on the H200 it gained 6% at batch 1 and offline (bench/results/engine_speed.json).
     overlap: bool = True
-    # How the step loop waits for each step's tokens on CUDA: "block" sleeps until the device signals (an event
-    # made with blocking sync), "spin" polls, as CUDA does by default, holding a core of the replica's host for as
-    # long as the engine steps. On the H200 the 8B shape's batch-1 decode ran 227.7 tok/s either way, at 0.19
-    # against 1.0 cores of the step loop's CPU (bench/results/engine_speed.json, the online rows' replica CPU).
-    device_wait: str = "block"
+    # How the step loop waits for each step's tokens on CUDA: "spin" polls, as CUDA does by default, holding a core
+    # of the replica's host while the engine steps; "block" sleeps until the device signals (an event made with
+    # blocking sync). On the H200, 8B shape, one run: online output tok/s the same at every concurrency (c1 214.8
+    # against 215.3, c64 6,862 against 6,770) with the replica's CPU per token 1,255 against 4,766 us at c1 and 103
+    # against 145 at c64; but the host's work per batch-64 step ran slower after each sleep (0.74 against 0.42 ms,
+    # one process each), which a host-bound engine (a small model at small batches) would pay in tok/s. So "block"
+    # is for hosts that pack replicas densely, and the default spins.
+    device_wait: str = "spin"
     # Weight snapshots: "local" ($EMBER_HOME/snapshots) or "s3://bucket/prefix"; None boots from safetensors
     # every time. A replica of a snapshot=True function gets EMBER_SNAPSHOT_STORE from its worker.
     snapshot_store: str | None = field(default_factory=lambda: os.environ.get("EMBER_SNAPSHOT_STORE") or None)

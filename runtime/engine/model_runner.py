@@ -422,7 +422,7 @@ class _GpuTimer:
     host waits on `end` for the step's tokens: a blocking event lets its thread sleep there (EngineConfig.device_wait);
     `begin`, which marks the step's inputs copied, is waited on briefly and spins."""
 
-    def __init__(self, enabled: bool, blocking: bool = True):
+    def __init__(self, enabled: bool, blocking: bool = False):
         self.enabled = enabled
         if enabled:
             self.begin = torch.cuda.Event(enable_timing=True)
