@@ -124,32 +124,56 @@ def matmul_rate() -> float:
     return 2 * 8192 * 4096 * 12288 / best
 
 
-def offline_floor(model_dir: Path, weight_bytes: int, prompt_lens: list[int], output_lens: list[int],
-                  bandwidth: float, flops: float) -> float:
-    """Seconds an ideal engine needs for the offline workload at this run's measured copy bandwidth and matrix
-    product rate: every prompt prefilled at the product rate (weights and causal attention; the head's product
-    only for each prompt's last token, whose logits sample its first output), then each decode step of every
-    sequence still running, taking the longer of reading the weights and computing the step's products, plus
-    reading each sequence's K/V at the copy bandwidth. Nothing is wasted: no padding, no launch gaps, no host
-    time, and prefill overlaps nothing. A lower bound on the run's time."""
+def _workload_costs(model_dir: Path, weight_bytes: int, prompt_lens: list[int]) -> dict:
+    """What the offline workload's parts cost a model of this shape: the bytes its products read per step, the
+    FLOPs per decoded token, the K/V bytes per token of context, and prefill's FLOPs (weights and causal attention;
+    the head's product only for each prompt's last token, whose logits sample its first output)."""
     shape = json.loads((model_dir / "config.json").read_text())
     layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
     head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
-    kv_per_token = layers * shape["num_key_value_heads"] * head_dim * 2 * 2   # K and V, bf16
     # the embedding table is gathered, not read whole; the head is a product like the others
     product_bytes = weight_bytes - (0 if shape.get("tie_word_embeddings") else shape["vocab_size"] * hidden * 2)
     flops_per_token = product_bytes   # 2 FLOPs per bf16 parameter (2 bytes)
     head_flops = shape["vocab_size"] * hidden * 2
     attention_flops = sum(4 * layers * shape["num_attention_heads"] * head_dim * p * p / 2 for p in prompt_lens)
-    prefill_flops = sum(prompt_lens) * (flops_per_token - head_flops) + len(prompt_lens) * head_flops
-    seconds = (prefill_flops + attention_flops) / flops
+    return {"product_bytes": product_bytes, "flops_per_token": flops_per_token,
+            "kv_per_token": layers * shape["num_key_value_heads"] * head_dim * 2 * 2,   # K and V, bf16
+            "prefill_flops": sum(prompt_lens) * (flops_per_token - head_flops) + len(prompt_lens) * head_flops
+            + attention_flops}
+
+
+def offline_floor(model_dir: Path, weight_bytes: int, prompt_lens: list[int], output_lens: list[int],
+                  bandwidth: float, flops: float) -> float:
+    """Seconds an ideal engine of Ember's kind (and vLLM's and SGLang's: prefill and decode in their own steps, a
+    step's attention after its products) needs for the offline workload at this run's measured copy bandwidth and
+    matrix product rate: every prompt prefilled at the product rate, then each decode step of every sequence still
+    running, taking the longer of reading the weights and computing the step's products, plus reading each
+    sequence's K/V at the copy bandwidth. Nothing is wasted: no padding, no launch gaps, no host time, and prefill
+    overlaps nothing. A lower bound on the run's time for such an engine; `offline_bound` is one for any."""
+    c = _workload_costs(model_dir, weight_bytes, prompt_lens)
+    seconds = c["prefill_flops"] / flops
     running = sorted(zip(output_lens, prompt_lens))
     for step in range(1, max(output_lens)):   # the token of step 0 came with the prefill
         running = [(o, p) for o, p in running if o > step]
-        batch_flops = flops_per_token * len(running)
+        batch_flops = c["flops_per_token"] * len(running)
         context = sum(p + step for _, p in running)
-        seconds += max(product_bytes / bandwidth, batch_flops / flops) + context * kv_per_token / bandwidth
+        seconds += max(c["product_bytes"] / bandwidth, batch_flops / flops) + context * c["kv_per_token"] / bandwidth
     return seconds
+
+
+def offline_bound(model_dir: Path, weight_bytes: int, prompt_lens: list[int], output_lens: list[int],
+                  bandwidth: float, flops: float) -> float:
+    """Seconds no engine can beat on the offline workload with bf16 weights and K/V at these rates: the longer of
+    all its products at the product rate (prefill's, then one decoded token's per output token after the first)
+    and all its reads at the copy bandwidth (the weights once for the prefill and once for each of the longest
+    output's decode steps, which follow one another, and every decode step's K/V), as if every product overlapped
+    every read."""
+    c = _workload_costs(model_dir, weight_bytes, prompt_lens)
+    decoded = sum(o - 1 for o in output_lens)
+    compute = (c["prefill_flops"] + decoded * c["flops_per_token"]) / flops
+    context = sum(sum(p + step for step in range(1, o)) for o, p in zip(output_lens, prompt_lens))
+    reads = max(output_lens) * c["product_bytes"] + context * c["kv_per_token"]
+    return max(compute, reads / bandwidth)
 
 
 def random_prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
@@ -582,8 +606,11 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     floor = offline_floor(model_dir, weight_bytes, [len(p) for p in prompts], output_lens, bandwidth, args.flops)
     row["offline_floor_s"] = round(floor, 2)
     row["offline_floor_output_tok_s"] = round(sum(output_lens) / floor, 1)
+    bound = offline_bound(model_dir, weight_bytes, [len(p) for p in prompts], output_lens, bandwidth, args.flops)
+    row["offline_bound_output_tok_s"] = round(sum(output_lens) / bound, 1)
     log(f"[{shape}] offline floor: {floor:.2f} s = {row['offline_floor_output_tok_s']} output tok/s at "
-        f"{bandwidth / 1e9:.0f} GB/s and {args.flops / 1e12:.0f} TFLOPS")
+        f"{bandwidth / 1e9:.0f} GB/s and {args.flops / 1e12:.0f} TFLOPS; no engine beats "
+        f"{row['offline_bound_output_tok_s']} (every product overlapping every read)")
     args.checkpoint(row)
     if "transformers" in args.parts:
         from transformers import Qwen3ForCausalLM
@@ -807,7 +834,7 @@ def record(result: dict, results: Path = RESULTS) -> None:
     if has_online:
         (RESULTS / "engine_speed_online.svg").write_text(online_chart(result["models"]))
     rows = ["| model | weights GB | roofline b1 tok/s | Ember b1 tok/s | transformers b1 tok/s "
-            "| Ember offline out tok/s (at default batch sizes) | offline floor out tok/s "
+            "| Ember offline out tok/s (at default batch sizes) | offline floor out tok/s (bound) "
             "| transformers offline out tok/s | host / GPU ms per step at b64 |",
             "|---" * 9 + "|"]
     for m in result["models"]:
@@ -818,7 +845,8 @@ def record(result: dict, results: Path = RESULTS) -> None:
         rows.append(f"| {m['name']} | {m['weight_bytes'] / 1e9:.2f} | {m['roofline_b1_tok_s']} | {b1_text} | "
                     f"{m.get('transformers_b1_tok_s') or '-'} | {m.get('offline_output_tok_s') or '-'} "
                     f"({m.get('offline_defaults_output_tok_s') or '-'}) | "
-                    f"{m.get('offline_floor_output_tok_s') or '-'} | "
+                    f"{m.get('offline_floor_output_tok_s') or '-'}"
+                    + (f" ({m['offline_bound_output_tok_s']})" if "offline_bound_output_tok_s" in m else "") + " | "
                     f"{m.get('transformers_offline_output_tok_s') or '-'} | "
                     f"{m.get('host_ms_per_step_b64', '-')} / {m.get('gpu_ms_per_step_b64', '-')}"
                     + (f"; step wall {m.get('wall_ms_per_step_b64', '-')} against "

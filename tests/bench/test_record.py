@@ -107,6 +107,37 @@ def test_the_offline_floor_counts_the_head_once_per_prompt(tmp_path):
     assert short == pytest.approx((10 * body + head + 4 * layers * 4 * 16 * 100 / 2) / flops)
 
 
+def test_the_offline_bound_is_the_longer_of_all_products_and_all_reads_and_never_above_the_floor(tmp_path):
+    import json
+    import random
+
+    speed = _speed()
+    hidden, vocab, layers, heads, kv_heads, head_dim = 64, 1000, 2, 4, 2, 16
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=True)))
+    weights = 200_000   # tied: all of it the products' bytes
+    kv = layers * kv_heads * head_dim * 4
+    # two sequences: prompts of 3 and 5 tokens, outputs of 4 and 2: decode steps 1..3 and 1
+    prompts, outputs = [3, 5], [4, 2]
+    context = (3 + 1) + (3 + 2) + (3 + 3) + (5 + 1)
+    head = vocab * hidden * 2   # prefill computes the head's product for each prompt's last token only
+    products = (sum(prompts) * (weights - head) + len(prompts) * head + 4 * layers * heads * head_dim * (9 + 25) / 2
+                + (3 + 1) * weights)
+    reads = 4 * weights + context * kv
+    slow_compute, slow_reads = (1e15, 1e3), (1e3, 1e15)   # (bandwidth, FLOPS)
+    assert speed.offline_bound(tmp_path, weights, prompts, outputs, *slow_reads) == pytest.approx(reads / 1e3)
+    assert speed.offline_bound(tmp_path, weights, prompts, outputs, *slow_compute) == pytest.approx(products / 1e3)
+    rng = random.Random(0)
+    for _ in range(50):
+        n = rng.randint(1, 6)
+        prompts = [rng.randint(1, 50) for _ in range(n)]
+        outputs = [rng.randint(1, 40) for _ in range(n)]
+        rates = (rng.uniform(1e9, 1e12), rng.uniform(1e9, 1e12))
+        assert (speed.offline_bound(tmp_path, weights, prompts, outputs, *rates)
+                <= speed.offline_floor(tmp_path, weights, prompts, outputs, *rates) * (1 + 1e-9))
+
+
 def test_the_replica_loop_cpu_is_its_main_thread_alone():
     """speed.py's online rows split the replica's CPU: a step loop spinning on another thread is not the loop's."""
     speed = _speed()
