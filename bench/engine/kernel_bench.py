@@ -3,10 +3,10 @@
     python bench/engine/kernel_bench.py [--parts gemv,attention,gemm] [--record]
 
   - gemv: runtime/engine/gemv.py's Triton product over a sweep of its configurations against F.linear (cuBLAS),
-    for the Qwen3-8B shape's products at 1 row (and 2 and 4 with the best of 1), each timed inside a CUDA graph
-    (as the decode graphs run them) over enough copies of the weight that none is read from L2; the weight-read
-    floor at the device copy bandwidth measured in the same run beside them, and the configuration
-    gemv.config_for() picks;
+    for the Qwen3-8B shape's products (--gemv-shapes: also the 4B's and 0.6B's) at 1 row (and 2 and 4 with the best
+    of 1), each timed inside a CUDA graph (as the decode graphs run them) over enough copies of the weight that
+    none is read from L2; the weight-read floor at the device copy bandwidth measured in the same run beside them,
+    the configuration gemv.config_for() picks, and whether gemv.applies() takes the product at all;
   - attention: one decode step's attention over the paged KV cache (32 query heads, 8 KV heads, head_dim 128,
     pages in a shuffled order) at several batch sizes and context lengths, each kernel replayed from a CUDA graph:
     flashinfer's decode kernel (16-token pages, also without split-KV, and with 64-token pages), its tensor-core
@@ -36,6 +36,16 @@ RESULTS = ROOT / "bench" / "results"
 # (name, rows N, columns K) of the Qwen3-8B shape's decode products
 PRODUCTS = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 24576, 4096),
             ("down_proj", 4096, 12288), ("lm_head", 151936, 4096)]
+# hidden, intermediate, query heads, KV heads of the Qwen3 shapes (head_dim 128, vocabulary 151936)
+SHAPES = {"8B": (4096, 12288, 32, 8), "4B": (2560, 9728, 32, 8), "0.6B": (1024, 3072, 16, 8)}
+
+
+def products(shape: str) -> list[tuple[str, int, int]]:
+    """The decode products of a Qwen3 shape, as PRODUCTS lists the 8B's."""
+    hidden, intermediate, heads, kv_heads = SHAPES[shape]
+    return [("qkv_proj", (heads + 2 * kv_heads) * 128, hidden), ("o_proj", hidden, heads * 128),
+            ("gate_up_proj", 2 * intermediate, hidden), ("down_proj", hidden, intermediate),
+            ("lm_head", 151936, hidden)]
 ATTENTION_CASES = [(1, 384), (4, 1024), (16, 1024), (64, 512), (64, 1024), (128, 1024), (256, 1024), (256, 2048)]
 
 
@@ -80,13 +90,13 @@ def in_graph(calls, reps: int = 3) -> float:
     return timed(graph.replay, reps) / len(calls)
 
 
-def bench_gemv(bandwidth: float) -> list[dict]:
+def bench_gemv(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dict]:
     from ember.runtime.engine import gemv
 
     configs = [gemv.Config(n, k, w) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4, 8)]
     rows = []
     best_config = gemv.Config()
-    for name, n, k in PRODUCTS:
+    for shape, (name, n, k) in [(s, product) for s in shapes for product in products(s)]:
         weight_bytes = n * k * 2
         copies = max(2, math.ceil((512 << 20) / weight_bytes))   # far more than the L2 cache
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
@@ -106,14 +116,15 @@ def bench_gemv(bandwidth: float) -> list[dict]:
             if m == 1:
                 best_config = config
             check = (gemv.gemv(x, weights[0], config).float() - F.linear(x, weights[0]).float()).abs().max()
-            row = {"product": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
+            row = {"shape": shape, "product": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
                    "cublas_us": round(cublas, 2), "triton_us": round(us, 2), "config": vars(config),
-                   "picked": vars(gemv.config_for(n, k)),
+                   "picked": vars(gemv.config_for(n, k)), "applies": m == 1 and gemv.applies(x, weights[0], None),
                    "triton_of_floor": round(floor_us / us, 3), "cublas_of_floor": round(floor_us / cublas, 3),
                    "max_abs_diff": float(check)}
             rows.append(row)
-            log(f"gemv {name:13s} m={m}: floor {floor_us:7.2f} us, cuBLAS {cublas:7.2f} ({floor_us / cublas:.0%}), "
-                f"Triton {us:7.2f} ({floor_us / us:.0%}) {vars(config)}, max diff {float(check):.3g}")
+            log(f"gemv {shape} {name:13s} m={m}: floor {floor_us:7.2f} us, "
+                f"cuBLAS {cublas:7.2f} ({floor_us / cublas:.0%}), Triton {us:7.2f} ({floor_us / us:.0%}) "
+                f"{vars(config)}, max diff {float(check):.3g}")
         del weights
         torch.cuda.empty_cache()
     return rows
@@ -274,6 +285,8 @@ def bench_gemm() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="gemv,attention,gemm")
+    parser.add_argument("--gemv-shapes", nargs="+", default=["8B"], choices=list(SHAPES),
+                        help="gemv: the products of these Qwen3 shapes")
     parser.add_argument("--record", action="store_true", help="write bench/results/kernels.json")
     parser.add_argument("--fa2", action="store_true",
                         help="attention: also flashinfer's tensor-core decode on fa2 (compiles its module if missing)")
@@ -290,7 +303,7 @@ def main() -> None:
     result = {"machine": f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, {platform.machine()}; "
                          f"torch {torch.__version__}", "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
     if "gemv" in parts:
-        result["gemv"] = bench_gemv(bandwidth)
+        result["gemv"] = bench_gemv(bandwidth, tuple(args.gemv_shapes))
     if "attention" in parts:
         result["attention"] = bench_attention(bandwidth, args.fa2)
         result["attention_skewed"] = bench_skewed_attention(bandwidth)
