@@ -54,6 +54,22 @@ def test_decode_graphs_take_the_previous_steps_tokens_on_the_device(model_dir, b
     assert all(len(tokens) == 40 for tokens, _ in outcome.values())
 
 
+def test_a_step_loop_that_sleeps_on_the_device_gets_the_same_tokens(model_dir):
+    """EngineConfig.device_wait="block": the events the host waits on sleep instead of spinning, and nothing else
+    changes, with overlap or without."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = random_prompts([5 + 3 * i for i in range(12)], seed=5)
+
+    def scenario(eng):
+        for i, prompt in enumerate(prompts):
+            eng.add_request(str(i), prompt, params)
+        return run(eng)
+
+    spinning = both(model_dir, scenario)
+    blocking = both(model_dir, scenario, device_wait="block")
+    assert blocking == spinning
+
+
 def test_streamed_decode_graphs_take_the_previous_steps_tokens_on_the_device(model_dir):
     """Graphs of 9 or more sequences on paged_decode's streamed kernel (EngineConfig.streamed_decode_min_batch)."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
