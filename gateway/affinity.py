@@ -65,8 +65,11 @@ def pick(key: str, replicas: Sequence[ReplicaLoad], epsilon: float = DEFAULT_EPS
 def prompt_text(body: Mapping) -> str | None:
     """The text an OpenAI completion or chat request starts with, as the engine will see it first."""
     if messages := body.get("messages"):
+        if not isinstance(messages, list):
+            return None   # not a chat the engine takes: it answers 400, from any replica
         # Role and content in order is what the chat template renders; the exact template doesn't matter for routing.
-        return "".join(f"{m.get('role', '')}\x1f{json.dumps(m.get('content'), sort_keys=True)}\x1e" for m in messages)
+        return "".join(f"{m.get('role', '')}\x1f{json.dumps(m.get('content'), sort_keys=True)}\x1e"
+                       for m in messages if isinstance(m, dict)) or None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch routes by its first prompt
@@ -85,4 +88,5 @@ def prefix_key(text: str | None, block: int = PREFIX_BLOCK_CHARS, max_chars: int
     length = min(len(text), max_chars) // block * block
     if length == 0:
         return None
-    return "prefix:" + hashlib.blake2b(text[:length].encode(), digest_size=16).hexdigest()
+    # JSON may carry lone surrogates ("\ud800"), which strict UTF-8 refuses: keyed as they are (the engine refuses them)
+    return "prefix:" + hashlib.blake2b(text[:length].encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()

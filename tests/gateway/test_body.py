@@ -5,9 +5,11 @@ import asyncio
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from starlette.requests import Request
 
-from ember.gateway.body import PARSE_INLINE, read_forward, read_kwargs
+from ember.gateway.body import PARSE_INLINE, _completion_usage, read_forward, read_kwargs
 from ember.gateway.errors import ApiError
 from ember.gateway.inflight import BodyBudget
 from ember.gateway.routing import Forward
@@ -66,3 +68,21 @@ def test_a_small_call_body_is_checked_here_and_a_large_one_left_to_the_replica()
     assert small.value.status == 400 and small.value.type == "invalid_json"
     large = b"[" + b"1, " * PARSE_INLINE
     assert asyncio.run(read_kwargs(request("/app/fn", large), budget)) == large  # not parsed on the event loop
+
+
+# any code point, lone surrogates too (JSON carries them as "\ud800"), and strings long enough for a prefix key
+TEXT = st.text(st.characters(exclude_categories=()), max_size=600)
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | TEXT,
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["messages", "prompt", "max_tokens", "max_completion_tokens", "n", "model"]),
+                       JSON, max_size=4))
+def test_any_json_object_gets_an_estimate_and_no_error(body):
+    """An OpenAI body's estimate and routing key, whatever its fields hold (lone surrogates included): the engine
+    refuses what it cannot take, with its own 400; the gateway must not fail first."""
+    raw = json.dumps(body).encode()
+    tokens, prompt, key = _completion_usage(raw)
+    assert tokens >= 1 and 1 <= prompt <= tokens and (key is None or key.startswith("prefix:"))
