@@ -171,6 +171,9 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
+        except socket.gaierror as exc:
+            raise RuntimeError(f"cannot listen on --host {host} ({exc.strerror}): give an address of this machine, "
+                               "e.g. 127.0.0.1, or 0.0.0.0 for all of them") from None
         except OSError as exc:
             raise RuntimeError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another with --port, or "
                                "--port 0 for any free one") from None

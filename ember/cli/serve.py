@@ -2,6 +2,18 @@
 import argparse
 
 
+def port(text: str) -> int:
+    """A TCP port for argparse: 0 to 65535."""
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: use 0 to 65535 (0 picks a free one)") \
+            from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{number} is not a port number: use 0 to 65535 (0 picks a free one)")
+    return number
+
+
 def add_to(sub, epilog: str) -> None:
     p = sub.add_parser("serve", help="run gateway, autoscaler and local backend for APP.py in the foreground",
                        description="Serve APP.py (or, with --model DIR, a Hugging Face model directory behind an "
@@ -18,7 +30,7 @@ def add_to(sub, epilog: str) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1); 0.0.0.0 serves other machines too, and the printed "
                         "URL then names this machine's address")
-    p.add_argument("--port", type=int, default=8443, help="port to listen on; 0 picks a free one (default 8443)")
+    p.add_argument("--port", type=port, default=8443, help="port to listen on; 0 picks a free one (default 8443)")
     p.add_argument("--new-key", metavar="NAME",
                    help="also create an API key NAME (revoking an earlier live key of that name) and print a "
                         "ready-to-paste curl")

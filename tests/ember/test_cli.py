@@ -149,6 +149,18 @@ def test_a_module_level_object_that_cannot_be_shipped_is_named_with_the_fix(tmp_
         "error: app 'locked' cannot be packaged: locked.guard: cannot pickle '_thread.lock'")
     assert "@ember.enter() hook" in result.stderr
 
+@pytest.mark.parametrize("args, says", [
+    (["--port", "99999"], "99999 is not a port number: use 0 to 65535"),
+    (["--port", "-1"], "-1 is not a port number"),
+    (["--port", "http"], "'http' is not a port number"),
+    (["--host", "999.1.1.1", "--port", "0"], "cannot listen on --host 999.1.1.1"),
+])
+def test_a_port_or_host_that_cannot_be_listened_on_is_named_without_a_traceback(args, says, tmp_path):
+    result = ember("serve", str(EXAMPLE), *args, home=tmp_path)
+    assert result.returncode != 0 and says in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr + result.stdout
+
+
 def test_a_bad_app_name_is_refused_the_same_way_by_run_and_serve(tmp_path):
     app = tmp_path / "bad.py"
     app.write_text("import ember\napp = ember.App('Bad_Name')\n\n@app.function()\ndef f() -> int:\n    return 1\n")
