@@ -9,6 +9,7 @@ the official openai client asks for by default and decodes. A directory in the s
 """
 import asyncio
 import base64
+import logging
 import time
 from typing import Literal
 
@@ -16,7 +17,9 @@ import numpy as np
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from ember.runtime.engine.serving.errors import APIError, openai_errors
+from ember.runtime.engine.serving.errors import APIError, internal_errors, openai_errors
+
+log = logging.getLogger("ember.embeddings")
 
 MAX_INPUTS = 2048  # texts in one request, as OpenAI allows
 
@@ -40,6 +43,12 @@ class EmbeddingRequest(BaseModel):
             raise ValueError(f"at most {MAX_INPUTS} texts per request, got {len(texts)}; split them over requests")
         if any(not text for text in texts):
             raise ValueError("texts must not be empty strings")
+        for i, text in enumerate(texts):   # JSON may carry a lone UTF-16 surrogate ("\ud800"): no tokenizer takes it
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"input[{i}] holds a lone UTF-16 surrogate ({text[e.start]!r} at character "
+                                 f"{e.start}); send valid Unicode (a surrogate only as half of a pair)") from None
         return value
 
 
@@ -73,7 +82,9 @@ def create_app(embedder: SentenceEmbedder, model_name: str) -> FastAPI:
     created = int(time.time())
     one_at_a_time = asyncio.Lock()  # the model's forward uses every core already: requests take turns
 
+    app.state.embedder = embedder
     openai_errors(app)
+    internal_errors(app, log)
 
     def card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "ember",
@@ -92,7 +103,7 @@ def create_app(embedder: SentenceEmbedder, model_name: str) -> FastAPI:
             raise APIError(400, f"Invalid 'dimensions': {model_name} makes {embedder.dimensions}-dimensional vectors "
                                 "only; leave dimensions out", param="dimensions")
         texts = [body.input] if isinstance(body.input, str) else body.input
-        counts = embedder.token_counts(texts)
+        counts = await asyncio.to_thread(embedder.token_counts, texts)   # megabytes of text: not on the loop
         too_long = [(i, n) for i, n in enumerate(counts) if n > embedder.max_tokens]
         if too_long:
             i, n = too_long[0]

@@ -22,10 +22,9 @@ from ember.runtime.disconnect import WorkCancelled, unless_disconnected
 from ember.runtime.engine import metrics
 from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from ember.runtime.engine.config import EngineConfig
-from ember.runtime.engine.serving.errors import error_response, openai_errors
+from ember.runtime.engine.serving.errors import error_response, internal_errors, openai_errors
 from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 from ember.runtime.engine.serving.server import OpenAIServer
-from ember.runtime.unhandled import ReplyOnError
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -55,14 +54,7 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
     async def request_failed(request: Request, e: RequestFailedError):
         return error_response(500, f"{e}; the engine goes on serving, retry the request", "server_error")
 
-    def internal_error(e: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
-
-    app.add_middleware(ReplyOnError, log=logger, reply=internal_error)  # the connection stays open for the gateway
-
-    @app.exception_handler(Exception)  # an error outside it (a middleware added after it): JSON all the same
-    async def unhandled(request: Request, e: Exception):
-        return internal_error(e)
+    internal_errors(app, logger)  # JSON 500s, and the connection stays open for the gateway
 
     @app.get("/health")
     async def health():

@@ -1,9 +1,12 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}."""
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+
+from ember.runtime.unhandled import ReplyOnError
 
 
 class APIError(Exception):
@@ -16,6 +19,19 @@ class APIError(Exception):
 def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+def internal_errors(app: FastAPI, log: logging.Logger) -> None:
+    """An exception no handler took becomes a JSON 500 naming it, inside the app, so the gateway's keep-alive
+    connection stays open (runtime/unhandled.py); add it after the app's other middleware and handlers."""
+    def internal_error(e: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    app.add_middleware(ReplyOnError, log=log, reply=internal_error)
+
+    @app.exception_handler(Exception)  # an error outside it (a middleware added after it): JSON all the same
+    async def unhandled(request: Request, e: Exception):
+        return internal_error(e)
 
 
 def openai_errors(app: FastAPI) -> None:
