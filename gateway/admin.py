@@ -261,7 +261,9 @@ def admin_router(gateway: "Gateway") -> APIRouter:
     @router.put("/apps/{app}/limits")
     async def set_app_limits(app: str, body: LimitsBody) -> dict:
         await asyncio.to_thread(gateway.app_limits.set, _app_name(app), body.limits())
-        return {"app": app} | body.model_dump()
+        # kept for an app deployed later too; the reply says whether one is deployed now (a typo would limit nothing)
+        return {"app": app} | body.model_dump() | {"deployed": app in gateway.deployments,
+                                                  "deployed_apps": sorted(gateway.deployments)}
 
     @router.get("/secrets")
     async def list_secrets() -> list[dict]:

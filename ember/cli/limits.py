@@ -62,4 +62,8 @@ def set_limits(args: argparse.Namespace) -> int:
         body = {name: current[name] for name in FIELDS} | {n: None if v == "off" else v for n, v in given.items()}
         limits = client.request("PUT", f"/admin/apps/{quote(args.app, safe='')}/limits", json=body).json()
     print(f"app {args.app}: {_show(limits)}")
+    if limits.get("deployed") is False:
+        apps = ", ".join(limits.get("deployed_apps") or []) or "none"
+        print(f"note: no app named {args.app!r} is deployed on this gateway (deployed: {apps}); its limits apply "
+              "once one is")
     return 0

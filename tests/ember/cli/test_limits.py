@@ -34,6 +34,14 @@ def test_a_typo_in_the_body_is_refused_and_the_limits_stay(served):
         assert admin.get("/admin/apps/quick/limits").json()["concurrency"] == 7
 
 
+def test_limits_of_an_app_not_deployed_are_kept_and_the_reply_says_so(served):
+    """A typo in the app's name would limit nothing: the CLI says which apps are deployed."""
+    out = served.cli("limits", "set", "quik", "--rpm", "5").stdout
+    assert "app quik: rpm=5" in out and "no app named 'quik' is deployed on this gateway (deployed: quick)" in out
+    assert "rpm=5" in served.cli("limits", "get", "quik").stdout   # kept, for a later deploy of that name
+    assert "no app named" not in served.cli("limits", "set", "quick", "--tpm", "901").stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["set", "quick"], "give at least one of --rpm"),
     (["set", "quick", "--rpm", "0"], "must be at least 1"),
