@@ -22,6 +22,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed tak
 # Each stop string is looked for in the text after every token (and the text's end against each of its prefixes):
 # bounded, so that 16 stop strings of megabytes cannot make every step of the replica crawl.
 STOP_MAX_CHARS, STOP_MAX_COUNT = 256, 16
+MAX_CHOICES = 2048  # completions (prompts x n) in one request: as many texts as OpenAI's embeddings take in one
 
 
 class SamplingRequest(BaseModel):
@@ -146,6 +147,18 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_batch(cls, value, info: ValidationInfo):
+        """A batch of prompts is one request to the engine, queued as one: its sequences (prompts x n) are bounded,
+        or one request of 100,000 would hold every later caller's requests behind it for as long as it runs."""
+        prompts = 1 if isinstance(value, str) or all(isinstance(p, int) for p in value) else len(value)
+        choices = prompts * (info.data.get("n") or 1)
+        if choices > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} completions per request (prompts x n), got {choices}; split the "
+                             "batch over several requests")
+        return value
 
     @field_validator("suffix")
     @classmethod

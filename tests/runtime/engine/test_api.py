@@ -248,6 +248,9 @@ def test_repeated_prompt_hits_the_prefix_cache(call):
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [1] * 1025}, 400, "stop_token_ids",
      "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 2**63]}, 400, None, None),
+    # One request of 100,000 completions would queue every later caller's requests behind it for as long as it ran.
+    ("/v1/completions", {"model": MODEL, "prompt": ["hi"] * 100_000}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[5]] * 17, "n": 128}, 400, "prompt", "invalid_value"),
 ])
 def test_bad_requests_get_openai_shaped_errors(call, path, body, status, param, code):
     response = call("POST", path, json=body)
