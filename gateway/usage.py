@@ -16,10 +16,21 @@ JSON_TAIL = 1 << 20  # a non-streamed reply's usage sits at its end; keep at mos
 
 
 def max_tokens(body: dict) -> int:
+    """The most completion tokens the request asks for: max_tokens for each of n choices of each prompt of a batch
+    (a completions request may hold a list of prompts, each completed n times)."""
     value = body.get("max_completion_tokens") or body.get("max_tokens")
     count = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULT_MAX_TOKENS
     n = body.get("n")
-    return count * max(n if isinstance(n, int) else 1, 1)
+    return count * max(n if isinstance(n, int) and not isinstance(n, bool) else 1, 1) * batch_size(body)
+
+
+def batch_size(body: dict) -> int:
+    """Prompts in a completions request: a list of strings or of token-id lists is a batch; one string, or one list
+    of token ids, is one prompt."""
+    prompt = body.get("prompt") if body.get("messages") is None else None
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return len(prompt)
+    return 1
 
 
 def prompt_tokens(body: dict) -> int:

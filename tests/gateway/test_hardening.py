@@ -170,3 +170,17 @@ def test_header_limit(size, count):
     assert bool(reached) != too_big
     if too_big:
         assert sent[0]["status"] == 431 and json.loads(sent[1]["body"])["error"]["type"] == "headers_too_large"
+
+
+def test_a_batch_of_prompts_is_estimated_at_every_prompts_completions():
+    """A key's token limit admits a request by its estimate: a batch of 2048 prompts asks 2048 times the tokens of
+    one (settled from the reply's usage later, but by then they were spent)."""
+    from ember.gateway.usage import estimate, max_tokens
+
+    one = {"prompt": "hi", "max_tokens": 100, "n": 2}
+    assert max_tokens(one) == 200
+    assert max_tokens(one | {"prompt": [5, 6, 7]}) == 200   # one prompt of token ids
+    assert max_tokens(one | {"prompt": ["hi"] * 2048}) == 2048 * 200
+    assert max_tokens(one | {"prompt": [[5], [6, 7]]}) == 400
+    assert max_tokens({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "prompt": ["a", "b"]}) == 10
+    assert estimate(one | {"prompt": ["hi"] * 2048}) > 2048 * 200
