@@ -99,6 +99,7 @@ class _Add:
     route: _Route
     done: asyncio.Future
     trace_context: object | None
+    group: str | None = None       # the caller's request it is part of: the scheduler's fair share
 
 
 @dataclass
@@ -138,8 +139,10 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], params, *, n: int = 1, stop=(),
                        include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                       request_id: str | None = None) -> AsyncGenerator[Completion, None]:
-        """Run `n` samples of one prompt; yields each choice's increments as they come.
+                       request_id: str | None = None, group: str | None = None) -> AsyncGenerator[Completion, None]:
+        """Run `n` samples of one prompt; yields each choice's increments as they come. `group`: the caller's request
+        this is part of (a prompt of a batch), which the engine's scheduler shares fairly with others; default: this
+        call (its n samples).
 
         Raises ValueError (before the first yield) when the engine refuses the request.
         Closing the iterator early aborts what is still running, which frees its KV blocks.
@@ -149,6 +152,7 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         trace_context = tracing.current_context() if tracing.enabled else None  # the engine's spans join this trace
         ids = [request_id if n == 1 else f"{request_id}-{i}" for i in range(n)]
+        group = group or request_id
         inbox = _Inbox(asyncio.get_running_loop())
         detokenizers = [Detokenizer(self.tokenizer, prompt_token_ids, stop, include_stop_str_in_output,
                                     skip_special_tokens) for _ in range(n)]
@@ -158,7 +162,7 @@ class AsyncLLM:
                 # n samples of one seeded request must differ from each other, reproducibly.
                 sample = params if params.seed is None or n == 1 else replace(params, seed=params.seed + i)
                 running.add(i)  # before the await, so a cancelled add is still aborted
-                await self._add(rid, prompt_token_ids, sample, _Route(inbox, i), trace_context)
+                await self._add(rid, prompt_token_ids, sample, _Route(inbox, i), trace_context, group)
             while running:
                 if not inbox.items:
                     await inbox.wait()
@@ -205,9 +209,9 @@ class AsyncLLM:
             # collector finds the engine; a loop still inside a step keeps it.
             self.engine.close()
 
-    async def _add(self, request_id, prompt_token_ids, params, route, trace_context) -> None:
+    async def _add(self, request_id, prompt_token_ids, params, route, trace_context, group=None) -> None:
         done = asyncio.get_running_loop().create_future()
-        self._send(_Add(request_id, list(prompt_token_ids), params, route, done, trace_context))
+        self._send(_Add(request_id, list(prompt_token_ids), params, route, done, trace_context, group))
         if self.error is not None:  # the loop died after generate() checked: nobody else will answer
             self._drain_commands(dead=self.error)
         await done
@@ -299,7 +303,7 @@ class AsyncLLM:
     def _admit(self, command: _Add) -> None:
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                    command.trace_context)
+                                    command.trace_context, group=command.group)
         except ValueError as e:
             _post(command.route.inbox.loop, _settle, command.done, e)
         except Exception as e:  # a bug this request hit: it fails alone, the loop goes on

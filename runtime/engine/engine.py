@@ -106,9 +106,10 @@ class LLMEngine:
             kernels.keep(self.runner.store)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    trace_context=None) -> None:
+                    trace_context=None, group: str | None = None) -> None:
         """`trace_context`: the caller's OpenTelemetry context; when set, the request ends with an `llm.request`
-        span (written by the observer)."""
+        span (written by the observer). `group`: the caller's request this one is part of (one of n choices, one
+        prompt of a batch), which the scheduler shares the engine fairly among; default: its own."""
         if request_id in self.seqs:
             raise ValueError(f"request_id {request_id!r} is already running: use a unique id per request")
         if not prompt_token_ids:
@@ -122,6 +123,8 @@ class LLMEngine:
         params.validate(vocab)
         generator = self.runner.make_generator(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, prompt_token_ids, params, generator, self.eos_token_ids, self.max_model_len)
+        if group is not None:
+            seq.group = group
         self.seqs[request_id] = seq
         if self.config.overlap and _needs_host_tokens(seq):
             self._needs_host_tokens.add(request_id)

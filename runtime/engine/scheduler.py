@@ -1,9 +1,14 @@
 """Continuous batching with chunked prefill under a token budget; preemption by recompute when blocks run out.
 
+Waiting sequences are admitted in arrival order, but fairly across requests: a sequence's `group` is the API request
+it belongs to (n choices, a batch of prompts), and the next one admitted is the first of those whose group has the
+fewest running sequences, so a batch of 2,048 completions does not hold a later caller's request behind all of it.
+Preempted sequences go first.
+
 No clocks, threads or devices here: `schedule()` is a function of the queues and the free blocks, so a
 property test can drive it directly.
 """
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, BlockTables
@@ -34,9 +39,29 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order: the newest is preempted first
+        self._waiting_groups: Counter[str] = Counter()   # waiting sequences by group
+        self._running_groups: Counter[str] = Counter()   # running sequences by group
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._waiting_groups[seq.group] += 1
+
+    def _next_waiting(self) -> int:
+        """The index in `waiting` of the next sequence to admit: the head when it was preempted or when one group
+        is all that waits (the common case, checked in O(1)), else the first of the groups with the fewest
+        running sequences."""
+        head = self.waiting[0]
+        fewest = self._running_groups[head.group]
+        if head.num_preemptions or fewest == 0 or len(self._waiting_groups) == 1:
+            return 0
+        best = 0
+        for i, seq in enumerate(self.waiting):
+            running = self._running_groups[seq.group]
+            if running < fewest:
+                best, fewest = i, running
+                if not running:
+                    break
+        return best
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,7 +101,8 @@ class Scheduler:
         if batch.preempted:   # the cache is full: admitting more would only preempt again
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            at = self._next_waiting()
+            seq = self.waiting[at]
             cached = self.block_manager.adopt_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate(seq, n):
@@ -85,7 +111,11 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
-            self.waiting.popleft()
+            if at:
+                del self.waiting[at]
+            else:
+                self.waiting.popleft()
+            self._moved(seq, self._waiting_groups, self._running_groups)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, n)
@@ -104,11 +134,21 @@ class Scheduler:
                 return False
         return True
 
+    @staticmethod
+    def _moved(seq: Sequence, source: Counter, to: Counter | None = None) -> None:
+        source[seq.group] -= 1
+        if not source[seq.group]:
+            del source[seq.group]
+        if to is not None:
+            to[seq.group] += 1
+
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._moved(seq, self._running_groups)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self._moved(seq, self._waiting_groups)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -119,3 +159,4 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self._moved(seq, self._running_groups, self._waiting_groups)

@@ -18,6 +18,7 @@ class Sequence:
                  generator: torch.Generator | None = None, eos_token_ids: Set[int] = frozenset(),
                  max_model_len: int | None = None):
         self.request_id = request_id
+        self.group = request_id   # the API request it is part of (n choices, a batch): the scheduler's fair share
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params

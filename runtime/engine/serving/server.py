@@ -113,6 +113,7 @@ class OpenAIServer:
         for stop in req.stop_strings or []:
             _unicode(stop, "stop")
         streams = []
+        group = uuid.uuid4().hex   # the batch's prompts share the engine as one caller's request
         for ids in prompts:
             max_tokens = req.requested_max_tokens()
             if len(ids) + (max_tokens or 1) > limit:
@@ -123,7 +124,7 @@ class OpenAIServer:
             params = req.sampling_params(max_tokens or limit - len(ids))
             streams.append(self.llm.generate(ids, params, n=req.n or 1, stop=req.stop_strings,
                                              include_stop_str_in_output=req.include_stop_str_in_output,
-                                             skip_special_tokens=req.skip_special_tokens))
+                                             skip_special_tokens=req.skip_special_tokens, group=group))
         try:
             return await start(streams)
         except ValueError as e:

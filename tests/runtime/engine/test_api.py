@@ -405,3 +405,30 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(app):
         return done
 
     assert asyncio.run(scenario()) == [("health", 200), ("big", 400)]
+
+
+def test_a_later_callers_request_does_not_wait_for_all_of_an_earlier_batch(tmp_path):
+    """The engine shares its sequences fairly among callers' requests: one request that arrives while a batch of 48
+    completions fills the engine's 4 slots is admitted at the next free slot, so it ends long before the batch."""
+    path = build_tiny_model(tmp_path / "qwen3")
+    app = create_app(EngineConfig(model=str(path), max_model_len=256, max_num_seqs=4), served_model_name=MODEL)
+    done = []
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
+                                     timeout=300) as client:
+            async def batch():
+                reply = await client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": ["once upon a time"] * 48, "max_tokens": 24, "ignore_eos": True})
+                done.append(("batch", reply.status_code, len(reply.json()["choices"])))
+
+            async def later():
+                await asyncio.sleep(0.3)   # the batch fills the engine by now
+                reply = await client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "hello", "max_tokens": 24, "ignore_eos": True})
+                done.append(("later", reply.status_code, len(reply.json()["choices"])))
+
+            await asyncio.gather(batch(), later())
+
+    asyncio.run(scenario())
+    assert done == [("later", 200, 1), ("batch", 200, 48)]

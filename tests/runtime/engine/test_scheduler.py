@@ -36,7 +36,8 @@ def workloads(draw):
         cancel = draw(st.one_of(st.none(), st.integers(arrival, arrival + 20)))
         requests.append((prompt, max_tokens, arrival, cancel))
     return dict(num_blocks=num_blocks, max_num_seqs=draw(st.integers(1, 6)),
-                budget=draw(st.integers(1, 64)), prefix_caching=draw(st.booleans()), requests=requests)
+                budget=draw(st.integers(1, 64)), prefix_caching=draw(st.booleans()), requests=requests,
+                groups=draw(st.integers(1, 4)))   # requests in turn belong to this many callers' requests
 
 
 def compute(scheduler: Scheduler, batch: ScheduledBatch) -> list[Sequence]:
@@ -74,6 +75,8 @@ def test_every_request_finishes_once_within_budget(w):
     bm = BlockManager(w["num_blocks"], BS, w["prefix_caching"])
     scheduler = Scheduler(bm, w["max_num_seqs"], w["budget"])
     seqs = [Sequence(str(i), prompt, SamplingParams(max_tokens=m)) for i, (prompt, m, _, _) in enumerate(w["requests"])]
+    for i, seq in enumerate(seqs):
+        seq.group = f"g{i % w['groups']}"
     finished: Counter = Counter()
     for step in range(2000):
         for seq, (_, _, arrival, cancel) in zip(seqs, w["requests"]):
@@ -90,6 +93,9 @@ def test_every_request_finishes_once_within_budget(w):
             assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_uncomputed_tokens
             assert len(seq.block_table) * BS >= seq.num_computed_tokens + n
         check_block_accounting(bm, scheduler.running)
+        # the fair share's counts mirror the queues
+        assert scheduler._running_groups == Counter(s.group for s in scheduler.running)
+        assert scheduler._waiting_groups == Counter(s.group for s in scheduler.waiting)
         for seq in compute(scheduler, batch):
             finished[seq.request_id] += 1
         if step > max(r[2] for r in w["requests"]) and not scheduler.has_unfinished():
@@ -102,6 +108,29 @@ def test_every_request_finishes_once_within_budget(w):
             assert seq.num_output_tokens == seq.params.max_tokens
     assert all(b.ref_count == 0 for b in bm.blocks) and bm.num_free_blocks == w["num_blocks"]
     assert all(seq.block_row == -1 for seq in seqs) and not bm.tables.lengths.any()
+
+
+def test_a_later_callers_request_is_admitted_before_the_rest_of_an_earlier_batch():
+    """A batch of 100 completions (one group) takes the 4 slots; a request that comes after it gets the next free slot,
+    not the 101st; preempted sequences still go first; with one group waiting, arrival order."""
+    bm = BlockManager(64, BS, False)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=1000)
+    batch = [Sequence(f"b{i}", [1, 2, 3], SamplingParams(max_tokens=2)) for i in range(100)]
+    for seq in batch:
+        seq.group = "batch"
+        scheduler.add(seq)
+    later = Sequence("later", [4, 5], SamplingParams(max_tokens=2))
+    assert [s.request_id for s in scheduler.schedule().admitted] == ["b0", "b1", "b2", "b3"]
+    scheduler.add(later)
+    scheduler.finish(batch[0], "length")
+    assert [s.request_id for s in scheduler.schedule().admitted] == ["later"]
+    scheduler.finish(batch[1], "length")
+    assert [s.request_id for s in scheduler.schedule().admitted] == ["b4"]   # the batch's own order
+    scheduler._preempt(later)   # as a full cache does
+    scheduler.running.remove(later)
+    scheduler.finish(batch[2], "length")
+    admitted = scheduler.schedule().admitted
+    assert [s.request_id for s in admitted][:1] == ["later"]   # a preempted sequence first
 
 
 @pytest.fixture(scope="module")
