@@ -16,12 +16,20 @@ At 2 and 4 rows it loses (each row reads the weight tile again), so only single 
 shapes measured to win: a reduction dimension of 4096 or more, or a vocabulary-sized output. The products sum in
 fp32 and round once, as cuBLAS does; the order of the sums differs, so results can differ in the last bit. The
 CPU and every test without a GPU run F.linear.
+
+At batch 1 a decoder layer's small kernels cost as much as its products (on the H200 the 8B shape's batch-1 step
+took 4.5 ms of GPU against 3.9 for its weights). Where the kernel takes a layer's product, the op before it runs
+inside it: `norm_linear` computes the residual add and RMSNorm that feed the q/k/v and gate/up products (each
+program recomputes the row's norm: it is a few KB, read from L2), and `silu_linear` SiLU(gate) * up for the down
+product, each rounding where the kernel it replaces rounds: two to three launches fewer per layer.
 """
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import fused
 
 try:
     import triton
@@ -53,11 +61,12 @@ def config_for(n: int, k: int) -> Config:
     return Config(16, 1024 if n <= 4096 else 512, 8)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int | None = None) -> bool:
+    """Whether the kernel takes x [1, `width` (default: the weight's K)] against this weight."""
     n, k = weight.shape
     return (triton is not None and x.is_cuda and bias is None and x.dim() == 2 and x.shape[0] == 1
-            and x.stride(-1) == 1 and weight.is_contiguous() and (k >= 4096 or n >= VOCABULARY)
-            and n <= MAX_GRID_Y * config_for(n, k).block_n)
+            and x.shape[1] == (k if width is None else width) and x.stride(-1) == 1 and weight.is_contiguous()
+            and (k >= 4096 or n >= VOCABULARY) and n <= MAX_GRID_Y * config_for(n, k).block_n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,15 +74,49 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return gemv(x, weight) if applies(x, weight, bias) else F.linear(x, weight, bias)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T on CUDA, one program per output row and `block_n` weight rows."""
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(fused.silu_mul(gate_up), weight, bias) for the merged gate/up product's output [T, 2K]; a single
+    row in one kernel where the kernel applies, SiLU(gate) * up computed as it streams the weight, rounded where
+    silu_mul rounds: the MLP's down product without the kernel and the [1, K] round trip between them (at batch 1
+    one kernel launch fewer per layer)."""
+    if applies(gate_up, weight, bias, width=2 * weight.shape[1]):
+        return gemv(gate_up, weight, silu=True)
+    return F.linear(fused.silu_mul(gate_up), weight, bias)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(RMSNorm(residual + x), weight, bias), residual + x), or with no residual (the first layer) of x
+    alone and x: fused.add_rms_norm and the product after it. A single row in one kernel where the kernel
+    applies: each program sums the row's squares itself (the row is a few KB, read from L2), then streams its
+    weight rows against the normed row, rounded where add_rms_norm rounds; the first program writes the sum. At
+    batch 1 one kernel launch fewer before each of a layer's two input products."""
+    if applies(x, weight, bias):
+        n, k = weight.shape
+        config = config_for(n, k)
+        out = x.new_empty(1, n)
+        total = x if residual is None else torch.empty_like(x)
+        _norm_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+            x, x if residual is None else residual, total, norm_weight, weight, out, n, k, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps)
+        return out, total
+    if residual is None:
+        return F.linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
+    h, total = fused.add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(h, weight, bias), total
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None, silu: bool = False) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T on CUDA, one program per output row and `block_n` weight rows. `silu`: x is
+    [M, 2K], gate then up, and the product takes SiLU(gate) * up as fused.silu_mul rounds it."""
     m = x.shape[0]
     n, k = weight.shape
     config = config or config_for(n, k)
     out = x.new_empty(m, n)
     _gemv_kernel[(m, triton.cdiv(n, config.block_n))](
         x, weight, out, n, k, x.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps)
+        EVEN=n % config.block_n == 0 and k % config.block_k == 0, SILU=silu, num_warps=config.num_warps)
     return out
 
 
@@ -85,9 +128,11 @@ class Linear(nn.Linear):
 
 
 if triton is not None:
+    from .fused import _round
+
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, n, k, x_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN: tl.constexpr):
+                     EVEN: tl.constexpr, SILU: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * k
@@ -102,9 +147,57 @@ if triton is not None:
                 w = tl.load(w_rows + cols[None, :], mask=(cols_n[:, None] < n) & (cols[None, :] < k), other=0.0,
                             eviction_policy="evict_first")
                 v = tl.load(x_row + cols, mask=cols < k, other=0.0)
-            acc += w.to(tl.float32) * v.to(tl.float32)[None, :]
+            v = v.to(tl.float32)
+            if SILU:   # v is the gate; the up product's column is K further on (fused.silu_mul's rounding)
+                if EVEN:
+                    up = tl.load(x_row + k + cols)
+                else:
+                    up = tl.load(x_row + k + cols, mask=cols < k, other=0.0)
+                dtype = out_ptr.dtype.element_ty
+                v = _round(_round(v / (1.0 + tl.exp(-v)), dtype) * up.to(tl.float32), dtype)
+            acc += w.to(tl.float32) * v[None, :]
         total = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
         if EVEN:
             tl.store(out_ptr + row * n + cols_n, total)
         else:
             tl.store(out_ptr + row * n + cols_n, total, mask=cols_n < n)
+
+    @triton.jit
+    def _norm_gemv_kernel(x_ptr, residual_ptr, total_ptr, norm_ptr, w_ptr, out_ptr, n, k, eps,
+                          HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          EVEN: tl.constexpr):
+        """One row: out = weight @ RMSNorm(residual + x) (fused._rms_norm_kernel's rounding), total = residual + x
+        written by the first program."""
+        dtype = out_ptr.dtype.element_ty
+        block = tl.program_id(0)
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):   # the row's sum of squares, every program its own
+            cols = k0 + tl.arange(0, BLOCK_K)
+            h = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                h = _round(h + tl.load(residual_ptr + cols, mask=cols < k, other=0.0).to(tl.float32), dtype)
+                if block == 0:
+                    tl.store(total_ptr + cols, h.to(dtype), mask=cols < k)
+            squares += h * h
+        scale = tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
+        cols_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * k
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+            else:
+                w = tl.load(w_rows + cols[None, :], mask=(cols_n[:, None] < n) & (cols[None, :] < k), other=0.0,
+                            eviction_policy="evict_first")
+            h = tl.load(x_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                h = _round(h + tl.load(residual_ptr + cols, mask=cols < k, other=0.0).to(tl.float32), dtype)
+            g = tl.load(norm_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
+            v = _round(_round(h * scale, dtype) * g, dtype)
+            acc += w.to(tl.float32) * v[None, :]
+        total = tl.sum(acc, axis=1).to(dtype)
+        if EVEN:
+            tl.store(out_ptr + cols_n, total)
+        else:
+            tl.store(out_ptr + cols_n, total, mask=cols_n < n)

@@ -91,3 +91,36 @@ def test_products_the_kernel_does_not_take_are_cublas_s():
     x = randn(1, 4096)
     assert not gemv.applies(x, weight, randn(4096))   # a bias
     assert not gemv.applies(x, weight.t(), None)      # a weight not in rows
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (24576, 4096), (1000, 4100)])
+@pytest.mark.parametrize("first", [False, True])
+def test_a_single_rows_norm_and_product_in_one_kernel_match_them_apart(n, k, first):
+    """gemv.norm_linear: the residual sum as add_rms_norm writes it, and the product of the normed row as the
+    kernel computes it from add_rms_norm's output (the row's sum of squares summed in another order: within a
+    rounding step, mostly equal)."""
+    from ember.runtime.engine import gemv
+
+    x, residual, norm, weight = randn(1, k), randn(2, k)[1:], randn(k), randn(n, k) * 0.05
+    assert gemv.applies(x, weight, None)
+    out, total = gemv.norm_linear(x, None if first else residual, norm, 1e-6, weight)
+    if first:
+        h, expected_total = fused.rms_norm(x, norm, 1e-6), x
+    else:
+        h, expected_total = fused.add_rms_norm(x, residual, norm, 1e-6)
+    assert torch.equal(total, expected_total)
+    close(out, gemv.gemv(h, weight), equal_fraction=0.95)
+    close(out, torch.nn.functional.linear(h, weight), equal_fraction=0.9)
+    wide = randn(2, k)   # two rows: the kernels apart
+    out, total = gemv.norm_linear(wide, None if first else randn(2, k), norm, 1e-6, weight)
+    assert out.shape == (2, n)
+
+
+def test_a_single_rows_silu_and_down_product_in_one_kernel_match_them_apart():
+    from ember.runtime.engine import gemv
+
+    gate_up, weight = randn(1, 2 * 12288), randn(4096, 12288) * 0.05
+    assert gemv.applies(gate_up, weight, None, width=2 * 12288)
+    assert torch.equal(gemv.silu_linear(gate_up, weight), gemv.gemv(fused.silu_mul(gate_up), weight))
+    two = randn(2, 2 * 12288)
+    assert torch.equal(gemv.silu_linear(two, weight), torch.nn.functional.linear(fused.silu_mul(two), weight))

@@ -81,9 +81,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = gemv.Linear(self.num_heads * head_dim, h, bias=o_bias)
 
     def forward(self, x, cos, sin, attention, kv_cache):
-        t = x.shape[0]
+        return self.attend(self.qkv_proj(x), cos, sin, attention, kv_cache)
+
+    def attend(self, qkv, cos, sin, attention, kv_cache):
+        """The layer's attention from its merged q/k/v product [T, q + 2 kv]."""
+        t = qkv.shape[0]
         # Views into the one product's rows: RoPE rewrites q and k in place, attention reads them strided.
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -104,7 +108,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = gemv.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up):
+        """The down product of SiLU(gate) * up, from the merged gate/up product [T, 2 intermediate]."""
+        return gemv.silu_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -117,13 +125,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, attention, kv_cache):
         """`x`: the previous layer's output, not yet added to `residual` (None before the first layer). Returns
-        this layer's output and the residual stream, whose sum the next norm takes in the same kernel."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
+        this layer's output and the residual stream, whose sum the next norm takes in the same kernel (at batch 1
+        on CUDA, the norm is the input products' own: gemv.norm_linear)."""
+        norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
+        if gemv.applies(x, qkv_proj.weight, qkv_proj.bias):
+            qkv, residual = gemv.norm_linear(x, residual, norm.weight, norm.eps, qkv_proj.weight)
+            h = self.self_attn.attend(qkv, cos, sin, attention, kv_cache)
         else:
-            h, residual = self.input_layernorm.add(x, residual)
-        h = self.self_attn(h, cos, sin, attention, kv_cache)
-        h, residual = self.post_attention_layernorm.add(h, residual)
+            if residual is None:
+                h, residual = norm(x), x
+            else:
+                h, residual = norm.add(x, residual)
+            h = self.self_attn(h, cos, sin, attention, kv_cache)
+        norm, gate_up_proj = self.post_attention_layernorm, self.mlp.gate_up_proj
+        if gemv.applies(h, gate_up_proj.weight, gate_up_proj.bias):
+            gate_up, residual = gemv.norm_linear(h, residual, norm.weight, norm.eps, gate_up_proj.weight)
+            return self.mlp.down(gate_up), residual
+        h, residual = norm.add(h, residual)
         return self.mlp(h), residual
 
 
