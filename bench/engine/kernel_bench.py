@@ -1,12 +1,14 @@
 """The decode step's kernels against the library kernels they could replace, side by side on one GPU.
 
-    python bench/engine/kernel_bench.py [--parts gemv,attention,gemm] [--record]
+    python bench/engine/kernel_bench.py [--parts gemv,fused,attention,gemm] [--record]
 
   - gemv: runtime/engine/gemv.py's Triton product over a sweep of its configurations against F.linear (cuBLAS),
     for the Qwen3-8B shape's products (--gemv-shapes: also the 4B's and 0.6B's) at 1 row (and 2 and 4 with the best
     of 1), each timed inside a CUDA graph (as the decode graphs run them) over enough copies of the weight that
     none is read from L2; the weight-read floor at the device copy bandwidth measured in the same run beside them,
     the configuration gemv.config_for() picks, and whether gemv.applies() takes the product at all;
+  - fused: at 1 row, the q/k/v, gate/up and down products with the norm or SiLU before them in one kernel
+    (gemv.norm_linear, gemv.silu_linear) against the two apart, with cuBLAS's product and with gemv's;
   - attention: one decode step's attention over the paged KV cache (32 query heads, 8 KV heads, head_dim 128,
     pages in a shuffled order) at several batch sizes and context lengths, each kernel replayed from a CUDA graph:
     flashinfer's decode kernel (16-token pages, also without split-KV, and with 64-token pages), its tensor-core
@@ -271,6 +273,52 @@ def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], c
     return {"triton_stream_us": times[best[0]], "triton_stream_config": best[0], "triton_stream_sweep": times}
 
 
+def fused_ways(x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor, silu: bool) -> dict:
+    """bench_fused's three ways to the product of a weight `w`: in one kernel, apart with cuBLAS, apart with gemv."""
+    from ember.runtime.engine import fused, gemv
+
+    if silu:
+        return {"fused": lambda w: gemv.gemv(x, w, silu=True),
+                "apart_cublas": lambda w: F.linear(fused.silu_mul(x), w),
+                "apart_triton": lambda w: gemv.gemv(fused.silu_mul(x), w)}
+
+    def normed() -> torch.Tensor:
+        return fused.add_rms_norm(x, residual, norm, 1e-6)[0]
+
+    return {"fused": lambda w: gemv.norm_gemv(x, residual, norm, 1e-6, w),
+            "apart_cublas": lambda w: F.linear(normed(), w), "apart_triton": lambda w: gemv.gemv(normed(), w)}
+
+
+def bench_fused(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dict]:
+    """At batch 1, each product a layer's norm or SiLU feeds, fused with it (gemv.norm_linear, gemv.silu_linear)
+    against the two kernels apart (fused.add_rms_norm or silu_mul, then cuBLAS, and then gemv.py's kernel), each
+    timed inside a CUDA graph over enough copies of the weight that none is read from L2."""
+    from ember.runtime.engine import gemv
+
+    rows = []
+    for shape in shapes:
+        for name, n, k in products(shape):
+            if name not in ("qkv_proj", "gate_up_proj", "down_proj"):
+                continue
+            silu = name == "down_proj"
+            copies = max(2, math.ceil((512 << 20) / (n * k * 2)))
+            weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+            x = torch.randn(1, 2 * k if silu else k, dtype=torch.bfloat16, device="cuda")
+            residual, norm = torch.randn_like(x), torch.ones(k, dtype=torch.bfloat16, device="cuda")
+            ways = fused_ways(x, residual, norm, silu)
+            times = {way: round(in_graph([functools.partial(fn, w) for w in weights]) * 1e6, 2)
+                     for way, fn in ways.items()}
+            floor_us = n * k * 2 / bandwidth * 1e6
+            rows.append({"shape": shape, "product": name, "n": n, "k": k, "floor_us": round(floor_us, 2),
+                         **{f"{way}_us": t for way, t in times.items()},
+                         "applies": gemv.applies(x, weights[0], None, width=2 * k if silu else None)})
+            log(f"fused {shape} {name:13s}: floor {floor_us:7.2f} us, "
+                + ", ".join(f"{w} {t}" for w, t in times.items()) + f" (gemv.applies: {rows[-1]['applies']})")
+            del weights
+            torch.cuda.empty_cache()
+    return rows
+
+
 def bench_gemm() -> list[dict]:
     rows = []
     for m, k, n in ((8192, 4096, 12288), (8192, 4096, 4096), (8192, 12288, 4096), (4096, 4096, 24576)):
@@ -304,6 +352,8 @@ def main() -> None:
                          f"torch {torch.__version__}", "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
     if "gemv" in parts:
         result["gemv"] = bench_gemv(bandwidth, tuple(args.gemv_shapes))
+    if "fused" in parts:
+        result["fused"] = bench_fused(bandwidth, tuple(args.gemv_shapes))
     if "attention" in parts:
         result["attention"] = bench_attention(bandwidth, args.fa2)
         result["attention_skewed"] = bench_skewed_attention(bandwidth)

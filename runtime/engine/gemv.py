@@ -92,19 +92,25 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     weight rows against the normed row, rounded where add_rms_norm rounds; the first program writes the sum. At
     batch 1 one kernel launch fewer before each of a layer's two input products."""
     if applies(x, weight, bias):
-        n, k = weight.shape
-        config = config_for(n, k)
-        out = x.new_empty(1, n)
-        total = x if residual is None else torch.empty_like(x)
-        _norm_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-            x, x if residual is None else residual, total, norm_weight, weight, out, n, k, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps)
-        return out, total
+        return norm_gemv(x, residual, norm_weight, eps, weight)
     if residual is None:
         return F.linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
     h, total = fused.add_rms_norm(x, residual, norm_weight, eps)
     return F.linear(h, weight, bias), total
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              weight: torch.Tensor, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_linear`'s kernel for one row x [1, K] on CUDA."""
+    n, k = weight.shape
+    config = config or config_for(n, k)
+    out = x.new_empty(1, n)
+    total = x if residual is None else torch.empty_like(x)
+    _norm_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, x if residual is None else residual, total, norm_weight, weight, out, n, k, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps)
+    return out, total
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None, silu: bool = False) -> torch.Tensor:
