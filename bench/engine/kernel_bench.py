@@ -7,8 +7,8 @@
     of 1), each timed inside a CUDA graph (as the decode graphs run them) over enough copies of the weight that
     none is read from L2; the weight-read floor at the device copy bandwidth measured in the same run beside them,
     the configuration gemv.config_for() picks, and whether gemv.applies() takes the product at all;
-  - fused: at 1 row, the q/k/v, gate/up and down products with the norm or SiLU before them in one kernel
-    (gemv.norm_linear, gemv.silu_linear) against the two apart, with cuBLAS's product and with gemv's;
+  - fused: at 1 row, the q/k/v and gate/up products with the residual add and RMSNorm before them in one kernel
+    (gemv.norm_linear) against the two apart, with cuBLAS's product and with gemv's;
   - attention: one decode step's attention over the paged KV cache (32 query heads, 8 KV heads, head_dim 128,
     pages in a shuffled order) at several batch sizes and context lengths, each kernel replayed from a CUDA graph:
     flashinfer's decode kernel (16-token pages, also without split-KV, and with 64-token pages), its tensor-core
@@ -115,18 +115,20 @@ def bench_gemv(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dict
                     continue
                 tried.append((us, config))
             us, config = min(tried, key=lambda t: t[0])
+            picked_us = next((t for t, c in tried if c == gemv.config_for(n, k)), None)
             if m == 1:
                 best_config = config
             check = (gemv.gemv(x, weights[0], config).float() - F.linear(x, weights[0]).float()).abs().max()
             row = {"shape": shape, "product": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
                    "cublas_us": round(cublas, 2), "triton_us": round(us, 2), "config": vars(config),
-                   "picked": vars(gemv.config_for(n, k)), "applies": m == 1 and gemv.applies(x, weights[0], None),
+                   "picked": vars(gemv.config_for(n, k)), "picked_us": picked_us and round(picked_us, 2),
+                   "applies": m == 1 and gemv.applies(x, weights[0], None),
                    "triton_of_floor": round(floor_us / us, 3), "cublas_of_floor": round(floor_us / cublas, 3),
                    "max_abs_diff": float(check)}
             rows.append(row)
             log(f"gemv {shape} {name:13s} m={m}: floor {floor_us:7.2f} us, "
                 f"cuBLAS {cublas:7.2f} ({floor_us / cublas:.0%}), Triton {us:7.2f} ({floor_us / us:.0%}) "
-                f"{vars(config)}, max diff {float(check):.3g}")
+                f"{vars(config)} (picked {picked_us and round(picked_us, 2)}), max diff {float(check):.3g}")
         del weights
         torch.cuda.empty_cache()
     return rows
@@ -273,14 +275,9 @@ def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], c
     return {"triton_stream_us": times[best[0]], "triton_stream_config": best[0], "triton_stream_sweep": times}
 
 
-def fused_ways(x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor, silu: bool) -> dict:
+def fused_ways(x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor) -> dict:
     """bench_fused's three ways to the product of a weight `w`: in one kernel, apart with cuBLAS, apart with gemv."""
     from ember.runtime.engine import fused, gemv
-
-    if silu:
-        return {"fused": lambda w: gemv.gemv(x, w, silu=True),
-                "apart_cublas": lambda w: F.linear(fused.silu_mul(x), w),
-                "apart_triton": lambda w: gemv.gemv(fused.silu_mul(x), w)}
 
     def normed() -> torch.Tensor:
         return fused.add_rms_norm(x, residual, norm, 1e-6)[0]
@@ -290,28 +287,27 @@ def fused_ways(x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor, silu
 
 
 def bench_fused(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dict]:
-    """At batch 1, each product a layer's norm or SiLU feeds, fused with it (gemv.norm_linear, gemv.silu_linear)
-    against the two kernels apart (fused.add_rms_norm or silu_mul, then cuBLAS, and then gemv.py's kernel), each
+    """At batch 1, each product a layer's norm feeds, fused with it (gemv.norm_linear) against the two kernels
+    apart (fused.add_rms_norm, then cuBLAS, and then gemv.py's kernel), each
     timed inside a CUDA graph over enough copies of the weight that none is read from L2."""
     from ember.runtime.engine import gemv
 
     rows = []
     for shape in shapes:
         for name, n, k in products(shape):
-            if name not in ("qkv_proj", "gate_up_proj", "down_proj"):
+            if name not in ("qkv_proj", "gate_up_proj"):
                 continue
-            silu = name == "down_proj"
             copies = max(2, math.ceil((512 << 20) / (n * k * 2)))
             weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
-            x = torch.randn(1, 2 * k if silu else k, dtype=torch.bfloat16, device="cuda")
+            x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
             residual, norm = torch.randn_like(x), torch.ones(k, dtype=torch.bfloat16, device="cuda")
-            ways = fused_ways(x, residual, norm, silu)
+            ways = fused_ways(x, residual, norm)
             times = {way: round(in_graph([functools.partial(fn, w) for w in weights]) * 1e6, 2)
                      for way, fn in ways.items()}
             floor_us = n * k * 2 / bandwidth * 1e6
             rows.append({"shape": shape, "product": name, "n": n, "k": k, "floor_us": round(floor_us, 2),
                          **{f"{way}_us": t for way, t in times.items()},
-                         "applies": gemv.applies(x, weights[0], None, width=2 * k if silu else None)})
+                         "applies": gemv.applies(x, weights[0], None)})
             log(f"fused {shape} {name:13s}: floor {floor_us:7.2f} us, "
                 + ", ".join(f"{w} {t}" for w, t in times.items()) + f" (gemv.applies: {rows[-1]['applies']})")
             del weights

@@ -12,16 +12,17 @@ H200 inside CUDA graphs (bench/engine/kernel_bench.py, Qwen3-8B shape, weight-re
     down_proj      23.8     30.0     25.6
     lm_head       294.0    299.8    279.7
 
-At 2 and 4 rows it loses (each row reads the weight tile again), so only single rows take it, and only for the
-shapes measured to win: a reduction dimension of 4096 or more, or a vocabulary-sized output. The products sum in
-fp32 and round once, as cuBLAS does; the order of the sums differs, so results can differ in the last bit. The
-CPU and every test without a GPU run F.linear.
+At 2 and 4 rows it loses (each row reads the weight tile again), so only single rows take it. The 4B and 0.6B
+shapes' products (reductions of 2560 and 1024) win too, most where cuBLAS is slowest (0.6B o_proj: 3.2 us against
+12.6), so reductions of 1024 or more take it, and vocabulary-sized outputs. The products sum in fp32 and round once,
+as cuBLAS does; the order of the sums differs, so results can differ in the last bit. The CPU and every test
+without a GPU run F.linear.
 
 At batch 1 a decoder layer's small kernels cost as much as its products (on the H200 the 8B shape's batch-1 step
-took 4.5 ms of GPU against 3.9 for its weights). Where the kernel takes a layer's product, the op before it runs
-inside it: `norm_linear` computes the residual add and RMSNorm that feed the q/k/v and gate/up products (each
-program recomputes the row's norm: it is a few KB, read from L2), and `silu_linear` SiLU(gate) * up for the down
-product, each rounding where the kernel it replaces rounds: two to three launches fewer per layer.
+took 4.5 ms of GPU against 3.9 for its weights). Where the kernel takes a layer's q/k/v or gate/up product,
+`norm_linear` computes the residual add and RMSNorm before it inside the product (each program recomputes the
+row's norm: it is a few KB, read from L2), rounding where add_rms_norm rounds: a launch fewer before each. SiLU * up
+inside the down product was slower than the two kernels apart (8B: 34.4 us against 26.5), so it stays apart.
 """
 from dataclasses import dataclass
 
@@ -53,12 +54,18 @@ class Config:
 
 
 def config_for(n: int, k: int) -> Config:
-    """The best of bench/engine/kernel_bench.py's sweep for each kind of product of the 8B shape."""
+    """The best of bench/engine/kernel_bench.py's sweep for each kind of product of the Qwen3 8B, 4B and 0.6B
+    shapes: outputs of 2560 rows or fewer take thin programs (more of them to spread over the SMs), reductions
+    shorter than 4096 shorter iterations."""
     if n >= VOCABULARY:    # many programs already, short iterations
-        return Config(8, 256, 4)
+        return Config(8, 256 if k >= 4096 else 512, 4)
     if n >= 16384:         # the merged gate/up product
-        return Config(32, 256, 8)
-    return Config(16, 1024 if n <= 4096 else 512, 8)
+        return Config(32, 256, 8) if k >= 4096 else Config(8, 256, 4)
+    if n <= 2560:          # o and down products of the smaller shapes
+        return Config(4, 1024, 8)
+    if k >= 4096:
+        return Config(16, 1024 if n <= 4096 else 512, 8)
+    return Config(8, 512, 4)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int | None = None) -> bool:
@@ -66,22 +73,12 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wi
     n, k = weight.shape
     return (triton is not None and x.is_cuda and bias is None and x.dim() == 2 and x.shape[0] == 1
             and x.shape[1] == (k if width is None else width) and x.stride(-1) == 1 and weight.is_contiguous()
-            and (k >= 4096 or n >= VOCABULARY) and n <= MAX_GRID_Y * config_for(n, k).block_n)
+            and (k >= 1024 or n >= VOCABULARY) and n <= MAX_GRID_Y * config_for(n, k).block_n)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with the kernel below where it applies."""
     return gemv(x, weight) if applies(x, weight, bias) else F.linear(x, weight, bias)
-
-
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(fused.silu_mul(gate_up), weight, bias) for the merged gate/up product's output [T, 2K]; a single
-    row in one kernel where the kernel applies, SiLU(gate) * up computed as it streams the weight, rounded where
-    silu_mul rounds: the MLP's down product without the kernel and the [1, K] round trip between them (at batch 1
-    one kernel launch fewer per layer)."""
-    if applies(gate_up, weight, bias, width=2 * weight.shape[1]):
-        return gemv(gate_up, weight, silu=True)
-    return F.linear(fused.silu_mul(gate_up), weight, bias)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -113,16 +110,15 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     return out, total
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None, silu: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T on CUDA, one program per output row and `block_n` weight rows. `silu`: x is
-    [M, 2K], gate then up, and the product takes SiLU(gate) * up as fused.silu_mul rounds it."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T on CUDA, one program per output row and `block_n` weight rows."""
     m = x.shape[0]
     n, k = weight.shape
     config = config or config_for(n, k)
     out = x.new_empty(m, n)
     _gemv_kernel[(m, triton.cdiv(n, config.block_n))](
         x, weight, out, n, k, x.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN=n % config.block_n == 0 and k % config.block_k == 0, SILU=silu, num_warps=config.num_warps)
+        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps)
     return out
 
 
@@ -138,7 +134,7 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, n, k, x_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN: tl.constexpr, SILU: tl.constexpr):
+                     EVEN: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * k
@@ -154,13 +150,6 @@ if triton is not None:
                             eviction_policy="evict_first")
                 v = tl.load(x_row + cols, mask=cols < k, other=0.0)
             v = v.to(tl.float32)
-            if SILU:   # v is the gate; the up product's column is K further on (fused.silu_mul's rounding)
-                if EVEN:
-                    up = tl.load(x_row + k + cols)
-                else:
-                    up = tl.load(x_row + k + cols, mask=cols < k, other=0.0)
-                dtype = out_ptr.dtype.element_ty
-                v = _round(_round(v / (1.0 + tl.exp(-v)), dtype) * up.to(tl.float32), dtype)
             acc += w.to(tl.float32) * v[None, :]
         total = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
         if EVEN:

@@ -112,7 +112,7 @@ class LlamaMLP(nn.Module):
 
     def down(self, gate_up):
         """The down product of SiLU(gate) * up, from the merged gate/up product [T, 2 intermediate]."""
-        return gemv.silu_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(fused.silu_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
