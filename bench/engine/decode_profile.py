@@ -145,6 +145,10 @@ def step_breakdown(eng, prompt: list[int], steps: int) -> None:
             walls.append(time.perf_counter() - began)
     finally:
         eng.scheduler.schedule, eng.runner.run, eng._postprocess, eng.observer.stepped = originals
+    if len(runs) < 2:   # an overlapping engine launches and collects instead (host_profile.py splits those)
+        log(f"engine decode step at batch 1 (median of {len(walls) - 1}): wall "
+            f"{1000 * statistics.median(walls[1:]):.3f} ms (overlapped: no split by phase)")
+        return
     decode = slice(1, None)   # the first step is the prefill
     med = {k: 1000 * statistics.median(v[decode]) for k, v in parts.items()}
     prepare = 1000 * statistics.median(r.prepare_seconds for r in runs[decode])
