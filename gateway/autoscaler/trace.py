@@ -22,20 +22,50 @@ class Request:
     function: str = "f"
 
 
+# A request's token counts past this are no request a replica could serve (the longest context windows are ~1M)
+# and would keep a replay's simulation going for days of simulated time.
+MAX_TOKENS = 1_000_000
+
+
 def read_jsonl(lines: Iterable[str], source: str = "trace") -> list[Request]:
-    """Requests from JSON lines `{"t", "function", "prompt_tokens", "output_tokens"}`, sorted by time."""
+    """Requests from JSON lines `{"t", "function", "prompt_tokens", "output_tokens"}`, sorted by time. Times are
+    seconds from any origin: they are counted from the whole second of the first request (a trace of Unix
+    timestamps replays from its first request; one that starts within its first second is unchanged). Token
+    counts are whole numbers from 0 to MAX_TOKENS; a function name is a non-empty string."""
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            out.append(Request(float(row["t"]), int(row["prompt_tokens"]), int(row["output_tokens"]),
-                               str(row.get("function", "f"))))
+            out.append(_request(json.loads(line)))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{source}:{n}: want {{\"t\", \"function\", \"prompt_tokens\", \"output_tokens\"}}, "
                              f"got {line.strip()[:80]!r} ({type(exc).__name__}: {exc})") from None
-    return sorted(out, key=lambda r: r.t)
+    if not out:
+        raise ValueError(f"{source}: no requests (one JSON object a line: "
+                         f"{{\"t\", \"function\", \"prompt_tokens\", \"output_tokens\"}})")
+    origin = math.floor(min(r.t for r in out))
+    return sorted((Request(r.t - origin, r.prompt_tokens, r.output_tokens, r.function) for r in out),
+                  key=lambda r: r.t)
+
+
+def _request(row: object) -> Request:
+    if not isinstance(row, dict):
+        raise TypeError("a line must be a JSON object")
+    t = row["t"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise ValueError(f"t must be a finite number of seconds, not {t!r}")
+    counts = []
+    for key in ("prompt_tokens", "output_tokens"):
+        value = row[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
+                or not 0 <= value <= MAX_TOKENS:
+            raise ValueError(f"{key} must be a whole number from 0 to {MAX_TOKENS:,}, not {value!r}")
+        counts.append(int(value))
+    function = row.get("function", "f")
+    if not isinstance(function, str) or not function:
+        raise ValueError(f"function must be a non-empty string, not {function!r}")
+    return Request(float(t), counts[0], counts[1], function)
 
 
 def write_jsonl(trace: Iterable[Request]) -> str:
