@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -25,6 +26,8 @@ from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from ember.gateway.autoscaler.baselines import KPA_SETTINGS, KpaMemo, RayMemo, kpa_decide, ray_decide
 from ember.gateway.autoscaler.policy import PolicyMemo, ScalingSettings, app_tail, decide
 from ember.gateway.autoscaler.simulator import Policy, ReplicaModel, Report, simulate
@@ -33,7 +36,7 @@ from ember.gateway.deployment import scaling_settings
 from ember.spec import FunctionSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from autoscale_traces import generate  # noqa: E402
+from autoscale_traces import MAX_DURATION_S, bounded, generate  # noqa: E402
 
 # The function under test: an LLM replica that batches up to 16 requests, aimed at 10. Every scaling
 # knob is left at its default, so Ember runs what `ember serve` runs for such a function.
@@ -116,6 +119,9 @@ def summary(reports: dict[str, Report]) -> dict:
                          for key, r in reports.items()}}
 
 
+MAX_TIER_S = 3600.0   # a start that takes longer is no tier a policy could weigh
+
+
 def parse_tiers(text: str) -> ReplicaModel:
     if text.strip() == "measured":
         if MEASURED is None:
@@ -126,7 +132,12 @@ def parse_tiers(text: str) -> ReplicaModel:
         key, _, value = part.partition("=")
         if key.strip() not in ("wake", "warm", "cold"):
             raise ValueError(f"--tiers takes wake=S,warm=S,cold=S; {key.strip()!r} is not one of them")
-        seconds[key.strip()] = float(value)
+        try:
+            seconds[key.strip()] = float(value)
+        except ValueError:
+            seconds[key.strip()] = math.nan
+        if not 0 <= seconds[key.strip()] <= MAX_TIER_S:
+            raise ValueError(f"--tiers {key.strip()}={value.strip()!r}: want seconds from 0 to {MAX_TIER_S:g}")
     return replace(LADDER, wake=seconds.get("wake", LADDER.wake), node_warm=seconds.get("warm", LADDER.node_warm),
                    node_cold=seconds.get("cold", LADDER.node_cold))
 
@@ -416,9 +427,12 @@ def main() -> None:
                     help="what a parked replica keeps: pinned host RAM (default) or its GPU (a park frees nothing)")
     ap.add_argument("--json", action="store_true", help="print only the JSON summary")
     ap.add_argument("--park-after", type=float, help="Ember with this park_after instead of its learned one")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds of the suite (default 3)")
-    ap.add_argument("--duration", type=float, default=3600.0, help="seconds of each suite trace (default 3600)")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="traces simulated at once (default: CPUs)")
+    ap.add_argument("--seeds", type=bounded(int, 1, 1000, low_open=False), default=3,
+                    help="seeds of the suite (default 3)")
+    ap.add_argument("--duration", type=bounded(float, 0, MAX_DURATION_S), default=3600.0,
+                    help="seconds of each suite trace (default 3600)")
+    ap.add_argument("--jobs", type=bounded(int, 1, 1024, low_open=False), default=os.cpu_count() or 1,
+                    help="traces simulated at once (default: CPUs)")
     ap.add_argument("--record", action="store_true", help="write bench/results/autoscale_sim.{md,json,png}")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
@@ -427,9 +441,12 @@ def main() -> None:
         try:
             model = replace(parse_tiers(args.tiers), park_frees_gpu=args.parked_holds == "host")
             trace = read_jsonl(args.trace.read_text().splitlines(), str(args.trace))
+            spec = FunctionSpec.model_validate(FUNCTION.model_dump() | {"park_after": args.park_after})
+        except ValidationError as exc:
+            sys.exit(f"autoscale_sim: --park-after {args.park_after:g}: {exc.errors()[0]['msg']}")
         except (OSError, ValueError) as exc:
             sys.exit(f"autoscale_sim: {exc}")
-        ember = scaling_settings(FUNCTION.model_copy(update={"park_after": args.park_after}))
+        ember = scaling_settings(spec)
         reports = compare(trace, model, args.trace.name, ember=ember)
         if args.json:
             print(json.dumps(summary(reports)))

@@ -67,23 +67,44 @@ def generate(kind: str, duration: float, seed: int, **options) -> list[Request]:
     return makers[kind](duration, random.Random(f"{kind}-{seed}"), **options)
 
 
+MAX_DURATION_S = 7 * 86400.0   # a week of trace; longer takes hours to replay
+MAX_RATE = 1000.0              # req/s of one rate: a week at it is 600M requests
+
+
+def bounded(kind: type, low: float, high: float, low_open: bool = True):
+    """An argparse type: a `kind` number in (low, high] (or [low, high] when not `low_open`), finite."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"{text} is outside {'(' if low_open else '['}{low:g}, {high:g}]")
+        return value
+    return parse
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kind", choices=KINDS)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--duration", type=float, default=3600.0, help="seconds of trace (default 3600)")
+    ap.add_argument("--duration", type=bounded(float, 0, MAX_DURATION_S), default=3600.0,
+                    help="seconds of trace (default 3600)")
     ap.add_argument("--out", type=Path, help="file to write (default: stdout)")
-    ap.add_argument("--low", type=float)
-    ap.add_argument("--high", type=float)
+    rate, seconds = bounded(float, 0, MAX_RATE), bounded(float, 0, MAX_DURATION_S)
+    ap.add_argument("--low", type=rate, help="req/s")
+    ap.add_argument("--high", type=rate, help="req/s")
     ap.add_argument("--shape", choices=("log", "linear"))
-    ap.add_argument("--gap", type=float)
-    ap.add_argument("--burst-s", type=float)
-    ap.add_argument("--burst-rate", type=float)
-    ap.add_argument("--alpha", type=float)
-    ap.add_argument("--functions", type=int)
+    ap.add_argument("--gap", type=seconds)
+    ap.add_argument("--burst-s", type=seconds)
+    ap.add_argument("--burst-rate", type=rate, help="req/s")
+    ap.add_argument("--alpha", type=bounded(float, 0, 100))
+    ap.add_argument("--functions", type=bounded(int, 1, 10_000, low_open=False))
     ap.add_argument("--spread", choices=("log", "linear"))
-    ap.add_argument("--rate", type=float)
+    ap.add_argument("--rate", type=rate, help="req/s")
     args = ap.parse_args()
+    if args.low is not None and args.high is not None and args.low > args.high:
+        ap.error(f"--low {args.low:g} is above --high {args.high:g}")
     options = {k: v for k, v in vars(args).items() if k not in ("kind", "seed", "duration", "out") and v is not None}
     try:
         text = write_jsonl(generate(args.kind, args.duration, args.seed, **options))
