@@ -7,6 +7,20 @@ from typing import Any, Literal, TypedDict
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 GPU_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9-]*(:[1-9][0-9]*)?$")
+SECRET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
+MAX_ENV_VALUE = 64 * 1024  # bytes in one environment value (a secret's or env=)
+DAY = 86400.0              # the longest call, idle window or park delay a function may ask for
+MOST_REPLICAS = 10_000     # replicas or concurrent calls of one function: more is a typo, and would be started
+
+
+def env_value_ok(text: str) -> bool:
+    """Whether an environment can hold `text` as a value: UTF-8 text (no lone surrogate, which a JSON string can
+    escape) of at most MAX_ENV_VALUE bytes, without NUL."""
+    try:
+        return "\0" not in text and len(text.encode()) <= MAX_ENV_VALUE
+    except UnicodeEncodeError:
+        return False
 
 
 class SpecError(ValueError):
@@ -42,31 +56,39 @@ class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     gpu: str | None = None
-    cpu: float = Field(1.0, gt=0)
-    memory: int = Field(1024, gt=0, description="MiB")
-    min_replicas: int = Field(0, ge=0)
-    max_replicas: int = Field(10, ge=1)
-    buffer_replicas: int = Field(0, ge=0)
+    # Every number is finite and bounded: an infinite timeout failed every call with a 500 in the gateway, and
+    # min_replicas=10**6 would start a million replicas
+    cpu: float = Field(1.0, gt=0, le=1024, allow_inf_nan=False)
+    memory: int = Field(1024, gt=0, le=16 * 1024 * 1024, description="MiB")
+    min_replicas: int = Field(0, ge=0, le=MOST_REPLICAS)
+    max_replicas: int = Field(10, ge=1, le=MOST_REPLICAS)
+    buffer_replicas: int = Field(0, ge=0, le=MOST_REPLICAS)
     scaledown_window: float | None = Field(
-        None, gt=0, description="idle seconds before a replica is stopped (default: 90 s, or 600 s once parked)")
+        None, gt=0, le=DAY, allow_inf_nan=False,
+        description="idle seconds before a replica is stopped (default: 90 s, or 600 s once parked)")
     park: bool = Field(True, description="park idle replicas (GPU freed, process kept) where a wake is fast")
     park_after: float | None = Field(
-        None, gt=0, description="idle seconds before a replica parks (default: learned from its measured wakes)")
-    stable_window: float | None = Field(None, gt=0, description="seconds of load that size steady traffic (default 60)")
-    panic_window: float | None = Field(None, gt=0, description="seconds of load that detect a burst (default 6)")
-    panic_threshold: float = Field(2.0, gt=1, description="a burst is this many times the hot replicas' target load")
+        None, gt=0, le=DAY, allow_inf_nan=False,
+        description="idle seconds before a replica parks (default: learned from its measured wakes)")
+    stable_window: float | None = Field(None, gt=0, le=DAY, allow_inf_nan=False,
+                                        description="seconds of load that size steady traffic (default 60)")
+    panic_window: float | None = Field(None, gt=0, le=DAY, allow_inf_nan=False,
+                                       description="seconds of load that detect a burst (default 6)")
+    panic_threshold: float = Field(2.0, gt=1, le=1000, allow_inf_nan=False,
+                                   description="a burst is this many times the hot replicas' target load")
     # "hooks": torch modules move to host and @ember.park()/@ember.wake() release the rest; "cuda-checkpoint": the
     # driver moves all of the process's GPU state to host (for CUDA code that cannot cooperate; slower)
     park_with: Literal["hooks", "cuda-checkpoint"] = "hooks"
-    target_concurrency: float = Field(1.0, gt=0)
-    max_concurrency: int = Field(1, ge=1)
-    timeout: float = Field(300.0, gt=0, description="seconds one call may run")
+    target_concurrency: float = Field(1.0, gt=0, le=MOST_REPLICAS, allow_inf_nan=False)
+    max_concurrency: int = Field(1, ge=1, le=MOST_REPLICAS)
+    timeout: float = Field(300.0, gt=0, le=DAY, allow_inf_nan=False, description="seconds one call may run")
     retries: int | Retries = Field(
         0, validate_default=True,
         description="times the gateway may run a call again when the function raised or its replica was lost "
                     "mid-call (an int N: Retries(N, backoff_coefficient=1.0), a retry a second after the last); "
                     "0 (at most once) unless it is safe to run twice")
-    queue_bound: int = Field(256, ge=1, description="calls that may wait for a replica before 503 + Retry-After")
+    queue_bound: int = Field(256, ge=1, le=1_000_000,
+                             description="calls that may wait for a replica before 503 + Retry-After")
     snapshot: bool = False
     secrets: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
@@ -92,6 +114,26 @@ class FunctionSpec(BaseModel):
         if not 0 <= value <= 10:
             raise ValueError(f"retries must be from 0 to 10, got {value}")
         return Retries(value, backoff_coefficient=1.0)
+
+    @field_validator("env")
+    @classmethod
+    def _environment(cls, value: dict[str, str]) -> dict[str, str]:
+        # Checked here, not when a replica starts: there os.environ refused them and every call got a 503
+        for key, text in value.items():
+            if not ENV_NAME.fullmatch(key):
+                raise ValueError(f"env keys are environment variable names ({ENV_NAME.pattern}); got {key[:100]!r}")
+            if not env_value_ok(text):
+                raise ValueError(f"the value of env {key} must be UTF-8 text of at most {MAX_ENV_VALUE} bytes "
+                                 "without NUL")
+        return value
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not SECRET_NAME.fullmatch(name):
+                raise ValueError(f"secret names match {SECRET_NAME.pattern}; got {name[:100]!r}")
+        return value
 
     @field_validator("gpu")
     @classmethod

@@ -2,14 +2,9 @@
 each, which a local replica reads into its environment (ember.runtime.worker.read_secrets). The admin API writes
 them; a deploy checks that every secret its functions need is there before it starts anything."""
 import os
-import re
 from pathlib import Path
 
-from ember.spec import FunctionSpec
-
-SECRET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
-MAX_VALUE = 64 * 1024  # bytes in one value; an environment variable, not a file
+from ember.spec import ENV_NAME, MAX_ENV_VALUE, SECRET_NAME, FunctionSpec, env_value_ok
 
 
 class SecretError(ValueError):
@@ -37,8 +32,9 @@ class SecretStore:
         for key, value in values.items():
             if not ENV_NAME.fullmatch(key):
                 raise SecretError(f"secret keys are environment variable names ({ENV_NAME.pattern}); got {key[:100]!r}")
-            if "\n" in value or "\r" in value or "\0" in value or len(value.encode()) > MAX_VALUE:
-                raise SecretError(f"the value of {key} must be one line of at most {MAX_VALUE} bytes without NUL")
+            if "\n" in value or "\r" in value or not env_value_ok(value):   # a lone surrogate was a 500
+                raise SecretError(f"the value of {key} must be one line of UTF-8 text of at most {MAX_ENV_VALUE} bytes "
+                                  "without NUL")
         text = "".join(f"{key}={value}\n" for key, value in values.items())
         # Written beside the old file and renamed over it: a replica starting meanwhile reads one whole version.
         partial = path.with_suffix(".partial")

@@ -32,6 +32,21 @@ def test_misspelt_argument_names_the_nearest_valid_one():
     ({"panic_window": 10, "stable_window": 5}, "panic_window (10) must be <= stable_window (5)"),
     ({"park_after": 10, "scaledown_window": 10}, "park_after (10) must be < scaledown_window (10)"),
     ({"park": "sometimes"}, "park: Input should be a valid boolean"),
+    # each below was taken before: an infinite timeout failed every call with a gateway 500, an env key or
+    # value os.environ refuses failed every replica's start (a 503 naming "embedded null byte")
+    ({"timeout": float("inf")}, "timeout: Input should be a finite number"),
+    ({"timeout": 1e300}, "timeout: Input should be less than or equal to 86400"),
+    ({"scaledown_window": float("nan")}, "scaledown_window: Input should be a finite number"),
+    ({"cpu": float("inf")}, "cpu: Input should be a finite number"),
+    ({"panic_threshold": float("inf")}, "panic_threshold: Input should be a finite number"),
+    ({"min_replicas": 10 ** 6, "max_replicas": 10 ** 6}, "min_replicas: Input should be less than or equal to 10000"),
+    ({"max_concurrency": 10 ** 9}, "max_concurrency: Input should be less than or equal to 10000"),
+    ({"env": {"A\0B": "x"}}, "env keys are environment variable names"),
+    ({"env": {"": "x"}}, "env keys are environment variable names"),
+    ({"env": {"A=B": "x"}}, "env keys are environment variable names"),
+    ({"env": {"K": "v\0w"}}, "the value of env K must be UTF-8 text"),
+    ({"env": {"K": "\ud800"}}, "the value of env K must be UTF-8 text"),
+    ({"secrets": ["../../etc/passwd"]}, "secret names match"),
 ])
 def test_ranges_are_checked(settings, fragment):
     with pytest.raises(SpecError) as error:

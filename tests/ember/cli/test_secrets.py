@@ -47,3 +47,13 @@ def test_bad_input_is_refused_with_the_rule(served, args, message):
     result = served.cli("secrets", *args, check=False)
     assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
     assert not list(served.home.glob("**/escape*"))
+
+
+def test_a_value_that_is_not_utf8_text_is_a_400_not_a_500(served):
+    """A JSON string may escape a lone surrogate ("\\ud800"), which no environment can hold."""
+    with served.client(served.key(admin=True)) as http:
+        answer = http.put("/admin/secrets/lone", content=b'{"values": {"K": "\\ud800"}}',
+                          headers={"Content-Type": "application/json"})
+    assert answer.status_code in (400, 422), answer.text
+    assert answer.json()["error"]["type"] in ("invalid_secret", "invalid_request"), answer.text
+    assert not list((served.home / "secrets").glob("lone*"))
