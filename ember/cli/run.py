@@ -19,10 +19,17 @@ def add_to(sub, epilog: str) -> None:
 
 
 def _parse_value(text: str):
+    """VALUE as JSON when it is JSON, else the text. NaN, Infinity and numbers past a double (1e999) are no JSON a
+    call can carry: they stay text (they failed the call's encoding with "Out of range float values")."""
+    def no_such_number(value):
+        raise ValueError(value)
+
     try:
-        return json.loads(text)
+        value = json.loads(text, parse_constant=no_such_number)
+        json.dumps(value, allow_nan=False)
     except ValueError:
         return text
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
         if not eq:
             print(f"error: argument {item!r} must be NAME=VALUE (VALUE is parsed as JSON when it can be)",
                   file=sys.stderr)
+            return 2
+        if name in kwargs:
+            print(f"error: argument {name!r} is given twice", file=sys.stderr)
             return 2
         kwargs[name] = _parse_value(value)
     app = load_app(path)

@@ -101,6 +101,19 @@ def test_run_prints_a_generators_values_and_its_error(tmp_path):
     assert "error: function_error: ValueError: ran out after 3" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_run_takes_values_json_cannot_carry_as_text_and_refuses_a_name_given_twice(tmp_path):
+    """NaN, Infinity and 1e999 parse as Python JSON but cannot be sent: the call failed with "Out of range float
+    values are not JSON compliant". A repeated name silently took the last value."""
+    app = tmp_path / "echo.py"
+    app.write_text("import ember\napp = ember.App('e')\n\n@app.function()\ndef echo(x):\n    return x\n")
+    for value in ("NaN", "1e999", "[1, -Infinity]"):
+        result = ember("run", f"{app}::echo", f"x={value}", home=tmp_path)
+        assert result.returncode == 0 and result.stdout.strip() == json.dumps(value), result.stderr
+    assert json.loads(ember("run", f"{app}::echo", "x=[1, 2.5]", home=tmp_path).stdout) == [1, 2.5]
+    twice = ember("run", f"{app}::echo", "x=1", "x=2", home=tmp_path)
+    assert twice.returncode == 2 and "argument 'x' is given twice" in twice.stderr and "Traceback" not in twice.stderr
+
+
 SLOW_APP = Path(__file__).resolve().parents[1] / "gateway" / "apps" / "slow.py"
 
 
