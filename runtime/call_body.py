@@ -6,6 +6,7 @@ import decimal
 import enum
 import json
 import math
+import sys
 import uuid
 from pathlib import PurePath
 from typing import Any
@@ -55,6 +56,9 @@ def result_json(value: Any) -> str:
     except ValueError as exc:  # NaN or infinity (allow_nan), or a circular reference
         if "Circular reference" in str(exc):
             raise ResultNotJson("the value contains itself (a circular reference)") from None
+        if "integer string conversion" in str(exc):   # Python writes out at most sys.get_int_max_str_digits()
+            raise ResultNotJson(f"the value holds an integer of more than {sys.get_int_max_str_digits()} digits, "
+                                "which Python will not write out as JSON: return it as a string") from None
         raise ResultNotJson(f"{exc} (JSON has no NaN or infinity: return None or a string for them)") from None
     except RecursionError:
         raise ResultNotJson("the value is nested too deeply (or refers to itself)") from None

@@ -66,6 +66,7 @@ def test_results_are_encoded_as_a_web_framework_would():
     (object(), "Object of type object is not JSON serializable: return plain data"),
     (b"raw", "Object of type bytes is not JSON serializable"),
     ((looped := []).append(looped) or looped, "contains itself"),
+    ({"n": 10 ** 5000}, "an integer of more than 4300 digits, which Python will not write out as JSON: return it"),
 ])
 def test_what_json_cannot_carry_is_named(value, says):
     with pytest.raises(ResultNotJson, match=says):
