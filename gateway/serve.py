@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import urllib.parse
 from collections.abc import Sequence
 
 import uvicorn
@@ -126,6 +127,25 @@ def _limiter(redis_url: str | None):
     return RedisLimiter(redis.asyncio.Redis.from_url(redis_url))
 
 
+def _redis_unanswered(redis_url: str | None) -> str | None:
+    """A warning when the rate limiter's Redis does not answer at start (the gateway still serves: requests no
+    limit applies to need no Redis, and it may come up later); None when it answers or none is set."""
+    redis_url = redis_url or os.environ.get("EMBER_REDIS_URL")
+    if not redis_url:
+        return None
+    import redis
+
+    parts = urllib.parse.urlsplit(redis_url)
+    shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()   # never print a password
+    try:
+        with redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=2) as client:
+            client.ping()
+    except redis.RedisError as exc:
+        return (f"Redis at {shown} does not answer ({exc}): requests of keys with rate limits get 503 "
+                "rate_limiter_unavailable until it does")
+    return None
+
+
 def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str | None = None,
           backend: str = "local", parked_ram: str | None = None, redis_url: str | None = None,
           routing: str = "affinity", watch: bool = True, openai_model: tuple[str, str] | None = None,
@@ -151,8 +171,9 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
         if backend == "local":  # replicas run here: their requirements are installed before anything is served
             environments.ensure_for_package(package, lambda line: print(f"  {line}", flush=True), home)
         gateway = Gateway(home, backend_for(backend, home.logs, parked_ram), _limiter(redis_url), routing, limits)
-        for warning in gateway.restore():
-            print(f"warning: {warning}", flush=True)
+        for warning in [*gateway.restore(), _redis_unanswered(redis_url)]:
+            if warning:
+                print(f"warning: {warning}", flush=True)
         deployment, _ = gateway.register(package, note=f"ember serve {app_path}")
         restored = sorted(name for name in gateway.deployments if name != deployment.name)
         if restored:

@@ -65,7 +65,10 @@ def test_a_redis_that_does_not_answer_fails_limited_requests_closed(serve):
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    served = serve(APPS / "quick.py", "--redis", f"redis://127.0.0.1:{port}/0")
+    served = serve(APPS / "quick.py", "--redis", f"redis://:s3cret@127.0.0.1:{port}/0")
+    started = "".join(served.stdout)   # said at start, without the password (it served silently before)
+    assert f"warning: Redis at redis://127.0.0.1:{port}/0 does not answer" in started, started
+    assert "rate_limiter_unavailable until it does" in started and "s3cret" not in started
     with served.client(served.cli("keys", "create", "--quiet", "--name", "l", "--rpm", "5").stdout.strip()) as http:
         reply = http.post("/quick/add", json={"a": 1, "b": 1})
     assert reply.status_code == 503 and reply.json()["error"]["type"] == "rate_limiter_unavailable"
