@@ -1,6 +1,6 @@
 """The decode step's kernels against the library kernels they could replace, side by side on one GPU.
 
-    python bench/engine/kernel_bench.py [--parts gemv,fused,attention,gemm] [--record]
+    python bench/engine/kernel_bench.py [--parts gemv,fused,decode,attention,gemm] [--record]
 
   - gemv: runtime/engine/gemv.py's Triton product over a sweep of its configurations against F.linear (cuBLAS),
     for the Qwen3-8B shape's products (--gemv-shapes: also the 4B's and 0.6B's) at 1 row (and 2 and 4 with the best
@@ -16,6 +16,8 @@
     streamed kernel over a sweep of tiles, warps, pipeline stages and splits), against the KV bytes' read time at
     the copy bandwidth; and a skewed batch (one long context among short ones), flashinfer against the streamed
     kernel's sweep;
+  - decode: each product at 8 to 256 rows (the decode graphs' batch sizes) with cuBLAS, against the longer of its
+    weight read and its FLOPs at the bandwidth and product rate measured in the same run;
   - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run).
 --record writes bench/results/kernels.json; otherwise it only prints.
 """
@@ -315,6 +317,40 @@ def bench_fused(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dic
     return rows
 
 
+DECODE_ROWS = (8, 16, 32, 64, 96, 128, 192, 256)
+
+
+def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dict]:
+    """Each decode product of a shape at the batch sizes a decode graph runs (cuBLAS, as the graphs of 2 rows and
+    more run them), inside a CUDA graph over enough copies of the weight that none is read from L2, against its
+    floor: the longer of the weight's read at the copy bandwidth and its FLOPs at the product rate measured here.
+    The offline run's decode steps take longer than the floor of their reads and products (speed.py); this says how
+    much of that the products leave."""
+    a = torch.randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(12288, 4096, dtype=torch.bfloat16, device="cuda")
+    rate = 2 * 8192 * 4096 * 12288 / timed(functools.partial(F.linear, a, b), 10)
+    del a, b
+    log(f"product rate {rate / 1e12:.0f} TFLOPS")
+    rows = []
+    for shape in shapes:
+        for name, n, k in products(shape):
+            copies = max(2, math.ceil((512 << 20) / (n * k * 2)))
+            weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+            for m in DECODE_ROWS:
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                reads, flops = n * k * 2 / bandwidth, 2 * m * n * k / rate
+                floor_us = max(reads, flops) * 1e6
+                cublas_us = in_graph([functools.partial(F.linear, x, w) for w in weights]) * 1e6
+                rows.append({"shape": shape, "product": name, "m": m, "n": n, "k": k, "floor_us": round(floor_us, 2),
+                             "bound": "reads" if reads >= flops else "flops", "cublas_us": round(cublas_us, 2),
+                             "of_floor": round(floor_us / cublas_us, 3)})
+                log(f"decode {shape} {name:13s} m={m:3d}: floor {floor_us:7.2f} us ({rows[-1]['bound']}), "
+                    f"cuBLAS {cublas_us:7.2f} ({floor_us / cublas_us:.0%})")
+            del weights
+            torch.cuda.empty_cache()
+    return rows
+
+
 def bench_gemm() -> list[dict]:
     rows = []
     for m, k, n in ((8192, 4096, 12288), (8192, 4096, 4096), (8192, 12288, 4096), (4096, 4096, 24576)):
@@ -353,6 +389,8 @@ def main() -> None:
     if "attention" in parts:
         result["attention"] = bench_attention(bandwidth, args.fa2)
         result["attention_skewed"] = bench_skewed_attention(bandwidth)
+    if "decode" in parts:
+        result["decode_products"] = bench_decode_products(bandwidth, tuple(args.gemv_shapes))
     if "gemm" in parts:
         result["gemm"] = bench_gemm()
     log(f"done in {time.perf_counter() - began:.0f} s")
