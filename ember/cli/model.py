@@ -107,19 +107,46 @@ def model_kind(model_dir: Path) -> str:
         raise ValueError(f"--model {model_dir}: no config.json there; give a Hugging Face model directory") from None
     except ValueError as exc:
         raise ValueError(f"--model {model_dir}: config.json is not JSON ({exc})") from None
-    if not list(model_dir.glob("*.safetensors")):
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
         raise ValueError(f"--model {model_dir}: no *.safetensors weights there (.bin checkpoints are not read); "
                          "convert them with transformers' save_pretrained(safe_serialization=True)")
     if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
         raise ValueError(f"--model {model_dir}: no tokenizer files (tokenizer.json or tokenizer_config.json) there")
     architectures = config.get("architectures") or []
     if any(a.endswith("ForCausalLM") for a in architectures):
-        return "chat"
-    if config.get("model_type") in ENCODER_TYPES:
-        return "embeddings"
-    raise ValueError(f"--model {model_dir}: cannot serve architectures {architectures} (model_type "
-                     f"{config.get('model_type')!r}); it serves causal LMs (*ForCausalLM: chat and completions) and "
-                     f"encoders ({', '.join(sorted(ENCODER_TYPES))}: embeddings)")
+        kind = "chat"
+    elif config.get("model_type") in ENCODER_TYPES:
+        kind = "embeddings"
+    else:
+        raise ValueError(f"--model {model_dir}: cannot serve architectures {architectures} (model_type "
+                         f"{config.get('model_type')!r}); it serves causal LMs (*ForCausalLM: chat and completions) "
+                         f"and encoders ({', '.join(sorted(ENCODER_TYPES))}: embeddings)")
+    for shard in shards:
+        if problem := safetensors_problem(shard):
+            raise ValueError(f"--model {model_dir}: {shard.name} {problem} (a download cut short?): fetch it again")
+    return kind
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What makes `path` no whole safetensors file, from its header alone (8 bytes of length, a JSON header, then
+    the tensors' bytes, which must reach the file's end): before, a truncated shard served, and every request got a
+    503 naming "invalid header length" once a replica tried to load it. None when it is whole."""
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        head = file.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(size - 8, 100 << 20):
+            return f"is not a safetensors file ({size} bytes, header length {length})"
+        try:
+            header = json.loads(file.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                      default=0)
+        except (ValueError, TypeError, KeyError, IndexError):
+            return "has a header that is not safetensors JSON"
+    if 8 + length + end > size:
+        return f"is cut short: its tensors end at byte {8 + length + end:,}, the file has {size:,}"
+    return None
 
 
 def app_name(served: str) -> str:

@@ -98,4 +98,23 @@ def test_a_directory_that_is_not_a_model_is_refused_with_the_fix(tmp_path):
     (empty / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match="cannot serve architectures"):
         model_kind(empty)
+
+
+def test_a_shard_cut_short_is_refused_at_start_not_at_every_request(tmp_path):
+    """Before, `ember serve --model` served a directory whose weights were cut short, and every request got a 503
+    naming "invalid header length" once a replica tried to load them."""
+    from ember.runtime.engine.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "qwen3")
+    assert model_kind(model) == "chat"
+    shard = model / "model.safetensors"
+    whole = shard.read_bytes()
+    for cut, says in ((len(whole) - 100, "is cut short: its tensors end at byte"), (1000, "is not a safetensors file"),
+                      (4, "is not a safetensors file")):
+        shard.write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match=f"model.safetensors {says}.*fetch it again"):
+            model_kind(model)
+    shard.write_bytes(whole[:8] + b"{not json" + whole[17:])
+    with pytest.raises(ValueError, match="has a header that is not safetensors JSON"):
+        model_kind(model)
     assert app_name("Qwen3-0.6B") == "qwen3-0-6b"
