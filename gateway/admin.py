@@ -12,9 +12,9 @@ from pydantic import BaseModel, Field, model_validator
 
 from ember.gateway.auth import authenticate
 from ember.gateway.errors import ApiError, UnknownField
-from ember.gateway.keys import check_scopes
+from ember.gateway.keys import LONGEST_KEY_LIFE, check_scopes
 from ember.gateway.lifecycle import LIVE, ReplicaState
-from ember.gateway.ratelimit import Limits
+from ember.gateway.ratelimit import LIMIT_MOST, Limits
 from ember.gateway.routing import APP_NAME
 from ember.gateway.secret_files import MissingSecret, SecretError
 from ember.gateway.service import DeployFailed
@@ -58,9 +58,11 @@ class RollbackRequest(StrictBody):
 
 
 class LimitsBody(StrictBody):
-    rpm: int | None = Field(None, ge=1, le=10**9, description="requests per minute")
-    tpm: int | None = Field(None, ge=1, le=10**12, description="LLM tokens (prompt + completion) per minute")
-    concurrency: int | None = Field(None, ge=1, le=10**6, description="requests in flight at once")
+    rpm: int | None = Field(None, ge=1, le=LIMIT_MOST["requests_per_minute"], description="requests per minute")
+    tpm: int | None = Field(None, ge=1, le=LIMIT_MOST["tokens_per_minute"],
+                            description="LLM tokens (prompt + completion) per minute")
+    concurrency: int | None = Field(None, ge=1, le=LIMIT_MOST["max_concurrent"],
+                                    description="requests in flight at once")
 
     def limits(self) -> Limits:
         return Limits(self.rpm, self.tpm, self.concurrency)
@@ -70,7 +72,8 @@ class KeyRequest(LimitsBody):
     name: str = Field(min_length=1, max_length=100)
     scopes: list[str] = Field(default_factory=list, max_length=100,
                               description="'admin', 'app:APP' or 'fn:APP/FUNCTION'; none means every app")
-    expires_in: float | None = Field(None, gt=0, le=10 * 365 * 86400, description="seconds until the key stops working")
+    expires_in: float | None = Field(None, gt=0, le=LONGEST_KEY_LIFE, allow_inf_nan=False,
+                                     description="seconds until the key stops working")
 
 
 class SecretBody(StrictBody):

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import math
 import re
 import secrets
 import sqlite3
@@ -21,6 +22,8 @@ from pathlib import Path
 
 from ember.gateway.database import DatabaseError, connect
 from ember.gateway.ratelimit import Limits
+
+LONGEST_KEY_LIFE = 10 * 365 * 86400.0   # seconds: a key that should outlive this should not expire
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -114,6 +117,9 @@ class KeyStore:
                limits: Limits = Limits()) -> tuple[ApiKey, str]:
         """Returns the key record and its secret; the secret is not stored and cannot be shown again."""
         scopes = check_scopes(list(scopes) + (["admin"] if admin else []))
+        if expires is not None and not (math.isfinite(expires) and expires <= time.time() + LONGEST_KEY_LIFE):
+            # A NaN was stored as NULL (a key that never expires); a year past 9999 broke `ember keys list`
+            raise ValueError(f"a key expires within {LONGEST_KEY_LIFE // 86400:.0f} days; got {expires!r}")
         if not name or len(name) > 100 or not name.isprintable():
             raise ValueError(f"a key's name must be 1-100 printable characters (no control characters, which "
                              f"`ember keys list` would print to a terminal); got {name[:100]!r}")

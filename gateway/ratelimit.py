@@ -49,6 +49,11 @@ DEFAULT_LEASE_TTL = 300.0  # seconds a concurrency slot survives without renew/r
 CONCURRENCY_RETRY_AFTER = 1.0  # a slot frees when some response ends; there is no schedule to read
 
 
+# The most each limit may be: past these a limit limits nothing (and an rpm past 2**63 failed the key database's
+# write with an OverflowError traceback)
+LIMIT_MOST = {"requests_per_minute": 10**9, "tokens_per_minute": 10**12, "max_concurrent": 10**6}
+
+
 @dataclass(frozen=True)
 class Limits:
     """The limits of one key or app; None means unlimited."""
@@ -58,10 +63,11 @@ class Limits:
     max_concurrent: int | None = None
 
     def __post_init__(self):
-        for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
+        for name, most in LIMIT_MOST.items():
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"Limits.{name} must be a positive integer or None (unlimited), got {value!r}")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most):
+                raise ValueError(f"Limits.{name} must be a whole number from 1 to {most:,}, or None (unlimited); "
+                                 f"got {value!r}")
 
 
 @dataclass(frozen=True)

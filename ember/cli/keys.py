@@ -9,6 +9,8 @@ from typing import Protocol
 
 from ember.cli.admin import running_gateway
 from ember.client import Client, RemoteError
+from ember.gateway.keys import LONGEST_KEY_LIFE
+from ember.gateway.ratelimit import LIMIT_MOST
 from ember.home import Home
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -91,9 +93,10 @@ def add_to(sub, epilog: str) -> None:
     k.add_argument("--scope", action="append", default=[], metavar="SCOPE",
                    help="app:APP or fn:APP/FUNCTION (repeatable); without one the key may call every app")
     k.add_argument("--expires", metavar="DURATION", help="stop working after e.g. 90s, 15m, 12h or 30d (default never)")
-    k.add_argument("--rpm", type=int, help="requests per minute for this key")
-    k.add_argument("--tpm", type=int, help="LLM tokens (prompt + completion) per minute for this key")
-    k.add_argument("--concurrency", type=int, help="requests in flight at once for this key")
+    k.add_argument("--rpm", type=_limit("requests_per_minute"), help="requests per minute for this key")
+    k.add_argument("--tpm", type=_limit("tokens_per_minute"),
+                   help="LLM tokens (prompt + completion) per minute for this key")
+    k.add_argument("--concurrency", type=_limit("max_concurrent"), help="requests in flight at once for this key")
     k.add_argument("--quiet", "-q", action="store_true", help="print only the key")
     k.set_defaults(run=create)
     k = keys.add_parser("list", help="list keys (never their secrets)")
@@ -104,19 +107,37 @@ def add_to(sub, epilog: str) -> None:
     k.set_defaults(run=revoke)
 
 
+def _limit(name: str):
+    """An argparse type: a whole number from 1 to what Limits takes for `name`."""
+    most = LIMIT_MOST[name]
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not 1 <= value <= most:
+            raise argparse.ArgumentTypeError(f"{text} is outside 1 to {most:,}")
+        return value
+    return parse
+
+
 def _seconds(text: str) -> float:
     """'90s', '15m', '12h', '30d' -> seconds."""
     try:
         value, unit = float(text[:-1]), DURATION_UNITS[text[-1]]
     except (ValueError, KeyError, IndexError):
         raise ValueError(f"--expires {text!r}: write a number and a unit, e.g. 90s, 15m, 12h or 30d") from None
-    if value <= 0:
-        raise ValueError(f"--expires {text!r} must be positive")
+    if not 0 < value * unit <= LONGEST_KEY_LIFE:   # NaN too: it was taken, and the key never expired
+        raise ValueError(f"--expires {text!r} must be positive and at most {LONGEST_KEY_LIFE / 86400:.0f}d")
     return value * unit
 
 
 def _when(ts: float | None) -> str:
-    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M") if ts else "-"
+    try:
+        return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M") if ts else "-"
+    except (OverflowError, ValueError, OSError):   # a key made before expiries were bounded: past year 9999
+        return "never"
 
 
 def create(args: argparse.Namespace) -> int:

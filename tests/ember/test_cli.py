@@ -41,6 +41,24 @@ def test_keys_work_on_the_database_without_a_gateway(tmp_path):
     assert missing.returncode == 1 and "no live key" in missing.stderr
 
 
+def test_keys_create_refuses_expiries_and_limits_no_key_could_have_and_list_survives_an_old_one(tmp_path):
+    """`--expires nans` made a key that never expired, `--expires 99999999999999999999d` one that broke `ember keys
+    list` for every key, and `--rpm` past 2**63 printed an OverflowError traceback."""
+    import sqlite3
+
+    for args, says in ((["--expires", "nans"], "must be positive and at most 3650d"),
+                       (["--expires", "99999999999999999999d"], "must be positive and at most 3650d"),
+                       (["--rpm", "99999999999999999999999"], "--rpm: 99999999999999999999999 is outside 1 to"),
+                       (["--tpm", "0"], "--tpm: 0 is outside 1 to")):
+        result = ember("keys", "create", "--name", "k", *args, home=tmp_path)
+        assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert ember("keys", "create", "--name", "k", "--expires", "3650d", home=tmp_path).returncode == 0
+    with sqlite3.connect(tmp_path / "ember.db") as db:   # a key an earlier version let through
+        db.execute("UPDATE api_keys SET expires = 1e20")
+    listed = ember("keys", "list", home=tmp_path)
+    assert listed.returncode == 0 and "expires never" in listed.stdout, listed.stderr
+
+
 def test_status_without_a_gateway_says_what_to_do(tmp_path):
     result = ember("status", home=tmp_path)
     assert result.returncode == 1 and "ember serve" in result.stderr and "Traceback" not in result.stderr

@@ -53,3 +53,23 @@ def test_scopes_expiry_limits_and_an_old_database(tmp_path):
     assert keys.verify(secret) is not None  # now cached ...
     keys.revoke(key.id)
     assert keys.verify(secret) is None  # ... and the revoke dropped it at once
+
+
+def test_an_expiry_or_a_limit_no_key_could_have_is_refused(tmp_path):
+    """A NaN expiry was stored as NULL (a key that never expires); one past year 9999 broke `ember keys list` for
+    every key; an rpm past 2**63 failed the database write with an OverflowError."""
+    import math
+    import time
+
+    import pytest
+
+    from ember.gateway.ratelimit import Limits
+
+    keys = KeyStore(tmp_path / "ember.db")
+    for expires in (math.nan, math.inf, time.time() + 11 * 365 * 86400):
+        with pytest.raises(ValueError, match="a key expires within 3650 days"):
+            keys.create("k", expires=expires)
+    for limits in ({"requests_per_minute": 10**30}, {"tokens_per_minute": 10**12 + 1}, {"max_concurrent": 0}):
+        with pytest.raises(ValueError, match="must be a whole number from 1 to"):
+            Limits(**limits)
+    assert keys.all() == []
