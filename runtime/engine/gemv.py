@@ -68,11 +68,11 @@ def config_for(n: int, k: int) -> Config:
     return Config(8, 512, 4)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int | None = None) -> bool:
-    """Whether the kernel takes x [1, `width` (default: the weight's K)] against this weight."""
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel takes x [1, K] against this weight [N, K]."""
     n, k = weight.shape
     return (triton is not None and x.is_cuda and bias is None and x.dim() == 2 and x.shape[0] == 1
-            and x.shape[1] == (k if width is None else width) and x.stride(-1) == 1 and weight.is_contiguous()
+            and x.shape[1] == k and x.stride(-1) == 1 and weight.is_contiguous()
             and (k >= 1024 or n >= VOCABULARY) and n <= MAX_GRID_Y * config_for(n, k).block_n)
 
 
@@ -149,8 +149,7 @@ if triton is not None:
                 w = tl.load(w_rows + cols[None, :], mask=(cols_n[:, None] < n) & (cols[None, :] < k), other=0.0,
                             eviction_policy="evict_first")
                 v = tl.load(x_row + cols, mask=cols < k, other=0.0)
-            v = v.to(tl.float32)
-            acc += w.to(tl.float32) * v[None, :]
+            acc += w.to(tl.float32) * v.to(tl.float32)[None, :]
         total = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
         if EVEN:
             tl.store(out_ptr + row * n + cols_n, total)
