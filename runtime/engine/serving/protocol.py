@@ -118,6 +118,11 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict | None = None
+    # The legacy function calling and audio output: taken in silence before, and answered with plain text
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[Any] | None = None
+    audio: Any = None
 
     @field_validator("tools")
     @classmethod
@@ -128,6 +133,26 @@ class ChatCompletionRequest(SamplingRequest):
     @classmethod
     def _no_tool_choice(cls, value):
         return _unsupported("tool_choice", value, value not in (None, "none"))
+
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, value):
+        return _unsupported("functions (function calling)", value, bool(value))
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value):
+        return _unsupported("function_call", value, value not in (None, "none"))
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, value):
+        return _unsupported("modalities other than text", value, bool(value) and value != ["text"])
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value):
+        return _unsupported("audio output", value, value is not None)
 
     @field_validator("response_format")
     @classmethod

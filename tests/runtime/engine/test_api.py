@@ -234,6 +234,15 @@ def test_repeated_prompt_hits_the_prefix_cache(call):
      "invalid_value"),
     ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "response_format": {"type": "json_object"}}, 400,
      "response_format", "invalid_value"),
+    # Legacy function calling and audio output were taken in silence and answered with plain text
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "functions": [{"name": "f"}]}, 400, "functions",
+     "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "function_call": "auto"}, 400, "function_call",
+     "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "modalities": ["text", "audio"]}, 400, "modalities",
+     "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "audio": {"voice": "alloy", "format": "wav"}}, 400,
+     "audio", "invalid_value"),
     # Values torch cannot hold, which used to fail inside the step loop and take the engine down with them.
     ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "top_k": 2**63}, 400, "top_k", "invalid_value"),
     ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "seed": 2**64}, 400, "seed", "invalid_value"),
@@ -279,7 +288,8 @@ def test_a_lone_surrogate_in_the_text_is_a_400_naming_it(call, path, fields, par
 def test_neutral_values_of_unsupported_features_are_accepted(call):
     accepted = [
         ("/v1/chat/completions", {"messages": HELLO, "tools": [], "tool_choice": "none", "logit_bias": {},
-                                  "response_format": {"type": "text"}}),
+                                  "response_format": {"type": "text"}, "functions": [], "function_call": "none",
+                                  "modalities": ["text"], "audio": None}),
         ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 2, "suffix": "", "echo": True}),
     ]
     for path, body in accepted:
