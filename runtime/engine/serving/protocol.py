@@ -109,6 +109,19 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+# Chat fields of features this server does not have: (what the 400 names, whether a value asks for it). The legacy
+# function calling and audio output were taken in silence before, and answered with plain text.
+CHAT_REFUSED = {
+    "tools": ("tools (function calling)", bool),
+    "tool_choice": ("tool_choice", lambda value: value not in (None, "none")),
+    "functions": ("functions (function calling)", bool),
+    "function_call": ("function_call", lambda value: value not in (None, "none")),
+    "modalities": ("modalities other than text", lambda value: bool(value) and value != ["text"]),
+    "audio": ("audio output", lambda value: value is not None),
+    "response_format": ("response_format other than text", lambda value: bool(value) and value.get("type") != "text"),
+}
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -118,46 +131,18 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict | None = None
-    # The legacy function calling and audio output: taken in silence before, and answered with plain text
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[Any] | None = None
     audio: Any = None
 
-    @field_validator("tools")
+    @field_validator(*CHAT_REFUSED)
     @classmethod
-    def _no_tools(cls, value):
-        return _unsupported("tools (function calling)", value, bool(value))
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value):
-        return _unsupported("tool_choice", value, value not in (None, "none"))
-
-    @field_validator("functions")
-    @classmethod
-    def _no_functions(cls, value):
-        return _unsupported("functions (function calling)", value, bool(value))
-
-    @field_validator("function_call")
-    @classmethod
-    def _no_function_call(cls, value):
-        return _unsupported("function_call", value, value not in (None, "none"))
-
-    @field_validator("modalities")
-    @classmethod
-    def _text_out(cls, value):
-        return _unsupported("modalities other than text", value, bool(value) and value != ["text"])
-
-    @field_validator("audio")
-    @classmethod
-    def _no_audio(cls, value):
-        return _unsupported("audio output", value, value is not None)
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value):
-        return _unsupported("response_format other than text", value, bool(value) and value.get("type") != "text")
+    def _refused(cls, value, info: ValidationInfo):
+        """A feature this server does not have is a 400 naming it (its neutral values pass), never an answer that
+        ignored it."""
+        feature, refused = CHAT_REFUSED[str(info.field_name)]
+        return _unsupported(feature, value, refused(value))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
