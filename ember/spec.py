@@ -6,7 +6,9 @@ from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-GPU_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9-]*(:[1-9][0-9]*)?$")
+# A GPU type of up to 32 characters and up to 8 of them: the GPUs of one host (a count of 10**20 was taken, and
+# its replica could never be placed)
+GPU_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9-]{0,31}(:[1-8])?$")
 SECRET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
 MAX_ENV_VALUE = 64 * 1024  # bytes in one environment value (a secret's or env=)
@@ -139,7 +141,7 @@ class FunctionSpec(BaseModel):
     @classmethod
     def _gpu_shape(cls, value: str | None) -> str | None:
         if value is not None and not GPU_PATTERN.match(value):
-            raise ValueError(f"gpu must look like 'H200' or 'H200:2', got {value!r}")
+            raise ValueError(f"gpu must look like 'H200' or 'H200:2' (1 to 8 GPUs of one host), got {value[:40]!r}")
         return value
 
     @field_validator("requirements")

@@ -47,6 +47,9 @@ def test_misspelt_argument_names_the_nearest_valid_one():
     ({"env": {"K": "v\0w"}}, "the value of env K must be UTF-8 text"),
     ({"env": {"K": "\ud800"}}, "the value of env K must be UTF-8 text"),
     ({"secrets": ["../../etc/passwd"]}, "secret names match"),
+    ({"gpu": "H200:99999999999999999999"}, "gpu must look like 'H200' or 'H200:2' (1 to 8 GPUs of one host)"),
+    ({"gpu": "H200:9"}, "gpu must look like 'H200' or 'H200:2'"),
+    ({"gpu": "x" * 10000}, "gpu must look like 'H200' or 'H200:2'"),
 ])
 def test_ranges_are_checked(settings, fragment):
     with pytest.raises(SpecError) as error:
