@@ -85,7 +85,10 @@ def blocking_iter(make: Callable[[], AsyncIterator[Any]]) -> Iterator[Any]:
             yield value
     finally:
         if thread.is_alive() and "loop" in running:
-            running["loop"].call_soon_threadsafe(running["task"].cancel)
+            try:
+                running["loop"].call_soon_threadsafe(running["task"].cancel)
+            except RuntimeError:  # the loop closed after the check: the pump has already ended, nothing to cancel
+                pass
         thread.join()
 
 

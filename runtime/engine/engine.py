@@ -200,6 +200,9 @@ class LLMEngine:
             run = self.runner.run(batch, self.eos_token_ids) if batch.seqs else None
             outputs = self._postprocess(batch, run)
         self.observer.stepped(StepRecord(batch, run, outputs, started, time.perf_counter() - began))
+        # only now: until the observer has counted an aborted request, the engine reads as busy, so whoever waits
+        # for it to go idle (a test, a park) then sees the abort in its stats
+        self._aborted = []
         return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
@@ -215,7 +218,7 @@ class LLMEngine:
         return [results[request_id] for request_id in ids]
 
     def _postprocess(self, batch: ScheduledBatch, run: RunOutput | None) -> list[RequestOutput]:
-        outputs, self._aborted = self._aborted, []
+        outputs = list(self._aborted)   # cleared by _step once the observer has them (see has_unfinished_requests)
         if run is None:
             return outputs
         finish_reason = self._finish_reason
@@ -288,7 +291,7 @@ class LLMEngine:
 
     def _postprocess_launched(self, step: _InFlight | None, run: RunOutput | None) -> list[RequestOutput]:
         """Put a collected step's tokens in place of its placeholders; stop and report as `_postprocess` does."""
-        outputs, self._aborted = self._aborted, []
+        outputs = list(self._aborted)   # cleared by _step once the observer has them
         if step is None or run is None:
             return outputs
         # per sequence per step, as in Scheduler.schedule: calls only where they may do something

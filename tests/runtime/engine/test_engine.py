@@ -181,6 +181,28 @@ def test_abort_frees_blocks_and_reports_once(llama):
     assert all(b.ref_count == 0 for b in eng.block_manager.blocks)
 
 
+def test_an_abort_is_counted_before_the_engine_reads_idle(llama):
+    """Another thread waits for `has_unfinished_requests()` to turn false and then reads the stats (a test, a
+    metrics scrape): the abort must be in them by then. It was not, for the moment between a step handing out
+    the aborted request's output and the observer counting it (a CI failure)."""
+    eng = engine(llama[0])
+    eng.add_request("a", random_prompts([20], seed=3)[0], GREEDY)
+    eng.step()
+    eng.abort_request("a")
+    seen: list[tuple[bool, int]] = []
+    stepped = eng.observer.stepped
+
+    def watching(record):
+        seen.append((eng.has_unfinished_requests(), eng.stats.request_success["abort"]))
+        stepped(record)
+
+    eng.observer.stepped = watching
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert seen and all(busy for busy, _ in seen)
+    assert eng.stats.request_success["abort"] == 1 and not eng.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("prompt, params, message", [
     ([], GREEDY, "empty"),
     (list(range(3, 300)), GREEDY, "max_model_len"),
