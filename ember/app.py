@@ -83,6 +83,10 @@ class Function(Remote):
         self.app, self.fn, self.spec = app, fn, spec
         self.name = _check_name("function", fn.__name__)
         self.is_asgi = bool(getattr(fn, hooks.ASGI, False))
+        marks = [f"@ember.{d}()" for a, d in (HOOKS | {hooks.METHOD: "method"}).items() if hasattr(fn, a)]
+        if marks:   # a lifecycle hook or method of no class: it would never run
+            raise SpecError(f"{self.name} is a plain @app.function() marked {' and '.join(marks)}, which marks a "
+                            "method of an @app.cls() class; put it in one, or drop the mark")
 
     def describe(self) -> dict:
         methods = [] if self.is_asgi else [self.name]
@@ -110,6 +114,7 @@ class Cls:
         self.name = _check_name("class", user_cls.__name__)
         members = inspect.getmembers(user_cls, callable)
         _check_roles(self.name, members)
+        _check_plain_methods(user_cls, members)
         self.methods = [n for n, f in members if getattr(f, hooks.METHOD, False)]
         asgi = [n for n, f in members if getattr(f, hooks.ASGI, False)]
         if len(asgi) > 1:
@@ -213,10 +218,20 @@ def _check_roles(cls_name: str, members: list[tuple[str, Any]]) -> None:
                             "calls; keep one of them and, to share code, call one method from the other")
 
 
+def _check_plain_methods(user_cls: type, members: list[tuple[str, Any]]) -> None:
+    """A marked method runs on the class's instance, its `self` left out of what a caller sends: a staticmethod or
+    classmethod under the mark (`@staticmethod` above `@ember.method()`) would lose its first parameter."""
+    for name, member in members:
+        wrapper = inspect.getattr_static(user_cls, name, None)
+        if isinstance(wrapper, (staticmethod, classmethod)) and any(hasattr(member, a) for a in HOOKS | SERVES):
+            raise SpecError(f"{user_cls.__name__}.{name} is a {type(wrapper).__name__}: Ember's marks go on plain "
+                            f"methods (def {name}(self, ...)); drop the @{type(wrapper).__name__}")
+
+
 def _required_params(fn: Callable, bound: bool = False) -> dict[str, str | None]:
     """Required keyword arguments and their annotation names: enough to show a caller a working request."""
     params = list(inspect.signature(fn).parameters.values())[1 if bound else 0:]
     return {
         p.name: getattr(p.annotation, "__name__", None) if p.annotation is not p.empty else None
-        for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }

@@ -12,6 +12,9 @@ TRY_IT = "__ember_try_it__"  # value: {"path", "body", "openai_base"}, what `emb
 
 def _marker(decorator: str, attribute: str, value: object) -> Callable:
     def mark(fn: Callable) -> Callable:
+        if isinstance(fn, (staticmethod, classmethod)):   # callable, but the mark would be lost on the wrapper
+            raise TypeError(f"@ember.{decorator}() decorates a plain method (def name(self, ...)), not a "
+                            f"{type(fn).__name__}; drop the @{type(fn).__name__}")
         if not callable(fn):
             raise TypeError(f"@ember.{decorator}() decorates a function or method, got {fn!r}")
         setattr(fn, attribute, value)
@@ -33,7 +36,9 @@ def enter(_fn: object = None, *, snap: bool = False) -> Callable:
     A unit whose snap=True hooks touch CUDA still works: its replicas are spawned instead of forked, and each start's
     breakdown says why."""
     _no_bare_use("enter", _fn)
-    return _marker("enter", ENTER, bool(snap))
+    if not isinstance(snap, bool):   # snap="no" would be truthy
+        raise TypeError(f"@ember.enter(snap=...) is True or False; got {snap!r}")
+    return _marker("enter", ENTER, snap)
 
 
 def exit(_fn: object = None) -> Callable:  # noqa: A001 - mirrors enter/exit lifecycle naming
@@ -69,6 +74,8 @@ def asgi_app(_fn: object = None, *, try_path: str | None = None, try_body: dict 
     `try_body` to POST, else a GET) is the call `ember serve --new-key` prints; `openai_base` (e.g. "/v1") says the
     app speaks the OpenAI API there, so `ember serve` also prints the settings an OpenAI client needs."""
     _no_bare_use("asgi_app", _fn)
+    if try_body is not None and not isinstance(try_body, dict):
+        raise TypeError(f"@ember.asgi_app(try_body=...) is a dict to send as JSON; got {try_body!r}")
     for name, path in (("try_path", try_path), ("openai_base", openai_base)):
         if path is not None and not (isinstance(path, str) and path.startswith("/")):
             raise TypeError(f"@ember.asgi_app({name}=...) is a path under the app, starting with '/'; got {path!r}")

@@ -23,6 +23,7 @@ import cloudpickle
 
 from ember.app import App, Cls, Function
 from ember.home import Home
+from ember.spec import SpecError
 
 LOCAL_IMPORTS: dict[str, list[str]] = {}  # app module name -> the local modules loading it imported
 
@@ -68,7 +69,9 @@ def load_app(path: str | Path, name: str | None = None) -> App:
     except Exception as exc:
         sys.modules.pop(module_name, None)
         if _raised_by_ember(exc):  # a check of the app's own definition (a bad name, a misspelt setting) says what
-            raise  # to fix in its message
+            if isinstance(exc, TypeError):  # to fix in its message (a decorator's misuse: a SpecError, printed so)
+                raise SpecError(str(exc)) from exc
+            raise
         raise AppLoadError(f"importing {path} failed:\n{_users_traceback(exc)}") from exc
     except BaseException:
         sys.modules.pop(module_name, None)

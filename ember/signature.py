@@ -9,7 +9,8 @@ from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter, create_model
 
-NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+# a call body names every argument; the replica passes a positional-only one by position (runtime/worker.py)
+NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def _hints(fn: Callable) -> dict[str, Any]:

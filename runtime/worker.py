@@ -48,15 +48,35 @@ class ControlChannel:
         self._out.flush()
 
 
+def by_position(fn, kwargs: dict) -> tuple[tuple, dict]:
+    """`kwargs` as the call's (args, kwargs): a call body names every argument, and a positional-only parameter
+    (`def f(x, /)`) can only be passed by position. Those before the last one named take their defaults; at the
+    first one missing without a default the rest stay named, and binding them fails as for any missing argument."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind is p.POSITIONAL_ONLY]
+    named = [i for i, p in enumerate(params) if p.name in kwargs]
+    if not named:
+        return (), kwargs
+    args, rest = [], dict(kwargs)
+    for p in params[:named[-1] + 1]:
+        if p.name in rest:
+            args.append(rest.pop(p.name))
+        elif p.default is not p.empty:
+            args.append(p.default)
+        else:
+            return (), kwargs
+    return tuple(args), rest
+
+
 def argument_problem(fn, kwargs: dict) -> str | None:
     """Why `kwargs` cannot call `fn` — every unknown and missing name, and what it takes — or None when they can."""
     signature = inspect.signature(fn)
     try:
-        signature.bind(**kwargs)
+        args, rest = by_position(fn, kwargs)
+        signature.bind(*args, **rest)
         return None
     except TypeError as exc:
         params = signature.parameters.values()
-        named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         open_ended = any(p.kind is p.VAR_KEYWORD for p in params)
         unknown = [] if open_ended else [k for k in kwargs if k not in named]
         missing = [p.name for p in params if p.name in named and p.default is p.empty and p.name not in kwargs]
@@ -161,20 +181,21 @@ class LoadedUnit:
             kwargs, problem = checked_arguments(self.types[method], kwargs)
         if problem is not None:
             return _error_response(422, "invalid_arguments", problem)
+        args, kwargs = by_position(fn, kwargs)
         if is_generator(fn):
-            return EventStream(ValueSource(fn(**kwargs), self.threads), self.unit.name, self.timeout, CANCEL_GRACE,
-                               _error_response, {RECYCLING: "1"})
-        return await self._run(fn, kwargs, request)
+            return EventStream(ValueSource(fn(*args, **kwargs), self.threads), self.unit.name, self.timeout,
+                               CANCEL_GRACE, _error_response, {RECYCLING: "1"})
+        return await self._run(fn, args, kwargs, request)
 
-    async def _run(self, fn: Callable, kwargs: dict, request):
+    async def _run(self, fn: Callable, args: tuple, kwargs: dict, request):
         from starlette.responses import Response
 
         in_thread = not inspect.iscoroutinefunction(fn)
         if in_thread:
             context = contextvars.copy_context()  # the trace context, as asyncio.to_thread would carry it
-            work = asyncio.get_running_loop().run_in_executor(self.threads, lambda: context.run(fn, **kwargs))
+            work = asyncio.get_running_loop().run_in_executor(self.threads, lambda: context.run(fn, *args, **kwargs))
         else:
-            work = asyncio.ensure_future(fn(**kwargs))
+            work = asyncio.ensure_future(fn(*args, **kwargs))
         hang_up = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, hang_up}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)

@@ -72,6 +72,31 @@ def test_misspelt_setting_fails_at_load(tmp_path):
     assert "unknown argument 'max_replica' for @app.function; did you mean 'max_replicas'?" in result.stderr
 
 
+@pytest.mark.parametrize("decorated, message", [
+    ("@app.cls()\nclass C:\n    @ember.method\n    def m(self):\n        return 1\n",
+     "use @ember.method() with parentheses"),
+    ("@app.cls()\nclass C:\n    @ember.enter(snap='no')\n    def e(self):\n        pass\n",
+     "@ember.enter(snap=...) is True or False; got 'no'"),
+])
+def test_a_misused_decorator_is_a_one_line_error_not_a_traceback(tmp_path, decorated, message):
+    """The decorators' TypeErrors reached the CLI raw: `ember run` printed Python's traceback for a missing ()."""
+    app = tmp_path / "misused.py"
+    app.write_text("import ember\napp = ember.App('m')\n\n" + decorated)
+    result = ember("run", f"{app}::C.m", home=tmp_path)
+    assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_run_calls_a_function_of_positional_only_parameters_by_name(tmp_path):
+    """A call body names every argument, so `def f(a, /)` could never be called ("unknown argument 'a'")."""
+    app = tmp_path / "positional.py"
+    app.write_text("import ember\napp = ember.App('p')\n\n@app.function()\n"
+                   "def f(a: int, b: int = 20, /, *, c: int = 0):\n    return [a, b, c]\n")
+    assert json.loads(ember("run", f"{app}::f", "a=1", "c=3", home=tmp_path).stdout) == [1, 20, 3]
+    assert json.loads(ember("run", f"{app}::f", "b=5", "a=1", home=tmp_path).stdout) == [1, 5, 0]
+    missing = ember("run", f"{app}::f", "b=5", home=tmp_path)
+    assert missing.returncode == 1 and "missing required argument 'a'; it takes (a, b, c)" in missing.stderr
+
+
 def test_printed_curl_works_with_cacert(serve):
     served = serve(EXAMPLE, "--new-key", "quickstart")
     text = "".join(served.stdout)

@@ -84,6 +84,33 @@ def test_decorators_need_parentheses_and_names_must_be_url_safe():
         ember.App("my app")
 
 
+def test_marks_go_on_plain_methods_of_a_class():
+    """A mark on a staticmethod, a mark's snap flag given as text, or a hook on a plain function were accepted and
+    then did nothing (or the opposite): `snap="no"` snapped, a static @ember.method() was "no method" at call time."""
+    app = ember.App("a")
+    with pytest.raises(TypeError, match="not a staticmethod; drop the @staticmethod"):
+        ember.method()(staticmethod(lambda: 1))
+    with pytest.raises(TypeError, match=r"snap=\.\.\.\) is True or False; got 'no'"):
+        ember.enter(snap="no")
+    with pytest.raises(TypeError, match="try_body=...\\) is a dict"):
+        ember.asgi_app(try_path="/x", try_body="{}")
+
+    class Static:
+        @staticmethod
+        @ember.method()
+        def twice(x):
+            return 2 * x
+
+    with pytest.raises(SpecError, match="Static.twice is a staticmethod"):
+        app.cls()(Static)
+
+    def setup():
+        pass
+
+    with pytest.raises(SpecError, match=r"marked @ember.enter\(\), which marks a method of an @app.cls\(\) class"):
+        app.function()(ember.enter()(setup))
+
+
 def test_the_typed_settings_name_every_field_of_the_spec():
     from typing import get_type_hints
 
