@@ -80,6 +80,9 @@ class Function(Remote):
     """A plain function served as one unit: every call is one invocation."""
 
     def __init__(self, app: App, fn: Callable, spec: FunctionSpec):
+        if not inspect.isfunction(fn):   # a class, a builtin, a bound method: no code of its own to ship
+            use = "; a class is served with @app.cls()" if isinstance(fn, type) else ""
+            raise SpecError(f"@app.function() decorates a function, got {fn!r}{use}")
         self.app, self.fn, self.spec = app, fn, spec
         self.name = _check_name("function", fn.__name__)
         self.is_asgi = bool(getattr(fn, hooks.ASGI, False))
@@ -110,8 +113,12 @@ class Cls:
     """A class whose instance lives in a replica: enter hooks run once, methods serve calls."""
 
     def __init__(self, app: App, user_cls: type, spec: FunctionSpec):
+        if not isinstance(user_cls, type):
+            raise SpecError(f"@app.cls() decorates a class, got {user_cls!r}; a function is served with "
+                            "@app.function()")
         self.app, self.user_cls, self.spec = app, user_cls, spec
         self.name = _check_name("class", user_cls.__name__)
+        _check_no_arguments(user_cls)
         members = inspect.getmembers(user_cls, callable)
         _check_roles(self.name, members)
         _check_plain_methods(user_cls, members)
@@ -216,6 +223,19 @@ def _check_roles(cls_name: str, members: list[tuple[str, Any]]) -> None:
         if hook and serves or sum(hasattr(member, a) for a in SERVES) > 1:
             raise SpecError(f"{cls_name}.{name} is marked {' and '.join(marks)}: a lifecycle hook cannot also serve "
                             "calls; keep one of them and, to share code, call one method from the other")
+
+
+def _check_no_arguments(user_cls: type) -> None:
+    """A replica makes the instance as `Class()`: a required constructor argument fails every start."""
+    try:
+        required = [p.name for p in inspect.signature(user_cls).parameters.values()
+                    if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError):  # no signature to read (a C-level constructor): let the start say
+        return
+    if required:
+        raise SpecError(f"{user_cls.__name__}() takes required argument{'s' * (len(required) > 1)} "
+                        f"{', '.join(map(repr, required))}, but a replica makes its instance with none: give "
+                        "them defaults, or set them in an @ember.enter() method")
 
 
 def _check_plain_methods(user_cls: type, members: list[tuple[str, Any]]) -> None:

@@ -111,6 +111,29 @@ def test_marks_go_on_plain_methods_of_a_class():
         app.function()(ember.enter()(setup))
 
 
+def test_each_decorator_takes_what_it_serves():
+    """@app.function() on a class or a builtin and a class whose constructor needs arguments loaded, and every
+    replica start then failed ("import failed: AttributeError: ... '__globals__'", "enter failed: TypeError")."""
+    app = ember.App("a")
+
+    class Needs:
+        def __init__(self, size: int, *rest, scale: float = 1.0):
+            self.size = size
+
+        @ember.method()
+        def get(self):
+            return self.size
+
+    with pytest.raises(SpecError, match="a class is served with @app.cls"):
+        app.function()(Needs)
+    with pytest.raises(SpecError, match="decorates a function, got <built-in function len>"):
+        app.function()(len)
+    with pytest.raises(SpecError, match="a function is served with @app.function"):
+        app.cls()(lambda: 1)
+    with pytest.raises(SpecError, match=r"Needs\(\) takes required argument 'size', but a replica makes"):
+        app.cls()(Needs)
+
+
 def test_the_typed_settings_name_every_field_of_the_spec():
     from typing import get_type_hints
 
