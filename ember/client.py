@@ -56,6 +56,26 @@ class EventReader:
             raise RemoteError(502, "stream_cut", "the stream of values ended before the function finished; retry")
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def call_body(target: str, kwargs: dict) -> bytes:
+    """A call's keyword arguments as the JSON body it sends. A value JSON cannot carry is named with its argument
+    and what to send instead; httpx's own message named neither ("Object of type bytes is not JSON serializable")."""
+    try:
+        return json.dumps(kwargs, allow_nan=False, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        for name, value in kwargs.items():
+            try:
+                json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError) as problem:
+                raise type(exc)(
+                    f"argument {name!r} of {target} cannot be sent ({problem}): a call carries JSON values - str, int, "
+                    "finite float, bool, None, and lists and dicts of them - so send bytes as base64 text, a set as a "
+                    "list, a datetime as ISO text, an array as a list") from None
+        raise
+
+
 def _is_events(response: httpx.Response) -> bool:
     return response.headers.get("content-type", "").startswith("text/event-stream")
 
@@ -172,13 +192,15 @@ class Client:
             yield response
 
     def call(self, app: str, target: str, kwargs: dict) -> Any:
-        with self.stream("POST", f"/{app}/{target}", json=kwargs) as response:
+        body = call_body(target, kwargs)
+        with self.stream("POST", f"/{app}/{target}", content=body, headers=JSON_HEADERS) as response:
             _expect_result(response, target)
             return json.loads(response.read())["result"]
 
     def iterate(self, app: str, target: str, kwargs: dict) -> Iterator[Any]:
         """The values a generator function yields, each as soon as the gateway relays it."""
-        with self.stream("POST", f"/{app}/{target}", json=kwargs) as response:
+        body = call_body(target, kwargs)
+        with self.stream("POST", f"/{app}/{target}", content=body, headers=JSON_HEADERS) as response:
             _expect_events(response, target)
             reader = EventReader()
             for line in response.iter_lines():
@@ -220,7 +242,8 @@ class AsyncClient:
         return response
 
     async def call(self, app: str, target: str, kwargs: dict) -> Any:
-        async with self.stream("POST", f"/{app}/{target}", json=kwargs) as response:
+        body = call_body(target, kwargs)
+        async with self.stream("POST", f"/{app}/{target}", content=body, headers=JSON_HEADERS) as response:
             _expect_result(response, target)
             return json.loads(await response.aread())["result"]
 
@@ -239,7 +262,8 @@ class AsyncClient:
             yield response
 
     async def iterate(self, app: str, target: str, kwargs: dict) -> AsyncIterator[Any]:
-        async with self.stream("POST", f"/{app}/{target}", json=kwargs) as response:
+        body = call_body(target, kwargs)
+        async with self.stream("POST", f"/{app}/{target}", content=body, headers=JSON_HEADERS) as response:
             _expect_events(response, target)
             reader = EventReader()
             async for line in response.aiter_lines():

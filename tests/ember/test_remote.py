@@ -164,3 +164,17 @@ def test_a_map_sharing_a_queue_with_another_key_resubmits_the_calls_that_gave_wa
     with httpx.Client(verify=served.tls()) as http:
         metrics = http.get(f"{served.url}/metrics").text
     assert 'ember_requests_total{app="fanout",function="narrow",code="429"}' in metrics  # places were given up
+
+
+def test_an_argument_json_cannot_carry_is_named_with_what_to_send(fanout):
+    """bytes, a set or NaN failed inside httpx with "Object of type bytes is not JSON serializable", naming neither
+    the argument nor a way out; .map with return_exceptions keeps the other inputs going."""
+    with pytest.raises(TypeError, match=r"argument 'b' of add cannot be sent .*send bytes as base64 text"):
+        fanout["add"].remote(1, b=b"\x00")
+    with pytest.raises(ValueError, match=r"argument 'a' of add cannot be sent \(Out of range float"):
+        fanout["add"].remote(float("nan"))
+    with pytest.raises(TypeError, match=r"argument 'x' of Doubler.double cannot be sent .*a set as a list"):
+        fanout["Doubler"]().double.remote({1, 2})
+    results = list(fanout["add"].map([1, {2}, 3], return_exceptions=True))
+    assert results[0] == 1 and results[2] == 3 and "argument 'a' of add" in str(results[1])
+    assert asyncio.run(fanout["add"].remote.aio(2, b=3)) == 5
