@@ -15,7 +15,7 @@ from ember.gateway.errors import ApiError
 from ember.gateway.inflight import BodyBudget
 from ember.gateway.routing import SESSION, Forward
 from ember.gateway.usage import OPENAI_PATHS, UsageMeter, estimate, max_tokens
-from ember.runtime.call_body import BadCallBody, keyword_arguments
+from ember.runtime.call_body import BadCallBody, keyword_arguments, plain_encoding
 
 MAX_BODY = 16 * 1024 * 1024
 # Bytes of JSON the event loop parses itself (well under a millisecond). 14 MB of small messages took 0.57 s to parse
@@ -68,6 +68,10 @@ async def read_body(request: Request, budget: BodyBudget) -> bytearray:
 async def read_kwargs(request: Request, budget: BodyBudget) -> bytes | bytearray:
     """The call's body, checked to be a JSON object of keyword arguments when small (see PARSE_INLINE); forwarded as
     read."""
+    try:
+        plain_encoding(request.headers.get("content-encoding"))
+    except BadCallBody as exc:
+        raise ApiError(exc.status, exc.type, exc.message) from None
     body = await read_body(request, budget) or b"{}"
     if len(body) > PARSE_INLINE:
         return body

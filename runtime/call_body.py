@@ -18,6 +18,14 @@ class BadCallBody(ValueError):
         self.status, self.type, self.message = status, type, message
 
 
+def plain_encoding(content_encoding: str | None) -> None:
+    """A call's body is read as sent: a compressed one (Content-Encoding: gzip) is refused by name, where it would
+    fail as JSON that does not parse (or, compressed JSON-looking text, be read wrongly)."""
+    if content_encoding and content_encoding.strip().lower() != "identity":
+        raise BadCallBody(415, "unsupported_encoding", f"Content-Encoding {content_encoding[:40]!r} is not taken: "
+                          "send the call's JSON body uncompressed, without a Content-Encoding header")
+
+
 def keyword_arguments(body: bytes | bytearray) -> dict:
     """The arguments of a call's body (empty: none), or BadCallBody: 400 for JSON that does not parse (too deep
     included), 422 for JSON that is not an object."""

@@ -31,7 +31,13 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from ember.runtime import control, health, logs, startup, tracing  # noqa: E402
-from ember.runtime.call_body import BadCallBody, ResultNotJson, keyword_arguments, result_json  # noqa: E402
+from ember.runtime.call_body import (  # noqa: E402
+    BadCallBody,
+    ResultNotJson,
+    keyword_arguments,
+    plain_encoding,  # noqa: E402
+    result_json,
+)
 from ember.runtime.generators import EventStream, ValueSource, is_generator  # noqa: E402
 
 
@@ -169,6 +175,7 @@ class LoadedUnit:
         if fn is None:
             return _error_response(404, "not_found", f"{self.unit.name} has no method {method!r}")
         try:
+            plain_encoding(request.headers.get("content-encoding"))
             kwargs = keyword_arguments(await request.body())
         except BadCallBody as exc:
             return _error_response(exc.status, exc.type, exc.message)

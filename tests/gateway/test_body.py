@@ -15,15 +15,15 @@ from ember.gateway.inflight import BodyBudget
 from ember.gateway.routing import Forward
 
 
-def request(path: str, body: bytes) -> Request:
+def request(path: str, body: bytes, headers: tuple[tuple[bytes, bytes], ...] = ()) -> Request:
     chunks = [body[at:at + (1 << 20)] for at in range(0, len(body), 1 << 20)]
 
     async def receive():
         chunk = chunks.pop(0)
         return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-length", str(len(body)).encode())],
-             "query_string": b""}
+    scope = {"type": "http", "method": "POST", "path": path,
+             "headers": [(b"content-length", str(len(body)).encode()), *headers], "query_string": b""}
     return Request(scope, receive)
 
 
@@ -68,6 +68,9 @@ def test_a_small_call_body_is_checked_here_and_a_large_one_left_to_the_replica()
     assert small.value.status == 400 and small.value.type == "invalid_json"
     large = b"[" + b"1, " * PARSE_INLINE
     assert asyncio.run(read_kwargs(request("/app/fn", large), budget)) == large  # not parsed on the event loop
+    with pytest.raises(ApiError) as packed:   # a large compressed body too: refused before it is read
+        asyncio.run(read_kwargs(request("/app/fn", large, ((b"content-encoding", b"gzip"),)), budget))
+    assert packed.value.status == 415 and packed.value.type == "unsupported_encoding"
 
 
 # any code point, lone surrogates too (JSON carries them as "\ud800"), and strings long enough for a prefix key

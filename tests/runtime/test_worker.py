@@ -1,4 +1,5 @@
 """The worker process on its own: ready line, calls, timeouts, exit hooks on SIGTERM, a crash in enter."""
+import gzip
 import json
 import os
 import signal
@@ -326,6 +327,12 @@ def test_arguments_are_checked_against_type_hints_and_results_must_be_strict_jso
             assert "NaN" in nan.json()["error"]["message"]
             deep = http.post("/call/ratio", content=b"[" * 5000 + b"]" * 5000)
             assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_json"
+            # a compressed body failed as JSON that does not parse ("can't decode byte 0x8b"): now refused by name
+            packed = http.post("/call/ratio", content=gzip.compress(b'{"a": 1, "b": 2}'),
+                               headers={"Content-Encoding": "gzip"})
+            assert packed.status_code == 415 and "send the call's JSON body uncompressed" in packed.text
+            assert http.post("/call/ratio", json={"a": 1, "b": 2}, headers={"Content-Encoding": "identity"}).json() \
+                == {"result": 0.5}
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(15)
