@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 INT32_MAX = 2**31 - 1
+LOGIT_BIAS_MAX_TOKENS = 300   # as OpenAI's API allows
 
 
 @dataclass
@@ -22,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None        # return logprob of the sampled token plus this many top alternatives
     min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (OpenAI's)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the bad field and its valid range. Every field is bounded: a value torch cannot
@@ -43,6 +45,12 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs={self.logprobs}: must be in [0, 20]"),
             (all(0 <= t < vocab_size for t in self.stop_token_ids),
              f"stop_token_ids={self.stop_token_ids}: every id must be in [0, {vocab_size})"),
+            (len(self.logit_bias) <= LOGIT_BIAS_MAX_TOKENS,
+             f"logit_bias: at most {LOGIT_BIAS_MAX_TOKENS} tokens, got {len(self.logit_bias)}"),
+            (all(isinstance(t, int) and 0 <= t < vocab_size for t in self.logit_bias),
+             f"logit_bias: every token id must be in [0, {vocab_size})"),
+            (all(math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
+             "logit_bias: every bias must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -67,7 +75,7 @@ class SamplingRow:
     def __post_init__(self):
         p = self.params
         self.plain = (p.temperature == 0 and not p.has_penalties and not self.banned_token_ids
-                      and p.logprobs is None)
+                      and p.logprobs is None and not p.logit_bias)
 
 
 @dataclass
@@ -143,13 +151,18 @@ def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> Draws:
     raw_logprobs = torch.log_softmax(logits[logprob_index].float(), dim=-1) if logprob_index is not None else None
     penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
     banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
+    biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items()]
     random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0]
-    if not (penalized or banned or random_rows):   # greedy fast path: one argmax
+    if not (penalized or banned or biased or random_rows):   # greedy fast path: one argmax
         token_ids = logits.argmax(dim=-1)
     else:
         logits = logits.float().clone()
         if penalized:
             _apply_penalties(logits, [rows[i] for i in penalized], penalized)
+        if biased:   # after the penalties, as OpenAI and vLLM apply it; a ban below still wins
+            row_index, token_index, bias = zip(*biased)
+            logits.index_put_((_device(logits, list(row_index), torch.long), _device(logits, list(token_index),
+                              torch.long)), _device(logits, list(bias), torch.float32), accumulate=True)
         if banned:
             row_index, token_index = _device(logits, list(zip(*banned)), torch.long)
             logits[row_index, token_index] = float("-inf")

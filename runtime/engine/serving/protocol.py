@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from ember.runtime.engine.sampling import INT32_MAX, SamplingParams
+from ember.runtime.engine.sampling import INT32_MAX, LOGIT_BIAS_MAX_TOKENS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -63,8 +63,18 @@ class SamplingRequest(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value):
-        return _unsupported("logit_bias", value, bool(value))
+    def _token_biases(cls, value):
+        """OpenAI's form: token ids (of this model's tokenizer) as strings, each to a bias in [-100, 100]."""
+        if not value:
+            return value
+        if len(value) > LOGIT_BIAS_MAX_TOKENS:
+            raise ValueError(f"at most {LOGIT_BIAS_MAX_TOKENS} tokens, got {len(value)}")
+        for token, bias in value.items():
+            if not (token.isascii() and token.isdigit() and len(token) <= 10):
+                raise ValueError(f"keys are token ids written as strings, such as \"1234\"; got {token[:40]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"each bias must be in [-100, 100]; token {token} has {bias}")
+        return value
 
     @property
     def stop_strings(self) -> list[str]:
@@ -88,6 +98,7 @@ class SamplingRequest(BaseModel):
             frequency_penalty=_default(self.frequency_penalty, 0.0),
             stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(), min_tokens=self.min_tokens,
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
         )
 
 

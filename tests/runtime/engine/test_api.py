@@ -226,7 +226,11 @@ def test_repeated_prompt_hits_the_prefix_cache(call):
     ("/v1/completions", {"model": MODEL, "prompt": [5, 99999]}, 400, None, None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids", None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens", None),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "logit_bias": {str(t): 1 for t in range(301)}}, 400,
+     "logit_bias", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo", "invalid_value"),
@@ -284,6 +288,26 @@ def test_a_lone_surrogate_in_the_text_is_a_400_naming_it(call, path, fields, par
     error = response.json()["error"]
     assert error["param"] == param and "lone UTF-16 surrogate" in error["message"], error
     assert chat(call, max_tokens=2).status_code == 200
+
+def test_logit_bias_forces_and_bans_tokens(app, call):
+    """OpenAI's logit_bias (token id -> bias in [-100, 100]) was refused as unsupported."""
+    def tokens(**body):
+        reply = call("POST", "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6,
+                                                      "temperature": 0, "ignore_eos": True, "logprobs": 0, **body})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["logprobs"]["tokens"]
+
+    greedy = tokens()
+    forced = tokens(logit_bias={"7": 100})   # +100 outweighs any logit of a tiny random model
+    assert len(set(forced)) == 1 and forced != greedy
+    tokenizer = app.state.llm.tokenizer
+    ids = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(text))[0] for text in greedy}
+    banned = tokens(logit_bias={str(t): -100 for t in ids})
+    assert len(banned) == 6 and not set(banned) & set(greedy)
+    sampled = call("POST", "/v1/chat/completions", json={"model": MODEL, "messages": HELLO, "max_tokens": 5,
+                                                         "temperature": 1, "seed": 3, "logit_bias": {"7": 100}})
+    assert sampled.status_code == 200 and sampled.json()["usage"]["completion_tokens"] == 5
+
 
 def test_neutral_values_of_unsupported_features_are_accepted(call):
     accepted = [

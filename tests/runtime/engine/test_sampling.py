@@ -62,6 +62,19 @@ def test_banned_tokens_are_never_drawn():
     assert sample(logits, [row(temperature=0, banned=[0])])[0] == [1]
 
 
+def test_logit_bias_adds_to_its_rows_after_the_penalties_and_a_ban_still_wins():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    tokens, _ = sample(logits, [row(temperature=0, logit_bias={2: 2.5}), row(temperature=0),
+                                row(temperature=0, logit_bias={1: -5.0, 2: 1.5})])
+    assert tokens == [2, 0, 0]   # 0 + 2.5 > 2; the row without a bias untouched; 0 + 1.5 < 2
+    # after the repetition penalty (token 0 seen: 2.0 / 4 = 0.5), token 2 needs a bias over 1.0 to pass token 1
+    assert sample(logits[:1], [row(temperature=0, prompt=[0], repetition_penalty=4.0, logit_bias={2: 0.6})])[0] == [1]
+    assert sample(logits[:1], [row(temperature=0, prompt=[0], repetition_penalty=4.0, logit_bias={2: 1.1})])[0] == [2]
+    assert sample(logits[:1], [row(temperature=0, banned=[2], logit_bias={2: 100.0})])[0] == [0]
+    forced, _ = sample(logits[:1].repeat(50, 1), [row(temperature=1.0, logit_bias={1: 100.0}) for _ in range(50)])
+    assert set(forced) == {1}
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = torch.tensor([[2.0, 1.5, -1.0, -1.2]])
     # Token 0 seen in the prompt: 2.0 / 2 = 1.0 < 1.5. Token 2 seen: -1.0 * 2 = -2.0 < -1.2.
@@ -97,6 +110,8 @@ def test_logprobs_are_the_raw_model_distribution():
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("top_k", -1), ("top_p", 1.5), ("min_p", 2.0), ("repetition_penalty", 0.0),
     ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("logprobs", 50), ("max_tokens", 0),
+    ("logit_bias", {100: 1.0}), ("logit_bias", {5: 100.5}), ("logit_bias", {5: float("nan")}),
+    ("logit_bias", {t: 1.0 for t in range(301)}),
 ])
 def test_validate_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=field):
