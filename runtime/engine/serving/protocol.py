@@ -7,6 +7,7 @@ OpenAI features this server lacks are refused rather than silently dropped. Ever
 fail inside the engine's step loop rather than here.
 """
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -107,12 +108,38 @@ class TextPart(BaseModel):
     text: str
 
 
+TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"   # OpenAI's rule for function names
+MAX_TOOLS = 128                          # as OpenAI allows
+
+
+class CalledFunction(BaseModel):
+    name: str = Field(max_length=64)
+    arguments: str = ""
+
+    def parsed(self) -> Any:
+        """The arguments as an object when they are a JSON object (templates write them back as JSON), else as sent."""
+        try:
+            value = json.loads(self.arguments)
+        except ValueError:
+            return self.arguments
+        return value if isinstance(value, dict) else self.arguments
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made earlier in the conversation."""
+    id: str = Field("", max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -123,14 +150,27 @@ class ChatMessage(BaseModel):
 # Chat fields of features this server does not have: (what the 400 names, whether a value asks for it). The legacy
 # function calling and audio output were taken in silence before, and answered with plain text.
 CHAT_REFUSED = {
-    "tools": ("tools (function calling)", bool),
-    "tool_choice": ("tool_choice", lambda value: value not in (None, "none")),
-    "functions": ("functions (function calling)", bool),
+    # needs decoding constrained to a call, which this server does not have; "auto" (the default) and "none" work
+    "tool_choice": ("tool_choice other than auto or none (constrained decoding)",
+                    lambda value: value not in (None, "none", "auto")),
+    "functions": ("functions (legacy function calling; send tools)", bool),
     "function_call": ("function_call", lambda value: value not in (None, "none")),
     "modalities": ("modalities other than text", lambda value: bool(value) and value != ["text"]),
     "audio": ("audio output", lambda value: value is not None),
     "response_format": ("response_format other than text", lambda value: bool(value) and value.get("type") != "text"),
 }
+
+
+class ToolFunction(BaseModel):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: ToolFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -139,8 +179,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     response_format: dict | None = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -154,6 +195,11 @@ class ChatCompletionRequest(SamplingRequest):
         ignored it."""
         feature, refused = CHAT_REFUSED[str(info.field_name)]
         return _unsupported(feature, value, refused(value))
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the tools go to the template and the reply is read for calls (tool_choice "none": neither)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -10,6 +10,7 @@ from typing import Any
 
 from ember.runtime.engine.async_engine import AsyncLLM, Completion
 from ember.runtime.engine.detokenizer import token_text
+from ember.runtime.engine.serving import tools
 from ember.runtime.engine.serving.errors import APIError
 from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from ember.runtime.engine.serving.streams import event_stream, merge, renumber, start
@@ -38,11 +39,16 @@ class OpenAIServer:
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "Invalid 'top_logprobs': set 'logprobs' to true to use it.", param="top_logprobs")
-        messages = [{"role": m.role, "content": _unicode(m.text(), f"messages.{i}.content")}
-                    for i, m in enumerate(req.messages)]
+        for i, m in enumerate(req.messages):
+            _unicode(m.text(), f"messages.{i}.content")
+        if req.uses_tools and not tools.template_writes_tool_calls(self.tokenizer.chat_template):
+            raise APIError(400, "This model's chat template does not write tool calls in a format this server reads "
+                           f"({tools.OPEN} JSON {tools.CLOSE}, as Qwen's and Hermes' templates do); send the "
+                           "request without tools, or serve a model whose template has them.", param="tools")
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                        tokenize=False)
+            prompt = self.tokenizer.apply_chat_template(
+                tools.template_messages(req.messages), add_generation_prompt=req.add_generation_prompt, tokenize=False,
+                tools=[t.model_dump(exclude_none=True) for t in req.tools or []] if req.uses_tools else None)
         except Exception as e:  # a template's own raise_exception() is how it rejects a conversation
             raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from e
         prompt_ids = await self._encode(_unicode(prompt, "messages"))
@@ -64,6 +70,13 @@ class OpenAIServer:
                 if c.finish_reason:
                     choice["finish_reason"] = c.finish_reason
                     choice["stop_reason"] = c.stop_reason
+        if req.uses_tools:
+            for choice in choices.values():
+                content, calls = tools.parse(choice["message"]["content"], req.parallel_tool_calls)
+                if calls:
+                    choice["message"].update(content=content, tool_calls=calls)
+                    if choice["finish_reason"] == "stop":
+                        choice["finish_reason"] = "tool_calls"
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": [choices[i] for i in sorted(choices)], "usage": usage.as_dict(),
                 "system_fingerprint": None}
@@ -133,6 +146,7 @@ class OpenAIServer:
     async def _chat_events(self, req, response_id, stream) -> AsyncIterator[str]:
         created, usage, started = int(time.time()), Usage(), set()
         chunks = ChunkJSON(response_id, "chat.completion.chunk", created, self.model_name, req.include_usage)
+        calls: dict[int, tools.ToolCallStream] = {}
         async with aclosing(stream):
             async for c in stream:
                 usage.add(c)
@@ -141,6 +155,11 @@ class OpenAIServer:
                     yield chunks.choice({"index": c.index, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None})
                 logprobs = {"content": self._chat_logprobs(c.logprobs)} if req.logprobs and c.logprobs else None
+                if req.uses_tools:
+                    calling = calls.setdefault(c.index, tools.ToolCallStream(req.parallel_tool_calls))
+                    for chunk in _tool_chunks(chunks, c, calling, logprobs):
+                        yield chunk
+                    continue
                 # a chunk for every step that made tokens, its text empty while the detokenizer holds it back (half
                 # a UTF-8 character, a possible stop string): a client sees each token arrive, as with vLLM
                 if not (c.finish_reason or logprobs):
@@ -201,6 +220,27 @@ class OpenAIServer:
             into["top_logprobs"].append({token_text(self.tokenizer, t): max(lp, MIN_LOGPROB) for t, lp in e["top"]})
             into["text_offset"].append(offset)
             offset += len(text)
+
+
+def _tool_chunks(chunks: "ChunkJSON", c: Completion, calling: tools.ToolCallStream, logprobs: dict | None):
+    """A step's chunks of a choice whose text is read for tool calls: its settled text and whole calls, the step's
+    logprobs on the first, and the finish (reason "tool_calls" where a call was made and the model stopped)."""
+    parts = calling.feed(c.text) + (calling.finish() if c.finish_reason else [])
+    for part in parts:
+        if "content" in part:
+            delta: dict = {"content": part["content"]}
+        else:
+            call = part["tool_call"]
+            delta = {"tool_calls": [{"index": calling.calls_sent, **call}]}
+            calling.calls_sent += 1
+        yield chunks.choice({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+        logprobs = None
+    if logprobs is not None:
+        yield chunks.choice({"index": c.index, "delta": {"content": ""}, "logprobs": logprobs, "finish_reason": None})
+    if c.finish_reason:
+        reason = "tool_calls" if calling.calls and c.finish_reason == "stop" else c.finish_reason
+        yield chunks.choice({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                             "stop_reason": c.stop_reason})
 
 
 class ChunkJSON:

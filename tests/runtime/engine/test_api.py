@@ -234,8 +234,8 @@ def test_repeated_prompt_hits_the_prefix_cache(call):
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo", "invalid_value"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools",
-     "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "tools": [{"type": "function"}]}, 400,
+     "tools.0.function", "invalid_value"),
     ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "response_format": {"type": "json_object"}}, 400,
      "response_format", "invalid_value"),
     # Legacy function calling and audio output were taken in silence and answered with plain text

@@ -1,0 +1,170 @@
+"""Tool calls in the chat API: the tagged-JSON reader on its own, then the app over the tiny model with a chat
+template that writes tools (the model's random weights never call one, so the reading is checked on the text a
+logit_bias forces, token by token through the real engine, detokenizer and stream)."""
+import asyncio
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from ember.runtime.engine.api import create_app
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.serving.protocol import ChatCompletionRequest
+from ember.runtime.engine.serving.tools import ToolCallStream, parse, template_messages
+from ember.runtime.engine.tiny import build_tiny_model
+
+from .helpers import uvicorn_thread
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_calls_are_read_from_tags_and_anything_else_stays_text():
+    content, calls = parse("Let me look." + CALL)
+    assert content == "Let me look." and len(calls) == 1
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert parse(CALL + CALL)[0] is None and len(parse(CALL + CALL)[1]) == 2
+    assert len(parse(CALL + "\n" + CALL, parallel=False)[1]) == 1
+    broken = "<tool_call>{not json}</tool_call> and <tool_call>{\"name\": 3}</tool_call>"
+    assert parse(broken) == (broken, [])
+    assert parse("no calls <tool_") == ("no calls <tool_", [])
+    assert parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}')[1] == []   # never closed: text
+    assert json.loads(parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[1][0]["function"]
+                      ["arguments"]) == {"a": 1}
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 7])
+def test_a_stream_holds_back_a_tag_split_across_steps(cut):
+    text = "Sure <b> " + CALL + " done"
+    stream, parts = ToolCallStream(), []
+    for at in range(0, len(text), cut):
+        parts += stream.feed(text[at:at + cut])
+        assert not any("<tool" in p.get("content", "") for p in parts)
+    parts += stream.finish()
+    assert "".join(p.get("content", "") for p in parts) == "Sure <b>  done"
+    assert [p["tool_call"]["function"]["name"] for p in parts if "tool_call" in p] == ["get_weather"]
+
+
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nCall a tool by writing <tool_call>{\"name\": ..., \"arguments\": {...}}"
+    "</tool_call>. Tools:\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}<tool_call>{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}</tool_call>{%- endfor %}"
+    "{%- if message.tool_call_id %} (for {{ message.tool_call_id }}){%- endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    plain = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3")
+    path = tmp_path_factory.mktemp("tools") / "qwen3"
+    shutil.copytree(plain, path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    app = create_app(EngineConfig(model=str(path), max_num_seqs=8), served_model_name="tiny")
+    with uvicorn_thread(app) as url:
+        yield app, f"{url}/v1", create_app(EngineConfig(model=str(plain), max_num_seqs=8), served_model_name="tiny")
+
+
+@pytest.fixture
+def client(served):
+    with openai.OpenAI(base_url=served[1], api_key="unused", max_retries=0) as client:
+        yield client
+
+
+def forced(app, text: str) -> dict:
+    """A logit_bias that makes the tiny model write `text`'s first token, over and over: a single-token answer
+    is the only text a bias can force, so the tests force a token that closes nothing (no call is read)."""
+    tokenizer = app.state.llm.tokenizer
+    return {str(tokenizer.encode(text, add_special_tokens=False)[0]): 100}
+
+
+def test_tools_reach_the_template_and_earlier_calls_and_results_too(served, client):
+    app, _, _ = served
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    bare = client.chat.completions.create(model="tiny", messages=history[:1], max_tokens=2)
+    with_tools = client.chat.completions.create(model="tiny", messages=history[:1], max_tokens=2, tools=[WEATHER])
+    assert with_tools.usage.prompt_tokens > bare.usage.prompt_tokens + 20   # the tool's schema is in the prompt
+    request = ChatCompletionRequest(model="tiny", messages=history, tools=[WEATHER])
+    rendered = app.state.llm.tokenizer.apply_chat_template(template_messages(request.messages), tokenize=False)
+    assert '"arguments": {"city": "Paris"}' in rendered and "(for call_1)" in rendered   # as objects, with ids
+    reply = client.chat.completions.create(model="tiny", messages=history, max_tokens=3, tools=[WEATHER],
+                                           tool_choice="auto", logit_bias=forced(app, "Paris"))
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "length"
+    none = client.chat.completions.create(model="tiny", messages=history[:1], max_tokens=2, tools=[WEATHER],
+                                          tool_choice="none")
+    assert none.usage.prompt_tokens == bare.usage.prompt_tokens   # "none": the tools are not offered
+
+
+def test_a_call_the_model_writes_comes_back_as_tool_calls(served, monkeypatch):
+    """The engine's text for one choice, replaced by a call as it streams out: read into tool_calls both whole
+    and streamed, with finish_reason "tool_calls" where the model stopped."""
+    app, base_url, _ = served
+    from ember.runtime.engine import async_engine
+
+    real = async_engine.AsyncLLM.generate
+
+    async def writes_a_call(self, *args, **kwargs):
+        pieces = iter(["Checking. <tool", "_call>\n{\"name\": \"get_we", "ather\", \"arguments\": {\"city\": \"Pa",
+                       "ris\"}}\n</tool_call>"])
+        async for c in real(self, *args, **kwargs):   # the engine may merge steps: the last output takes the rest
+            c.text = "".join(pieces) if c.finish_reason else next(pieces, "")
+            if c.finish_reason:
+                c.finish_reason = "stop"
+            yield c
+
+    monkeypatch.setattr(async_engine.AsyncLLM, "generate", writes_a_call)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 4,
+            "ignore_eos": True, "tools": [WEATHER]}
+    whole = httpx.post(f"{base_url}/chat/completions", json=body, timeout=60).json()
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(stream=True, extra_body={"ignore_eos": True},
+                                                     **{k: v for k, v in body.items() if k != "ignore_eos"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert text == "Checking. " and len(deltas) == 1 and deltas[0].index == 0
+    assert deltas[0].function.name == "get_weather" and json.loads(deltas[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    monkeypatch.setattr(async_engine.AsyncLLM, "generate", real)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [WEATHER] * 129}, "tools"),
+])
+def test_what_tools_cannot_do_here_is_a_400_naming_it(served, body, param):
+    reply = httpx.post(f"{served[1]}/chat/completions", timeout=60,
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"].startswith(param), reply.json()
+
+
+def test_a_template_without_tool_calls_refuses_tools_by_name(served):
+    plain_app = served[2]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain_app), base_url="http://api") as c:
+            return await c.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [WEATHER]})
+
+    reply = asyncio.run(go())
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools"
+    assert "does not write tool calls" in reply.json()["error"]["message"]
+    plain_app.state.llm.shutdown()
