@@ -1,6 +1,6 @@
 """Tool calls in the chat API: the tagged-JSON reader on its own, then the app over the tiny model with a chat
-template that writes tools (the model's random weights never call one, so the reading is checked on the text a
-logit_bias forces, token by token through the real engine, detokenizer and stream)."""
+template that writes tools. The model's random weights never write a call, so one test replaces the text of the
+real engine's outputs with a call cut into pieces (the one stand-in here); the rest runs as served."""
 import asyncio
 import json
 import shutil
@@ -79,8 +79,7 @@ def client(served):
 
 
 def forced(app, text: str) -> dict:
-    """A logit_bias that makes the tiny model write `text`'s first token, over and over: a single-token answer
-    is the only text a bias can force, so the tests force a token that closes nothing (no call is read)."""
+    """A logit_bias that makes the tiny model write `text`'s first token over and over: text that is no call."""
     tokenizer = app.state.llm.tokenizer
     return {str(tokenizer.encode(text, add_special_tokens=False)[0]): 100}
 
