@@ -120,7 +120,7 @@ class CalledFunction(BaseModel):
         """The arguments as an object when they are a JSON object (templates write them back as JSON), else as sent."""
         try:
             value = json.loads(self.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):   # not JSON, or nested past what the parser takes: as sent
             return self.arguments
         return value if isinstance(value, dict) else self.arguments
 

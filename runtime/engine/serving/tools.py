@@ -25,7 +25,7 @@ def _call(block: str) -> dict | None:
     """An OpenAI tool call from the JSON between the tags, or None when it is not {"name": str, "arguments": {...}}."""
     try:
         parsed = json.loads(block)
-    except ValueError:
+    except (ValueError, RecursionError):   # a model may write "[[[[..." past the parser's depth: text, not a crash
         return None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
         return None
@@ -33,7 +33,7 @@ def _call(block: str) -> dict | None:
     if isinstance(arguments, str):   # some models write the arguments as a JSON string already
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None

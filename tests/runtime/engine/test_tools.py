@@ -33,6 +33,8 @@ def test_calls_are_read_from_tags_and_anything_else_stays_text():
     broken = "<tool_call>{not json}</tool_call> and <tool_call>{\"name\": 3}</tool_call>"
     assert parse(broken) == (broken, [])
     assert parse("no calls <tool_") == ("no calls <tool_", [])
+    deep = "<tool_call>" + "[" * 100_000 + "</tool_call>"   # past the JSON parser's depth: text, not a crash
+    assert parse(deep) == (deep, [])
     assert parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}')[1] == []   # never closed: text
     assert json.loads(parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[1][0]["function"]
                       ["arguments"]) == {"a": 1}
