@@ -161,6 +161,16 @@ CHAT_REFUSED = {
 }
 
 
+# What chat_template_kwargs may not set: the request's own parts and the renderer's options (a client's own
+# `chat_template` would replace the model's template), and the special tokens the template reads.
+TEMPLATE_RESERVED = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "bos_token", "eos_token",
+    "unk_token", "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
+})
+
+
 class ToolFunction(BaseModel):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
@@ -182,6 +192,31 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    # vLLM extras: variables for the chat template (Qwen3's enable_thinking, say), and a reply that continues the
+    # last message (a prefilled assistant turn) instead of starting a new one
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value):
+        if not value:
+            return value
+        if len(value) > 32:
+            raise ValueError(f"at most 32 variables, got {len(value)}")
+        for name in value:
+            if not name.isidentifier() or name.startswith("_") or name in TEMPLATE_RESERVED:
+                raise ValueError(f"{name[:40]!r} cannot be set: give the template's own variables (such as "
+                                 "enable_thinking), not the request's fields or the renderer's options")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end(cls, value, info: ValidationInfo):
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continuing the last message and adding a generation prompt exclude each other: set "
+                             "add_generation_prompt to false")
+        return value
     response_format: dict | None = None
     functions: list[Any] | None = None
     function_call: Any = None

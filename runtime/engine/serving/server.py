@@ -48,7 +48,8 @@ class OpenAIServer:
         try:
             prompt = self.tokenizer.apply_chat_template(
                 tools.template_messages(req.messages), add_generation_prompt=req.add_generation_prompt, tokenize=False,
-                tools=[t.model_dump(exclude_none=True) for t in req.tools or []] if req.uses_tools else None)
+                tools=[t.model_dump(exclude_none=True) for t in req.tools or []] if req.uses_tools else None,
+                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # a template's own raise_exception() is how it rejects a conversation
             raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from e
         prompt_ids = await self._encode(_unicode(prompt, "messages"))

@@ -53,6 +53,7 @@ def test_a_stream_holds_back_a_tag_split_across_steps(cut):
 
 
 TEMPLATE = (
+    "{%- if greeting is defined %}{{ greeting }}\n{%- endif %}"
     "{%- if tools %}<|im_start|>system\nCall a tool by writing <tool_call>{\"name\": ..., \"arguments\": {...}}"
     "</tool_call>. Tools:\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{%- endif %}"
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
@@ -169,3 +170,27 @@ def test_a_template_without_tool_calls_refuses_tools_by_name(served):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools"
     assert "does not write tool calls" in reply.json()["error"]["message"]
     plain_app.state.llm.shutdown()
+
+
+def test_template_variables_and_a_continued_last_message(served, client):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, say) and continue_final_message were taken in silence
+    and ignored (unknown fields pass, as vLLM lets them)."""
+    app = served[0]
+    hello = [{"role": "user", "content": "hi"}]
+    bare = client.chat.completions.create(model="tiny", messages=hello, max_tokens=1)
+    greeted = client.chat.completions.create(model="tiny", messages=hello, max_tokens=1,
+                                             extra_body={"chat_template_kwargs": {"greeting": "good morning to all"}})
+    assert greeted.usage.prompt_tokens > bare.usage.prompt_tokens
+    started = hello + [{"role": "assistant", "content": "Once upon a"}]
+    continued = client.chat.completions.create(model="tiny", messages=started, max_tokens=1, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False})
+    tokenizer = app.state.llm.tokenizer
+    expected = tokenizer.apply_chat_template(started, continue_final_message=True, tokenize=False)
+    assert expected.endswith("Once upon a")
+    assert continued.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False))
+    for extra, param in (({"chat_template_kwargs": {"chat_template": "{{ 'mine' }}"}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                         ({"continue_final_message": True}, "continue_final_message")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=started, max_tokens=1, extra_body=extra)
+        assert refused.value.param == param
