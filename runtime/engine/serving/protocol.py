@@ -26,6 +26,19 @@ STOP_MAX_CHARS, STOP_MAX_COUNT = 256, 16
 MAX_CHOICES = 2048  # completions (prompts x n) in one request: as many texts as OpenAI's embeddings take in one
 
 
+# vLLM's extras for features this server does not have, refused rather than ignored as unknown fields are: a client
+# that asks for JSON by schema, or for beam search, must not get free text as if it had.
+SAMPLING_REFUSED = {
+    "guided_json": ("guided_json (constrained decoding)", lambda value: value is not None),
+    "guided_regex": ("guided_regex (constrained decoding)", lambda value: value is not None),
+    "guided_choice": ("guided_choice (constrained decoding)", lambda value: value is not None),
+    "guided_grammar": ("guided_grammar (constrained decoding)", lambda value: value is not None),
+    "structured_outputs": ("structured_outputs (constrained decoding)", lambda value: value is not None),
+    "use_beam_search": ("use_beam_search (beam search)", bool),
+    "prompt_logprobs": ("prompt_logprobs", lambda value: value is not None),
+}
+
+
 class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -51,6 +64,18 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = False
+    prompt_logprobs: Any = None
+
+    @field_validator(*SAMPLING_REFUSED)
+    @classmethod
+    def _refused_extra(cls, value, info: ValidationInfo):
+        return _refused_by(SAMPLING_REFUSED, value, info)
 
     @field_validator("stop")
     @classmethod
@@ -228,8 +253,7 @@ class ChatCompletionRequest(SamplingRequest):
     def _refused(cls, value, info: ValidationInfo):
         """A feature this server does not have is a 400 naming it (its neutral values pass), never an answer that
         ignored it."""
-        feature, refused = CHAT_REFUSED[str(info.field_name)]
-        return _unsupported(feature, value, refused(value))
+        return _refused_by(CHAT_REFUSED, value, info)
 
     @property
     def uses_tools(self) -> bool:
@@ -292,6 +316,12 @@ class CompletionRequest(SamplingRequest):
 
 def _default(value, default):
     return default if value is None else value
+
+
+def _refused_by(table: dict, value, info: ValidationInfo):
+    """A field of a refusal table: a 400 naming the feature when its value asks for it, else the value."""
+    feature, refused = table[str(info.field_name)]
+    return _unsupported(feature, value, refused(value))
 
 
 def _unsupported(feature: str, value, refused: bool):

@@ -232,6 +232,15 @@ def test_repeated_prompt_hits_the_prefix_cache(call):
     ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "logit_bias": {str(t): 1 for t in range(301)}}, 400,
      "logit_bias", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix", "invalid_value"),
+    # vLLM's constrained decoding and beam search were ignored as unknown fields: free text as if they had applied
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "guided_json": {"type": "object"}}, 400,
+     "guided_json", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "guided_choice": ["yes", "no"]}, 400, "guided_choice",
+     "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search",
+     "invalid_value"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "structured_outputs": {"regex": "a+"}}, 400,
+     "structured_outputs", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo", "invalid_value"),
     ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "tools": [{"type": "function"}]}, 400,
@@ -314,7 +323,8 @@ def test_neutral_values_of_unsupported_features_are_accepted(call):
         ("/v1/chat/completions", {"messages": HELLO, "tools": [], "tool_choice": "none", "logit_bias": {},
                                   "response_format": {"type": "text"}, "functions": [], "function_call": "none",
                                   "modalities": ["text"], "audio": None}),
-        ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 2, "suffix": "", "echo": True}),
+        ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 2, "suffix": "", "echo": True,
+                             "use_beam_search": False, "guided_json": None}),
     ]
     for path, body in accepted:
         response = call("POST", path, json={"model": MODEL, "max_tokens": 2, **body})
