@@ -54,7 +54,12 @@ def run(args: argparse.Namespace) -> int:
         if name in kwargs:
             print(f"error: argument {name!r} is given twice", file=sys.stderr)
             return 2
-        kwargs[name] = _parse_value(value)
+        try:
+            kwargs[name] = _parse_value(value)
+        except RecursionError:
+            print(f"error: the value of {name!r} is JSON nested deeper than Python reads ({len(value):,} characters); "
+                  "flatten it, or pass it from a file through the SDK", file=sys.stderr)
+            return 2
     app = load_app(path)
     unit_name, _, method = target.partition(".")
     if unit_name not in app.units:

@@ -155,6 +155,8 @@ def test_run_takes_values_json_cannot_carry_as_text_and_refuses_a_name_given_twi
     assert json.loads(ember("run", f"{app}::echo", "x=[1, 2.5]", home=tmp_path).stdout) == [1, 2.5]
     twice = ember("run", f"{app}::echo", "x=1", "x=2", home=tmp_path)
     assert twice.returncode == 2 and "argument 'x' is given twice" in twice.stderr and "Traceback" not in twice.stderr
+    deep = ember("run", f"{app}::echo", "x=" + "[" * 100_000, home=tmp_path)
+    assert deep.returncode == 2 and "the value of 'x' is JSON nested deeper" in deep.stderr, deep.stderr
 
 
 SLOW_APP = Path(__file__).resolve().parents[1] / "gateway" / "apps" / "slow.py"
