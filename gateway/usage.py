@@ -34,8 +34,12 @@ def batch_size(body: dict) -> int:
 
 
 def prompt_tokens(body: dict) -> int:
-    messages, prompt = body.get("messages"), body.get("prompt")
+    """The prompt's tokens at CHARS_PER_TOKEN: the messages or prompts, and the tools a chat template writes into
+    the prompt too (a request of a megabyte of tool schemas and one short message is a megabyte of prompt)."""
+    messages, prompt, tools = body.get("messages"), body.get("prompt"), body.get("tools")
     text = json.dumps(messages if messages is not None else prompt)
+    if messages is not None and isinstance(tools, list):
+        text += json.dumps(tools)
     return len(text) // CHARS_PER_TOKEN + 1
 
 

@@ -184,3 +184,6 @@ def test_a_batch_of_prompts_is_estimated_at_every_prompts_completions():
     assert max_tokens(one | {"prompt": [[5], [6, 7]]}) == 400
     assert max_tokens({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "prompt": ["a", "b"]}) == 10
     assert estimate(one | {"prompt": ["hi"] * 2048}) > 2048 * 200
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    schema = {"type": "function", "function": {"name": "f", "parameters": {"description": "x" * 40_000}}}
+    assert estimate(chat | {"tools": [schema]}) > estimate(chat) + 9_000   # the template writes the tools in
