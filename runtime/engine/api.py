@@ -23,7 +23,7 @@ from ember.runtime.engine import metrics
 from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.serving.errors import error_response, internal_errors, openai_errors
-from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from ember.runtime.engine.serving.server import OpenAIServer
 
 T = TypeVar("T")
@@ -83,6 +83,14 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _unless_disconnected(request, server.chat(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict):
+        return await server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return server.detokenize(body)
 
     return app
 

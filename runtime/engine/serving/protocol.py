@@ -328,3 +328,18 @@ def _unsupported(feature: str, value, refused: bool):
     if refused:
         raise ValueError(f"{feature} is not supported by this server; remove it from the request")
     return value
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize for a completion's text (a chat request's messages take ChatCompletionRequest)."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    prompt: str
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    tokens: list[int] = Field(max_length=1 << 20)

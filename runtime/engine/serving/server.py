@@ -8,11 +8,20 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
 from ember.runtime.engine.async_engine import AsyncLLM, Completion
 from ember.runtime.engine.detokenizer import token_text
 from ember.runtime.engine.serving import tools
 from ember.runtime.engine.serving.errors import APIError
-from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from ember.runtime.engine.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
+)
 from ember.runtime.engine.serving.streams import event_stream, merge, renumber, start
 
 # JSON has no -inf; OpenAI clients expect a number, vLLM sends this floor too.
@@ -39,6 +48,15 @@ class OpenAIServer:
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "Invalid 'top_logprobs': set 'logprobs' to true to use it.", param="top_logprobs")
+        prompt_ids = await self.chat_prompt(req)
+        [stream] = await self._start(req, [prompt_ids], "messages")
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return event_stream(self._chat_events(req, response_id, stream))
+        return await self._chat_reply(req, response_id, stream)
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The token ids the chat template makes of the request's messages (and tools)."""
         for i, m in enumerate(req.messages):
             _unicode(m.text(), f"messages.{i}.content")
         if req.uses_tools and not tools.template_writes_tool_calls(self.tokenizer.chat_template):
@@ -52,11 +70,9 @@ class OpenAIServer:
                 continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # a template's own raise_exception() is how it rejects a conversation
             raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from e
-        prompt_ids = await self._encode(_unicode(prompt, "messages"))
-        [stream] = await self._start(req, [prompt_ids], "messages")
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            return event_stream(self._chat_events(req, response_id, stream))
+        return await self._encode(_unicode(prompt, "messages"))
+
+    async def _chat_reply(self, req: ChatCompletionRequest, response_id: str, stream) -> dict:
         choices: dict[int, dict[str, Any]] = {}
         usage = Usage()
         async with aclosing(stream):
@@ -81,6 +97,27 @@ class OpenAIServer:
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": [choices[i] for i in sorted(choices)], "usage": usage.as_dict(),
                 "system_fingerprint": None}
+
+    async def tokenize(self, body: dict) -> dict:
+        """vLLM's /tokenize: the ids a chat request's messages ("messages") or a completion's text ("prompt") make,
+        as the chat and completions endpoints count them."""
+        try:   # a handler's own validation: its errors answer as a body's do (400 naming the field)
+            req = (ChatCompletionRequest if "messages" in body else TokenizeRequest).model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False)) from None
+        self.check_model(req.model)
+        if isinstance(req, ChatCompletionRequest):
+            ids = await self.chat_prompt(req)
+        else:
+            ids = await self._encode(_unicode(req.prompt, "prompt"))
+        return {"count": len(ids), "max_model_len": self.llm.engine.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"Invalid 'tokens': every id must be in [0, {vocab}).", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     async def completions(self, req: CompletionRequest):
         self.check_model(req.model)

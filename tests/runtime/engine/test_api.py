@@ -476,3 +476,24 @@ def test_a_later_callers_request_does_not_wait_for_all_of_an_earlier_batch(tmp_p
 
     asyncio.run(scenario())
     assert done == [("later", 200, 1), ("batch", 200, 48)]
+
+
+def test_tokenize_counts_as_the_endpoints_do_and_detokenize_reverses_it(call):
+    """vLLM's /tokenize and /detokenize: a client counts a prompt's tokens before it sends it."""
+    reply = chat(call, max_tokens=1).json()
+    counted = call("POST", "/tokenize", json={"model": MODEL, "messages": HELLO}).json()
+    assert counted["count"] == len(counted["tokens"]) == reply["usage"]["prompt_tokens"]
+    assert counted["max_model_len"] == 256
+    text = call("POST", "/tokenize", json={"model": MODEL, "prompt": "Once upon a time"}).json()
+    completion = call("POST", "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1})
+    assert text["count"] == completion.json()["usage"]["prompt_tokens"]
+    back = call("POST", "/detokenize", json={"model": MODEL, "tokens": text["tokens"]}).json()
+    assert back == {"prompt": "Once upon a time"}
+    for path, body, param in (("/tokenize", {"model": MODEL, "prompt": 5}, "prompt"),
+                              ("/tokenize", {"model": MODEL, "messages": []}, "messages"),
+                              ("/tokenize", {"model": MODEL, "prompt": "x\ud800"}, "prompt"),
+                              ("/detokenize", {"model": MODEL, "tokens": [1, 10**9]}, "tokens"),
+                              ("/detokenize", {"model": MODEL, "tokens": "abc"}, "tokens")):
+        refused = call("POST", path, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    assert call("POST", "/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
