@@ -59,24 +59,28 @@ class ToolCallStream:
 
     def __init__(self, parallel: bool = True):
         self.parallel = parallel
-        self.held = ""          # text not yet given out: a possible tag's start, or a call's body
+        self.held = ""          # text outside a call not yet given out: a possible opening tag's start
         self.inside = False     # within <tool_call> ... </tool_call>
+        self.body: list[str] = []   # a call's text so far, in pieces (joined once, when it closes)
+        self.tail = ""          # the body's last characters, where a closing tag split across steps begins
         self.calls = 0          # calls read
         self.calls_sent = 0     # calls streamed (their index in the deltas)
         self.done = False       # one call made and parallel calls off: the rest is dropped
 
     def feed(self, text: str) -> list[dict]:
-        if self.done:
-            return []
-        self.held += text
         parts: list[dict] = []
-        while self.held and not self.done:
-            if self.inside:
-                end = self.held.find(CLOSE)
+        while not self.done:
+            if self.inside:   # each step's text is searched once, with the tail before it: a long call is O(n)
+                window = self.tail + text
+                end = window.find(CLOSE)
                 if end < 0:
+                    self.body.append(text)
+                    self.tail = window[-(len(CLOSE) - 1):]
                     break
-                block, self.held = self.held[:end], self.held[end + len(CLOSE):]
-                self.inside = False
+                whole = "".join(self.body) + text
+                at = len(whole) - len(window) + end
+                block, text = whole[:at], whole[at + len(CLOSE):]
+                self.body, self.tail, self.inside = [], "", False
                 call = _call(block.strip())
                 if call is None:   # not a call after all: the model's text, tags and all
                     parts.append({"content": OPEN + block + CLOSE})
@@ -84,28 +88,25 @@ class ToolCallStream:
                 parts.append({"tool_call": call})
                 self.calls += 1
                 self.done = not self.parallel
-                if self.done:
-                    self.held = ""
             else:
+                self.held += text
                 start = self.held.find(OPEN)
                 if start >= 0:
-                    if start:
-                        parts.append({"content": self.held[:start]})
-                    self.held, self.inside = self.held[start + len(OPEN):], True
+                    parts.append({"content": self.held[:start]})
+                    text, self.held, self.inside = self.held[start + len(OPEN):], "", True
                     continue
                 keep = _partial_tag(self.held)
-                if len(self.held) > keep:
-                    parts.append({"content": self.held[:len(self.held) - keep]})
-                    self.held = self.held[len(self.held) - keep:]
+                parts.append({"content": self.held[:len(self.held) - keep]})
+                self.held = self.held[len(self.held) - keep:]
                 break
         return _merged(parts)
 
     def finish(self) -> list[dict]:
         """What is still held when the choice ends: an unclosed call is the model's text."""
-        if self.done or not self.held and not self.inside:
+        if self.done or not (self.held or self.inside):
             return []
-        text = (OPEN if self.inside else "") + self.held
-        self.held, self.inside = "", False
+        text = OPEN + "".join(self.body) if self.inside else self.held
+        self.held, self.inside, self.body, self.tail = "", False, [], ""
         return [{"content": text}]
 
 
