@@ -74,6 +74,7 @@ class OpenAIServer:
 
     async def _chat_reply(self, req: ChatCompletionRequest, response_id: str, stream) -> dict:
         choices: dict[int, dict[str, Any]] = {}
+        texts: dict[int, list[str]] = {}   # joined once at the end: += on a long reply copies it every step
         usage = Usage()
         async with aclosing(stream):
             async for c in stream:
@@ -81,12 +82,14 @@ class OpenAIServer:
                 choice = choices.setdefault(c.index, {
                     "index": c.index, "message": {"role": "assistant", "content": ""},
                     "logprobs": {"content": []} if req.logprobs else None, "finish_reason": None})
-                choice["message"]["content"] += c.text
+                texts.setdefault(c.index, []).append(c.text)
                 if req.logprobs and c.logprobs:
                     choice["logprobs"]["content"] += self._chat_logprobs(c.logprobs)
                 if c.finish_reason:
                     choice["finish_reason"] = c.finish_reason
                     choice["stop_reason"] = c.stop_reason
+        for index, choice in choices.items():
+            choice["message"]["content"] = "".join(texts[index])
         if req.uses_tools:
             for choice in choices.values():
                 content, calls = tools.parse(choice["message"]["content"], req.parallel_tool_calls)
@@ -134,19 +137,26 @@ class OpenAIServer:
         if req.stream:
             return event_stream(self._completion_events(req, response_id, merged, echoes))
         choices: dict[int, dict[str, Any]] = {}
+        texts: dict[int, list[str]] = {}   # joined once at the end, as in chat
+        lengths: dict[int, int] = {}       # characters so far: where the next logprob's text_offset is
         usage = Usage()
         async with aclosing(merged):
             async for c in merged:
                 usage.add(c)
                 choice = choices.setdefault(c.index, {
-                    "index": c.index, "text": echoes[c.index], "finish_reason": None,
+                    "index": c.index, "text": "", "finish_reason": None,
                     "logprobs": _empty_completion_logprobs() if req.logprobs is not None else None})
+                pieces = texts.setdefault(c.index, [echoes[c.index]])
+                length = lengths.get(c.index, len(echoes[c.index]))
                 if choice["logprobs"] is not None and c.logprobs:
-                    self._completion_logprobs(choice["logprobs"], c.logprobs, len(choice["text"]))
-                choice["text"] += c.text
+                    self._completion_logprobs(choice["logprobs"], c.logprobs, length)
+                pieces.append(c.text)
+                lengths[c.index] = length + len(c.text)
                 if c.finish_reason:
                     choice["finish_reason"] = c.finish_reason
                     choice["stop_reason"] = c.stop_reason
+        for index, choice in choices.items():
+            choice["text"] = "".join(texts[index])
         return {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": [choices[i] for i in sorted(choices)], "usage": usage.as_dict(),
                 "system_fingerprint": None}
