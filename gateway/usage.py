@@ -57,6 +57,7 @@ class UsageMeter:
         self.usage: int | None = None
         self.tail: bytearray | None = bytearray()  # a JSON reply's end, where its usage is; None for a stream
         self.sorted = False  # whether the first bytes have said which of the two the reply is
+        self.trimmed = False  # whether a JSON reply's start was let go (its tail alone is kept)
         logs.annotate(usage=self)  # the request's key is charged what it used when the reply ends
 
     def feed(self, data: bytes) -> None:
@@ -64,8 +65,15 @@ class UsageMeter:
             self.sorted = True
             if start != b"{":
                 self.tail = None  # events: their usage is read as they pass, and none of them is kept
-        if self.tail is not None and len(self.tail) < JSON_TAIL:
-            self.tail += data[: JSON_TAIL - len(self.tail)]
+        if self.tail is not None:
+            # a JSON reply: its last JSON_TAIL bytes, where the usage is (it kept the first, so the usage of a reply
+            # over 1 MiB was lost and the key charged its prompt alone), and no line splitting: a reply has no
+            # newline, so each chunk re-copied all the reply before it, quadratic on the gateway's event loop
+            self.tail += data
+            if len(self.tail) > JSON_TAIL:
+                del self.tail[:len(self.tail) - JSON_TAIL]
+                self.trimmed = True
+            return
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
         for line in lines:
@@ -85,8 +93,27 @@ class UsageMeter:
             self.usage = usage["total_tokens"]
 
     def total(self) -> int:
-        if self.usage is None and self.chunks == 0 and self.tail is not None and self.tail.lstrip().startswith(b"{"):
-            self._read_usage(bytes(self.tail))  # a plain JSON reply
+        if self.usage is None and self.chunks == 0 and self.tail is not None:
+            if self.trimmed:
+                self.usage = _last_usage(bytes(self.tail))
+            elif self.tail.lstrip().startswith(b"{"):
+                self._read_usage(bytes(self.tail))  # a plain JSON reply, whole
         if self.usage is not None:
             return self.usage
         return self.prompt_estimate + self.chunks
+
+
+def _last_usage(tail: bytes) -> int | None:
+    """total_tokens of the last `"usage": {...}` in the end of a JSON reply too long to keep whole. A model's text
+    cannot forge one: inside a JSON string its quotes are escaped (`\\"usage\\"`), and the reply's own usage comes
+    after its choices."""
+    at = tail.rfind(b'"usage"')
+    rest = tail[at + len(b'"usage"'):].lstrip() if at >= 0 else b""
+    if not rest.startswith(b":"):
+        return None
+    try:
+        usage, _ = json.JSONDecoder().raw_decode(rest[1:].lstrip().decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) else None

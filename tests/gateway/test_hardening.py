@@ -147,6 +147,26 @@ def test_usage_meter_reads_a_json_replys_usage_wherever_the_chunks_split(chunks,
     assert meter.total() == (usage if usage is not None else 10)
 
 
+def test_usage_meter_reads_the_usage_at_the_end_of_a_json_reply_past_a_mebibyte():
+    """It kept a JSON reply's first MiB, where its usage is not: a key was charged its prompt's estimate alone for
+    a large non-streamed reply (n=128, say). And every chunk was added to a line buffer a JSON reply never ends,
+    re-copied per chunk: quadratic on the gateway's event loop in the reply's size."""
+    from ember.gateway.usage import JSON_TAIL, UsageMeter
+
+    text = "a model's \"usage\": {\"total_tokens\": 1} " * 60_000   # ~2.6 MB, quoting a fake usage in its text
+    body = json.dumps({"choices": [{"message": {"content": text}}], "usage": {"total_tokens": 123_456},
+                       "system_fingerprint": None}).encode()
+    assert len(body) > 2 * JSON_TAIL
+    meter = UsageMeter(prompt_estimate=10)
+    for at in range(0, len(body), 65_536):
+        meter.feed(body[at:at + 65_536])
+        assert len(meter.tail) <= JSON_TAIL and meter.partial == b""
+    assert meter.total() == 123_456
+    fake_only = UsageMeter(prompt_estimate=10)   # no usage of its own: the quoted one does not count
+    fake_only.feed(json.dumps({"choices": [{"message": {"content": text}}]}).encode())
+    assert fake_only.total() == 10
+
+
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=40)
 @given(size=st.integers(0, 70_000), count=st.integers(0, 150))
 def test_header_limit(size, count):
