@@ -58,6 +58,7 @@ class UsageMeter:
         self.tail: bytearray | None = bytearray()  # a JSON reply's end, where its usage is; None for a stream
         self.sorted = False  # whether the first bytes have said which of the two the reply is
         self.trimmed = False  # whether a JSON reply's start was let go (its tail alone is kept)
+        self.skipping = False  # within a line of events over JSON_TAIL bytes, let go
         logs.annotate(usage=self)  # the request's key is charged what it used when the reply ends
 
     def feed(self, data: bytes) -> None:
@@ -76,6 +77,10 @@ class UsageMeter:
             return
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
+        if self.skipping and lines:   # the end of a line too long to be an event's: not read
+            lines, self.skipping = lines[1:], False
+        if len(self.partial) > JSON_TAIL:   # no event is a MiB: let it go rather than re-copy it per chunk
+            self.partial, self.skipping = b"", True
         for line in lines:
             if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
                 continue

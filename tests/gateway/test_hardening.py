@@ -147,7 +147,7 @@ def test_usage_meter_reads_a_json_replys_usage_wherever_the_chunks_split(chunks,
     assert meter.total() == (usage if usage is not None else 10)
 
 
-def test_usage_meter_reads_the_usage_at_the_end_of_a_json_reply_past_a_mebibyte():
+def test_usage_meter_reads_the_end_of_a_json_reply_past_a_mebibyte_and_holds_no_huge_line():
     """It kept a JSON reply's first MiB, where its usage is not: a key was charged its prompt's estimate alone for
     a large non-streamed reply (n=128, say). And every chunk was added to a line buffer a JSON reply never ends,
     re-copied per chunk: quadratic on the gateway's event loop in the reply's size."""
@@ -162,6 +162,13 @@ def test_usage_meter_reads_the_usage_at_the_end_of_a_json_reply_past_a_mebibyte(
         meter.feed(body[at:at + 65_536])
         assert len(meter.tail) <= JSON_TAIL and meter.partial == b""
     assert meter.total() == 123_456
+    events = UsageMeter(prompt_estimate=10)   # an event stream with a line of megabytes: not held, and read on
+    events.feed(b"data: " + b"x" * 3_000_000)
+    for _ in range(40):
+        events.feed(b"y" * 65_536)
+        assert len(events.partial) <= JSON_TAIL
+    events.feed(b'\n\ndata: {"choices": [], "usage": {"total_tokens": 77}}\n\ndata: [DONE]\n\n')
+    assert events.total() == 77
     fake_only = UsageMeter(prompt_estimate=10)   # no usage of its own: the quoted one does not count
     fake_only.feed(json.dumps({"choices": [{"message": {"content": text}}]}).encode())
     assert fake_only.total() == 10
