@@ -29,8 +29,12 @@ class Detokenizer:
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
-        self.text = ""          # output text decoded so far (complete characters only), kept where stop strings are
+        # where stop strings are looked for: the output's text (complete characters only) from the first character
+        # a stop string may still start at or that is not sent yet; the rest is let go (a long reply was re-copied
+        # whole every step)
+        self.text = ""
         self.sent = 0           # how much of self.text has been returned
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.stop_reason = None  # the stop string that ended the request
 
     def step(self, token_ids, finished=False) -> str:
@@ -57,6 +61,9 @@ class Detokenizer:
             end = len(self.text) - partial_stop_len(self.text, self.stop)
         delta = self.text[self.sent:end]
         self.sent = max(self.sent, end)
+        keep_from = max(0, min(self.sent, len(self.text) - self.longest_stop + 1))
+        if keep_from:
+            self.text, self.sent = self.text[keep_from:], self.sent - keep_from
         return delta
 
     def _decode_new(self, token_ids, flush: bool) -> str:
