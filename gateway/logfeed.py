@@ -24,6 +24,8 @@ POLL = 0.2  # seconds between looks at the files
 HEARTBEAT = 5.0  # an empty line this often, so a client that left is noticed
 NAME = r"^[A-Za-z0-9_.-]{1,100}$"
 GATEWAY_LOG = "gateway.log"
+READ_AT_ONCE = 8 << 20  # bytes of one file read per poll
+MAX_LINE = 1 << 20  # bytes of one line passed on; a longer one is cut (a progress bar without newlines, say)
 
 
 class LogFile:
@@ -32,17 +34,28 @@ class LogFile:
     def __init__(self, path: Path, source: dict, offset: int):
         self.path, self.source, self.offset = path, source, offset
         self.partial = b""
+        self.cut = False  # within a line over MAX_LINE bytes, whose start went out cut short
 
     def read(self) -> list[dict]:
+        """The whole lines written since the last read, at most READ_AT_ONCE bytes of them (a replica that writes
+        faster is followed a poll behind, not read into the gateway's memory at once)."""
         try:
             with self.path.open("rb") as f:
                 f.seek(self.offset)
-                data = f.read()
+                data = f.read(READ_AT_ONCE)
         except OSError:
             return []
         self.offset += len(data)
         *lines, self.partial = (self.partial + data).split(b"\n")
-        return [self.record(line) for line in lines if line.strip()]
+        if self.cut and lines:   # the rest of the over-long line: its start went out already
+            lines, self.cut = lines[1:], False
+        records = [self.record(line) for line in lines if line.strip()]
+        if len(self.partial) > MAX_LINE and not self.cut:   # a line with no end in sight: its start, marked
+            records.append(self.record(self.partial[:MAX_LINE] + b" [line cut at %d bytes]" % MAX_LINE))
+            self.partial, self.cut = b"", True
+        elif self.cut:
+            self.partial = b""
+        return records
 
     def record(self, line: bytes) -> dict:
         text = line.decode("utf-8", "replace").rstrip("\r")

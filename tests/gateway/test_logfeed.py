@@ -113,3 +113,23 @@ def test_logs_follow_needs_an_admin_key_and_rejects_a_bad_filter_without_a_trace
     assert "422" in result.stderr and "app" in result.stderr
     result = served.cli("logs", "--function", "square", check=False)
     assert result.returncode == 1 and "-f" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_line_without_end_is_passed_on_cut_and_a_fast_writer_read_in_parts(tmp_path):
+    """A replica printing a progress bar with no newline held it all in the gateway's memory for every follower,
+    and one poll read everything written since the last, however much."""
+    from ember.gateway.logfeed import MAX_LINE, READ_AT_ONCE, LogFile
+
+    log = tmp_path / "app.r1.log"
+    log.write_bytes(b"first\n" + b"#" * (3 * MAX_LINE))
+    feed = LogFile(log, {"app": "app"}, 0)
+    records = feed.read()
+    assert [r["msg"] for r in records][0] == "first"
+    assert records[1]["msg"].endswith(f"[line cut at {MAX_LINE} bytes]") and len(records[1]["msg"]) < MAX_LINE + 40
+    assert feed.partial == b""
+    with log.open("ab") as f:
+        f.write(b"#" * MAX_LINE + b"\nafter\n" + (b"y" * 65_535 + b"\n") * (2 * READ_AT_ONCE // 65_536))
+    assert [r["msg"] for r in feed.read()][0] == "after"   # the long line's rest is not a record of its own
+    assert feed.offset <= 4 * MAX_LINE + 7 + READ_AT_ONCE + 10   # at most READ_AT_ONCE a poll
+    total = sum(len(feed.read()) for _ in range(4))
+    assert feed.offset == log.stat().st_size and total > 0
