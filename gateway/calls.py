@@ -28,12 +28,30 @@ SCHEMA = ("CREATE TABLE IF NOT EXISTS calls (id TEXT PRIMARY KEY, app TEXT NOT N
           "state TEXT NOT NULL, status INTEGER, reply TEXT, created REAL NOT NULL, finished REAL)")
 RETENTION = 7 * 24 * 3600.0  # seconds a finished call's record is kept
 MAX_WAIT = 60.0  # seconds one GET may wait for a call to finish
+MAX_STORED_RESULT = 64 << 20  # bytes of a spawned call's result kept for its caller (in the gateway's database)
 SPAWN_PREFERENCE = "respond-async"  # RFC 7240: `Prefer: respond-async` asks for 202 and the call's id
 
 
 def wants_spawn(request: Request) -> bool:
     preferences = request.headers.get("prefer", "").lower().replace(" ", "").split(",")
     return SPAWN_PREFERENCE in preferences
+
+
+async def _stored(relay: "proxy.Relay") -> tuple[str, int, str]:
+    """A spawned call's large result, read to keep until its caller fetches it; over MAX_STORED_RESULT it fails
+    by name (the gateway's database holds it: a result of gigabytes would be written there whole)."""
+    data = bytearray()
+    try:
+        async for chunk in relay.upstream.content.iter_any():
+            data += chunk
+            if len(data) > MAX_STORED_RESULT:
+                return FAILED, 413, _error_reply(
+                    "result_too_large", f"the result is over {MAX_STORED_RESULT >> 20} MiB, more than a spawned "
+                    "call keeps for its caller: call the function with .remote() (its result is relayed as it "
+                    "comes), or return where the data is (a path, a bucket key) rather than the data")
+    finally:
+        await relay.close()
+    return SUCCEEDED, relay.status_code, data.decode()
 
 
 class CallStore:
@@ -129,10 +147,12 @@ class SpawnedCalls:
                     await asyncio.sleep(float(exc.headers.get("Retry-After", 1)))
                     continue
                 return FAILED, exc.status, _error_reply(exc.type, exc.message)
-            if isinstance(response, proxy.Relay):
+            if isinstance(response, proxy.Relay) and response.sse:
                 await response.close()  # a generator's stream has no one to read it
                 return FAILED, 400, _error_reply("is_generator", "a generator function cannot be spawned: iterate "
                                                  "its values with .remote_gen() (a streamed POST) instead")
+            if isinstance(response, proxy.Relay):   # a large result, relayed: kept up to MAX_STORED_RESULT
+                return await _stored(response)
             state = SUCCEEDED if response.status_code == 200 else FAILED
             return state, response.status_code, bytes(response.body).decode()
 

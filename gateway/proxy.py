@@ -123,15 +123,17 @@ async def call(
     timeout: float,
     trace: dict | None = None,
 ) -> Response | aiohttp.ClientResponse:
-    """A function call: the replica's JSON reply (result or error) passed through with its status, or, for a
-    generator's stream of events, the open upstream reply for a `Relay`. `trace`: the trace context headers of this
-    hop, when tracing is on."""
+    """A function call: the replica's JSON reply (result or error) passed through with its status, or the open
+    upstream reply for a `Relay`: a generator's stream of events, or a result over WHOLE_BODY (relayed as it comes,
+    not read into the gateway's memory first: a function returning a gigabyte made the gateway hold one per call).
+    `trace`: the trace context headers of this hop, when tracing is on."""
     limit = aiohttp.ClientTimeout(total=None, sock_connect=timeout + 5, sock_read=timeout + 5)
     try:
         headers = CALL_HEADERS | {CONTROL_HEADER: replica.control_secret or ""} | (trace or {})
         reply = await client.post(_url(replica, f"/__ember__/call/{method}"), data=HeldBody(body), headers=headers,
                                   timeout=limit, allow_redirects=False)
-        stream = is_sse(reply) and not reply.headers.get(NOT_STARTED)
+        large = reply.status == 200 and (reply.content_length is None or reply.content_length > WHOLE_BODY)
+        stream = (is_sse(reply) or large) and not reply.headers.get(NOT_STARTED)
         try:
             _settle_replica(replica, reply.headers)
             if stream:

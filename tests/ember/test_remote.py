@@ -178,3 +178,16 @@ def test_an_argument_json_cannot_carry_is_named_with_what_to_send(fanout):
     results = list(fanout["add"].map([1, {2}, 3], return_exceptions=True))
     assert results[0] == 1 and results[2] == 3 and "argument 'a' of add" in str(results[1])
     assert asyncio.run(fanout["add"].remote.aio(2, b=3)) == 5
+
+
+def test_a_large_result_is_relayed_and_a_spawned_one_kept_up_to_its_limit(fanout):
+    """The gateway read a call's whole result into its memory before sending it (a gigabyte result: a gigabyte
+    held per call); past 256 KiB it now relays it as it comes. A spawned call's result is kept in the gateway's
+    database for its caller, up to 64 MiB; a larger one fails by name rather than being written there whole."""
+    from ember.gateway.calls import MAX_STORED_RESULT
+
+    assert fanout["blob"].remote(3_000_000) == "x" * 3_000_000
+    assert fanout["blob"].spawn(1_000_000).get(timeout=60) == "x" * 1_000_000
+    with pytest.raises(RemoteError, match="result_too_large"):
+        fanout["blob"].spawn(MAX_STORED_RESULT + 1).get(timeout=60)
+    assert fanout["blob"].remote(10) == "x" * 10   # the replica's slot came back

@@ -21,6 +21,11 @@ def add(a: int, b: int = 0) -> int:
     return a + b
 
 
+@app.function(max_concurrency=4, scaledown_window=60)
+def blob(size: int) -> str:
+    return "x" * size
+
+
 @app.function(max_concurrency=8, scaledown_window=60)
 def picky(x: int) -> int:
     if x % 3 == 0:
