@@ -13,7 +13,9 @@ def _spans(path: Path, done, timeout: float = 20.0) -> list[dict]:
     """The file's spans once `done(spans)` holds: processes write a span when it ends, so wait for the last ones."""
     deadline = time.monotonic() + timeout
     while True:
-        spans = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        text = path.read_text() if path.exists() else ""
+        # whole lines only: a process may be writing a span as the file is read
+        spans = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
         if done(spans):
             return spans
         assert time.monotonic() < deadline, f"spans never arrived; the file holds {[s['name'] for s in spans]}"
