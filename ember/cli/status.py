@@ -48,9 +48,10 @@ def status(args: argparse.Namespace) -> int:
                 print(f"    {r['id']:<24} {r['state']:<9} in_flight={r['in_flight']} age={r['age_s']}s  "
                       f"start: {start['tier']} {breakdown}")
                 if r.get("note"):
-                    print(f"      note: {r['note']}")
+                    print(f"      note: {terminal_safe(str(r['note']))}")
             for f in unit["failed"]:
-                print(f"    FAILED {f['id']} {now - f['at']:.0f}s ago: {f['error']}  (log: {f['log']})")
+                print(f"    FAILED {f['id']} {now - f['at']:.0f}s ago: {terminal_safe(str(f['error']))}  "
+                      f"(log: {f['log']})")   # the error's text is the user code's exception
             for d in unit["decisions"][-5:]:
                 print(f"    decision at {datetime.fromtimestamp(d['t']):%H:%M:%S} ({now - d['t']:.0f}s ago): "
                       f"{d['action']} {d['replica'] or d['count']}: {d['reason']}")
@@ -67,7 +68,7 @@ def logs(args: argparse.Namespace) -> int:
         raise ValueError("--app and --function filter what `ember logs -f` follows; without -f, use --replica")
     params = {"lines": 200 if args.lines is None else args.lines} | ({"replica": args.replica} if args.replica else {})
     with admin_client() as client:
-        sys.stdout.write(client.request("GET", "/admin/logs", params=params).text)
+        sys.stdout.write(terminal_safe(client.request("GET", "/admin/logs", params=params).text))
     return 0
 
 
@@ -79,7 +80,17 @@ def log_line(record: dict) -> str:
     time_of_day = str(record.get("ts", ""))[11:23]
     level = str(record.get("level", "")).upper()
     parts = (time_of_day, f"{level:5}" if level else "", f"[{where}]", str(record.get("msg", "")), ids)
-    return " ".join(part for part in parts if part)
+    return terminal_safe(" ".join(part for part in parts if part))
+
+
+# Control characters but tab and newline: what a replica prints may carry a caller's text, and an escape sequence in
+# it would act on the operator's terminal (retitle it, rewrite earlier lines, plant a link) instead of showing.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0)]}
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with its control characters (but tab and newline, and CR before a newline) written out as \\xNN."""
+    return text.replace("\r\n", "\n").translate(_CONTROLS)
 
 
 def _follow_logs(args: argparse.Namespace) -> int:

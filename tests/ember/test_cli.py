@@ -239,3 +239,14 @@ def test_output_cut_short_by_head_ends_quietly(tmp_path):
                            env=os.environ | {"EMBER_HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60)
     assert piped.stdout.splitlines()[-1] == "status=0" and "key-0" in piped.stdout
     assert piped.stderr == ""  # no BrokenPipeError, no "Exception ignored"
+
+
+def test_logs_show_a_replicas_control_characters_instead_of_sending_them_to_the_terminal():
+    """What a replica prints may carry a caller's text: an escape sequence in it retitled or cleared the terminal
+    of whoever ran `ember logs`."""
+    from ember.cli.status import log_line, terminal_safe
+
+    shown = log_line({"app": "a", "function": "f", "replica": "f-1", "msg": "hi\x1b]0;pwned\x07 \x1b[2J\x9b2J\rx"})
+    assert shown == "[a/f f-1] hi\\x1b]0;pwned\\x07 \\x1b[2J\\x9b2J\\x0dx"
+    assert terminal_safe("line\r\nnext\ttab\n") == "line\nnext\ttab\n"   # text as written stays as it was
+    assert terminal_safe("naïve 日本 🙂") == "naïve 日本 🙂"
