@@ -14,6 +14,7 @@ from ember.gateway.auth import authenticate
 from ember.gateway.errors import ApiError, UnknownField
 from ember.gateway.keys import LONGEST_KEY_LIFE, check_scopes
 from ember.gateway.lifecycle import LIVE, ReplicaState
+from ember.gateway.logfeed import backlog
 from ember.gateway.ratelimit import LIMIT_MOST, Limits
 from ember.gateway.routing import APP_NAME
 from ember.gateway.secret_files import MissingSecret, SecretError
@@ -80,10 +81,19 @@ class SecretBody(StrictBody):
     values: dict[str, str] = Field(description="KEY=VALUE pairs a function that lists the secret gets as environment")
 
 
+TAIL_WINDOW = 16 << 20  # bytes of a log's end that `ember logs` (GET /admin/logs) reads at most
+
+
 def tail(path: Path, lines: int) -> str:
-    if not path.exists():
+    """The file's last `lines` lines, from at most its last TAIL_WINDOW bytes: it read the whole file, so a log of
+    gigabytes (a chatty replica, a long-lived gateway) was read into memory for `ember logs`."""
+    try:
+        start = backlog(path, lines, TAIL_WINDOW)
+        with path.open("rb") as f:
+            f.seek(start)
+            return f.read(TAIL_WINDOW).decode("utf-8", "replace")
+    except FileNotFoundError:
         return ""
-    return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
 
 
 def admin_router(gateway: "Gateway") -> APIRouter:
@@ -122,11 +132,11 @@ def admin_router(gateway: "Gateway") -> APIRouter:
         replica: str | None = Query(None, pattern=r"^[A-Za-z0-9_.-]{1,100}$"), lines: int = Query(200, ge=1, le=100_000)
     ) -> str:
         if replica is None:
-            return tail(gateway.home.logs / "gateway.log", lines)
+            return await asyncio.to_thread(tail, gateway.home.logs / "gateway.log", lines)
         matches = sorted(gateway.home.logs.glob(f"*.{replica}.log"))
         if not matches:
             raise ApiError(404, "not_found", f"no log for replica {replica!r}; `ember status` lists replica ids")
-        return tail(matches[0], lines)
+        return await asyncio.to_thread(tail, matches[0], lines)
 
     def local_package(path: str) -> Path:
         try:

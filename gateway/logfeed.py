@@ -69,13 +69,13 @@ class LogFile:
         return self.source | record
 
 
-def backlog(path: Path, lines: int) -> int:
-    """The offset where the file's last `lines` lines begin (looking back at most 256 KiB)."""
+def backlog(path: Path, lines: int, window: int = 256 * 1024) -> int:
+    """The offset where the file's last `lines` lines begin (looking back at most `window` bytes)."""
     with path.open("rb") as f:
         size = f.seek(0, 2)
         if lines == 0:
             return size
-        start = f.seek(max(0, size - 256 * 1024))
+        start = f.seek(max(0, size - window))
         tail = f.read()
     position = len(tail) - 1 if tail.endswith(b"\n") else len(tail)
     for _ in range(lines):

@@ -133,3 +133,19 @@ def test_a_line_without_end_is_passed_on_cut_and_a_fast_writer_read_in_parts(tmp
     assert feed.offset <= 4 * MAX_LINE + 7 + READ_AT_ONCE + 10   # at most READ_AT_ONCE a poll
     total = sum(len(feed.read()) for _ in range(4))
     assert feed.offset == log.stat().st_size and total > 0
+
+
+def test_the_logs_tail_reads_only_the_end_of_a_file(tmp_path):
+    """GET /admin/logs (`ember logs`) read the whole file into memory for its last lines: a log of gigabytes, all
+    of it, on the gateway's event loop."""
+    from ember.gateway.admin import TAIL_WINDOW, tail
+
+    log = tmp_path / "gateway.log"
+    assert tail(log, 10) == ""
+    log.write_text("".join(f"line {i}\n" for i in range(1000)) + "partial")
+    assert tail(log, 3) == "line 998\nline 999\npartial"
+    assert tail(log, 5000).startswith("line 0\n")
+    with log.open("a") as f:   # past the window: its end only, from a whole line
+        f.write("\n" + ("y" * 99 + "\n") * (2 * TAIL_WINDOW // 100))
+    shown = tail(log, 1_000_000)   # more lines than the window holds
+    assert len(shown) <= TAIL_WINDOW and shown.startswith("y" * 99 + "\n") and shown.endswith("y\n")
