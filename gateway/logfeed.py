@@ -41,6 +41,8 @@ class LogFile:
         faster is followed a poll behind, not read into the gateway's memory at once)."""
         try:
             with self.path.open("rb") as f:
+                if f.seek(0, 2) < self.offset:   # rotated (gateway/log_budget.py): the file starts afresh
+                    self.offset, self.partial, self.cut = 0, b"", False
                 f.seek(self.offset)
                 data = f.read(READ_AT_ONCE)
         except OSError:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from ember.gateway import dashboard, errors, openapi, proxy, retry, spans
+from ember.gateway import dashboard, errors, log_budget, openapi, proxy, retry, spans
 from ember.gateway.admin import admin_router
 from ember.gateway.auth import authenticate, authorize
 from ember.gateway.body import read_forward, read_kwargs, session_id
@@ -82,7 +82,8 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any
     async def lifespan(app: FastAPI):
         async with proxy.client() as client:
             app.state.client = client
-            tasks = [asyncio.create_task(gateway.scaler.run())] + [asyncio.create_task(run()) for run in background]
+            tasks = [asyncio.create_task(gateway.scaler.run()), asyncio.create_task(log_budget.keep_bounded(
+                gateway.home.logs))] + [asyncio.create_task(run()) for run in background]
             gateway.ready = True
             try:
                 yield

@@ -149,3 +149,28 @@ def test_the_logs_tail_reads_only_the_end_of_a_file(tmp_path):
         f.write("\n" + ("y" * 99 + "\n") * (2 * TAIL_WINDOW // 100))
     shown = tail(log, 1_000_000)   # more lines than the window holds
     assert len(shown) <= TAIL_WINDOW and shown.startswith("y" * 99 + "\n") and shown.endswith("y\n")
+
+
+def test_a_log_over_its_size_is_rotated_and_its_followers_start_it_afresh(tmp_path):
+    """Replica logs grew without end (a replica printing what its callers send could fill the disk that the
+    gateway's database shares); past LOG_MAX_BYTES a log is copied to NAME.log.1 and cut, and its writer's next
+    line, appended, starts it afresh."""
+    import os
+
+    from ember.gateway.log_budget import rotate_large
+    from ember.gateway.logfeed import LogFile
+
+    big, small = tmp_path / "app.f-1.log", tmp_path / "gateway.log"
+    small.write_text("quiet\n")
+    writer = os.open(big, os.O_WRONLY | os.O_APPEND | os.O_CREAT)   # as the supervisor opens a replica's log
+    os.write(writer, b"old line\n" * 1000)
+    follower = LogFile(big, {"app": "app"}, 0)
+    assert len(follower.read()) == 1000
+    assert rotate_large(tmp_path, limit=4096) == [big]
+    assert big.stat().st_size == 0 and (tmp_path / "app.f-1.log.1").read_bytes() == b"old line\n" * 1000
+    assert small.read_text() == "quiet\n" and not (tmp_path / "gateway.log.1").exists()
+    os.write(writer, b"new line\n")
+    os.close(writer)
+    assert big.read_bytes() == b"new line\n"   # appended at the new end: no hole where the old bytes were
+    assert [r["msg"] for r in follower.read()] == ["new line"]
+    assert rotate_large(tmp_path, limit=4096) == []
