@@ -29,6 +29,9 @@ SCHEMA = ("CREATE TABLE IF NOT EXISTS calls (id TEXT PRIMARY KEY, app TEXT NOT N
 RETENTION = 7 * 24 * 3600.0  # seconds a finished call's record is kept
 MAX_WAIT = 60.0  # seconds one GET may wait for a call to finish
 MAX_STORED_RESULT = 64 << 20  # bytes of a spawned call's result kept for its caller (in the gateway's database)
+# Spawned calls not yet finished in one gateway, and the bytes of their bodies, which each holds until it runs: a
+# client spawning without end held every body in memory, past the budget that bounds bodies being read.
+MAX_SPAWNED, MAX_SPAWNED_BYTES = 10_000, 1 << 30
 SPAWN_PREFERENCE = "respond-async"  # RFC 7240: `Prefer: respond-async` asks for 202 and the call's id
 
 
@@ -112,14 +115,29 @@ class SpawnedCalls:
     def __init__(self, store: CallStore, on_end: Callable[[str, str, str], None] = lambda *_: None):
         self.store, self.on_end = store, on_end
         self.running: dict[str, asyncio.Task] = {}
+        self.held = 0  # bytes of the running calls' bodies
 
-    async def spawn(self, app: str, function: str, run: Run, settle: Callable[[], Awaitable[None]]) -> str:
+    async def spawn(self, app: str, function: str, run: Run, settle: Callable[[], Awaitable[None]],
+                    size: int = 0) -> str:
+        """Start `run` in the background and return its call's id; `size`: the bytes of its body, held till it ends.
+        Over MAX_SPAWNED calls or MAX_SPAWNED_BYTES of bodies it is a 429 (nothing recorded, nothing run)."""
+        if len(self.running) >= MAX_SPAWNED or self.held + size > MAX_SPAWNED_BYTES:
+            raise ApiError(429, "too_many_spawned_calls", f"this gateway runs {len(self.running)} spawned calls "
+                           f"holding {self.held >> 20} MiB of arguments, its most ({MAX_SPAWNED} calls, "
+                           f"{MAX_SPAWNED_BYTES >> 20} MiB): wait for some to finish, or call the function directly",
+                           {"Retry-After": "5"})
         call_id = await asyncio.to_thread(self.store.create, app, function)
         unit = function.partition(".")[0]  # a method's unit is its class
         task = asyncio.create_task(self._run(call_id, run, settle, lambda state: self.on_end(app, unit, state)),
                                    name=f"spawned {call_id}")
         self.running[call_id] = task
-        task.add_done_callback(lambda _: self.running.pop(call_id, None))
+        self.held += size
+
+        def ended(_: asyncio.Task) -> None:
+            self.running.pop(call_id, None)
+            self.held -= size
+
+        task.add_done_callback(ended)
         return call_id
 
     async def _run(self, call_id: str, run: Run, settle: Callable[[], Awaitable[None]],

@@ -199,7 +199,7 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any
             return response
 
         path = target.method if unit.kind == "function" else f"{unit.name}.{target.method}"
-        call_id = await gateway.calls.spawn(unit.app, path, run, settle)
+        call_id = await gateway.calls.spawn(unit.app, path, run, settle, len(body))
         return JSONResponse({"call_id": call_id}, 202, {"Location": f"/calls/{call_id}"})
 
     traced = Middleware(tracing.ServerSpans, describe=spans.describe, finish=spans.finish)

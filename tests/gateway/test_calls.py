@@ -73,3 +73,47 @@ def test_spawned_calls_are_counted_by_how_they_ended(served):
             assert http.get(f"/calls/{call_id}", params={"wait": 30}).json()["state"] != "pending"
     assert counted("succeeded", "plain") == before_ok + 1
     assert counted("failed", "fails_after") == before_failed + 1
+
+
+def test_spawned_calls_past_the_gateways_bounds_are_429_and_free_their_room_when_done(tmp_path, monkeypatch):
+    """Each spawned call holds its body until it runs, outside the budget of bodies being read: a client that
+    spawned without end held them all in the gateway's memory."""
+    import asyncio
+
+    from ember.gateway import calls
+    from ember.gateway.errors import ApiError
+
+    monkeypatch.setattr(calls, "MAX_SPAWNED", 3)
+    monkeypatch.setattr(calls, "MAX_SPAWNED_BYTES", 1000)
+    spawned = calls.SpawnedCalls(CallStore(tmp_path / "calls.db"))
+
+    async def scenario():
+        go = asyncio.Event()
+
+        async def run():
+            await go.wait()
+            from starlette.responses import Response
+            return Response(b'{"result": 1}', 200)
+
+        async def settle():
+            pass
+
+        await spawned.spawn("a", "f", run, settle, 400)
+        await spawned.spawn("a", "f", run, settle, 400)
+        with pytest.raises(ApiError) as bytes_over:
+            await spawned.spawn("a", "f", run, settle, 400)
+        await spawned.spawn("a", "f", run, settle, 100)
+        with pytest.raises(ApiError) as count_over:
+            await spawned.spawn("a", "f", run, settle, 0)
+        go.set()
+        while spawned.running:
+            await asyncio.sleep(0.01)
+        assert spawned.held == 0
+        await spawned.spawn("a", "f", run, settle, 900)   # room again once they ended
+        while spawned.running:
+            await asyncio.sleep(0.01)
+        return bytes_over.value, count_over.value
+
+    bytes_over, count_over = asyncio.run(scenario())
+    assert bytes_over.status == count_over.status == 429 and bytes_over.type == "too_many_spawned_calls"
+    assert bytes_over.headers["Retry-After"] == "5"
