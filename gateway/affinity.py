@@ -63,8 +63,15 @@ def pick(key: str, replicas: Sequence[ReplicaLoad], epsilon: float = DEFAULT_EPS
 
 
 def prompt_text(body: Mapping) -> str | None:
-    """The text an OpenAI completion or chat request starts with, as the engine will see it first."""
-    if messages := body.get("messages"):
+    """The text an OpenAI completion, chat or response request starts with, as the engine will see it first."""
+    messages = body.get("messages")
+    if messages is None and "input" in body:   # a response: its instructions, then its input, as chat messages
+        instructions, given = body.get("instructions"), body.get("input")
+        if not isinstance(given, (str, list)):
+            return None   # not an input the engine takes: it answers 400, from any replica
+        messages = [{"role": "system", "content": instructions}] if instructions else []
+        messages += [{"role": "user", "content": given}] if isinstance(given, str) else given
+    if messages:
         if not isinstance(messages, list):
             return None   # not a chat the engine takes: it answers 400, from any replica
         # Role and content in order is what the chat template renders; the exact template doesn't matter for routing.

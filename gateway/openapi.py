@@ -40,6 +40,7 @@ DOCS_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"
                 "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'"}
 OPENAI_ROUTES = [("post", "/chat/completions", "chat completion (OpenAI API; \"stream\": true for server-sent events)"),
                  ("post", "/completions", "text completion (OpenAI API)"),
+                 ("post", "/responses", "response (OpenAI Responses API; \"stream\": true for typed events)"),
                  ("post", "/embeddings", "embeddings (OpenAI API)"),
                  ("get", "/models", "the model served (OpenAI API)")]
 

@@ -9,7 +9,7 @@ import json
 
 from ember.runtime import logs
 
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens is charged until its usage is known
 CHARS_PER_TOKEN = 4
 JSON_TAIL = 1 << 20  # a non-streamed reply's usage sits at its end; keep at most this much of it
@@ -17,8 +17,8 @@ JSON_TAIL = 1 << 20  # a non-streamed reply's usage sits at its end; keep at mos
 
 def max_tokens(body: dict) -> int:
     """The most completion tokens the request asks for: max_tokens for each of n choices of each prompt of a batch
-    (a completions request may hold a list of prompts, each completed n times)."""
-    value = body.get("max_completion_tokens") or body.get("max_tokens")
+    (a completions request may hold a list of prompts, each completed n times; a response's is max_output_tokens)."""
+    value = body.get("max_completion_tokens") or body.get("max_output_tokens") or body.get("max_tokens")
     count = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULT_MAX_TOKENS
     n = body.get("n")
     return count * max(n if isinstance(n, int) and not isinstance(n, bool) else 1, 1) * batch_size(body)
@@ -34,13 +34,19 @@ def batch_size(body: dict) -> int:
 
 
 def prompt_tokens(body: dict) -> int:
-    """The prompt's tokens at CHARS_PER_TOKEN: the messages or prompts, and the tools a chat template writes into
-    the prompt too (a request of a megabyte of tool schemas and one short message is a megabyte of prompt)."""
-    messages, prompt, tools = body.get("messages"), body.get("prompt"), body.get("tools")
-    text = json.dumps(messages if messages is not None else prompt)
-    if messages is not None and isinstance(tools, list):
-        text += json.dumps(tools)
-    return len(text) // CHARS_PER_TOKEN + 1
+    """The prompt's tokens at CHARS_PER_TOKEN: the messages, prompts or a response's instructions and input, and the
+    tools a chat template writes into the prompt too (a request of a megabyte of tool schemas and one short message
+    is a megabyte of prompt)."""
+    messages, tools = body.get("messages"), body.get("tools")
+    if messages is not None:
+        parts = [messages]
+    elif "input" in body:   # the Responses API
+        parts = [body.get("instructions"), body.get("input")]
+    else:
+        return len(json.dumps(body.get("prompt"))) // CHARS_PER_TOKEN + 1
+    if isinstance(tools, list):
+        parts.append(tools)
+    return sum(len(json.dumps(part)) for part in parts) // CHARS_PER_TOKEN + 1
 
 
 def estimate(body: dict) -> int:
@@ -90,8 +96,11 @@ class UsageMeter:
                 self.chunks += 1
 
     def _read_usage(self, text: bytes) -> None:
+        """total_tokens of an event's or a reply's usage: at its top, or in the `response` a Responses stream's
+        last event carries."""
         try:
-            usage = json.loads(text).get("usage") or {}
+            parsed = json.loads(text)
+            usage = parsed.get("usage") or (parsed.get("response") or {}).get("usage") or {}
         except (ValueError, AttributeError):
             return
         if isinstance(usage.get("total_tokens"), int):

@@ -1,8 +1,8 @@
 """`ember serve --model DIR`: the app that serves a Hugging Face model directory, written for it (no app file).
 
 A causal LM (config.json's architectures end in ForCausalLM) gets Ember's engine behind /v1/chat/completions,
-/v1/completions and /v1/models, with weight snapshots on (examples/chat.py's shape); an encoder (BERT-like) gets
-/v1/embeddings and /v1/models (ember.runtime.embeddings). The app file goes to EMBER_HOME/apps/NAME.py.
+/v1/completions, /v1/responses and /v1/models, with weight snapshots on (examples/chat.py's shape); an encoder
+(BERT-like) gets /v1/embeddings and /v1/models (ember.runtime.embeddings). The app file goes to EMBER_HOME/apps/NAME.py.
 """
 import json
 import re

@@ -23,8 +23,8 @@ def add_to(sub, epilog: str) -> None:
     p.add_argument("app", nargs="?", help="the app file, e.g. examples/hello.py")
     p.add_argument("--model", metavar="DIR",
                    help="serve this Hugging Face model directory with no app file: a causal LM at /NAME/v1/chat/"
-                        "completions and /NAME/v1/completions (weight snapshots on), an encoder (BERT-like) at "
-                        "/NAME/v1/embeddings")
+                        "completions, /NAME/v1/completions and /NAME/v1/responses (weight snapshots on), an encoder "
+                        "(BERT-like) at /NAME/v1/embeddings")
     p.add_argument("--name", help="with --model: the model's name in requests and the app's in URLs (default the "
                                   "directory's name)")
     p.add_argument("--host", default="127.0.0.1",

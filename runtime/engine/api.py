@@ -23,7 +23,13 @@ from ember.runtime.engine import metrics
 from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.serving.errors import error_response, internal_errors, openai_errors
-from ember.runtime.engine.serving.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from ember.runtime.engine.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ResponsesRequest,
+)
+from ember.runtime.engine.serving.responses import ResponsesAPI
 from ember.runtime.engine.serving.server import OpenAIServer
 
 T = TypeVar("T")
@@ -34,6 +40,7 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
     """An OpenAI-compatible app over an `AsyncLLM`, an `LLMEngine` or an `EngineConfig`."""
     llm = _async_llm(engine_or_config)
     server = OpenAIServer(llm, served_model_name or llm.engine.model_name)
+    responses_api = ResponsesAPI(server)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -83,6 +90,14 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _unless_disconnected(request, server.chat(body))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await _unless_disconnected(request, responses_api.create(body))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        responses_api.retrieve(response_id)
 
     @app.post("/tokenize")
     async def tokenize(body: dict):

@@ -117,7 +117,11 @@ def test_prompt_text_reads_completion_prompts_in_every_openai_shape():
     assert prompt_text({"prompt": [[1, 2, 3]]}) == "1 2 3"
     assert prompt_text({"prompt": [1, 2, 3]}) == "1 2 3"
     assert prompt_text({"prompt": []}) is None
-    assert prompt_text({"input": "not an llm call"}) is None
+    # A response's instructions and input route as the chat of the same conversation does.
+    assert prompt_text({"instructions": SYSTEM, "input": "q"}) == prompt_text(chat(SYSTEM, "q"))
+    items = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
+    assert prompt_text({"input": items}) == prompt_text(chat(SYSTEM, "q"))
+    assert prompt_text({"input": 42}) is None and prompt_text({"input": {"role": "user"}}) is None
     # Chat content given as parts still renders, and the role matters.
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
     assert text in prompt_text(parts)

@@ -214,3 +214,29 @@ def test_a_batch_of_prompts_is_estimated_at_every_prompts_completions():
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     schema = {"type": "function", "function": {"name": "f", "parameters": {"description": "x" * 40_000}}}
     assert estimate(chat | {"tools": [schema]}) > estimate(chat) + 9_000   # the template writes the tools in
+    # a response: its instructions, input and tools are the prompt, max_output_tokens the completion
+    response = {"input": "hi", "max_output_tokens": 300}
+    assert max_tokens(response) == 300 and estimate(response) < 310
+    assert estimate(response | {"input": "x" * 40_000}) > 10_300
+    assert estimate(response | {"instructions": "x" * 40_000}) > 10_300
+    assert estimate(response | {"input": [{"role": "user", "content": "x" * 40_000}]}) > 10_300
+    assert estimate(response | {"tools": [schema]}) > estimate(response) + 9_000
+
+
+def test_usage_meter_reads_a_streamed_responses_usage_from_its_last_event():
+    """The Responses API's stream carries its usage inside the `response` of its last event, not at the top of an
+    event as the chat stream does: read at the top alone, every response was charged its prompt's estimate and a
+    count of its events."""
+    from ember.gateway.usage import UsageMeter
+
+    def event(kind: str, **fields) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
+
+    meter = UsageMeter(prompt_estimate=10)
+    tools = [{"type": "function", "name": "f", "parameters": {"properties": {"total_tokens": {}, "usage": {}}}}]
+    meter.feed(event("response.created", response={"tools": tools, "usage": None}))   # a schema names them too
+    for _ in range(5):
+        meter.feed(event("response.output_text.delta", delta='"usage": {"total_tokens": 1}'))
+    done = {"output": [], "metadata": {"usage": "x"}, "usage": {"input_tokens": 7, "total_tokens": 4242}}
+    meter.feed(event("response.completed", response=done))
+    assert meter.total() == 4242

@@ -61,6 +61,24 @@ def test_concurrency_and_tokens_are_settled_when_the_response_ends(serve):
         assert int(after_stream.headers["x-ratelimit-remaining-tokens"]) > 900
 
 
+def test_a_response_reserves_its_max_output_tokens_and_is_settled_from_its_last_events_usage(serve):
+    """/v1/responses is an LLM call like the chat API's: reserved at admission, charged what its usage says."""
+    served = serve(APPS / "fleet.py")
+    key = served.cli("keys", "create", "--quiet", "--name", "llm", "--tpm", "1000").stdout.strip()
+    with served.client(key) as http:
+        whole = http.post("/fleet/v1/responses", json={"input": "hi", "max_output_tokens": 600, "words": 2})
+        assert whole.status_code == 200, whole.text
+        assert int(whole.headers["x-ratelimit-remaining-tokens"]) < 400   # ~610 reserved at admission
+        stream = {"input": "hi", "max_output_tokens": 600, "words": 30, "stream": True}
+        with http.stream("POST", "/fleet/v1/responses", json=stream) as events:
+            assert int(events.headers["x-ratelimit-remaining-tokens"]) < 400   # the reply's 27 and 610 more
+            events.read()
+        after = http.post("/fleet/v1/responses", json={"input": "hi", "max_output_tokens": 1, "words": 1})
+    # charged 27 (the first), 307 (the stream's usage, not its 31 events) and 3 reserved: 663 left, and what
+    # refilled meanwhile (counted from its events, the stream left about 940)
+    assert 620 < int(after.headers["x-ratelimit-remaining-tokens"]) < 800, after.headers
+
+
 def test_a_redis_that_does_not_answer_fails_limited_requests_closed(serve):
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ fail inside the engine's step loop rather than here.
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ember.runtime.engine.sampling import INT32_MAX, LOGIT_BIAS_MAX_TOKENS, SamplingParams
 
@@ -343,3 +343,187 @@ class DetokenizeRequest(BaseModel):
 
     model: str
     tokens: list[int] = Field(max_length=1 << 20)
+
+
+# --- the Responses API (/v1/responses): its input items become a chat request's messages ---
+
+class ContentText(BaseModel):
+    """A text part of a Responses message: input_text from the caller, output_text of an earlier reply."""
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    """A call an earlier reply made (an output item the caller sends back)."""
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function_call"]
+    call_id: str = Field(max_length=256)
+    name: str = Field(max_length=64)
+    arguments: str = ""
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(max_length=256)
+    output: str | list[ContentText]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+INPUT_ITEMS: dict[str, type[BaseModel]] = {
+    "message": InputMessage, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+INPUT_PARTS = ("input_text", "output_text")
+
+
+class ResponseTool(BaseModel):
+    """The Responses API's function tool: the chat API's, unnested."""
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    def as_chat_tool(self) -> dict:
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+# Responses fields of features this server does not have: stored conversations (it keeps no response), background
+# runs, formats other than text (constrained decoding), reasoning settings, and logprobs asked through `include`.
+RESPONSES_REFUSED = {
+    "previous_response_id": ("previous_response_id (this server stores no response: send the whole conversation "
+                             "as input)", lambda value: value is not None),
+    "conversation": ("conversation (stored conversations)", lambda value: value is not None),
+    "background": ("background", bool),
+    "text": ("text.format other than text (constrained decoding)",
+             lambda value: bool(value) and (value.get("format") or {}).get("type", "text") != "text"),
+    "reasoning": ("reasoning settings", lambda value: bool(value) and any(v is not None for v in value.values())),
+    "include": ("include", bool),
+    "top_logprobs": ("top_logprobs", lambda value: value is not None),
+    "truncation": ("truncation other than disabled", lambda value: value not in (None, "disabled")),
+    "tool_choice": ("tool_choice other than auto or none (constrained decoding)",
+                    lambda value: value not in (None, "none", "auto")),
+    "prompt": ("prompt (stored prompt templates)", lambda value: value is not None),
+}
+METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512   # OpenAI's limits
+
+
+class ResponsesRequest(SamplingRequest):
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    tools: list[ResponseTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    background: Any = None
+    text: dict | None = None
+    reasoning: dict | None = None
+    include: list[Any] | None = None
+    top_logprobs: Any = None
+    truncation: Any = None
+    prompt: Any = None
+
+    @field_validator(*RESPONSES_REFUSED)
+    @classmethod
+    def _refused(cls, value, info: ValidationInfo):
+        return _refused_by(RESPONSES_REFUSED, value, info)
+
+    @field_validator("n")
+    @classmethod
+    def _one_output(cls, value):
+        return _unsupported("n other than 1 (a response has one output)", value, value not in (None, 1))
+
+    @field_validator("input")
+    @classmethod
+    def _input_items(cls, value):
+        """Each item as its model; an item or part this server cannot take is named by its type (an image, say)."""
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("it must not be empty")
+            return value
+        if not value:
+            raise ValueError("it must hold at least one item")
+        items = []
+        for i, item in enumerate(value):
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind not in INPUT_ITEMS:
+                raise ValueError(f"item {i} is {_described(item)}; this server takes message, function_call and "
+                                 "function_call_output items")
+            parts = item.get("content") if kind == "message" else item.get("output")
+            for part in parts if isinstance(parts, list) else []:
+                if not isinstance(part, dict) or part.get("type") not in INPUT_PARTS:
+                    raise ValueError(f"item {i} holds a part of {_described(part)}; this server takes text parts "
+                                     "(input_text, output_text) alone")
+            try:
+                items.append(INPUT_ITEMS[kind].model_validate(item))
+            except ValidationError as e:
+                first = e.errors(include_url=False)[0]
+                where = ".".join(str(part) for part in first["loc"])
+                raise ValueError(f"item {i} ({kind}): {where}: {first['msg']}") from None
+        return items
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, value):
+        if value and (len(value) > METADATA_MAX_KEYS or any(len(k) > METADATA_KEY_CHARS for k in value)
+                      or any(len(v) > METADATA_VALUE_CHARS for v in value.values())):
+            raise ValueError(f"at most {METADATA_MAX_KEYS} pairs, keys of at most {METADATA_KEY_CHARS} characters "
+                             f"and values of at most {METADATA_VALUE_CHARS}")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_output_tokens or self.max_tokens
+
+    def chat_messages(self) -> list[dict]:
+        """The conversation as chat messages: the instructions as a system message first, each function call
+        joined to the assistant turn that made it, each call's output a tool message."""
+        messages: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, InputMessage):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)
+                elif last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
+                    last["tool_calls"] = [call]
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            else:
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        return messages
+
+
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "a boolean", type(None): "null"}
+
+
+def _described(value) -> str:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return f"type {str(kind)[:40]!r}" if kind is not None else f"{JSON_KINDS[type(value)]} with no type"

@@ -27,7 +27,7 @@ from ember.runtime.engine.serving.streams import event_stream, merge, renumber, 
 # JSON has no -inf; OpenAI clients expect a number, vLLM sends this floor too.
 MIN_LOGPROB = -9999.0
 ENCODE_INLINE = 2000  # characters a prompt may have to be tokenized on the event loop (~2 ms at most)
-_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(o, ensure_ascii=False), without a new encoder each
+json_text = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(o, ensure_ascii=False), with no new encoder each
 
 
 class OpenAIServer:
@@ -49,7 +49,7 @@ class OpenAIServer:
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "Invalid 'top_logprobs': set 'logprobs' to true to use it.", param="top_logprobs")
         prompt_ids = await self.chat_prompt(req)
-        [stream] = await self._start(req, [prompt_ids], "messages")
+        [stream] = await self.submit(req, [prompt_ids], "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return event_stream(self._chat_events(req, response_id, stream))
@@ -128,7 +128,7 @@ class OpenAIServer:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise APIError(400, "Invalid 'prompt': it must not be empty.", param="prompt")
         prompt_ids = [await self._encode(_unicode(p, "prompt")) if isinstance(p, str) else p for p in prompts]
-        streams = await self._start(req, prompt_ids, "prompt")
+        streams = await self.submit(req, prompt_ids, "prompt")
         n = req.n or 1
         merged = merge([renumber(s, i * n) for i, s in enumerate(streams)])
         echoes = {i * n + j: self.tokenizer.decode(ids) if req.echo else "" for i, ids in enumerate(prompt_ids)
@@ -168,7 +168,7 @@ class OpenAIServer:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
 
-    async def _start(self, req: SamplingRequest, prompts: list[list[int]], prompt_param: str):
+    async def submit(self, req: SamplingRequest, prompts: list[list[int]], prompt_param: str):
         """Submit every prompt and wait for its first output, so a refused request is a 400, not a broken stream."""
         limit = self.llm.engine.max_model_len
         for stop in req.stop_strings or []:
@@ -221,9 +221,9 @@ class OpenAIServer:
                     yield chunks.choice({"index": c.index, "delta": {"content": c.text}, "logprobs": logprobs,
                                          "finish_reason": None})
         if req.include_usage:
-            yield _json({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                         "model": self.model_name, "choices": [], "usage": usage.as_dict(),
-                         "system_fingerprint": None})
+            yield json_text({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                             "model": self.model_name, "choices": [], "usage": usage.as_dict(),
+                             "system_fingerprint": None})
 
     async def _completion_events(self, req, response_id, stream, echoes) -> AsyncIterator[str]:
         created, usage, offsets = int(time.time()), Usage(), {}
@@ -249,8 +249,9 @@ class OpenAIServer:
                     choice["stop_reason"] = c.stop_reason
                 yield chunks.choice(choice)
         if req.include_usage:
-            yield _json({"id": response_id, "object": "text_completion", "created": created, "model": self.model_name,
-                         "choices": [], "usage": usage.as_dict(), "system_fingerprint": None})
+            yield json_text({"id": response_id, "object": "text_completion", "created": created,
+                             "model": self.model_name, "choices": [], "usage": usage.as_dict(),
+                             "system_fingerprint": None})
 
     def _chat_logprobs(self, entries: list[dict]) -> list[dict]:
         def item(token_id, logprob):
@@ -297,21 +298,21 @@ class ChunkJSON:
     text alone fills a template: dumping each chunk whole cost ~3.5 us of the replica's event loop per token."""
 
     def __init__(self, response_id: str, kind: str, created: int, model: str, include_usage: bool):
-        envelope = _json({"id": response_id, "object": kind, "created": created, "model": model})
+        envelope = json_text({"id": response_id, "object": kind, "created": created, "model": model})
         self.head = envelope[:-1] + ', "choices": ['
         self.tail = '], "system_fingerprint": null' + (', "usage": null' if include_usage else "") + "}"
 
     def choice(self, choice: dict) -> str:
-        return self.head + _json(choice) + self.tail
+        return self.head + json_text(choice) + self.tail
 
     def text(self, index: int, text: str) -> str:
         """A completion's choice of `text` with no logprobs and no finish reason."""
-        return (f'{self.head}{{"index": {index}, "text": {_json(text)}, "logprobs": null, "finish_reason": null}}'
+        return (f'{self.head}{{"index": {index}, "text": {json_text(text)}, "logprobs": null, "finish_reason": null}}'
                 f"{self.tail}")
 
     def content(self, index: int, content: str) -> str:
         """A chat choice whose delta is `content`, with no logprobs and no finish reason."""
-        return (f'{self.head}{{"index": {index}, "delta": {{"content": {_json(content)}}}, "logprobs": null, '
+        return (f'{self.head}{{"index": {index}, "delta": {{"content": {json_text(content)}}}, "logprobs": null, '
                 f'"finish_reason": null}}{self.tail}')
 
 

@@ -2,7 +2,7 @@
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
@@ -79,18 +79,42 @@ async def merge(streams: list[AsyncGenerator[Completion, None]]) -> AsyncGenerat
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     """Server-sent events of `events`, each a JSON text, ending in [DONE] (after an error's JSON if the engine
-    failed)."""
+    failed): the chat and completions APIs' stream."""
     async def sse():
         try:
             async for event in events:
                 yield f"data: {event}\n\n"
         except (EngineDeadError, RequestFailedError) as e:
-            fix = "; restart the replica" if isinstance(e, EngineDeadError) else "; retry the request"
-            error = {"error": {"message": f"{e}{fix}", "type": "server_error", "param": None, "code": None}}
+            error = {"error": {"message": _failure(e), "type": "server_error", "param": None, "code": None}}
             yield f"data: {json.dumps(error)}\n\n"
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(sse(), media_type="text/event-stream",
+    return _sse_response(sse())
+
+
+def typed_event_stream(events: AsyncIterator[tuple[str, str]], sequence: Callable[[], int]) -> StreamingResponse:
+    """Server-sent events of (type, JSON text) pairs, each named by its type, with no [DONE]: the Responses API's
+    stream. An engine failure ends it with an `error` event numbered by `sequence`."""
+    async def sse():
+        try:
+            async for kind, event in events:
+                yield f"event: {kind}\ndata: {event}\n\n"
+        except (EngineDeadError, RequestFailedError) as e:
+            error = {"type": "error", "code": "server_error", "message": _failure(e), "param": None,
+                     "sequence_number": sequence()}
+            yield f"event: error\ndata: {json.dumps(error)}\n\n"
+        finally:
+            await events.aclose()
+
+    return _sse_response(sse())
+
+
+def _failure(e: Exception) -> str:
+    return f"{e}; restart the replica" if isinstance(e, EngineDeadError) else f"{e}; retry the request"
+
+
+def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

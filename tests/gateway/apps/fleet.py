@@ -44,6 +44,26 @@ class Llm:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
+        @api.post("/v1/responses")
+        async def responses(request: Request):
+            """The Responses API's shape: usage in the `response` of the last event (each delta here is 10 tokens)."""
+            body = await request.json()
+            words = int(body.get("words", body.get("max_output_tokens", 4)))
+            usage = {"input_tokens": 7, "output_tokens": 10 * words, "total_tokens": 7 + 10 * words}
+            if not body.get("stream"):
+                return {"object": "response", "output": [], "usage": usage}
+
+            def event(kind: str, **fields) -> str:
+                return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
+
+            async def events():
+                yield event("response.created", response={"output": [], "usage": None})
+                for _ in range(words):
+                    yield event("response.output_text.delta", delta="x")
+                yield event("response.completed", response={"output": [], "usage": usage})
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
         @api.get("/v1/pid")
         async def pid() -> dict:
             return {"pid": os.getpid()}
