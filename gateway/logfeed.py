@@ -35,6 +35,7 @@ class LogFile:
         self.path, self.source, self.offset = path, source, offset
         self.partial = b""
         self.cut = False  # within a line over MAX_LINE bytes, whose start went out cut short
+        self.gone = False  # deleted (an ended replica's, pruned by gateway/log_budget.py): no longer read
 
     def read(self) -> list[dict]:
         """The whole lines written since the last read, at most READ_AT_ONCE bytes of them (a replica that writes
@@ -45,6 +46,9 @@ class LogFile:
                     self.offset, self.partial, self.cut = 0, b"", False
                 f.seek(self.offset)
                 data = f.read(READ_AT_ONCE)
+        except FileNotFoundError:
+            self.gone = True
+            return []
         except OSError:
             return []
         self.offset += len(data)
@@ -128,6 +132,7 @@ class LogFeed:
             if not first:
                 self.discover(first=False)
             records = [r for f in list(self.files.values()) for r in f.read() if self.wanted(r)]
+            self.files = {path: f for path, f in self.files.items() if not f.gone}
             if first:
                 records.sort(key=lambda r: str(r.get("ts", "")))
                 first = False

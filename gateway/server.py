@@ -83,7 +83,7 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any
         async with proxy.client() as client:
             app.state.client = client
             tasks = [asyncio.create_task(gateway.scaler.run()), asyncio.create_task(log_budget.keep_bounded(
-                gateway.home.logs))] + [asyncio.create_task(run()) for run in background]
+                gateway.home.logs, gateway.live_logs))] + [asyncio.create_task(run()) for run in background]
             gateway.ready = True
             try:
                 yield

@@ -224,6 +224,13 @@ class Gateway:
         self.closing = True
         await asyncio.gather(*self.retiring, return_exceptions=True)
 
+    def live_logs(self) -> set[Path]:
+        """The log files still written: every replica's this gateway runs (its versions' and the replaced ones'
+        still finishing) and its backend's own (fork servers)."""
+        live = {replica.log_path for deployment in self.deployments.values() for unit in deployment.units.values()
+                for replica in unit.router.replicas.values()}
+        return live | {replica.log_path for _, _, replica in self.retiring.values()} | self.backend.own_logs()
+
     def retiring_replicas(self, app: str) -> list[dict]:
         """The replicas of `app`'s replaced versions still finishing their calls, for `ember status`."""
         return [{"id": replica.id, "version": deployment.version, "function": unit, "in_flight": replica.in_flight,

@@ -43,6 +43,10 @@ class Backend(Protocol):
         """After the replicas were stopped: release what the backend itself holds (fork servers, clients)."""
         ...
 
+    def own_logs(self) -> set[Path]:
+        """The log files its own processes here write besides its replicas' (fork servers): never pruned."""
+        ...
+
     def prepare(self, app: str, package: Path) -> None:
         """Warm what the app's replicas start from on this machine (its fork servers), ahead of the first one."""
         ...

@@ -270,6 +270,9 @@ class AwsBackend:
     def prepared(self, app: str) -> dict | None:
         return None  # the nodes prepare an app when its first replica arrives
 
+    def own_logs(self) -> set[Path]:
+        return set()   # its processes run on the nodes
+
     async def _forget(self, replica: GatewayReplica) -> None:
         self._wakes_recorded.pop(replica.id, None)
         await asyncio.to_thread(self.replicas.delete_item, Key={"replica_id": replica.id})

@@ -109,3 +109,6 @@ class LocalBackend:
     async def close(self) -> None:
         """Stop the fork servers (after the replicas were stopped)."""
         await self.workers.close()
+
+    def own_logs(self) -> set[Path]:
+        return {server.log_path for server in self.workers.forkservers.values()}
