@@ -387,8 +387,17 @@ class FunctionCallOutputItem(BaseModel):
         return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
 
 
+class ReasoningItem(BaseModel):
+    """An earlier reply's reasoning, sent back with its output: taken and left out of the prompt (chat templates
+    leave earlier turns' reasoning out too)."""
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["reasoning"]
+
+
 INPUT_ITEMS: dict[str, type[BaseModel]] = {
-    "message": InputMessage, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+    "message": InputMessage, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem}
 INPUT_PARTS = ("input_text", "output_text")
 
 
@@ -470,10 +479,10 @@ class ResponsesRequest(SamplingRequest):
         for i, item in enumerate(value):
             kind = item.get("type", "message") if isinstance(item, dict) else None
             if kind not in INPUT_ITEMS:
-                raise ValueError(f"item {i} is {_described(item)}; this server takes message, function_call and "
-                                 "function_call_output items")
+                raise ValueError(f"item {i} is {_described(item)}; this server takes message, function_call, "
+                                 "function_call_output and reasoning items")
             parts = item.get("content") if kind == "message" else item.get("output")
-            for part in parts if isinstance(parts, list) else []:
+            for part in parts if isinstance(parts, list) and kind != "reasoning" else []:
                 if not isinstance(part, dict) or part.get("type") not in INPUT_PARTS:
                     raise ValueError(f"item {i} holds a part of {_described(part)}; this server takes text parts "
                                      "(input_text, output_text) alone")
@@ -499,20 +508,19 @@ class ResponsesRequest(SamplingRequest):
 
     def chat_messages(self) -> list[dict]:
         """The conversation as chat messages: the instructions as a system message first, each function call
-        joined to the assistant turn that made it, each call's output a tool message."""
+        joined to the assistant turn that made it, each call's output a tool message; reasoning items left out."""
         messages: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
             if isinstance(item, InputMessage):
                 messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, ReasoningItem):
+                continue
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                    last["tool_calls"].append(call)
-                elif last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
-                    last["tool_calls"] = [call]
+                if messages and messages[-1]["role"] == "assistant":
+                    messages[-1].setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
             else:

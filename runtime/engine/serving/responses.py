@@ -10,9 +10,9 @@ from contextlib import aclosing
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from ember.runtime.engine.serving import tools
 from ember.runtime.engine.serving.errors import APIError
 from ember.runtime.engine.serving.protocol import ChatCompletionRequest, ResponsesRequest, SamplingRequest
+from ember.runtime.engine.serving.reasoning import ReplyParser, ReplyShape, joined
 from ember.runtime.engine.serving.server import OpenAIServer, Usage, json_text
 from ember.runtime.engine.serving.streams import typed_event_stream
 
@@ -28,13 +28,13 @@ class ResponsesAPI:
     async def create(self, req: ResponsesRequest):
         self.server.check_model(req.model)
         chat = chat_request(req)
-        prompt_ids = await self.server.chat_prompt(chat)
+        prompt_ids, reply_shape = await self.server.chat_prompt(chat)
         [stream] = await self.server.submit(chat, [prompt_ids], "input")
         shape = ResponseShape(req, self.server.model_name)
         if req.stream:
             events = ResponseEvents(shape)
-            return typed_event_stream(events.stream(stream, chat), events.next_number)
-        return await reply(shape, stream, chat)
+            return typed_event_stream(events.stream(stream, reply_shape), events.next_number)
+        return await reply(shape, stream, reply_shape)
 
     def retrieve(self, response_id: str) -> None:
         raise APIError(404, f"No response with id '{response_id[:100]}': this server stores no response. Send the "
@@ -71,40 +71,43 @@ class ResponseShape:
             "tools": [tool.model_dump(exclude_none=True) for tool in req.tools or []], "truncation": "disabled",
             "user": req.user, "background": False}
 
-    def response(self, status: str, output: list[dict], usage: Usage | None = None,
-                 incomplete: dict | None = None) -> dict:
+    def response(self, status: str, output: list[dict], usage: Usage | None = None, incomplete: dict | None = None,
+                 reasoning_tokens: int = 0) -> dict:
         # usage last, after the echoed tools: a long reply's usage is read from its end by the gateway's meter
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
                 "incomplete_details": incomplete, "model": self.model, "output": output, **self.echo,
-                "usage": response_usage(usage) if usage else None}
+                "usage": response_usage(usage, reasoning_tokens) if usage else None}
 
 
-async def reply(shape: ResponseShape, stream, chat: ChatCompletionRequest) -> dict:
-    pieces, usage, finish = [], Usage(), None
+async def reply(shape: ResponseShape, stream, reply_shape: ReplyShape) -> dict:
+    parser, parts, usage, finish = ReplyParser(reply_shape), [], Usage(), None
     async with aclosing(stream):
         async for c in stream:
             usage.add(c)
-            pieces.append(c.text)
+            parts += parser.feed(c.text, len(c.token_ids), final=bool(c.finish_reason))
             finish = c.finish_reason or finish
-    text = "".join(pieces)
-    content, calls = tools.parse(text, chat.parallel_tool_calls) if chat.uses_tools else (text, [])
+    reasoning, content, calls = joined(parts)
     status, incomplete = ending(finish)
-    output = []
+    ended = "incomplete" if incomplete else "completed"
+    thought = ended if parser.still_thinking else "completed"   # cut short while it reasoned, or done with it
+    output = [reasoning_item(new_id("rs"), reasoning, thought)] if reasoning else []
+    if calls:
+        content = content.strip()
     if content or not calls:
-        output.append(message_item(new_id("msg"), content or "", "incomplete" if incomplete else "completed"))
+        output.append(message_item(new_id("msg"), content, ended))
     output += [call_item(new_id("fc"), call, "completed") for call in calls]
-    return shape.response(status, output, usage, incomplete)
+    return shape.response(status, output, usage, incomplete, parser.reasoning_tokens)
 
 
 class ResponseEvents:
-    """One streamed response's events, numbered in order: a message item opens at the reply's first text and
-    closes before a function call's item or at the end."""
+    """One streamed response's events, numbered in order: a reasoning item opens at the reply's first reasoning, a
+    message item at its first answer text; each closes before the next item or at the end."""
 
     def __init__(self, shape: ResponseShape):
         self.shape = shape
         self.sequence = 0
         self.output: list[dict] = []   # the items so far, each completed as it closes
-        self.open: tuple[dict, int, list[str]] | None = None   # the message being written: item, index, text
+        self.open: tuple[dict, int, list[str]] | None = None   # the item being written: item, index, text
 
     def next_number(self) -> int:
         self.sequence += 1
@@ -113,58 +116,76 @@ class ResponseEvents:
     def event(self, kind: str, **fields) -> tuple[str, str]:
         return kind, json_text({"type": kind, "sequence_number": self.next_number(), **fields})
 
-    async def stream(self, stream, chat: ChatCompletionRequest) -> AsyncIterator[tuple[str, str]]:
+    async def stream(self, stream, reply_shape: ReplyShape) -> AsyncIterator[tuple[str, str]]:
         yield self.event("response.created", response=self.shape.response("in_progress", []))
         yield self.event("response.in_progress", response=self.shape.response("in_progress", []))
-        usage, finish = Usage(), None
-        calling = tools.ToolCallStream(chat.parallel_tool_calls) if chat.uses_tools else None
+        parser, usage, finish = ReplyParser(reply_shape), Usage(), None
         async with aclosing(stream):
             async for c in stream:
                 usage.add(c)
                 finish = c.finish_reason or finish
-                if calling is None:
-                    parts = [{"content": c.text}]
-                else:
-                    parts = calling.feed(c.text) + (calling.finish() if c.finish_reason else [])
-                for part in parts:
-                    events = self.call(part["tool_call"]) if "tool_call" in part else self.text(part["content"])
+                for part in parser.feed(c.text, len(c.token_ids), final=bool(c.finish_reason)):
+                    if "tool_call" in part:
+                        events = self.call(part["tool_call"])
+                    elif "reasoning" in part:
+                        events = self.text("reasoning", part["reasoning"])
+                    else:
+                        events = self.text("message", part["content"])
                     for event in events:
                         yield event
         status, incomplete = ending(finish)
-        if not self.output and self.open is None:   # an empty reply is still one message
-            for event in self.open_message():
+        if not any(item["type"] == "message" for item in self.output) and not parser.made_calls:
+            for event in self.close() + self.open_item("message"):   # an answer of nothing is still a message
                 yield event
-        for event in self.close_message("incomplete" if incomplete else "completed"):
+        for event in self.close("incomplete" if incomplete else "completed"):
             yield event
         kind = "response.incomplete" if incomplete else "response.completed"
-        yield self.event(kind, response=self.shape.response(status, self.output, usage, incomplete))
+        yield self.event(kind, response=self.shape.response(status, self.output, usage, incomplete,
+                                                            parser.reasoning_tokens))
 
-    def open_message(self) -> list[tuple[str, str]]:
-        item = message_item(new_id("msg"), None, "in_progress")
+    def open_item(self, kind: str) -> list[tuple[str, str]]:
+        """A message (its output_text part added) or a reasoning item, in progress."""
         index = len(self.output)
+        if kind == "message":
+            item = message_item(new_id("msg"), None, "in_progress")
+        else:
+            item = reasoning_item(new_id("rs"), None, "in_progress")
         self.output.append(item)
         self.open = (item, index, [])
-        return [self.event("response.output_item.added", output_index=index, item=item),
-                self.event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                           part=output_text(""))]
+        events = [self.event("response.output_item.added", output_index=index, item=item)]
+        if kind == "message":
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                     content_index=0, part=output_text("")))
+        return events
 
-    def text(self, delta: str) -> list[tuple[str, str]]:
-        if not delta:
-            return []
-        events = self.open_message() if self.open is None else []
+    def text(self, kind: str, delta: str) -> list[tuple[str, str]]:
+        """A delta of the message's text or of the reasoning's: opens its item (closing the other) if need be."""
+        events = []
+        if self.open is None or self.open[0]["type"] != kind:
+            events = self.close() + self.open_item(kind)
         assert self.open is not None   # opened above
         item, index, pieces = self.open
         pieces.append(delta)
-        events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                 content_index=0, delta=delta, logprobs=[]))
+        if kind == "message":
+            events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                     content_index=0, delta=delta, logprobs=[]))
+        else:
+            events.append(self.event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                                     content_index=0, delta=delta))
         return events
 
-    def close_message(self, status: str) -> list[tuple[str, str]]:
+    def close(self, status: str = "completed") -> list[tuple[str, str]]:
+        """The open item's last events, its text whole."""
         if self.open is None:
             return []
         item, index, pieces = self.open
         self.open = None
         text = "".join(pieces)
+        if item["type"] == "reasoning":
+            item.update(content=[reasoning_text(text)], status=status)
+            return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                               content_index=0, text=text),
+                    self.event("response.output_item.done", output_index=index, item=item)]
         item.update(content=[output_text(text)], status=status)
         return [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                            text=text, logprobs=[]),
@@ -174,7 +195,7 @@ class ResponseEvents:
 
     def call(self, call: dict) -> list[tuple[str, str]]:
         """A whole function call (the model's call closes before it is sent): its item, arguments in one delta."""
-        events = self.close_message("completed")
+        events = self.close()
         item = call_item(new_id("fc"), call, "in_progress")
         index = len(self.output)
         arguments, item["arguments"] = item["arguments"], ""
@@ -210,15 +231,25 @@ def message_item(item_id: str, text: str | None, status: str) -> dict:
             "content": [] if text is None else [output_text(text)]}
 
 
+def reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+    """The model's reasoning, as written (no summary is made); `text` None while it is being written."""
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [] if text is None else [reasoning_text(text)]}
+
+
 def call_item(item_id: str, call: dict, status: str) -> dict:
     """A function call item of a chat-format call ({"id", "function": {"name", "arguments"}})."""
     return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": call["function"]["name"],
             "arguments": call["function"]["arguments"], "status": status}
 
 
-def response_usage(usage: Usage) -> dict:
+def response_usage(usage: Usage, reasoning_tokens: int = 0) -> dict:
     counts = usage.as_dict()
     return {"input_tokens": counts["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": counts["total_tokens"]}
+            "output_tokens": counts["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens}, "total_tokens": counts["total_tokens"]}

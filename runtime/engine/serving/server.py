@@ -22,6 +22,7 @@ from ember.runtime.engine.serving.protocol import (
     SamplingRequest,
     TokenizeRequest,
 )
+from ember.runtime.engine.serving.reasoning import ReplyParser, ReplyShape, joined, starts_inside, template_thinks
 from ember.runtime.engine.serving.streams import event_stream, merge, renumber, start
 
 # JSON has no -inf; OpenAI clients expect a number, vLLM sends this floor too.
@@ -34,6 +35,7 @@ class OpenAIServer:
     def __init__(self, llm: AsyncLLM, model_name: str):
         self.llm, self.model_name, self.tokenizer = llm, model_name, llm.tokenizer
         self.created = int(time.time())
+        self.thinks = template_thinks(getattr(self.tokenizer, "chat_template", None))   # reasoning, then answer
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ember",
@@ -48,15 +50,16 @@ class OpenAIServer:
         self.check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "Invalid 'top_logprobs': set 'logprobs' to true to use it.", param="top_logprobs")
-        prompt_ids = await self.chat_prompt(req)
+        prompt_ids, shape = await self.chat_prompt(req)
         [stream] = await self.submit(req, [prompt_ids], "messages")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return event_stream(self._chat_events(req, response_id, stream))
-        return await self._chat_reply(req, response_id, stream)
+            return event_stream(self._chat_events(req, response_id, stream, shape))
+        return await self._chat_reply(req, response_id, stream, shape)
 
-    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """The token ids the chat template makes of the request's messages (and tools)."""
+    async def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], ReplyShape]:
+        """The token ids the chat template makes of the request's messages (and tools), and how the reply's text is
+        to be read (for reasoning, where the prompt leaves it, and for tool calls)."""
         for i, m in enumerate(req.messages):
             _unicode(m.text(), f"messages.{i}.content")
         if req.uses_tools and not tools.template_writes_tool_calls(self.tokenizer.chat_template):
@@ -70,11 +73,15 @@ class OpenAIServer:
                 continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except Exception as e:  # a template's own raise_exception() is how it rejects a conversation
             raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from e
-        return await self._encode(_unicode(prompt, "messages"))
+        shape = ReplyShape(reasoning=self.thinks, inside=self.thinks and starts_inside(prompt), tools=req.uses_tools,
+                           parallel_tool_calls=req.parallel_tool_calls)
+        return await self._encode(_unicode(prompt, "messages")), shape
 
-    async def _chat_reply(self, req: ChatCompletionRequest, response_id: str, stream) -> dict:
+    async def _chat_reply(self, req: ChatCompletionRequest, response_id: str, stream, shape: ReplyShape) -> dict:
         choices: dict[int, dict[str, Any]] = {}
         texts: dict[int, list[str]] = {}   # joined once at the end: += on a long reply copies it every step
+        parsers: dict[int, ReplyParser] = {}   # a reply read for reasoning or calls: its parts, as they come
+        parts: dict[int, list[dict]] = {}
         usage = Usage()
         async with aclosing(stream):
             async for c in stream:
@@ -82,23 +89,32 @@ class OpenAIServer:
                 choice = choices.setdefault(c.index, {
                     "index": c.index, "message": {"role": "assistant", "content": ""},
                     "logprobs": {"content": []} if req.logprobs else None, "finish_reason": None})
-                texts.setdefault(c.index, []).append(c.text)
+                if shape.plain:
+                    texts.setdefault(c.index, []).append(c.text)
+                else:
+                    parser = parsers.setdefault(c.index, ReplyParser(shape))
+                    parts.setdefault(c.index, []).extend(parser.feed(c.text, len(c.token_ids), bool(c.finish_reason)))
                 if req.logprobs and c.logprobs:
                     choice["logprobs"]["content"] += self._chat_logprobs(c.logprobs)
                 if c.finish_reason:
                     choice["finish_reason"] = c.finish_reason
                     choice["stop_reason"] = c.stop_reason
         for index, choice in choices.items():
-            choice["message"]["content"] = "".join(texts[index])
-        if req.uses_tools:
-            for choice in choices.values():
-                content, calls = tools.parse(choice["message"]["content"], req.parallel_tool_calls)
-                if calls:
-                    choice["message"].update(content=content, tool_calls=calls)
-                    if choice["finish_reason"] == "stop":
-                        choice["finish_reason"] = "tool_calls"
+            if shape.plain:
+                choice["message"]["content"] = "".join(texts[index])
+                continue
+            reasoning, content, calls = joined(parts.get(index, []))
+            message = choice["message"]
+            if shape.reasoning:
+                message["reasoning_content"] = reasoning or None
+            message["content"] = content
+            if calls:
+                message.update(content=content.strip() or None, tool_calls=calls)
+                if choice["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
+        reasoning_tokens = sum(p.reasoning_tokens for p in parsers.values()) if shape.reasoning else None
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": [choices[i] for i in sorted(choices)], "usage": usage.as_dict(),
+                "choices": [choices[i] for i in sorted(choices)], "usage": usage.as_dict(reasoning_tokens),
                 "system_fingerprint": None}
 
     async def tokenize(self, body: dict) -> dict:
@@ -110,7 +126,7 @@ class OpenAIServer:
             raise RequestValidationError(e.errors(include_url=False)) from None
         self.check_model(req.model)
         if isinstance(req, ChatCompletionRequest):
-            ids = await self.chat_prompt(req)
+            ids, _ = await self.chat_prompt(req)
         else:
             ids = await self._encode(_unicode(req.prompt, "prompt"))
         return {"count": len(ids), "max_model_len": self.llm.engine.max_model_len, "tokens": ids}
@@ -191,10 +207,10 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), param=_param_named_in(str(e))) from e
 
-    async def _chat_events(self, req, response_id, stream) -> AsyncIterator[str]:
+    async def _chat_events(self, req, response_id, stream, shape: ReplyShape) -> AsyncIterator[str]:
         created, usage, started = int(time.time()), Usage(), set()
         chunks = ChunkJSON(response_id, "chat.completion.chunk", created, self.model_name, req.include_usage)
-        calls: dict[int, tools.ToolCallStream] = {}
+        parsers: dict[int, ReplyParser] = {}
         async with aclosing(stream):
             async for c in stream:
                 usage.add(c)
@@ -203,9 +219,9 @@ class OpenAIServer:
                     yield chunks.choice({"index": c.index, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None})
                 logprobs = {"content": self._chat_logprobs(c.logprobs)} if req.logprobs and c.logprobs else None
-                if req.uses_tools:
-                    calling = calls.setdefault(c.index, tools.ToolCallStream(req.parallel_tool_calls))
-                    for chunk in _tool_chunks(chunks, c, calling, logprobs):
+                if not shape.plain:
+                    parser = parsers.setdefault(c.index, ReplyParser(shape))
+                    for chunk in _part_chunks(chunks, c, parser, logprobs):
                         yield chunk
                     continue
                 # a chunk for every step that made tokens, its text empty while the detokenizer holds it back (half
@@ -221,8 +237,9 @@ class OpenAIServer:
                     yield chunks.choice({"index": c.index, "delta": {"content": c.text}, "logprobs": logprobs,
                                          "finish_reason": None})
         if req.include_usage:
+            reasoning_tokens = sum(p.reasoning_tokens for p in parsers.values()) if shape.reasoning else None
             yield json_text({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                             "model": self.model_name, "choices": [], "usage": usage.as_dict(),
+                             "model": self.model_name, "choices": [], "usage": usage.as_dict(reasoning_tokens),
                              "system_fingerprint": None})
 
     async def _completion_events(self, req, response_id, stream, echoes) -> AsyncIterator[str]:
@@ -271,23 +288,24 @@ class OpenAIServer:
             offset += len(text)
 
 
-def _tool_chunks(chunks: "ChunkJSON", c: Completion, calling: tools.ToolCallStream, logprobs: dict | None):
-    """A step's chunks of a choice whose text is read for tool calls: its settled text and whole calls, the step's
-    logprobs on the first, and the finish (reason "tool_calls" where a call was made and the model stopped)."""
-    parts = calling.feed(c.text) + (calling.finish() if c.finish_reason else [])
-    for part in parts:
+def _part_chunks(chunks: "ChunkJSON", c: Completion, parser: ReplyParser, logprobs: dict | None):
+    """A step's chunks of a choice whose text is read for reasoning or tool calls: its settled reasoning and answer,
+    its whole calls, the step's logprobs on the first, and the finish (reason "tool_calls" where a call was made and
+    the model stopped)."""
+    for part in parser.feed(c.text, len(c.token_ids), final=bool(c.finish_reason)):
         if "content" in part:
             delta: dict = {"content": part["content"]}
+        elif "reasoning" in part:
+            delta = {"reasoning_content": part["reasoning"]}
         else:
-            call = part["tool_call"]
-            delta = {"tool_calls": [{"index": calling.calls_sent, **call}]}
-            calling.calls_sent += 1
+            delta = {"tool_calls": [{"index": parser.calls_sent, **part["tool_call"]}]}
+            parser.calls_sent += 1
         yield chunks.choice({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
         logprobs = None
     if logprobs is not None:
         yield chunks.choice({"index": c.index, "delta": {"content": ""}, "logprobs": logprobs, "finish_reason": None})
     if c.finish_reason:
-        reason = "tool_calls" if calling.calls and c.finish_reason == "stop" else c.finish_reason
+        reason = "tool_calls" if parser.made_calls and c.finish_reason == "stop" else c.finish_reason
         yield chunks.choice({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason,
                              "stop_reason": c.stop_reason})
 
@@ -328,11 +346,15 @@ class Usage:
         self.prompts[c.prompt_index] = (c.num_prompt_tokens, max(c.num_cached_tokens,
                                                                  self.prompts.get(c.prompt_index, (0, 0))[1]))
 
-    def as_dict(self) -> dict:
+    def as_dict(self, reasoning_tokens: int | None = None) -> dict:
+        """OpenAI's usage; `reasoning_tokens`, for a model that reasons, the completion tokens it reasoned in."""
         prompt = sum(p for p, _ in self.prompts.values())
         cached = sum(c for _, c in self.prompts.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                 "total_tokens": prompt + self.completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return usage
 
 
 def _empty_completion_logprobs() -> dict:

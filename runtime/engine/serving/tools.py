@@ -41,21 +41,11 @@ def _call(block: str) -> dict | None:
             "function": {"name": parsed["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def parse(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
-    """(the text outside the calls, or None when only calls remain; the calls). `parallel=False` keeps the first
-    call: the rest of the text after it is dropped, as a client that asked for one call expects one."""
-    stream = ToolCallStream(parallel)
-    parts = stream.feed(text) + stream.finish()
-    content = "".join(p["content"] for p in parts if "content" in p)
-    calls = [p["tool_call"] for p in parts if "tool_call" in p]
-    if calls:
-        content = content.strip()
-    return (content or None) if calls else content, calls
-
-
 class ToolCallStream:
     """A choice's text as it streams, split into content and whole tool calls. `feed` returns the parts that are
-    settled (`{"content": str}` or `{"tool_call": dict}`); text that may be the start of a tag is held back."""
+    settled (`{"content": str}` or `{"tool_call": dict}`); text that may be the start of a tag is held back.
+    `parallel=False` keeps the first call: the text after it is dropped, as a client that asked for one call
+    expects one."""
 
     def __init__(self, parallel: bool = True):
         self.parallel = parallel
@@ -64,7 +54,6 @@ class ToolCallStream:
         self.body: list[str] = []   # a call's text so far, in pieces (joined once, when it closes)
         self.tail = ""          # the body's last characters, where a closing tag split across steps begins
         self.calls = 0          # calls read
-        self.calls_sent = 0     # calls streamed (their index in the deltas)
         self.done = False       # one call made and parallel calls off: the rest is dropped
 
     def feed(self, text: str) -> list[dict]:
@@ -95,11 +84,11 @@ class ToolCallStream:
                     parts.append({"content": self.held[:start]})
                     text, self.held, self.inside = self.held[start + len(OPEN):], "", True
                     continue
-                keep = _partial_tag(self.held)
+                keep = partial_tag(self.held)
                 parts.append({"content": self.held[:len(self.held) - keep]})
                 self.held = self.held[len(self.held) - keep:]
                 break
-        return _merged(parts)
+        return merged(parts)
 
     def finish(self) -> list[dict]:
         """What is still held when the choice ends: an unclosed call is the model's text."""
@@ -110,21 +99,26 @@ class ToolCallStream:
         return [{"content": text}]
 
 
-def _partial_tag(text: str) -> int:
-    """The length of the longest end of `text` that begins the opening tag."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def partial_tag(text: str, tag: str = OPEN) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
 
-def _merged(parts: list[dict]) -> list[dict]:
+TEXT_PARTS = ("content", "reasoning")
+
+
+def merged(parts: list[dict]) -> list[dict]:
+    """The parts with empty texts dropped and neighbouring texts of one kind joined."""
     out: list[dict] = []
     for part in parts:
-        if "content" in part and not part["content"]:
+        kind = next((k for k in TEXT_PARTS if k in part), None)
+        if kind is not None and not part[kind]:
             continue
-        if out and "content" in part and "content" in out[-1]:
-            out[-1] = {"content": out[-1]["content"] + part["content"]}
+        if kind is not None and out and kind in out[-1]:
+            out[-1] = {kind: out[-1][kind] + part[kind]}
         else:
             out.append(part)
     return out

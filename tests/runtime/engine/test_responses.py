@@ -161,7 +161,7 @@ def test_a_call_the_model_writes_comes_back_as_a_function_call_item(served, monk
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text", "constrained decoding"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]}, "input",
      "input_image"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "reasoning"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
     ({"input": [42]}, "input", "a number with no type"),
     ({"input": ""}, "input", "empty"),
     ({"input": []}, "input", "at least one"),

@@ -12,7 +12,8 @@ import pytest
 from ember.runtime.engine.api import create_app
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.serving.protocol import ChatCompletionRequest
-from ember.runtime.engine.serving.tools import ToolCallStream, parse, template_messages
+from ember.runtime.engine.serving.reasoning import ReplyParser, ReplyShape, joined
+from ember.runtime.engine.serving.tools import ToolCallStream, template_messages
 from ember.runtime.engine.tiny import build_tiny_model
 
 from .helpers import uvicorn_thread
@@ -21,6 +22,13 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def parse(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """A whole reply read as the chat API reads it: (its text outside the calls, None when only calls remain; the
+    calls)."""
+    _, content, calls = joined(ReplyParser(ReplyShape(tools=True, parallel_tool_calls=parallel)).feed(text, final=True))
+    return (content.strip() or None) if calls else content, calls
 
 
 def test_calls_are_read_from_tags_and_anything_else_stays_text():

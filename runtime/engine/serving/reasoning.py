@@ -1,0 +1,134 @@
+"""A reply's reasoning apart from its answer, for models whose chat template has them think between tags first
+(Qwen3, DeepSeek-R1, QwQ):
+
+    <think>
+    The user asks for ... so ...
+    </think>
+
+    The answer.
+
+The reasoning goes out as `reasoning_content` in the chat API (as vLLM's reasoning parsers and DeepSeek's API give
+it) and as a reasoning item in the Responses API; the answer as the content. A template whose generation prompt
+opens the block itself (DeepSeek-R1's ends in "<think>\n") starts the reply inside it; one that closes it (Qwen3's
+with enable_thinking false writes an empty block) starts it outside. Streamed, text goes out as it comes, but for a
+few characters that may be a tag's start.
+"""
+from dataclasses import dataclass
+
+from ember.runtime.engine.serving.tools import ToolCallStream, merged, partial_tag
+
+OPEN, CLOSE = "<think>", "</think>"
+UNDECIDED_MAX = 256   # characters of whitespace a reply may start with before it is taken for an answer
+
+
+def template_thinks(template: str | None) -> bool:
+    return bool(template) and OPEN in str(template) and CLOSE in str(template)
+
+
+def starts_inside(prompt: str) -> bool:
+    """Whether a rendered prompt leaves the reply inside an open reasoning block."""
+    return prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+
+class ReasoningStream:
+    """A choice's text as it streams, split into `{"reasoning": str}` and `{"content": str}` parts."""
+
+    def __init__(self, inside: bool):
+        # start: the reply may still open with <think> (after whitespace); inside: reasoning; after: the block has
+        # closed and the whitespace after it is dropped; answer: the rest is content
+        self.state = "inside" if inside else "start"
+        self.held = ""   # text not yet given out: the reply's opening, or a possible closing tag's start
+
+    def feed(self, text: str) -> list[dict]:
+        parts: list[dict] = []
+        self.held += text
+        while self.held:
+            if self.state == "start":
+                opening = self.held.lstrip()
+                if opening.startswith(OPEN):
+                    self.held, self.state = opening[len(OPEN):], "inside"
+                elif OPEN.startswith(opening) and len(self.held) <= UNDECIDED_MAX:
+                    break   # "", "<th": wait for more
+                else:
+                    self.state = "answer"
+            elif self.state == "inside":
+                end = self.held.find(CLOSE)
+                if end < 0:
+                    keep = partial_tag(self.held, CLOSE)
+                    parts.append({"reasoning": self.held[:len(self.held) - keep]})
+                    self.held = self.held[len(self.held) - keep:]
+                    break
+                parts.append({"reasoning": self.held[:end]})
+                self.held, self.state = self.held[end + len(CLOSE):], "after"
+            elif self.state == "after":
+                self.held = self.held.lstrip()
+                if self.held:
+                    self.state = "answer"
+            else:
+                parts.append({"content": self.held})
+                self.held = ""
+        return merged(parts)
+
+    def finish(self) -> list[dict]:
+        """What is still held when the choice ends: an unclosed block's end is reasoning, an undecided start text."""
+        held, self.held = self.held, ""
+        if not held or self.state == "after":
+            return []
+        return [{"reasoning": held}] if self.state == "inside" else [{"content": held}]
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the reply is (or may still be) in its reasoning."""
+        return self.state in ("start", "inside")
+
+
+@dataclass
+class ReplyShape:
+    """How a choice's text is read: for reasoning (and where it starts), for tool calls (and how many)."""
+    reasoning: bool = False
+    inside: bool = False
+    tools: bool = False
+    parallel_tool_calls: bool = True
+
+    @property
+    def plain(self) -> bool:
+        return not (self.reasoning or self.tools)
+
+
+class ReplyParser:
+    """A choice's text, streamed, as parts: `{"reasoning": str}`, `{"content": str}` and `{"tool_call": dict}`
+    (calls are read from the answer alone, never from the reasoning)."""
+
+    def __init__(self, shape: ReplyShape):
+        self.reasoning = ReasoningStream(shape.inside) if shape.reasoning else None
+        self.calls = ToolCallStream(shape.parallel_tool_calls) if shape.tools else None
+        self.calls_sent = 0   # calls streamed so far (each delta's index)
+        self.made_calls = False
+        self.reasoning_tokens = 0   # output tokens up to the step that closed the reasoning
+
+    @property
+    def still_thinking(self) -> bool:
+        return self.reasoning is not None and self.reasoning.state == "inside"
+
+    def feed(self, text: str, tokens: int = 0, final: bool = False) -> list[dict]:
+        if self.reasoning is None:
+            parts = [{"content": text}]
+        else:
+            if self.reasoning.thinking:
+                self.reasoning_tokens += tokens
+            parts = self.reasoning.feed(text) + (self.reasoning.finish() if final else [])
+        if self.calls is None:
+            return merged(parts)
+        out: list[dict] = []
+        for part in parts:
+            out += self.calls.feed(part["content"]) if "content" in part else [part]
+        out += self.calls.finish() if final else []
+        self.made_calls = self.made_calls or any("tool_call" in part for part in out)
+        return merged(out)
+
+
+def joined(parts: list[dict]) -> tuple[str, str, list[dict]]:
+    """A whole reply's (reasoning, content, calls)."""
+    return ("".join(p["reasoning"] for p in parts if "reasoning" in p),
+            "".join(p["content"] for p in parts if "content" in p),
+            [p["tool_call"] for p in parts if "tool_call" in p])
