@@ -35,14 +35,14 @@ class LogFile:
         self.path, self.source, self.offset = path, source, offset
         self.partial = b""
         self.cut = False  # within a line over MAX_LINE bytes, whose start went out cut short
-        self.gone = False  # deleted (an ended replica's, pruned by gateway/log_budget.py): no longer read
+        self.gone = False  # deleted (an ended replica's, pruned by runtime/log_budget.py): no longer read
 
     def read(self) -> list[dict]:
         """The whole lines written since the last read, at most READ_AT_ONCE bytes of them (a replica that writes
         faster is followed a poll behind, not read into the gateway's memory at once)."""
         try:
             with self.path.open("rb") as f:
-                if f.seek(0, 2) < self.offset:   # rotated (gateway/log_budget.py): the file starts afresh
+                if f.seek(0, 2) < self.offset:   # rotated (runtime/log_budget.py): the file starts afresh
                     self.offset, self.partial, self.cut = 0, b"", False
                 f.seek(self.offset)
                 data = f.read(READ_AT_ONCE)

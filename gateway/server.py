@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from ember.gateway import dashboard, errors, log_budget, openapi, proxy, retry, spans
+from ember.gateway import dashboard, errors, openapi, proxy, retry, spans
 from ember.gateway.admin import admin_router
 from ember.gateway.auth import authenticate, authorize
 from ember.gateway.body import read_forward, read_kwargs, session_id
@@ -31,7 +31,7 @@ from ember.gateway.routing import APP_NAME, Call, Forward, route
 from ember.gateway.service import Gateway
 from ember.gateway.settlement import Settlement, charge
 from ember.gateway.stamp import stamp
-from ember.runtime import logs, tracing
+from ember.runtime import log_budget, logs, tracing
 from ember.runtime.disconnect import WorkCancelled, unless_disconnected
 
 QUIET = ("/healthz", "/readyz", f"{dashboard.PATH}/api/", f"{dashboard.PATH}/static/")  # polled: ids, no access line

@@ -14,6 +14,7 @@ from ember.gateway.deployment import Deployment
 from ember.gateway.inflight import BodyBudget
 from ember.gateway.keys import KeyStore
 from ember.gateway.lifecycle import HOT
+from ember.gateway.logfeed import GATEWAY_LOG
 from ember.gateway.metrics import Metrics
 from ember.gateway.ratelimit import Limiter, MemoryLimiter
 from ember.gateway.replica import Drain, GatewayReplica
@@ -225,11 +226,12 @@ class Gateway:
         await asyncio.gather(*self.retiring, return_exceptions=True)
 
     def live_logs(self) -> set[Path]:
-        """The log files still written: every replica's this gateway runs (its versions' and the replaced ones'
-        still finishing) and its backend's own (fork servers)."""
+        """The log files still written: its own, every replica's it runs (its versions' and the replaced ones' still
+        finishing) and its backend's (fork servers)."""
         live = {replica.log_path for deployment in self.deployments.values() for unit in deployment.units.values()
                 for replica in unit.router.replicas.values()}
-        return live | {replica.log_path for _, _, replica in self.retiring.values()} | self.backend.own_logs()
+        live |= {replica.log_path for _, _, replica in self.retiring.values()}
+        return live | self.backend.own_logs() | {self.home.logs / GATEWAY_LOG}
 
     def retiring_replicas(self, app: str) -> list[dict]:
         """The replicas of `app`'s replaced versions still finishing their calls, for `ember status`."""

@@ -25,6 +25,7 @@ import boto3
 from botocore.exceptions import ClientError
 
 from ember.package import read_manifest
+from ember.runtime import log_budget
 from ember.runtime.aws import download_package, scan
 from ember.runtime.supervisor import Supervisor, WorkerProcess
 from ember.spec import FunctionSpec
@@ -86,7 +87,13 @@ class NodeAgent:
         )
         return reply["Attributes"]["state"]
 
+    def live_logs(self) -> set[Path]:
+        """The log files still written here: its replicas' and their fork servers'."""
+        return ({replica.log_path for replica in self.running.values()}
+                | {server.log_path for server in self.supervisor.forkservers.values()})
+
     async def run(self) -> None:
+        self._spawn(log_budget.keep_bounded(self.work / "logs", self.live_logs))
         while True:
             state = self.heartbeat()
             if state == "draining" and not self.running:

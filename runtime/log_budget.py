@@ -1,6 +1,6 @@
-"""Log files kept to a size and a number: the gateway's own log and each replica's (EMBER_HOME/logs/*.log) grow as
-long as their processes write, and a replica that prints without end (or prints what its callers send) filled the
-disk the gateway's database and packages share; and every replica start writes a new file, so a function that
+"""Log files kept to a size and a number, in the gateway's EMBER_HOME/logs and a node agent's work/logs: each log
+grows as long as its process writes, and a replica that prints without end (or prints what its callers send) filled
+the disk the gateway's database and packages share; and every replica start writes a new file, so a function that
 scales to zero and back left one more file each time, for ever.
 
 A file over LOG_MAX_BYTES is copied to NAME.log.1 (replacing the last one) and cut to nothing. Its writers keep
@@ -8,9 +8,10 @@ their descriptors: every log here is opened for appending, so their next lines s
 written between the copy and the cut are lost (as with logrotate's copytruncate); readers that follow a file
 (`ember logs -f`) start again from its beginning when it shrinks.
 
-The log of a replica (or fork server) that has ended is kept ENDED_KEEP_SECONDS after its last line, and of those,
-the ENDED_KEEP_FILES newest; older ones are deleted with their .1 part. A live one's log is never deleted, however
-quiet, nor any log written in the last ENDED_GRACE_SECONDS (a replica starting, not yet known).
+The log of a process that has ended (a replica, a fork server) is kept ENDED_KEEP_SECONDS after its last line, and
+of those, the ENDED_KEEP_FILES newest; older ones are deleted with their .1 part. A live one's log (the owner names
+them: its replicas', its fork servers', its own) is never deleted, however quiet, nor any log written in the last
+ENDED_GRACE_SECONDS (a replica starting, not yet known).
 """
 import asyncio
 import logging
@@ -20,9 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ember.gateway.logfeed import GATEWAY_LOG
-
-log = logging.getLogger("ember.gateway")
+log = logging.getLogger(__name__)
 
 LOG_MAX_BYTES = 256 << 20  # one log file's size before it is rotated; at most twice this on disk per file
 CHECK_EVERY = 10.0  # seconds between looks at the files' sizes
@@ -49,11 +48,10 @@ def rotate_large(folder: Path, limit: int = LOG_MAX_BYTES) -> list[Path]:
 
 def prune_ended(folder: Path, live: set[Path], now: float, keep_seconds: float = ENDED_KEEP_SECONDS,
                 keep_files: int = ENDED_KEEP_FILES, grace: float = ENDED_GRACE_SECONDS) -> list[Path]:
-    """Delete the logs of ended replicas (not in `live`, not the gateway's) past their age or count; the ones
-    deleted."""
+    """Delete the logs not in `live` past their age or count; the ones deleted."""
     ended = []
     for path in folder.glob("*.log"):
-        if path.name == GATEWAY_LOG or path in live:
+        if path in live:
             continue
         try:
             ended.append((path.stat().st_mtime, path))
@@ -73,8 +71,8 @@ def prune_ended(folder: Path, live: set[Path], now: float, keep_seconds: float =
 
 async def keep_bounded(folder: Path, live: Callable[[], set[Path]] = set, limit: int = LOG_MAX_BYTES,
                        every: float = CHECK_EVERY) -> None:
-    """Rotate the folder's large logs, and delete ended replicas' old ones, every `every` seconds, for as long as
-    the gateway runs; `live()` is the logs still written (the replicas' it runs, its fork servers')."""
+    """Rotate the folder's large logs, and delete ended processes' old ones, every `every` seconds, for as long as
+    its owner runs; `live()` is the logs still written."""
     while True:
         for path in await asyncio.to_thread(rotate_large, folder, limit):
             log.info("rotated %s at %d MiB (the previous part is %s.1)", path.name, limit >> 20, path.name)
@@ -84,6 +82,6 @@ async def keep_bounded(folder: Path, live: Callable[[], set[Path]] = set, limit:
             log.warning("could not prune ended replicas' logs: %s", exc)
             deleted = []
         if deleted:
-            log.info("deleted %d ended replicas' logs (older than %d days, or past the newest %d)", len(deleted),
+            log.info("deleted %d ended processes' logs (older than %d days, or past the newest %d)", len(deleted),
                      ENDED_KEEP_SECONDS // 86400, ENDED_KEEP_FILES)
         await asyncio.sleep(every)
