@@ -24,6 +24,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what torch.Generator.manual_seed tak
 # bounded, so that 16 stop strings of megabytes cannot make every step of the replica crawl.
 STOP_MAX_CHARS, STOP_MAX_COUNT = 256, 16
 MAX_CHOICES = 2048  # completions (prompts x n) in one request: as many texts as OpenAI's embeddings take in one
+# Messages (or Responses input items) in one request. The chat template renders them on the replica's event loop,
+# ~13 us each: a 16 MiB body of 470,000 one-letter messages held every other caller of the replica ~6 s.
+MAX_MESSAGES = 10_000
 
 
 # vLLM's extras for features this server does not have, refused rather than ignored as unknown fields are: a client
@@ -209,7 +212,7 @@ class Tool(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -475,6 +478,8 @@ class ResponsesRequest(SamplingRequest):
             return value
         if not value:
             raise ValueError("it must hold at least one item")
+        if len(value) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES:,} items, got {len(value):,}")
         items = []
         for i, item in enumerate(value):
             kind = item.get("type", "message") if isinstance(item, dict) else None

@@ -69,6 +69,9 @@ def test_errors_map_to_the_clients_exception_types(client):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=MODEL, messages=HELLO, top_p=1.5)
     assert bad.value.param == "top_p"
+    with pytest.raises(openai.BadRequestError) as chatty:   # rendered on the event loop: bounded before that
+        client.chat.completions.create(model=MODEL, messages=HELLO * 10_001)
+    assert chatty.value.param == "messages" and "at most 10000 items" in str(chatty.value)
 
 
 def test_disconnecting_mid_stream_aborts_and_frees_kv_blocks(server, client):

@@ -165,6 +165,7 @@ def test_a_call_the_model_writes_comes_back_as_a_function_call_item(served, monk
     ({"input": [42]}, "input", "a number with no type"),
     ({"input": ""}, "input", "empty"),
     ({"input": []}, "input", "at least one"),
+    ({"input": [{"role": "user", "content": "a"}] * 10_001}, "input", "at most 10,000 items"),
     ({"input": [{"role": "critic", "content": "hi"}]}, "input", "item 0 (message): role: Input should be"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input", "item 0 (function_call): call_id: Field required"),
     ({"n": 2}, "n", "one output"),
