@@ -15,7 +15,7 @@ from ember.runtime.engine.serving.protocol import ResponsesRequest
 from ember.runtime.engine.serving.responses import chat_request
 from ember.runtime.engine.tiny import build_tiny_model
 
-from .helpers import uvicorn_thread
+from .helpers import uvicorn_thread, wait_until_idle
 from .test_tools import TEMPLATE
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -193,3 +193,22 @@ def test_an_unknown_model_and_a_stored_response_are_404s(served, client):
     with pytest.raises(openai.NotFoundError) as stored:
         client.responses.retrieve("resp_123")
     assert stored.value.code == "response_not_found" and "stores no response" in str(stored.value)
+
+
+def test_leaving_a_response_aborts_it_streamed_or_whole(served, client):
+    engine = served[0].state.llm.engine
+    wait_until_idle(engine)
+    aborted = engine.stats.request_success["abort"]
+    stream = client.responses.create(model="tiny", input=STORY, max_output_tokens=6000, stream=True,
+                                     extra_body={"ignore_eos": True})
+    for _, _event in zip(range(5), stream):
+        pass
+    assert engine.has_unfinished_requests()
+    stream.close()
+    wait_until_idle(engine)
+    assert engine.stats.request_success["abort"] == aborted + 1
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served[1]}/responses", timeout=httpx.Timeout(0.3, connect=5),
+                   json={"model": "tiny", "input": STORY, "max_output_tokens": 6000, "ignore_eos": True})
+    wait_until_idle(engine)
+    assert engine.stats.request_success["abort"] == aborted + 2
