@@ -292,6 +292,7 @@ def _part_chunks(chunks: "ChunkJSON", c: Completion, parser: ReplyParser, logpro
     """A step's chunks of a choice whose text is read for reasoning or tool calls: its settled reasoning and answer,
     its whole calls, the step's logprobs on the first, and the finish (reason "tool_calls" where a call was made and
     the model stopped)."""
+    sent = False
     for part in parser.feed(c.text, len(c.token_ids), final=bool(c.finish_reason)):
         if "content" in part:
             delta: dict = {"content": part["content"]}
@@ -301,8 +302,10 @@ def _part_chunks(chunks: "ChunkJSON", c: Completion, parser: ReplyParser, logpro
             delta = {"tool_calls": [{"index": parser.calls_sent, **part["tool_call"]}]}
             parser.calls_sent += 1
         yield chunks.choice({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": None})
-        logprobs = None
-    if logprobs is not None:
+        logprobs, sent = None, True
+    if logprobs is not None or (not sent and c.token_ids and not c.finish_reason):
+        # the step's logprobs, or its tokens' text held back (a tag may be starting): the client sees each step come,
+        # as with a plain reply
         yield chunks.choice({"index": c.index, "delta": {"content": ""}, "logprobs": logprobs, "finish_reason": None})
     if c.finish_reason:
         reason = "tool_calls" if parser.made_calls and c.finish_reason == "stop" else c.finish_reason

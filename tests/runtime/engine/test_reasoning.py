@@ -120,6 +120,7 @@ def test_the_chat_api_gives_the_reasoning_apart_whole_and_streamed(served, write
     assert message.content == "Paris." and message.reasoning_content == "\nThe user wants a city. Paris.\n"
     assert 0 < whole.usage.completion_tokens_details.reasoning_tokens < whole.usage.completion_tokens
     deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant" and deltas[1].content == ""   # the first step's "<think>": held, yet seen
     assert "".join(d.content or "" for d in deltas) == "Paris."
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == \
