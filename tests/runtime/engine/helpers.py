@@ -1,4 +1,5 @@
-"""Shared by the engine's API tests: the app behind a real uvicorn socket, and waiting for an idle engine."""
+"""Shared by the engine's API tests: the app behind a real uvicorn socket, waiting for an idle engine, and the one
+stand-in: the engine's output text replaced by a model's reply that random weights never write."""
 import contextlib
 import socket
 import threading
@@ -32,3 +33,21 @@ def wait_until_idle(engine, timeout: float = 5.0) -> None:
     while engine.has_unfinished_requests() or engine.block_manager.usage > 0:
         assert time.monotonic() < deadline, "the engine still holds requests or KV blocks"
         time.sleep(0.01)
+
+
+def engine_writes(monkeypatch, pieces: list[str]) -> None:
+    """The real engine's outputs with their text replaced by `pieces`, one per output (the engine may merge steps:
+    the last output takes the rest), each reply ending as the model stopped."""
+    from ember.runtime.engine import async_engine
+
+    real = async_engine.AsyncLLM.generate
+
+    async def writing(self, *args, **kwargs):
+        rest = iter(pieces)
+        async for c in real(self, *args, **kwargs):
+            c.text = "".join(rest) if c.finish_reason else next(rest, "")
+            if c.finish_reason:
+                c.finish_reason = "stop"
+            yield c
+
+    monkeypatch.setattr(async_engine.AsyncLLM, "generate", writing)

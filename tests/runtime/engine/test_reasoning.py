@@ -15,7 +15,7 @@ from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.serving.reasoning import ReasoningStream, ReplyParser, ReplyShape, joined, starts_inside
 from ember.runtime.engine.tiny import build_tiny_model
 
-from .helpers import uvicorn_thread
+from .helpers import engine_writes, uvicorn_thread
 from .test_tools import CALL
 
 THOUGHT = "<think>\nThe user wants a city. Paris.\n</think>\n\nParis."
@@ -90,20 +90,8 @@ def served(tmp_path_factory):
 @pytest.fixture
 def writes(monkeypatch):
     """The engine's outputs with their text replaced by `reply` cut into pieces, one per step."""
-    from ember.runtime.engine import async_engine
-
-    real = async_engine.AsyncLLM.generate
-
     def use(reply: str, cut: int = 7) -> None:
-        async def writing(self, *args, **kwargs):
-            pieces = iter([reply[at:at + cut] for at in range(0, len(reply), cut)])
-            async for c in real(self, *args, **kwargs):   # the engine may merge steps: the last output takes the rest
-                c.text = "".join(pieces) if c.finish_reason else next(pieces, "")
-                if c.finish_reason:
-                    c.finish_reason = "stop"
-                yield c
-
-        monkeypatch.setattr(async_engine.AsyncLLM, "generate", writing)
+        engine_writes(monkeypatch, [reply[at:at + cut] for at in range(0, len(reply), cut)])
     return use
 
 

@@ -15,8 +15,8 @@ from ember.runtime.engine.serving.protocol import ResponsesRequest
 from ember.runtime.engine.serving.responses import chat_request
 from ember.runtime.engine.tiny import build_tiny_model
 
-from .helpers import uvicorn_thread, wait_until_idle
-from .test_tools import TEMPLATE
+from .helpers import engine_writes, uvicorn_thread, wait_until_idle
+from .test_tools import CALL_PIECES, TEMPLATE
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -122,20 +122,7 @@ def test_function_calls_and_their_outputs_reach_the_template(client):
 
 
 def test_a_call_the_model_writes_comes_back_as_a_function_call_item(served, monkeypatch):
-    from ember.runtime.engine import async_engine
-
-    real = async_engine.AsyncLLM.generate
-
-    async def writes_a_call(self, *args, **kwargs):
-        pieces = iter(["Checking. <tool", "_call>\n{\"name\": \"get_we", "ather\", \"arguments\": {\"city\": \"Pa",
-                       "ris\"}}\n</tool_call>"])
-        async for c in real(self, *args, **kwargs):   # the engine may merge steps: the last output takes the rest
-            c.text = "".join(pieces) if c.finish_reason else next(pieces, "")
-            if c.finish_reason:
-                c.finish_reason = "stop"
-            yield c
-
-    monkeypatch.setattr(async_engine.AsyncLLM, "generate", writes_a_call)
+    engine_writes(monkeypatch, CALL_PIECES)
     settings = {"model": "tiny", "input": "Weather?", "max_output_tokens": 4, "tools": [WEATHER],
                 "extra_body": {"ignore_eos": True}}
     with openai.OpenAI(base_url=served[1], api_key="unused", max_retries=0) as client:

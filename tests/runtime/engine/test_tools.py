@@ -16,12 +16,15 @@ from ember.runtime.engine.serving.reasoning import ReplyParser, ReplyShape, join
 from ember.runtime.engine.serving.tools import ToolCallStream, template_messages
 from ember.runtime.engine.tiny import build_tiny_model
 
-from .helpers import uvicorn_thread
+from .helpers import engine_writes, uvicorn_thread
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+# a reply with text, then that call, cut as the steps of a stream might cut it
+CALL_PIECES = ["Checking. <tool", "_call>\n{\"name\": \"get_we", "ather\", \"arguments\": {\"city\": \"Pa",
+               "ris\"}}\n</tool_call>"]
 
 
 def parse(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
@@ -120,20 +123,7 @@ def test_a_call_the_model_writes_comes_back_as_tool_calls(served, monkeypatch):
     """The engine's text for one choice, replaced by a call as it streams out: read into tool_calls both whole
     and streamed, with finish_reason "tool_calls" where the model stopped."""
     app, base_url, _ = served
-    from ember.runtime.engine import async_engine
-
-    real = async_engine.AsyncLLM.generate
-
-    async def writes_a_call(self, *args, **kwargs):
-        pieces = iter(["Checking. <tool", "_call>\n{\"name\": \"get_we", "ather\", \"arguments\": {\"city\": \"Pa",
-                       "ris\"}}\n</tool_call>"])
-        async for c in real(self, *args, **kwargs):   # the engine may merge steps: the last output takes the rest
-            c.text = "".join(pieces) if c.finish_reason else next(pieces, "")
-            if c.finish_reason:
-                c.finish_reason = "stop"
-            yield c
-
-    monkeypatch.setattr(async_engine.AsyncLLM, "generate", writes_a_call)
+    engine_writes(monkeypatch, CALL_PIECES)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 4,
             "ignore_eos": True, "tools": [WEATHER]}
     whole = httpx.post(f"{base_url}/chat/completions", json=body, timeout=60).json()
@@ -149,7 +139,6 @@ def test_a_call_the_model_writes_comes_back_as_tool_calls(served, monkeypatch):
     assert text == "Checking. " and len(deltas) == 1 and deltas[0].index == 0
     assert deltas[0].function.name == "get_weather" and json.loads(deltas[0].function.arguments) == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    monkeypatch.setattr(async_engine.AsyncLLM, "generate", real)
 
 
 @pytest.mark.parametrize("body, param", [
