@@ -76,11 +76,6 @@ class ReasoningStream:
             return []
         return [{"reasoning": held}] if self.state == "inside" else [{"content": held}]
 
-    @property
-    def thinking(self) -> bool:
-        """Whether the reply is (or may still be) in its reasoning."""
-        return self.state in ("start", "inside")
-
 
 @dataclass
 class ReplyShape:
@@ -105,6 +100,7 @@ class ReplyParser:
         self.calls_sent = 0   # calls streamed so far (each delta's index)
         self.made_calls = False
         self.reasoning_tokens = 0   # output tokens up to the step that closed the reasoning
+        self.undecided = 0          # tokens of the reply's opening, before it showed whether it reasons
 
     @property
     def still_thinking(self) -> bool:
@@ -114,9 +110,14 @@ class ReplyParser:
         if self.reasoning is None:
             parts = [{"content": text}]
         else:
-            if self.reasoning.thinking:
-                self.reasoning_tokens += tokens
+            before = self.reasoning.state
             parts = self.reasoning.feed(text) + (self.reasoning.finish() if final else [])
+            if before == "inside":
+                self.reasoning_tokens += tokens
+            elif before == "start":   # counted once the opening shows a block (an answer's opening is not)
+                self.undecided += tokens
+                if self.reasoning.state in ("inside", "after"):
+                    self.reasoning_tokens, self.undecided = self.reasoning_tokens + self.undecided, 0
         if self.calls is None:
             return merged(parts)
         out: list[dict] = []

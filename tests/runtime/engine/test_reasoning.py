@@ -57,6 +57,18 @@ def test_calls_are_read_from_the_answer_and_reasoning_tokens_counted_to_the_bloc
     assert parser.reasoning_tokens == 9   # the three steps up to the one that closed the block
 
 
+def test_reasoning_tokens_are_the_blocks_steps_and_an_answers_opening_is_none_of_them():
+    def counted(steps: list[str]) -> int:
+        parser = ReplyParser(ReplyShape(reasoning=True))
+        for i, step in enumerate(steps):
+            parser.feed(step, tokens=2, final=i == len(steps) - 1)
+        return parser.reasoning_tokens
+
+    assert counted(["<thi", "nk>abc", "</think>x", "y"]) == 6   # an opening tag cut in two counts from its start
+    assert counted(["  ", "<", "Hello", " world"]) == 0          # undecided, then an answer
+    assert counted(["<think>a", "b", "c"]) == 6                  # cut off while reasoning: every step
+
+
 def test_a_prompt_left_inside_a_block_starts_the_reply_in_it():
     assert starts_inside("<|im_start|>assistant\n<think>\n")
     assert not starts_inside("<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -130,6 +142,7 @@ def test_thinking_turned_off_in_the_template_leaves_the_reply_an_answer(served, 
         "chat_template_kwargs": {"enable_thinking": False}}).json()
     message = reply["choices"][0]["message"]
     assert message["content"] == "Paris. <think> is a tag I like." and message["reasoning_content"] is None
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
 
 
 def test_a_response_has_a_reasoning_item_before_its_message(served, writes):
