@@ -41,6 +41,13 @@ if ! "$PYTHON" -c 'import torch, sys; sys.exit(not torch.__version__.startswith(
   pip_install torch==2.13.0
 fi
 
+# Constrained decoding's grammar engine (structured outputs, forced tool calls). Its package also asks for triton
+# (~290 MB) for a GPU kernel Ember does not use (engine/grammar.py masks with torch): installed here without it.
+if ! "$PYTHON" -c 'import xgrammar' 2>/dev/null; then
+  echo "== installing xgrammar"
+  pip_install --no-deps 'xgrammar==0.2.9' 'apache-tvm-ffi>=0.1.11,<0.2'
+fi
+
 if [ -n "$SERVE_ONLY" ]; then
   # Installed, and from this checkout (a venv with --system-site-packages may see another one).
   "$PYTHON" -I -c 'import pathlib as p, sys, ember.gateway as g

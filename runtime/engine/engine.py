@@ -228,6 +228,8 @@ class LLMEngine:
                 continue
             seq.token_ids.append(token)
             reason = finish_reason(seq, token, len(seq.token_ids))
+            if seq.matcher is not None and seq.matcher.advance(token) and reason is None:
+                reason = "stop"   # the format is complete (with ignore_eos, say, the stop token is not one)
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(RequestOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
@@ -304,6 +306,8 @@ class LLMEngine:
             seq.token_ids[slot] = token
             reason = (finish_reason(seq, token, slot + 1) if token in seq.stop_ids or slot + 1 >= seq.max_len
                       else None)
+            if seq.matcher is not None and seq.matcher.advance(token) and reason is None:
+                reason = "stop"   # as in _postprocess
             if reason is not None:
                 del seq.token_ids[slot + 1:]   # the placeholder of the step launched since: its output is discarded
                 self._finish(seq, reason)
@@ -341,9 +345,11 @@ class LLMEngine:
 
 def _needs_host_tokens(seq: Sequence) -> bool:
     """Whether sampling the sequence's next token reads its tokens on the host (so overlap waits for them):
-    penalties count them, a min_tokens ban ends with them, logprobs are read with them."""
+    penalties count them, a min_tokens ban ends with them, logprobs are read with them, a format's next mask follows
+    from them."""
     p = seq.params
-    return p.has_penalties or p.logprobs is not None or seq.num_output_tokens < p.min_tokens
+    return (p.has_penalties or p.logprobs is not None or seq.num_output_tokens < p.min_tokens
+            or seq.matcher is not None)
 
 
 def _eos_token_ids(model_dir: str, hf_config) -> set[int]:

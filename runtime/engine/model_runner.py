@@ -401,8 +401,14 @@ class ModelRunner:
         return [seq.sampling_row or self._sampling_row(seq, eos_token_ids) for seq in seqs]
 
     def _sampling_row(self, seq, eos_token_ids: set[int]) -> SamplingRow:
-        """A new row, cached when settled: past min_tokens and without penalties, nothing in it changes again."""
+        """A new row, cached when settled: past min_tokens, without penalties and without a format, nothing in it
+        changes again."""
         p = seq.params
+        if seq.matcher is not None:
+            # a format decides when the output may end: min_tokens bans no stop token, which may be all it allows
+            return SamplingRow(p, seq.prompt_token_ids if p.has_penalties else [],
+                               seq.output_token_ids if p.has_penalties else [], seq.generator, [],
+                               seq.matcher.allowed())
         if seq.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
             return SamplingRow(p, seq.prompt_token_ids if p.has_penalties else [],

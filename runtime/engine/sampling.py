@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import Grammar, mask_logits
+
 INT32_MAX = 2**31 - 1
 LOGIT_BIAS_MAX_TOKENS = 300   # as OpenAI's API allows
 
@@ -24,6 +26,8 @@ class SamplingParams:
     logprobs: int | None = None        # return logprob of the sampled token plus this many top alternatives
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (OpenAI's)
+    # the format the output is held to (grammar.py), compiled for this model's vocabulary; None: free text
+    grammar: Grammar | None = field(default=None, compare=False)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the bad field and its valid range. Every field is bounded: a value torch cannot
@@ -52,6 +56,9 @@ class SamplingParams:
             (all(math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
              "logit_bias: every bias must be in [-100, 100]"),
         ]
+        if self.grammar is not None and self.grammar.vocab_size != vocab_size:
+            checks.append((False, f"grammar: compiled for a vocabulary of {self.grammar.vocab_size} tokens, the model "
+                                  f"has {vocab_size}: compile it with this engine's tokenizer"))
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -69,13 +76,14 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     banned_token_ids: list[int]        # EOS/stop tokens while fewer than min_tokens were generated
+    allowed: torch.Tensor | None = None   # a format's bitmask of the tokens it allows next (grammar.Matcher)
     # greedy with nothing to adjust or report: a batch of such rows is one argmax
     plain: bool = field(init=False)
 
     def __post_init__(self):
         p = self.params
         self.plain = (p.temperature == 0 and not p.has_penalties and not self.banned_token_ids
-                      and p.logprobs is None and not p.logit_bias)
+                      and p.logprobs is None and not p.logit_bias and self.allowed is None)
 
 
 @dataclass
@@ -153,7 +161,8 @@ def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> Draws:
     banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
     biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items()]
     random_rows = [i for i, r in enumerate(rows) if r.params.temperature > 0]
-    if not (penalized or banned or biased or random_rows):   # greedy fast path: one argmax
+    constrained = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
+    if not (penalized or banned or biased or random_rows or constrained):   # greedy fast path: one argmax
         token_ids = logits.argmax(dim=-1)
     else:
         logits = logits.float().clone()
@@ -166,6 +175,8 @@ def draw(logits: torch.Tensor, rows: list[SamplingRow]) -> Draws:
         if banned:
             row_index, token_index = _device(logits, list(zip(*banned)), torch.long)
             logits[row_index, token_index] = float("-inf")
+        if constrained:   # last: a token the format leaves out stays out whatever its bias
+            mask_logits(logits, [i for i, _ in constrained], [allowed for _, allowed in constrained])
         token_ids = logits.argmax(dim=-1)
         if random_rows:
             index = _device(logits, random_rows, torch.long)

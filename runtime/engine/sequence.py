@@ -4,6 +4,7 @@ from collections.abc import Set
 
 import torch
 
+from .grammar import Matcher
 from .sampling import SamplingParams, SamplingRow
 
 
@@ -29,6 +30,8 @@ class Sequence:
         if max_model_len is not None:
             self.max_len = min(self.max_len, max_model_len)
         self.generator = generator
+        # where the output is in the format it is held to (params.grammar), one per sequence: n choices each have one
+        self.matcher = Matcher(params.grammar) if params.grammar is not None else None
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chain hashes of the full blocks at the head of block_table

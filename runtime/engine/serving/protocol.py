@@ -10,9 +10,10 @@ fail inside the engine's step loop rather than here.
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ember.runtime.engine.sampling import INT32_MAX, LOGIT_BIAS_MAX_TOKENS, SamplingParams
+from ember.runtime.engine.serving.formats import AnswerFormat, ToolForcing
 
 
 class StreamOptions(BaseModel):
@@ -30,16 +31,58 @@ MAX_MESSAGES = 10_000
 
 
 # vLLM's extras for features this server does not have, refused rather than ignored as unknown fields are: a client
-# that asks for JSON by schema, or for beam search, must not get free text as if it had.
+# that asks for beam search must not get a sampled reply as if it had.
 SAMPLING_REFUSED = {
-    "guided_json": ("guided_json (constrained decoding)", lambda value: value is not None),
-    "guided_regex": ("guided_regex (constrained decoding)", lambda value: value is not None),
-    "guided_choice": ("guided_choice (constrained decoding)", lambda value: value is not None),
-    "guided_grammar": ("guided_grammar (constrained decoding)", lambda value: value is not None),
-    "structured_outputs": ("structured_outputs (constrained decoding)", lambda value: value is not None),
     "use_beam_search": ("use_beam_search (beam search)", bool),
     "prompt_logprobs": ("prompt_logprobs", lambda value: value is not None),
 }
+# A format (a schema's JSON, a regex, a grammar, the choices together) is compiled for each new one, on the replica's
+# host: bounded, as OpenAI bounds schemas. 100,000 characters compile in well under a second.
+FORMAT_MAX_CHARS = 100_000
+FORMAT_MAX_DEPTH = 100   # objects and arrays within each other in a schema (OpenAI takes 10 levels of properties)
+# vLLM's structured_outputs keys this server takes, and its older guided_* fields, as answer formats
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+GUIDED_KINDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                "guided_grammar": "grammar"}
+
+
+def _answer_format(kind: str, value: Any) -> AnswerFormat:
+    """An answer format from a request's value, checked: the schema an object (or JSON text of one), a regex or
+    grammar text, the choices strings; each within FORMAT_MAX_CHARS."""
+    if kind == "json_schema" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise ValueError("the schema is a string that is not JSON: send the schema as an object") from None
+    if kind == "json_schema" and not isinstance(value, (dict, bool)):
+        raise ValueError("the schema must be a JSON Schema object")
+    if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+        raise ValueError(f"the {kind} must be a non-empty string")
+    if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        raise ValueError("the choices must be a non-empty list of non-empty strings")
+    if kind == "json_object" and value not in (None, True):
+        raise ValueError("json_object takes true")
+    if kind == "json_schema" and _depth(value) > FORMAT_MAX_DEPTH:
+        raise ValueError(f"the schema nests objects and arrays more than {FORMAT_MAX_DEPTH} deep")
+    try:
+        size = len(value) if isinstance(value, str) else len(json.dumps(value))
+    except (ValueError, RecursionError):
+        raise ValueError("the format is nested too deeply") from None
+    if size > FORMAT_MAX_CHARS:
+        raise ValueError(f"the format is {size:,} characters; at most {FORMAT_MAX_CHARS:,}")
+    return AnswerFormat(kind, None if kind == "json_object" else value)
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and arrays nest in a parsed JSON value (without recursing: a body may nest a thousand deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 class SamplingRequest(BaseModel):
@@ -79,6 +122,44 @@ class SamplingRequest(BaseModel):
     @classmethod
     def _refused_extra(cls, value, info: ValidationInfo):
         return _refused_by(SAMPLING_REFUSED, value, info)
+
+    @field_validator(*GUIDED_KINDS)
+    @classmethod
+    def _guided(cls, value, info: ValidationInfo):
+        return value if value is None else _answer_format(GUIDED_KINDS[str(info.field_name)], value)
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _structured(cls, value):
+        if value is None:
+            return value
+        given = {k: v for k, v in value.items() if v is not None and v is not False} if isinstance(value, dict) else {}
+        if len(given) != 1 or next(iter(given)) not in STRUCTURED_KINDS:
+            raise ValueError(f"give exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                             f"{', '.join(map(str, given)) or 'none'}")
+        [(key, spec)] = given.items()
+        return _answer_format(STRUCTURED_KINDS[key], spec)
+
+    @model_validator(mode="after")
+    def _one_format(self):
+        self.answer_format()
+        return self
+
+    def answer_format(self) -> AnswerFormat | None:
+        """The format the answer is held to, or None for free text; a ValueError when more than one field sets one."""
+        given = {}
+        for name in self.format_fields():
+            value = getattr(self, name)
+            if isinstance(value, ResponseFormat):
+                value = value.answer_format()
+            if value is not None:
+                given[name] = value
+        if len(given) > 1:
+            raise ValueError(f"the reply's format is set by {' and '.join(given)}: set it by one of them")
+        return next(iter(given.values()), None)
+
+    def format_fields(self) -> tuple[str, ...]:
+        return (*GUIDED_KINDS, "structured_outputs")
 
     @field_validator("stop")
     @classmethod
@@ -178,14 +259,10 @@ class ChatMessage(BaseModel):
 # Chat fields of features this server does not have: (what the 400 names, whether a value asks for it). The legacy
 # function calling and audio output were taken in silence before, and answered with plain text.
 CHAT_REFUSED = {
-    # needs decoding constrained to a call, which this server does not have; "auto" (the default) and "none" work
-    "tool_choice": ("tool_choice other than auto or none (constrained decoding)",
-                    lambda value: value not in (None, "none", "auto")),
     "functions": ("functions (legacy function calling; send tools)", bool),
     "function_call": ("function_call", lambda value: value not in (None, "none")),
     "modalities": ("modalities other than text", lambda value: bool(value) and value != ["text"]),
     "audio": ("audio output", lambda value: value is not None),
-    "response_format": ("response_format other than text", lambda value: bool(value) and value.get("type") != "text"),
 }
 
 
@@ -209,6 +286,61 @@ class ToolFunction(BaseModel):
 class Tool(BaseModel):
     type: Literal["function"]
     function: ToolFunction
+
+
+class JSONSchemaSpec(BaseModel):
+    """response_format's json_schema: OpenAI's name, description, schema and strict (held to the schema either way)."""
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type json_schema needs json_schema.schema: the JSON Schema of the reply")
+        self.answer_format()   # bounded and well-formed
+        return self
+
+    def answer_format(self) -> AnswerFormat | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object" or self.json_schema is None:
+            return AnswerFormat("json_object")
+        return _answer_format("json_schema", self.json_schema.schema_)
+
+
+TOOL_CHOICES = "none, auto, required, or {\"type\": \"function\", \"function\": {\"name\": ...}}"
+
+
+def _tool_choice(value: Any, named: Any) -> str | None:
+    """The chosen function's name, "required", or None for none and auto; a ValueError for any other form. `named`:
+    the name a function choice gives (None when `value` is not one)."""
+    if value in (None, "none", "auto"):
+        return None
+    if value == "required":
+        return value
+    if isinstance(named, str):
+        return named
+    raise ValueError(f"tool_choice must be {TOOL_CHOICES}; got {json.dumps(value)[:100]}")
+
+
+def _forcing(tools: list[dict] | None, choice: str | None, parallel: bool) -> ToolForcing | None:
+    if choice is None:
+        return None
+    if not tools:
+        raise ValueError(f"tool_choice {choice!r} needs tools: send the tools the model may call")
+    names = [t["function"]["name"] for t in tools]
+    if choice != "required" and choice not in names:
+        raise ValueError(f"tool_choice names function {choice!r}, which is not among the tools ({', '.join(names)})")
+    return ToolForcing(tuple(tools), None if choice == "required" else choice, parallel)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -245,7 +377,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("continuing the last message and adding a generation prompt exclude each other: set "
                              "add_generation_prompt to false")
         return value
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[Any] | None = None
@@ -258,10 +390,30 @@ class ChatCompletionRequest(SamplingRequest):
         ignored it."""
         return _refused_by(CHAT_REFUSED, value, info)
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_tool_choice(cls, value, info: ValidationInfo):
+        """One of the forms, and where it forces a call, of a function among the tools (validated before it)."""
+        function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+        choice = _tool_choice(value, function.get("name") if isinstance(function, dict) else None)
+        _forcing([t.model_dump() for t in info.data.get("tools") or []], choice, True)
+        return value
+
     @property
     def uses_tools(self) -> bool:
         """Whether the tools go to the template and the reply is read for calls (tool_choice "none": neither)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_forcing(self) -> ToolForcing | None:
+        """What tool_choice forces (one named function, or a call of any: "required"), or None."""
+        value = self.tool_choice
+        function = value.get("function") if isinstance(value, dict) else None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        return _forcing(tools, _tool_choice(value, function.get("name") if isinstance(function, dict) else None),
+                        self.parallel_tool_calls)
+
+    def format_fields(self) -> tuple[str, ...]:
+        return ("response_format", *super().format_fields())
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -420,23 +572,50 @@ class ResponseTool(BaseModel):
 
 
 # Responses fields of features this server does not have: stored conversations (it keeps no response), background
-# runs, formats other than text (constrained decoding), reasoning settings, and logprobs asked through `include`.
+# runs, reasoning settings, and logprobs asked through `include`.
 RESPONSES_REFUSED = {
     "previous_response_id": ("previous_response_id (this server stores no response: send the whole conversation "
                              "as input)", lambda value: value is not None),
     "conversation": ("conversation (stored conversations)", lambda value: value is not None),
     "background": ("background", bool),
-    "text": ("text.format other than text (constrained decoding)",
-             lambda value: bool(value) and (value.get("format") or {}).get("type", "text") != "text"),
     "reasoning": ("reasoning settings", lambda value: bool(value) and any(v is not None for v in value.values())),
     "include": ("include", bool),
     "top_logprobs": ("top_logprobs", lambda value: value is not None),
     "truncation": ("truncation other than disabled", lambda value: value not in (None, "disabled")),
-    "tool_choice": ("tool_choice other than auto or none (constrained decoding)",
-                    lambda value: value not in (None, "none", "auto")),
     "prompt": ("prompt (stored prompt templates)", lambda value: value is not None),
 }
 METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512   # OpenAI's limits
+
+
+class TextFormat(BaseModel):
+    """The Responses API's text.format: text, json_object, or json_schema with the schema's fields beside its type."""
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = Field("response", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema":
+            if self.schema_ is None:
+                raise ValueError("type json_schema needs schema: the JSON Schema of the reply")
+            _answer_format("json_schema", self.schema_)
+        return self
+
+    def echo(self) -> dict:
+        """As a response echoes it: the type, and a schema's fields with it."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class TextSettings(BaseModel):
+    model_config = ConfigDict(extra="allow")   # verbosity and what comes: no format of their own
+
+    format: TextFormat | None = None
 
 
 class ResponsesRequest(SamplingRequest):
@@ -451,7 +630,7 @@ class ResponsesRequest(SamplingRequest):
     previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
-    text: dict | None = None
+    text: TextSettings | None = None
     reasoning: dict | None = None
     include: list[Any] | None = None
     top_logprobs: Any = None
@@ -462,6 +641,31 @@ class ResponsesRequest(SamplingRequest):
     @classmethod
     def _refused(cls, value, info: ValidationInfo):
         return _refused_by(RESPONSES_REFUSED, value, info)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_tool_choice(cls, value):
+        named = value.get("name") if isinstance(value, dict) and value.get("type") == "function" else None
+        try:
+            _tool_choice(value, named)
+        except ValueError:
+            raise ValueError("tool_choice must be none, auto, required, or {\"type\": \"function\", \"name\": "
+                             f"...}}; got {json.dumps(value)[:100]}") from None
+        return value
+
+    def chat_tool_choice(self) -> Any:
+        """tool_choice in the chat API's form (a named function nests its name there)."""
+        if isinstance(self.tool_choice, dict):
+            return {"type": "function", "function": {"name": self.tool_choice["name"]}}
+        return self.tool_choice
+
+    def chat_response_format(self) -> dict | None:
+        """text.format in the chat API's form (its json_schema's fields nest there)."""
+        form = self.text.format if self.text is not None else None
+        if form is None or form.type != "json_schema":
+            return form.model_dump(include={"type"}) if form is not None else None
+        return {"type": "json_schema", "json_schema": {"name": form.name, "description": form.description,
+                                                       "schema": form.schema_, "strict": form.strict}}
 
     @field_validator("n")
     @classmethod

@@ -29,7 +29,8 @@ class ResponsesAPI:
         self.server.check_model(req.model)
         chat = chat_request(req)
         prompt_ids, reply_shape = await self.server.chat_prompt(chat)
-        [stream] = await self.server.submit(chat, [prompt_ids], "input")
+        held_to = await self.server.chat_grammar(chat, reply_shape, "text")
+        [stream] = await self.server.submit(chat, [prompt_ids], "input", held_to)
         shape = ResponseShape(req, self.server.model_name)
         if req.stream:
             events = ResponseEvents(shape)
@@ -45,8 +46,9 @@ class ResponsesAPI:
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     body = {name: getattr(req, name) for name in SHARED}
     body.update(messages=req.chat_messages(), max_tokens=req.requested_max_tokens(),
-                tools=[tool.as_chat_tool() for tool in req.tools] if req.tools else None, tool_choice=req.tool_choice,
-                parallel_tool_calls=req.parallel_tool_calls)
+                tools=[tool.as_chat_tool() for tool in req.tools] if req.tools else None,
+                tool_choice=req.chat_tool_choice(), parallel_tool_calls=req.parallel_tool_calls,
+                response_format=req.chat_response_format())
     extra = req.model_extra or {}
     if "chat_template_kwargs" in extra:   # vLLM's template variables (Qwen3's enable_thinking)
         body["chat_template_kwargs"] = extra["chat_template_kwargs"]
@@ -66,7 +68,9 @@ class ResponseShape:
             "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "text": {"format": {"type": "text"}},
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "text": {"format": req.text.format.echo() if req.text is not None and req.text.format is not None
+                     else {"type": "text"}},
             "tool_choice": req.tool_choice or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in req.tools or []], "truncation": "disabled",
             "user": req.user, "background": False}

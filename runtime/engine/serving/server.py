@@ -11,9 +11,10 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from ember.runtime.engine import grammar
 from ember.runtime.engine.async_engine import AsyncLLM, Completion
 from ember.runtime.engine.detokenizer import token_text
-from ember.runtime.engine.serving import tools
+from ember.runtime.engine.serving import formats, tools
 from ember.runtime.engine.serving.errors import APIError
 from ember.runtime.engine.serving.protocol import (
     ChatCompletionRequest,
@@ -36,6 +37,8 @@ class OpenAIServer:
         self.llm, self.model_name, self.tokenizer = llm, model_name, llm.tokenizer
         self.created = int(time.time())
         self.thinks = template_thinks(getattr(self.tokenizer, "chat_template", None))   # reasoning, then answer
+        engine = llm.engine
+        self.grammars = grammar.Grammars(self.tokenizer, engine.runner.vocab_size, engine.eos_token_ids)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ember",
@@ -51,7 +54,7 @@ class OpenAIServer:
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "Invalid 'top_logprobs': set 'logprobs' to true to use it.", param="top_logprobs")
         prompt_ids, shape = await self.chat_prompt(req)
-        [stream] = await self.submit(req, [prompt_ids], "messages")
+        [stream] = await self.submit(req, [prompt_ids], "messages", await self.chat_grammar(req, shape))
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return event_stream(self._chat_events(req, response_id, stream, shape))
@@ -76,6 +79,29 @@ class OpenAIServer:
         shape = ReplyShape(reasoning=self.thinks, inside=self.thinks and starts_inside(prompt), tools=req.uses_tools,
                            parallel_tool_calls=req.parallel_tool_calls)
         return await self._encode(_unicode(prompt, "messages")), shape
+
+    async def chat_grammar(self, req: ChatCompletionRequest, shape: ReplyShape,
+                           format_param: str | None = None) -> grammar.Grammar | None:
+        """The format a chat reply is held to: its answer format, or the call its tool_choice forces, after any
+        reasoning; None for free text. `format_param`: the field that set the answer format, where not the chat
+        API's own (the Responses API's text)."""
+        forcing = req.tool_forcing() if req.uses_tools else None
+        offered = tuple(t.model_dump(exclude_none=True) for t in req.tools or []) if req.uses_tools else ()
+        tag = formats.reply_format(req.answer_format(), forcing, shape, offered)
+        return await self.compile(tag, "tool_choice" if forcing is not None else format_param or _format_param(req))
+
+    async def compile(self, tag: dict | None, param: str | None) -> grammar.Grammar | None:
+        """`tag` compiled for this model, off the event loop (a large schema takes a while); a 400 naming `param`
+        where it cannot be."""
+        if tag is None:
+            return None
+        missing = grammar.missing()
+        if missing is not None:
+            raise APIError(400, f"Invalid '{param}': {missing}.", param=param)
+        try:
+            return await asyncio.to_thread(self.grammars.compile, tag)
+        except grammar.FormatError as e:
+            raise APIError(400, f"Invalid '{param}': the format cannot be compiled: {e}", param=param) from None
 
     async def _chat_reply(self, req: ChatCompletionRequest, response_id: str, stream, shape: ReplyShape) -> dict:
         choices: dict[int, dict[str, Any]] = {}
@@ -144,7 +170,8 @@ class OpenAIServer:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise APIError(400, "Invalid 'prompt': it must not be empty.", param="prompt")
         prompt_ids = [await self._encode(_unicode(p, "prompt")) if isinstance(p, str) else p for p in prompts]
-        streams = await self.submit(req, prompt_ids, "prompt")
+        held_to = await self.compile(formats.reply_format(req.answer_format(), None, None), _format_param(req))
+        streams = await self.submit(req, prompt_ids, "prompt", held_to)
         n = req.n or 1
         merged = merge([renumber(s, i * n) for i, s in enumerate(streams)])
         echoes = {i * n + j: self.tokenizer.decode(ids) if req.echo else "" for i, ids in enumerate(prompt_ids)
@@ -184,8 +211,10 @@ class OpenAIServer:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
 
-    async def submit(self, req: SamplingRequest, prompts: list[list[int]], prompt_param: str):
-        """Submit every prompt and wait for its first output, so a refused request is a 400, not a broken stream."""
+    async def submit(self, req: SamplingRequest, prompts: list[list[int]], prompt_param: str,
+                     held_to: grammar.Grammar | None = None):
+        """Submit every prompt and wait for its first output, so a refused request is a 400, not a broken stream.
+        `held_to`: the format every reply is held to."""
         limit = self.llm.engine.max_model_len
         for stop in req.stop_strings or []:
             _unicode(stop, "stop")
@@ -199,6 +228,7 @@ class OpenAIServer:
                                f"{max_tokens or 0} in the completion). Please reduce the length of the "
                                f"{prompt_param} or completion.", param=prompt_param, code="context_length_exceeded")
             params = req.sampling_params(max_tokens or limit - len(ids))
+            params.grammar = held_to
             streams.append(self.llm.generate(ids, params, n=req.n or 1, stop=req.stop_strings,
                                              include_stop_str_in_output=req.include_stop_str_in_output,
                                              skip_special_tokens=req.skip_special_tokens, group=group))
@@ -362,6 +392,11 @@ class Usage:
 
 def _empty_completion_logprobs() -> dict:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def _format_param(req: SamplingRequest) -> str | None:
+    """The field that set a request's answer format."""
+    return next((name for name in req.format_fields() if getattr(req, name) is not None), None)
 
 
 def _param_named_in(message: str) -> str | None:

@@ -142,10 +142,24 @@ def test_a_call_the_model_writes_comes_back_as_a_function_call_item(served, monk
     assert streamed[0].content[0].text == "Checking. " and streamed[1].arguments == call.arguments
 
 
+def test_a_forced_function_call_is_the_output(client):
+    forecast = {"type": "function", "name": "forecast", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}
+    response = client.responses.create(model="tiny", input="Forecast?", max_output_tokens=300,
+                                       tools=[WEATHER, forecast], tool_choice={"type": "function", "name": "forecast"})
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "forecast"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome") and response.status == "completed"
+    assert response.tool_choice.name == "forecast"
+
+
 @pytest.mark.parametrize("body, param, named", [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no response"),
     ({"conversation": "conv_1"}, "conversation", "conversation"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text", "constrained decoding"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "needs schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#/nowhere"}}}}, "text",
+     "cannot be compiled"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]}, "input",
      "input_image"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
@@ -156,7 +170,10 @@ def test_a_call_the_model_writes_comes_back_as_a_function_call_item(served, monk
     ({"input": [{"role": "critic", "content": "hi"}]}, "input", "item 0 (message): role: Input should be"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input", "item 0 (function_call): call_id: Field required"),
     ({"n": 2}, "n", "one output"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice",
+     "must be none, auto, required"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice",
+     "not among the tools"),
     ({"tools": [{"type": "web_search"}]}, "tools", ""),
     ({"background": True}, "background", "background"),
     ({"include": ["message.output_text.logprobs"]}, "include", "include"),

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -141,9 +142,57 @@ def test_a_call_the_model_writes_comes_back_as_tool_calls(served, monkeypatch):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+# Tools whose arguments a random model completes: every value bounded (its strings would rarely close otherwise)
+FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock.now", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Forecast for Paris?"}]
+
+
+def arguments_fit(call) -> bool:
+    tool = {"forecast": FORECAST, "clock.now": CLOCK}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    return True
+
+
+def test_a_named_tool_choice_makes_the_reply_that_call(client):
+    free = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, tools=[FORECAST, CLOCK], seed=1)
+    assert free.choices[0].message.tool_calls is None   # on its own the model calls nothing
+    named = {"type": "function", "function": {"name": "clock.now"}}
+    for temperature in (1.0, 0.0):
+        reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=300, tools=[FORECAST, CLOCK],
+                                               tool_choice=named, n=3, seed=1, temperature=temperature)
+        for choice in reply.choices:
+            [call] = choice.message.tool_calls
+            assert call.function.name == "clock.now" and arguments_fit(call) and choice.finish_reason == "tool_calls"
+            assert choice.message.content is None
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, max_tokens=300, tools=[FORECAST, CLOCK],
+                                                 tool_choice=named, seed=2, stream=True))
+    [delta] = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert delta.function.name == "clock.now" and arguments_fit(delta)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_makes_the_reply_calls_one_unless_parallel(client):
+    one = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=300, tools=[FORECAST, CLOCK],
+                                         tool_choice="required", parallel_tool_calls=False, n=4, seed=3)
+    for choice in one.choices:
+        [call] = choice.message.tool_calls
+        assert arguments_fit(call) and choice.finish_reason == "tool_calls"
+    several = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=600, tools=[FORECAST, CLOCK],
+                                             tool_choice="required", n=4, seed=3)
+    calls = [c.message.tool_calls for c in several.choices]
+    assert all(len(made) >= 1 and all(arguments_fit(call) for call in made) for made in calls), calls
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tools": [WEATHER] * 129}, "tools"),
