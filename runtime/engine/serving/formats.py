@@ -90,11 +90,18 @@ DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
+# A character a JSON string holds unescaped, as one well-formed UTF-8 sequence: printable ASCII but quote and
+# backslash, then every code point past it but the surrogates. Written as ranges of code points, not as "any
+# character": xgrammar (0.2.9) matches "any character" loosely, letting overlong and surrogate byte sequences through,
+# which a decoder turns into several replacement characters (a string of 4 read back as 7).
+PLAIN_CHARACTER = "[ !#-\\[\\]-~\u0080-\ud7ff\ue000-\uffff\U00010000-\U0010ffff]"
+
+
 def _bounded_strings(schema: Any) -> Any:
     """`schema` with each string of bounded length (minLength, maxLength) given the same bound as a pattern.
     xgrammar (0.2.9) writes such a string as any characters but quote, backslash and line breaks: other control
-    characters pass raw, which is not JSON (a strict parser refuses the reply). Under a pattern it writes only
-    characters that need no escape."""
+    characters pass raw, which is not JSON (a strict parser refuses the reply). Under the pattern it writes only
+    characters that need no escape (so such a string holds no escapes: no line breaks, quotes or backslashes)."""
     if isinstance(schema, list):
         return [_bounded_strings(item) for item in schema]
     if not isinstance(schema, dict):
@@ -108,7 +115,7 @@ def _bounded_strings(schema: Any) -> Any:
             and "format" not in out):
         low = bounds[0] if isinstance(bounds[0], int) else 0
         high = bounds[1] if isinstance(bounds[1], int) else ""
-        out["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"   # in place of the bounds: xgrammar warns of both
+        out["pattern"] = f"^{PLAIN_CHARACTER}{{{low},{high}}}$"   # in place of the bounds: xgrammar warns of both
         out.pop("minLength", None)
         out.pop("maxLength", None)
     return out

@@ -198,3 +198,33 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_any_path_the_masks_allow_is_a_reply_the_schema_accepts(served):
+    """Whatever a model picks among the tokens a mask allows (here: at random, every other pick a single byte where
+    one is allowed), the reply parses and holds to the schema; bounded strings count characters as a JSON reader
+    does (xgrammar's "any character" lets malformed UTF-8 through, which reads back as several characters)."""
+    import random
+
+    import torch
+
+    from ember.runtime.engine.grammar import Matcher
+
+    llm = served[0].state.llm
+    grammars = Grammars(llm.tokenizer, llm.engine.runner.vocab_size, llm.engine.eos_token_ids)
+    code = {"type": "string", "minLength": 2, "maxLength": 3}
+    schema = {**ORDER, "properties": {**ORDER["properties"], "code": code}, "required": [*ORDER["required"], "code"]}
+    grammar = grammars.compile(formats.reply_format(formats.AnswerFormat("json_schema", schema), None, None))
+    shifts = torch.arange(32, dtype=torch.int32)
+    pieces = llm.tokenizer.convert_ids_to_tokens(list(range(len(llm.tokenizer))))
+    single_bytes = {token for token, piece in enumerate(pieces) if len(piece) == 1}   # byte-level BPE: one symbol
+    for seed in range(150):
+        pick, matcher, tokens = random.Random(seed), Matcher(grammar), []
+        while not matcher.ended:
+            allowed = ((matcher.allowed().unsqueeze(-1) >> shifts) & 1).view(-1).nonzero().flatten().tolist()
+            bytes_allowed = single_bytes.intersection(allowed) if pick.random() < 0.5 else None
+            tokens.append(pick.choice(sorted(bytes_allowed) if bytes_allowed else allowed))
+            matcher.advance(tokens[-1])
+            assert len(tokens) < 2000
+        assert tokens[-1] in llm.engine.eos_token_ids
+        jsonschema.validate(json.loads(llm.tokenizer.decode(tokens, skip_special_tokens=True)), schema)
