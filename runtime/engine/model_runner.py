@@ -20,6 +20,7 @@ from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .gpu_memory import AddressTaken, Arena, CudaDriverError, ParkReport, WakeReport, tensor_bytes
+from .grammar import MaskFiller
 from .models.loader import load_model, model_config, snapshot_key
 from .sampling import Draws, HostCopy, SamplingRow, draw
 from .scheduler import ScheduledBatch
@@ -136,6 +137,7 @@ class ModelRunner:
         self.start_phases["graph_capture"] = time.perf_counter() - began
         self._planned: torch.cuda.Event | None = None   # overlap: the last step's plan is on the device
         self._token_buffers: list[torch.Tensor] = []     # overlap: host buffers of sampled tokens (_host_tokens)
+        self.masks = MaskFiller(self.vocab_size)          # constrained sequences' masks, written each step
         # steps' GPU timers, in turn: a step's is read when it is collected, before the step after next launches;
         # reusing their events spares each step creating and destroying two (four calls to the driver)
         self._timers = collections.deque(_GpuTimer(self.device.type == "cuda", self.config.device_wait == "block")
@@ -334,6 +336,7 @@ class ModelRunner:
             if rows:
                 logits = self.model.compute_logits(hidden[torch.from_numpy(sample_index).to(self.device,
                                                                                            non_blocking=True)])
+        self._fill_masks(rows)   # host work while the device runs the forward pass
         draws = draw(logits, rows) if rows else None
         copy = None
         if draws is not None and self.config.overlap:
@@ -397,6 +400,12 @@ class ModelRunner:
         self._token_buffers.reverse()
         return self._token_buffers[0]
 
+    def _fill_masks(self, rows: list[SamplingRow]) -> None:
+        held = [(row, row.matcher) for row in rows if row.matcher is not None]
+        if held:
+            for (row, _), allowed in zip(held, self.masks.fill([matcher for _, matcher in held])):
+                row.allowed = allowed
+
     def _sampling_rows(self, seqs: list, eos_token_ids: set[int]) -> list[SamplingRow]:
         return [seq.sampling_row or self._sampling_row(seq, eos_token_ids) for seq in seqs]
 
@@ -405,10 +414,11 @@ class ModelRunner:
         changes again."""
         p = seq.params
         if seq.matcher is not None:
-            # a format decides when the output may end: min_tokens bans no stop token, which may be all it allows
+            # a format decides when the output may end: min_tokens bans no stop token, which may be all it allows;
+            # its mask is written once the step's forward pass is queued (_fill_masks)
             return SamplingRow(p, seq.prompt_token_ids if p.has_penalties else [],
                                seq.output_token_ids if p.has_penalties else [], seq.generator, [],
-                               seq.matcher.allowed())
+                               matcher=seq.matcher)
         if seq.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
             return SamplingRow(p, seq.prompt_token_ids if p.has_penalties else [],

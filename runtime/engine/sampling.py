@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grammar import Grammar, mask_logits
+from .grammar import Grammar, Matcher, mask_logits
 
 INT32_MAX = 2**31 - 1
 LOGIT_BIAS_MAX_TOKENS = 300   # as OpenAI's API allows
@@ -77,13 +77,15 @@ class SamplingRow:
     generator: torch.Generator | None
     banned_token_ids: list[int]        # EOS/stop tokens while fewer than min_tokens were generated
     allowed: torch.Tensor | None = None   # a format's bitmask of the tokens it allows next (grammar.Matcher)
+    # the sequence's place in its format, whose mask the runner writes into `allowed` once the forward is queued
+    matcher: Matcher | None = None
     # greedy with nothing to adjust or report: a batch of such rows is one argmax
     plain: bool = field(init=False)
 
     def __post_init__(self):
         p = self.params
         self.plain = (p.temperature == 0 and not p.has_penalties and not self.banned_token_ids
-                      and p.logprobs is None and not p.logit_bias and self.allowed is None)
+                      and p.logprobs is None and not p.logit_bias and self.allowed is None and self.matcher is None)
 
 
 @dataclass

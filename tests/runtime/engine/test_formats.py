@@ -228,3 +228,26 @@ def test_any_path_the_masks_allow_is_a_reply_the_schema_accepts(served):
             assert len(tokens) < 2000
         assert tokens[-1] in llm.engine.eos_token_ids
         jsonschema.validate(json.loads(llm.tokenizer.decode(tokens, skip_special_tokens=True)), schema)
+
+
+def test_a_steps_masks_written_together_equal_each_written_alone(served):
+    """MaskFiller writes several sequences' masks in one call, on several threads, into a buffer it grows: each row
+    is the mask that sequence's matcher writes alone."""
+    import torch
+
+    from ember.runtime.engine.grammar import MaskFiller, Matcher
+
+    llm = served[0].state.llm
+    vocab = llm.engine.runner.vocab_size
+    grammar = Grammars(llm.tokenizer, vocab, llm.engine.eos_token_ids).compile(
+        formats.reply_format(formats.AnswerFormat("json_schema", ORDER), None, None))
+    matchers = [Matcher(grammar) for _ in range(5)]
+    for i, matcher in enumerate(matchers):   # each at its own place: '{"item": "milk", "count": 1...'
+        for token in llm.tokenizer.encode('{"item": "milk", "count": 1, "paid": true, "note": "ab"'[:12 * i]):
+            assert not matcher.advance(token)
+    alone = [matcher.allowed().clone() for matcher in matchers]
+    assert len({tuple(row.tolist()) for row in alone}) == 5
+    filler = MaskFiller(vocab)
+    for group in (matchers[:2], matchers[::-1], matchers[3:4]):
+        together = filler.fill(group)
+        assert all(torch.equal(row, alone[matchers.index(m)]) for row, m in zip(together, group, strict=True))
