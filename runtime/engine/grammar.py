@@ -14,6 +14,7 @@ next one launches, as with penalties.
 xgrammar is imported on the first constrained request (about 1.4 s, most of it transformers' own import), never on a
 replica's start path.
 """
+import functools
 import json
 import logging
 import os
@@ -69,7 +70,7 @@ class Grammars:
         compiler = self._ready()
         text = json.dumps(tag, ensure_ascii=False)   # key order kept: a schema's properties are written in it
         try:
-            compiled = compiler.compile_structural_tag(text)
+            compiled = compiler.compile_structural_tag(json.dumps(_strict_strings(tag), ensure_ascii=False))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError or its own for a bad format
             raise FormatError(_first_line(e)) from None
         return Grammar(compiled, self.vocab_size, text)
@@ -85,6 +86,33 @@ class Grammars:
                                                           stop_token_ids=self.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_limit_bytes=CACHE_BYTES)
             return self._compiler
+
+
+# xgrammar (0.2.9) writes a string of bounded length (minLength, maxLength) as repeats of any character but quote,
+# backslash and line breaks: other control characters pass raw, which is not JSON (a strict parser refuses the
+# reply). Its other strings leave out every control character, as this does.
+LOOSE_CHARACTER, STRICT_CHARACTER = '[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\]'
+
+
+def _strict_strings(node: Any) -> Any:
+    """`node` (part of a structural tag) with each JSON schema in it given as the grammar xgrammar makes of it, its
+    bounded strings' characters those a JSON string holds unescaped. Such a string holds no escapes (no quote,
+    backslash or line break), as in xgrammar. Compiles cost what the schema's would: the repeat stays one rule."""
+    if isinstance(node, list):
+        return [_strict_strings(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        return {"type": "grammar", "grammar": _schema_grammar(json.dumps(node["json_schema"], ensure_ascii=False),
+                                                              node.get("max_whitespace_cnt"))}
+    return {key: _strict_strings(value) for key, value in node.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_grammar(schema: str, max_whitespace: int | None) -> str:
+    import xgrammar as xgr
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=max_whitespace))
+    return grammar.replace(LOOSE_CHARACTER, STRICT_CHARACTER)
 
 
 class Matcher:

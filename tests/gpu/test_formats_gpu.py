@@ -3,6 +3,7 @@ from CUDA graphs with overlap scheduling, beside free-text requests. Run on the 
     python -m pytest tests/gpu/test_formats_gpu.py -m gpu -s
 """
 import json
+import re
 import time
 
 import jsonschema
@@ -59,5 +60,8 @@ def test_formats_hold_in_graph_steps_beside_free_requests(tmp_path, home_with_ke
     assert all(len(tokens) == 96 for tokens in mixed[:48])
     for tokens in mixed[48:]:
         assert tokens[-1] in engine.eos_token_ids   # ended by the format, not by max_tokens
-        jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)), ORDER)
+        reply = json.loads(tokenizer.decode(tokens, skip_special_tokens=True))
+        # a malformed UTF-8 sequence (a random model writes them) is one character to xgrammar, one per byte read back
+        reply["note"] = re.sub("\ufffd+", "\ufffd", reply["note"])
+        jsonschema.validate(reply, ORDER)
     engine.runner.close()

@@ -81,44 +81,7 @@ def reply_format(answer: AnswerFormat | None, forcing: ToolForcing | None, shape
 
 
 def _json(schema: Any) -> dict:
-    return {"type": "json_schema", "json_schema": _bounded_strings(schema), "max_whitespace_cnt": MAX_WHITESPACE}
-
-
-# Values in a schema that are data, not schemas: left as they are; and maps whose every value is a schema, whatever
-# its name (a property may be called "default")
-DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
-# A character a JSON string holds unescaped, as one well-formed UTF-8 sequence: printable ASCII but quote and
-# backslash, then every code point past it but the surrogates. Written as ranges of code points, not as "any
-# character": xgrammar (0.2.9) matches "any character" loosely, letting overlong and surrogate byte sequences through,
-# which a decoder turns into several replacement characters (a string of 4 read back as 7).
-PLAIN_CHARACTER = "[ !#-\\[\\]-~\u0080-\ud7ff\ue000-\uffff\U00010000-\U0010ffff]"
-
-
-def _bounded_strings(schema: Any) -> Any:
-    """`schema` with each string of bounded length (minLength, maxLength) given the same bound as a pattern.
-    xgrammar (0.2.9) writes such a string as any characters but quote, backslash and line breaks: other control
-    characters pass raw, which is not JSON (a strict parser refuses the reply). Under the pattern it writes only
-    characters that need no escape (so such a string holds no escapes: no line breaks, quotes or backslashes)."""
-    if isinstance(schema, list):
-        return [_bounded_strings(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: value if key in DATA_KEYWORDS else _bounded_strings(value) for key, value in schema.items()}
-    for key in SCHEMA_MAPS.intersection(out):
-        if isinstance(schema[key], dict):
-            out[key] = {name: _bounded_strings(value) for name, value in schema[key].items()}
-    bounds = (out.get("minLength"), out.get("maxLength"))
-    if (out.get("type") == "string" and any(isinstance(b, int) for b in bounds) and "pattern" not in out
-            and "format" not in out):
-        low = bounds[0] if isinstance(bounds[0], int) else 0
-        high = bounds[1] if isinstance(bounds[1], int) else ""
-        out["pattern"] = f"^{PLAIN_CHARACTER}{{{low},{high}}}$"   # in place of the bounds: xgrammar warns of both
-        out.pop("minLength", None)
-        out.pop("maxLength", None)
-    return out
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
 
 
 def _call(function: dict) -> dict:
