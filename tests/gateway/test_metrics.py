@@ -74,10 +74,13 @@ def test_metrics_after_a_known_chat_workload(serve):
     assert value(page, "ember_requests_total", **CHAT, code="200") == 5
     assert value(page, "ember_requests_total", **CHAT, code="429") == 1
     durations = check_histogram(page, "ember_request_duration_seconds", 5, **CHAT, code="200")
-    cold_ms = value(page, "ember_cold_start_seconds_sum", **CHAT, tier=tier)
-    assert cold_ms > 1.0  # the first call waited for the model to load
-    assert dict(durations)[1.0] <= 4  # so it is past the 1 s bucket; the other four are quick on a tiny model
-    assert value(page, "ember_request_duration_seconds_sum", **CHAT, code="200") >= cold_ms
+    # the first call waited for the replica's start (a few tenths of a second to seconds for the tiny model, by
+    # tier and machine), so its duration is past every bucket under that wait
+    cold = value(page, "ember_cold_start_seconds_sum", **CHAT, tier=tier)
+    assert cold > 0.05
+    under = [n for le, n in durations if le < cold]
+    assert not under or under[-1] <= 4
+    assert value(page, "ember_request_duration_seconds_sum", **CHAT, code="200") >= cold
     check_histogram(page, "ember_request_duration_seconds", 1, **CHAT, code="429")
     waits = check_histogram(page, "ember_queue_wait_seconds", 5, **CHAT)  # the refused call never queued
     assert dict(waits)[0.001] == 4  # only the first call waited, for the start
