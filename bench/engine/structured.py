@@ -9,12 +9,13 @@ trained here, in about a minute, on this Python installation's own text: a mask'
 (xgrammar sorts every token into those the format allows next), and the tiny tokenizer's thousand tokens would
 hide it. Per shape:
   - compile: the schema's first compile (with the vocabulary's one-time preprocessing) and a second schema's;
-  - masks: host milliseconds to write the masks of 16 and 64 sequences held at different places of a reply, row
-    after row (one matcher at a time) and together (MaskFiller, over several host threads);
+  - masks: host milliseconds to write the masks of 16, 32 and 64 sequences held at different places of a reply,
+    row after row (one matcher at a time) and together (xgrammar's batch matcher over MaskFiller's threads);
   - decode, --requests requests of 128-token prompts, sampled at temperature 1 (seeded):
       held        every request held to the schema; each reply's length is kept for the runs below;
-      held-early  the same, with the masks written row after row before the forward pass is queued (as the engine
-                  did before MaskFiller): what writing them beside the device saves;
+      held-early  the same, as the engine ran them before: a step with a held row launched only once the step
+                  before it was collected (no overlap scheduling), its masks written row after row before its
+                  forward pass was queued; what writing them beside the device saves;
       free        the same requests with the same output lengths (ignore_eos), no format: the engine's own limit;
       mixed       all but --held requests free, --held held, the same lengths; its free requests lose overlap
                   scheduling while a held one shares their steps;
@@ -150,7 +151,7 @@ def mask_fill_times(grammar, vocab_size: int, rows: int) -> dict:
                 break
         if not matcher.ended:
             matchers.append(matcher)
-    filler = MaskFiller(vocab_size)
+    filler = MaskFiller(vocab_size, threaded_rows=2)   # always together
     alone, together = [], []
     for _ in range(20):
         began = time.perf_counter()
@@ -165,7 +166,12 @@ def mask_fill_times(grammar, vocab_size: int, rows: int) -> dict:
 
 
 def masks_before_launch(runner) -> None:
-    """The engine as it was: each held row's mask written, row after row, before the step's forward is queued."""
+    """The engine as it was: a step with a held row launched only once the step before it was collected (no
+    overlap), each held row's mask written, row after row, before the step's forward pass is queued."""
+    from ember.runtime.engine import engine
+
+    needs_host_tokens = engine._needs_host_tokens
+    engine._needs_host_tokens = lambda seq: needs_host_tokens(seq) or seq.matcher is not None
     rows_of = runner._sampling_rows
 
     def early(seqs, eos_token_ids):
@@ -220,7 +226,7 @@ def measure(shape: str, args, workdir: Path, tokenizer) -> dict:
     grammar = compiled.pop("grammar")
     row: dict = {"name": f"Qwen3-{shape} shape (random weights)", "vocabulary": len(tokenizer),
                  "fill_threads": FILL_THREADS, "compile": compiled,
-                 "masks": [mask_fill_times(grammar, eng.runner.vocab_size, n) for n in (16, 64)]}
+                 "masks": [mask_fill_times(grammar, eng.runner.vocab_size, n) for n in (16, 32, 64)]}
     log(f"[{shape}] compile {compiled}; masks {row['masks']}")
     n = args.requests
     prompts = speed.random_prompts(n, 128, 128, seed=1)

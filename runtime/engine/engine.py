@@ -243,7 +243,9 @@ class LLMEngine:
         the scheduler plans N+1 as if N were done; N+1's inputs take N's tokens on the device. A sequence that stops
         at N was scheduled into N+1 too: that output is discarded. While a request needs its tokens on the host
         to sample (penalties, min_tokens, logprobs), a step is launched and collected in one call; where N+1 would
-        capture a decode graph first, N is collected alone and N+1 launched by the next call.
+        capture a decode graph first, N is collected alone and N+1 launched by the next call. Where N+1 holds a
+        sequence to a format, only its forward pass is launched before N is collected: its sampling is queued after
+        N's tokens have advanced the format, while that forward pass runs.
         """
         previous, self._in_flight = self._in_flight, None
         try:
@@ -254,10 +256,16 @@ class LLMEngine:
                 batch = self.scheduler.schedule()
                 if batch.seqs:
                     self._in_flight = self._launch(batch, previous)
-            if previous is None and self._needs_host_tokens:
-                previous, self._in_flight = self._in_flight, None
+            if previous is None:
+                self._sample(self._in_flight)   # no step before it: its held rows' masks follow from known tokens
+                if self._needs_host_tokens:
+                    previous, self._in_flight = self._in_flight, None
             run = self.runner.collect(previous.launched) if previous is not None else None
-            return batch, run, self._postprocess_launched(previous, run)
+            outputs = self._postprocess_launched(previous, run)
+            # N's tokens have advanced the formats' matchers: N+1's masks are written, and its sampling queued,
+            # while the device still runs N+1's forward pass
+            self._sample(self._in_flight)
+            return batch, run, outputs
         except BaseException:
             # the steps' tokens are lost: each sequence samples again from its last known token (the caller
             # decides whether its requests go on, as AsyncLLM aborts those of a failed step)
@@ -277,8 +285,13 @@ class LLMEngine:
         return (not self.scheduler.waiting and self.runner.capture_due(len(running))
                 and all(seq.num_computed_tokens == len(seq.token_ids) - 1 for seq in running))
 
+    def _sample(self, step: _InFlight | None) -> None:
+        if step is not None and step.launched.pending is not None:
+            self.runner.sample(step.launched)
+
     def _launch(self, batch: ScheduledBatch, previous: _InFlight | None) -> _InFlight:
-        launched = self.runner.launch(batch, self.eos_token_ids, previous.launched if previous is not None else None)
+        launched = self.runner.launch(batch, self.eos_token_ids, previous.launched if previous is not None else None,
+                                      defer_held=True)
         slots = []
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -345,11 +358,10 @@ class LLMEngine:
 
 def _needs_host_tokens(seq: Sequence) -> bool:
     """Whether sampling the sequence's next token reads its tokens on the host (so overlap waits for them):
-    penalties count them, a min_tokens ban ends with them, logprobs are read with them, a format's next mask follows
-    from them."""
+    penalties count them, a min_tokens ban ends with them, logprobs are read with them. (A format's next mask
+    follows from them too: its step's forward pass is launched before they are known, and its sampling after.)"""
     p = seq.params
-    return (p.has_penalties or p.logprobs is not None or seq.num_output_tokens < p.min_tokens
-            or seq.matcher is not None)
+    return p.has_penalties or p.logprobs is not None or seq.num_output_tokens < p.min_tokens
 
 
 def _eos_token_ids(model_dir: str, hf_config) -> set[int]:

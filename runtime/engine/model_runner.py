@@ -47,6 +47,8 @@ class Launched:
     prepared: float                    # once the inputs were on their way and attention was planned
     queued: float                      # once the forward pass and sampling were queued (on CPU: done)
     graph_batch_size: int | None
+    # the step's logits and sampling rows while its sampling waits for its held rows' masks (ModelRunner.sample)
+    pending: "tuple[torch.Tensor, list[SamplingRow]] | None" = None
 
 
 @dataclass
@@ -296,10 +298,13 @@ class ModelRunner:
         return self.collect(self.launch(batch, eos_token_ids))
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, eos_token_ids: set[int], previous: "Launched | None" = None) -> "Launched":
+    def launch(self, batch: ScheduledBatch, eos_token_ids: set[int], previous: "Launched | None" = None,
+               defer_held: bool = False) -> "Launched":
         """Queue the batch's forward pass and sampling on the device (on CPU: run them) without waiting for them.
         `previous`: the step launched before, still running (overlap scheduling), whose sampled tokens the
-        batch's placeholders stand for; they go from its output into this step's inputs on the device."""
+        batch's placeholders stand for; they go from its output into this step's inputs on the device.
+        `defer_held`: where a sequence is held to a format, queue the forward pass only; `sample` queues the
+        sampling once the formats' matchers have taken the previous step's tokens (their masks follow from them)."""
         began = time.perf_counter()
         inputs = step_inputs(batch, self.block_size)
         sample_index = inputs.sample_index
@@ -336,16 +341,29 @@ class ModelRunner:
             if rows:
                 logits = self.model.compute_logits(hidden[torch.from_numpy(sample_index).to(self.device,
                                                                                            non_blocking=True)])
-        self._fill_masks(rows)   # host work while the device runs the forward pass
-        draws = draw(logits, rows) if rows else None
-        copy = None
+        launched = Launched(len(seqs), inputs.sampled, inputs.samples_all, None, None, timer, began, blocked, prepared,
+                            0.0, graph_size, (logits, rows) if rows else None)
+        if not (defer_held and any(row.matcher is not None for row in rows)):
+            self.sample(launched)
+        launched.queued = time.perf_counter()
+        return launched
+
+    @torch.inference_mode()
+    def sample(self, launched: "Launched") -> None:
+        """Queue the sampling of a launched step (done by `launch` unless it deferred it)."""
+        pending, launched.pending = launched.pending, None
+        draws = None
+        if pending is not None:
+            logits, rows = pending
+            self._fill_masks(rows)   # host work while the device runs the forward pass
+            draws = draw(logits, rows)
+        timer = launched.timer
         if draws is not None and self.config.overlap:
             # the timer's end event also marks the tokens' copy (one event recorded, none made)
-            copy = draws.copy_to_host(self._host_tokens(), done=timer.end if timer.enabled else None)
+            launched.copy = draws.copy_to_host(self._host_tokens(), done=timer.end if timer.enabled else None)
         else:
             timer.stop()
-        return Launched(len(seqs), inputs.sampled, inputs.samples_all, draws, copy, timer, began, blocked, prepared,
-                        time.perf_counter(), graph_size)
+        launched.draws = draws
 
     def collect(self, launched: "Launched") -> RunOutput:
         """Wait for a launched step's sampled tokens (the step's one synchronisation) and bring them to the host."""
@@ -401,7 +419,8 @@ class ModelRunner:
         return self._token_buffers[0]
 
     def _fill_masks(self, rows: list[SamplingRow]) -> None:
-        held = [(row, row.matcher) for row in rows if row.matcher is not None]
+        # a format that ended at the step before (the sequence stopped; this step's token is discarded) has no mask
+        held = [(row, row.matcher) for row in rows if row.matcher is not None and not row.matcher.ended]
         if held:
             for (row, _), allowed in zip(held, self.masks.fill([matcher for _, matcher in held])):
                 row.allowed = allowed

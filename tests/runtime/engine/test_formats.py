@@ -147,9 +147,9 @@ def test_a_text_format_is_free_text(client):
 
 
 def test_held_and_free_requests_share_steps_and_neither_changes_the_other(served):
-    """In one engine, free-text requests' greedy tokens are those they get alone (overlap scheduling on), while a
-    held request beside them runs its steps without overlap; neither min_tokens nor ignore_eos keeps a finished
-    format going."""
+    """In one engine, free-text requests' greedy tokens are those they get alone, and held requests beside them keep
+    to their formats, with overlap scheduling on: a step's forward pass is launched before the step before it is
+    collected, its masks written after. Neither min_tokens nor ignore_eos keeps a finished format going."""
     llm = served[0].state.llm
     engine = LLMEngine(EngineConfig(model=llm.engine.config.model, max_num_seqs=16, overlap=True))
     tokenizer = AutoTokenizer.from_pretrained(llm.engine.config.model)
@@ -159,11 +159,16 @@ def test_held_and_free_requests_share_steps_and_neither_changes_the_other(served
     prompts = [tokenizer.encode(text) for text in ("Hello there", "The weather today", "Numbers like")]
     free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     alone = engine.generate(prompts, free)
+    launches, overlapped = [], []   # each collect: whether a later step was launched before it
+    launch, collect = engine.runner.launch, engine.runner.collect
+    engine.runner.launch = lambda *args, **kwargs: launches.append(launch(*args, **kwargs)) or launches[-1]
+    engine.runner.collect = lambda launched: overlapped.append(launched is not launches[-1]) or collect(launched)
     mixed = engine.generate(prompts * 2, [free] * 3 + [
         SamplingParams(max_tokens=600, temperature=1.0, seed=5, grammar=order),
         SamplingParams(max_tokens=600, temperature=0.0, min_tokens=50, grammar=choice),
         SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True, grammar=choice)])
     assert mixed[:3] == alone
+    assert sum(overlapped) > 0.8 * len(overlapped)   # all but the first steps and the last
     jsonschema.validate(json.loads(tokenizer.decode(mixed[3], skip_special_tokens=True)), ORDER)
     assert tokenizer.decode(mixed[4], skip_special_tokens=True) in ("yes", "no")
     # ignore_eos: the format's end is its stop token, and nothing comes after it
@@ -253,7 +258,7 @@ def test_a_steps_masks_written_together_equal_each_written_alone(served):
             assert not matcher.advance(token)
     alone = [matcher.allowed().clone() for matcher in matchers]
     assert len({tuple(row.tolist()) for row in alone}) == 5
-    filler = MaskFiller(vocab)
+    filler = MaskFiller(vocab, threaded_rows=2)   # threads from two rows on: one row is written alone
     for group in (matchers[:2], matchers[::-1], matchers[3:4]):
         together = filler.fill(group)
         assert all(torch.equal(row, alone[matchers.index(m)]) for row, m in zip(together, group, strict=True))

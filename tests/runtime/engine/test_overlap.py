@@ -61,7 +61,7 @@ def record_calls(eng) -> list[str]:
     """The order of the runner's launches and collects from now on."""
     calls: list[str] = []
     launch, collect = eng.runner.launch, eng.runner.collect
-    eng.runner.launch = lambda *args: calls.append("launch") or launch(*args)
+    eng.runner.launch = lambda *args, **kwargs: calls.append("launch") or launch(*args, **kwargs)
     eng.runner.collect = lambda launched: calls.append("collect") or collect(launched)
     return calls
 
@@ -86,10 +86,10 @@ def test_a_step_waiting_on_a_graph_capture_lets_the_step_in_flight_report_first(
     decoded: set[int] = set()
     launch = eng.runner.launch
 
-    def launched(batch, *args):
+    def launched(batch, *args, **kwargs):
         if all(n == 1 for n in batch.num_new_tokens):
             decoded.add(len(batch.seqs))
-        return launch(batch, *args)
+        return launch(batch, *args, **kwargs)
 
     eng.runner.launch = launched
     eng.runner.capture_due = lambda num_seqs: num_seqs not in decoded
