@@ -71,13 +71,14 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
-def build_model(shape: str, directory: Path):
-    """Save a random-weight Qwen3 of `shape` with the tiny tokenizer; return the transformers model (on the GPU)."""
+def build_model(shape: str, directory: Path, tokenizer=None):
+    """Save a random-weight Qwen3 of `shape` with `tokenizer` (by default the tiny one); return the transformers
+    model (on the GPU)."""
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     from ember.runtime.engine.tiny import train_tokenizer
 
-    tokenizer = train_tokenizer()
+    tokenizer = tokenizer or train_tokenizer()
     tokenizer.save_pretrained(directory)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = Qwen3Config(**SHAPES[shape], head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -258,34 +259,41 @@ def ember_batch1(eng, prompt: list[int], new_tokens: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def ember_offline(eng, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, dict]:
-    """Output tok/s, and where the run's time went: steps replayed from a graph or run eagerly (prefill chunks
-    and mixed steps), their GPU seconds, and the host's seconds outside the waits for the device."""
-    from ember.runtime.engine.sampling import SamplingParams
-
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+def generate_recorded(eng, prompts: list[list[int]], params) -> tuple[list[list[int]], float, list]:
+    """`eng.generate`'s outputs, its seconds, and every step's RunOutput (from the runner's collect, which each step
+    passes through, overlapped or not)."""
     runs = []
-    collect = eng.runner.collect   # every step's RunOutput comes from it, overlapped or not
+    collect = eng.runner.collect
 
     def recorded(launched):
         runs.append(collect(launched))
         return runs[-1]
 
-    # An engine that has been up: its idle loop captured every decode graph (~75 ms each on the H200), as a served
-    # replica's does within seconds of its start, and as other engines capture theirs before they serve
-    began = time.perf_counter()
-    while eng.capture_idle():
-        pass
-    captured_before = time.perf_counter() - began
     eng.runner.collect = recorded
-    graphs = eng.runner.graphs
-    captured = graphs.capture_seconds if graphs else 0.0
     try:
         began = time.perf_counter()
         outputs = eng.generate(prompts, params)
         elapsed = time.perf_counter() - began
     finally:
         del eng.runner.collect
+    return outputs, elapsed, runs
+
+
+def ember_offline(eng, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, dict]:
+    """Output tok/s, and where the run's time went: steps replayed from a graph or run eagerly (prefill chunks
+    and mixed steps), their GPU seconds, and the host's seconds outside the waits for the device."""
+    from ember.runtime.engine.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    # An engine that has been up: its idle loop captured every decode graph (~75 ms each on the H200), as a served
+    # replica's does within seconds of its start, and as other engines capture theirs before they serve
+    began = time.perf_counter()
+    while eng.capture_idle():
+        pass
+    captured_before = time.perf_counter() - began
+    graphs = eng.runner.graphs
+    captured = graphs.capture_seconds if graphs else 0.0
+    outputs, elapsed, runs = generate_recorded(eng, prompts, params)
     assert [len(o) for o in outputs] == output_lens
     graphed = [r for r in runs if r.graph_batch_size is not None]
     eager = [r for r in runs if r.graph_batch_size is None]

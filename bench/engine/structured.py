@@ -106,24 +106,11 @@ def train_large_tokenizer(directory: Path):
 
 def build_model(shape: str, directory: Path, tokenizer) -> None:
     import speed
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    if (directory / "config.json").is_file():
-        return
-    tokenizer.save_pretrained(directory)
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen3Config(**speed.SHAPES[shape], head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                         rope_theta=1000000, rms_norm_eps=1e-6, eos_token_id=eos, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).eval()
-    torch.set_default_dtype(torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=0, bos_token_id=None)
-    model.save_pretrained(directory)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    if not (directory / "config.json").is_file():
+        speed.build_model(shape, directory, tokenizer)   # the model it returns is dropped here
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def compile_times(grammars, formats) -> dict:
@@ -186,20 +173,9 @@ def masks_before_launch(runner) -> None:
 
 def decode_run(eng, prompts: list[list[int]], params: list) -> tuple[list[list[int]], dict]:
     """Generate; output tok/s and the per-step split of wall, device and host time."""
-    runs = []
-    collect = eng.runner.collect
+    import speed
 
-    def recorded(launched):
-        runs.append(collect(launched))
-        return runs[-1]
-
-    eng.runner.collect = recorded
-    try:
-        began = time.perf_counter()
-        outputs = eng.generate(prompts, params)
-        elapsed = time.perf_counter() - began
-    finally:
-        del eng.runner.collect
+    outputs, elapsed, runs = speed.generate_recorded(eng, prompts, params)
     tokens = sum(map(len, outputs))
     device = sum(r.gpu_seconds or 0.0 for r in runs)
     waited = sum(r.wait_seconds for r in runs)

@@ -17,19 +17,13 @@ from ember.runtime.engine.grammar import Grammars
 from ember.runtime.engine.sampling import SamplingParams
 from ember.runtime.engine.serving import formats
 from ember.runtime.engine.tiny import build_tiny_model
+from tests.runtime.engine.helpers import ORDER
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # flashinfer's common case (head_dim 128), with the tiny tokenizer and a vocabulary past it, as real models pad theirs
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, head_dim=128, vocab_size=8192, max_position_embeddings=4096)
-ORDER = {"type": "object", "properties": {
-    "item": {"enum": ["apple", "bread", "milk"]},
-    "count": {"type": "integer", "minimum": 1, "maximum": 12},
-    "paid": {"type": "boolean"},
-    "note": {"type": "string", "maxLength": 4},
-    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-}, "required": ["item", "count", "paid", "note", "tags"], "additionalProperties": False}
 
 
 def test_formats_hold_in_graph_steps_beside_free_requests(tmp_path, home_with_kept_kernels):

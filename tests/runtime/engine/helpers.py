@@ -1,10 +1,21 @@
-"""Shared by the engine's API tests: the app behind a real uvicorn socket, waiting for an idle engine, and the one
-stand-in: the engine's output text replaced by a model's reply that random weights never write."""
+"""Shared by the engine's API tests: the app behind a real uvicorn socket, waiting for an idle engine, the one
+stand-in: the engine's output text replaced by a model's reply that random weights never write, and a JSON schema
+for structured outputs."""
 import contextlib
 import socket
 import threading
 import time
 from collections.abc import Iterator
+
+# A reply format whose every value is of bounded size: a random model inside an unbounded string would rarely close it
+# before max_tokens
+ORDER = {"type": "object", "properties": {
+    "item": {"enum": ["apple", "bread", "milk"]},
+    "count": {"type": "integer", "minimum": 1, "maximum": 12},
+    "paid": {"type": "boolean"},
+    "note": {"type": "string", "maxLength": 4},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+}, "required": ["item", "count", "paid", "note", "tags"], "additionalProperties": False}
 
 
 @contextlib.contextmanager

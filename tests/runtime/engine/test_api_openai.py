@@ -14,18 +14,12 @@ HELLO = [{"role": "user", "content": "Tell me a story."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def served(tmp_path_factory):
     # A long context, so the disconnect tests' requests cannot finish before the client leaves.
     path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", max_position_embeddings=8192)
     app = create_app(EngineConfig(model=str(path), max_num_seqs=8), served_model_name=MODEL)
     with uvicorn_thread(app) as url:
         yield app, f"{url}/v1"
-
-
-@pytest.fixture
-def client(server):
-    with openai.OpenAI(base_url=server[1], api_key="unused", max_retries=0) as client:
-        yield client
 
 
 def test_models_and_chat(client):
@@ -74,8 +68,8 @@ def test_errors_map_to_the_clients_exception_types(client):
     assert chatty.value.param == "messages" and "at most 10000 items" in str(chatty.value)
 
 
-def test_disconnecting_mid_stream_aborts_and_frees_kv_blocks(server, client):
-    engine = server[0].state.llm.engine
+def test_disconnecting_mid_stream_aborts_and_frees_kv_blocks(served, client):
+    engine = served[0].state.llm.engine
     wait_until_idle(engine)  # an earlier stop-string request's abort may still be in flight
     aborted = engine.stats.request_success["abort"]
     stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8000, stream=True,
@@ -88,8 +82,8 @@ def test_disconnecting_mid_stream_aborts_and_frees_kv_blocks(server, client):
     assert engine.stats.request_success["abort"] == aborted + 1
 
 
-def test_disconnecting_before_a_non_streaming_reply_aborts_it(server):
-    app, base_url = server
+def test_disconnecting_before_a_non_streaming_reply_aborts_it(served):
+    app, base_url = served
     engine = app.state.llm.engine
     wait_until_idle(engine)  # an earlier stop-string request's abort may still be in flight
     aborted = engine.stats.request_success["abort"]
@@ -110,8 +104,8 @@ def test_logprobs_and_streamed_completions_parse_in_the_client(client):
     assert "".join(c.choices[0].text for c in parts) == whole.choices[0].text
 
 
-def test_disconnecting_from_a_batched_stream_aborts_every_prompt(server, client):
-    engine = server[0].state.llm.engine
+def test_disconnecting_from_a_batched_stream_aborts_every_prompt(served, client):
+    engine = served[0].state.llm.engine
     wait_until_idle(engine)  # an earlier stop-string request's abort may still be in flight
     aborted = engine.stats.request_success["abort"]
     stream = client.completions.create(model=MODEL, prompt=["Once upon a time", "Hello"], n=2, max_tokens=8000,

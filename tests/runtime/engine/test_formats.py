@@ -8,7 +8,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from transformers import AutoTokenizer
 
@@ -21,16 +20,8 @@ from ember.runtime.engine.serving import formats
 from ember.runtime.engine.serving.reasoning import ReplyShape
 from ember.runtime.engine.tiny import build_tiny_model
 
-from .helpers import uvicorn_thread, wait_until_idle
+from .helpers import ORDER, uvicorn_thread, wait_until_idle
 
-# Every value of bounded size: a random model inside an unbounded string would rarely close it before max_tokens
-ORDER = {"type": "object", "properties": {
-    "item": {"enum": ["apple", "bread", "milk"]},
-    "count": {"type": "integer", "minimum": 1, "maximum": 12},
-    "paid": {"type": "boolean"},
-    "note": {"type": "string", "maxLength": 4},
-    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-}, "required": ["item", "count", "paid", "note", "tags"], "additionalProperties": False}
 HELLO = [{"role": "user", "content": "Order something."}]
 
 
@@ -40,12 +31,6 @@ def served(tmp_path_factory):
     app = create_app(EngineConfig(model=str(path), max_num_seqs=16), served_model_name="tiny")
     with uvicorn_thread(app) as url:
         yield app, f"{url}/v1"
-
-
-@pytest.fixture
-def client(served):
-    with openai.OpenAI(base_url=served[1], api_key="unused", max_retries=0) as client:
-        yield client
 
 
 def schema_format(schema: dict) -> dict:

@@ -34,12 +34,6 @@ def served(tmp_path_factory):
         yield app, f"{url}/v1"
 
 
-@pytest.fixture
-def client(served):
-    with openai.OpenAI(base_url=served[1], api_key="unused", max_retries=0) as client:
-        yield client
-
-
 def test_a_response_is_the_chat_reply_to_the_same_conversation(client):
     chat = client.chat.completions.create(
         model="tiny", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": STORY}],

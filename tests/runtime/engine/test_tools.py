@@ -87,12 +87,6 @@ def served(tmp_path_factory):
         yield app, f"{url}/v1", create_app(EngineConfig(model=str(plain), max_num_seqs=8), served_model_name="tiny")
 
 
-@pytest.fixture
-def client(served):
-    with openai.OpenAI(base_url=served[1], api_key="unused", max_retries=0) as client:
-        yield client
-
-
 def forced(app, text: str) -> dict:
     """A logit_bias that makes the tiny model write `text`'s first token over and over: text that is no call."""
     tokenizer = app.state.llm.tokenizer
