@@ -5,14 +5,14 @@ A format is written in xgrammar's structural-tag language (serving/formats.py bu
 `Grammars` compiles it against this model's vocabulary, once per distinct format (xgrammar caches it), in the
 caller's thread: the server compiles off its event loop. Each constrained sequence gets its own `Matcher`. Before a
 step samples the sequence, the matcher writes the tokens the format allows next into a bitmask; the sampler sets
-every other token's logit to -inf. A step's masks are written together (`MaskFiller`: one call, several host
-threads) once its forward pass is queued on the device, so that host work runs beside the device's. After the step
-the sampled token advances the matcher, and a format that is complete ends the sequence ("stop"). Its next mask
-needs its last token on the host, so with overlap scheduling a constrained sequence's steps are collected before the
-next one launches, as with penalties.
+every other token's logit to -inf. After the step the sampled token advances the matcher, and a format that is
+complete ends the sequence ("stop"). A mask follows from the step before's token, so with overlap scheduling a step
+that holds a sequence launches its forward pass before that token is on the host, and its sampling once the token has
+advanced the matcher (engine.py `_overlap_step`); the step's masks are written meanwhile, while the forward pass runs
+(`MaskFiller`: from THREADED_ROWS rows, one call over several host threads).
 
 xgrammar is imported on the first constrained request (about 1.4 s, most of it transformers' own import), never on a
-replica's start path.
+replica's start path; the first compile then reads the vocabulary (0.6-1 s for 152k tokens on the H200 machine).
 """
 import functools
 import json
