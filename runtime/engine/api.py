@@ -36,10 +36,11 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
-def create_app(engine_or_config, served_model_name: str | None = None) -> FastAPI:
-    """An OpenAI-compatible app over an `AsyncLLM`, an `LLMEngine` or an `EngineConfig`."""
+def create_app(engine_or_config, served_model_name: str | None = None, warm_formats: bool | None = None) -> FastAPI:
+    """An OpenAI-compatible app over an `AsyncLLM`, an `LLMEngine` or an `EngineConfig`; `warm_formats` as in
+    OpenAIServer."""
     llm = _async_llm(engine_or_config)
-    server = OpenAIServer(llm, served_model_name or llm.engine.model_name)
+    server = OpenAIServer(llm, served_model_name or llm.engine.model_name, warm_formats)
     responses_api = ResponsesAPI(server)
 
     @contextlib.asynccontextmanager
@@ -49,7 +50,7 @@ def create_app(engine_or_config, served_model_name: str | None = None) -> FastAP
 
     app = FastAPI(title="Ember OpenAI-compatible API", docs_url=None, redoc_url=None, lifespan=lifespan,
                   **tracing.fastapi_options())
-    app.state.llm = llm
+    app.state.llm, app.state.openai = llm, server
 
     openai_errors(app)
 

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -118,6 +118,7 @@ class AsyncLLM:
         self._routes: dict[str, _Route] = {}  # touched only by the loop thread
         self._closed = False
         self._idle_capture_failed = False
+        self._idle_tasks: queue.SimpleQueue = queue.SimpleQueue()   # when_idle's, not started yet
         self._busy_at = time.monotonic()  # when the engine last had work (its start counts)
         self.owns_engine = False  # made by from_config: a shutdown frees its device memory
         self._thread = threading.Thread(target=self._run, name="ember-engine-loop", daemon=True)
@@ -233,6 +234,7 @@ class AsyncLLM:
                             wait = None
                             if self._capture_idle():
                                 continue  # one graph captured; look for requests before the next
+                            self._start_idle_tasks()
                     self._wakeup.wait(wait)
                     self._wakeup.clear()
                     continue
@@ -258,6 +260,18 @@ class AsyncLLM:
             _post(route.inbox.loop, route.inbox.put, error)
         self._routes.clear()
         self._drain_commands(dead=error)
+
+    def when_idle(self, task: Callable[[], None]) -> None:
+        """Run `task` once, in a thread of its own, once the engine has been idle IDLE_CAPTURE_AFTER seconds with no
+        CUDA graph left to capture: host work a replica can do ahead of the request that would otherwise wait for
+        it, off its start path. A task that fails is logged."""
+        self._idle_tasks.put(task)
+        self._wakeup.set()
+
+    def _start_idle_tasks(self) -> None:
+        while not self._idle_tasks.empty():
+            threading.Thread(target=_logged, args=(self._idle_tasks.get_nowait(),), name="ember-idle-task",
+                             daemon=True).start()
 
     def _capture_idle(self) -> bool:
         """Use idle time to capture a CUDA graph the engine lacks; a failed capture only leaves that size eager."""
@@ -365,3 +379,10 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
 def _put_all(batch) -> None:
     for inbox, item in batch:
         inbox.put(item)
+
+
+def _logged(task: Callable[[], None]) -> None:
+    try:
+        task()
+    except Exception:  # noqa: BLE001 - the replica serves on; the work is done when a request needs it
+        log.exception("an idle-time task failed: %s", getattr(task, "__qualname__", task))

@@ -33,12 +33,16 @@ json_text = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(o, ensure
 
 
 class OpenAIServer:
-    def __init__(self, llm: AsyncLLM, model_name: str):
+    def __init__(self, llm: AsyncLLM, model_name: str, warm_formats: bool | None = None):
+        """`warm_formats`: make constrained decoding ready once the engine idles after its start, not at the first
+        constrained request (Grammars.warm); None: on a GPU, where the host has cores to spare for it."""
         self.llm, self.model_name, self.tokenizer = llm, model_name, llm.tokenizer
         self.created = int(time.time())
         self.thinks = template_thinks(getattr(self.tokenizer, "chat_template", None))   # reasoning, then answer
         engine = llm.engine
         self.grammars = grammar.Grammars(self.tokenizer, engine.runner.vocab_size, engine.eos_token_ids)
+        if warm_formats if warm_formats is not None else engine.runner.device.type == "cuda":
+            llm.when_idle(self.grammars.warm)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ember",

@@ -247,3 +247,22 @@ def test_a_steps_masks_written_together_equal_each_written_alone(served):
     for group in (matchers[:2], matchers[::-1], matchers[3:4]):
         together = filler.fill(group)
         assert all(torch.equal(row, alone[matchers.index(m)]) for row, m in zip(together, group, strict=True))
+
+
+def test_a_server_that_warms_formats_is_ready_before_its_first_constrained_request(served):
+    """With warm_formats (a GPU replica's default), the engine's first idle moment after its start reads the
+    vocabulary for constrained decoding in a thread of its own; without, nothing is read before a request asks."""
+    import time
+
+    config = EngineConfig(model=served[0].state.llm.engine.config.model, max_num_seqs=4)
+    warm = create_app(config, served_model_name="tiny", warm_formats=True)
+    cold = create_app(config, served_model_name="tiny", warm_formats=False)
+    try:
+        deadline = time.monotonic() + 30
+        while warm.state.openai.grammars._compiler is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert warm.state.openai.grammars._compiler is not None
+        assert cold.state.openai.grammars._compiler is None
+    finally:
+        warm.state.llm.shutdown()
+        cold.state.llm.shutdown()
