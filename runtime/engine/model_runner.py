@@ -45,7 +45,8 @@ class Launched:
     began: float                       # perf_counter() at the launch's start
     blocked: float                     # seconds of the launch spent waiting for the device (the last plan's copies)
     prepared: float                    # once the inputs were on their way and attention was planned
-    queued: float                      # once the forward pass and sampling were queued (on CPU: done)
+    queued: float                      # once the forward pass and sampling were queued (on CPU: done); a deferred
+                                       # sampling (launch's defer_held) is queued later, by ModelRunner.sample
     graph_batch_size: int | None
     # the step's logits and sampling rows while its sampling waits for its held rows' masks (ModelRunner.sample)
     pending: "tuple[torch.Tensor, list[SamplingRow]] | None" = None
