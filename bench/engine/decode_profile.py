@@ -2,6 +2,7 @@
 
     python bench/engine/decode_profile.py --models 8B [--workdir DIR]
     python bench/engine/decode_profile.py --models 8B --batch 128 --context 768 [--streamed-decode 16] [--host]
+    python bench/engine/decode_profile.py --models 8B --prefill 8192 --context 585
 
 On a random-weight model of a Qwen3 shape (bench/engine/speed.py builds it; a model already in --workdir is
 reused) this prints, side by side:
@@ -13,6 +14,8 @@ reused) this prints, side by side:
   - torch.profiler's kernel table of a few engine steps: which kernels the GPU time goes to, and the host ops.
 With --batch N, only the last, for decode steps of N sequences of about --context tokens each, with the GPU time
 summed by kind of kernel (products, attention, the rest) against the step's floor (weights and KV read once).
+With --prefill T, only the kernel profile of prefill steps of T tokens (prompts of --context tokens each), by kind
+against the floor of their products at the product rate measured here.
 """
 import argparse
 import statistics
@@ -265,6 +268,39 @@ def by_kind(table, steps: int, floor_ms: float) -> None:
     log(f"  {'total':10s} {total:8.3f} ms  ({floor_ms / total:.0%} of the floor's speed)")
 
 
+def prefill_profile(eng, tokens: int, context: int, weight_bytes: int, flops: float, steps: int = 4) -> None:
+    """GPU time of prefill steps of `tokens` tokens (prompts of `context` tokens), by kind of kernel, against the
+    floor of the step's products at the product rate measured here (2 FLOPs a weight a token, the embedding and
+    lm_head left out: a prefill samples one row a sequence)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from ember.runtime.engine.sampling import SamplingParams
+
+    per_step = max(1, tokens // context)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def add(name: str, n: int, seed: int) -> None:
+        for i, prompt in enumerate(speed.random_prompts(n, context, context, seed=seed)):
+            eng.add_request(f"{name}-{i}", prompt, params)
+
+    add("warm", per_step, 7)
+    while eng.has_unfinished_requests():
+        eng.step()
+    add("prefill", per_step * steps, 8)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        while eng.has_unfinished_requests():
+            eng.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    log(f"--- GPU time over {steps} prefill steps of {per_step} prompts of {context} tokens, by kernel ---")
+    log(table.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+    embed = eng.runner.hf_config.vocab_size * eng.runner.hf_config.hidden_size * 2 * 2   # embedding + lm_head
+    floor_ms = 1000 * 2 * (weight_bytes - embed) / 2 * per_step * context / flops
+    log(f"product rate {flops / 1e12:.0f} TFLOPS")
+    by_kind(table, steps, floor_ms)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["8B"], choices=list(speed.SHAPES))
@@ -276,6 +312,8 @@ def main() -> None:
     parser.add_argument("--streamed-decode", type=int, metavar="N",
                         help="EngineConfig(streamed_decode_min_batch=N): graphs of N or more run the streamed kernel; "
                              "0: flashinfer's decode kernel at every batch size")
+    parser.add_argument("--prefill", type=int, metavar="TOKENS",
+                        help="only the kernel profile of prefill steps: prompts of --context tokens, TOKENS a step")
     parser.add_argument("--host", action="store_true",
                         help="with --batch: also Python's profile of the host side of the steps, by function")
     args = parser.parse_args()
@@ -288,6 +326,11 @@ def main() -> None:
         floor = 1000 * weight_bytes / bandwidth
         log(f"[{shape}] weights {weight_bytes / 1e9:.2f} GB; copy {bandwidth / 1e9:.0f} GB/s; "
             f"weight-read floor {floor:.3f} ms per step ({1000 / floor:.0f} tok/s)")
+        if args.prefill:
+            prefill_profile(eng, args.prefill, args.context, weight_bytes, speed.matmul_rate())
+            del eng
+            torch.cuda.empty_cache()
+            continue
         if args.batch > 1:
             runner = eng.runner
             kv_bytes = (args.batch * (args.context + 4) * runner.num_layers * 2 * runner.num_kv_heads

@@ -320,7 +320,8 @@ def bench_fused(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dic
 DECODE_ROWS = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
-def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dict]:
+def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
+                          rows_list: tuple[int, ...] = DECODE_ROWS) -> list[dict]:
     """Each decode product of a shape at the batch sizes a decode graph runs (cuBLAS, as the graphs of 2 rows and
     more run them), inside a CUDA graph over enough copies of the weight that none is read from L2, against its
     floor: the longer of the weight's read at the copy bandwidth and its FLOPs at the product rate measured here.
@@ -336,7 +337,7 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -
         for name, n, k in products(shape):
             copies = max(2, math.ceil((512 << 20) / (n * k * 2)))
             weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
-            for m in DECODE_ROWS:
+            for m in rows_list:
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
                 reads, flops = n * k * 2 / bandwidth, 2 * m * n * k / rate
                 floor_us = max(reads, flops) * 1e6
@@ -348,6 +349,41 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -
                     f"cuBLAS {cublas_us:7.2f} ({floor_us / cublas_us:.0%})")
             del weights
             torch.cuda.empty_cache()
+    return rows
+
+
+def bench_rope(bandwidth: float) -> list[dict]:
+    """fused.norm_rope_store_ (Qwen3-8B heads: 32 q, 8 kv, 128 wide, q/k norms) at several token counts with 1 to 8
+    heads a program, in CUDA graphs, against the read and write of q, k and v and the K/V write at the copy
+    bandwidth."""
+    from ember.runtime.engine import fused
+
+    hq, hk, d = 32, 8, 128
+    rows = []
+    chosen = fused.rope_heads_per_program
+    try:
+        for t in (1, 4, 16, 64, 128, 256, 1024, 8192):
+            qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=torch.bfloat16, device="cuda")
+            q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+            angles = torch.arange(t, device="cuda")[:, None] * torch.rand(d // 2, device="cuda")
+            emb = torch.cat((angles, angles), -1)
+            cos, sin = emb.cos().bfloat16()[:, None, :], emb.sin().bfloat16()[:, None, :]
+            w = torch.ones(d, dtype=torch.bfloat16, device="cuda")
+            blocks = -(-t // 16) + 1
+            cache = torch.zeros(blocks, 2, 16, hk, d, dtype=torch.bfloat16, device="cuda")
+            slots = torch.arange(t, device="cuda")
+            floor_us = (2 * (hq + hk) + hk + 2 * hk) * d * 2 * t / bandwidth * 1e6
+            row = {"tokens": t, "floor_us": round(floor_us, 2), "chosen_heads": chosen(t, hk)}
+            for heads in (1, 2, 4, 8):
+                fused.rope_heads_per_program = lambda tokens, kv_heads, heads=heads: heads
+                call = functools.partial(fused.norm_rope_store_, q, k, v, cos, sin, w, w, 1e-6, cache,
+                                         slots // 16, slots % 16)
+                row[f"heads_{heads}_us"] = round(in_graph([call] * 20) * 1e6, 2)
+            rows.append(row)
+            log(f"rope t={t:5d}: floor {floor_us:7.2f} us " + " ".join(
+                f"{h}:{row[f'heads_{h}_us']:.2f}" for h in (1, 2, 4, 8)) + f" (chosen {row['chosen_heads']})")
+    finally:
+        fused.rope_heads_per_program = chosen
     return rows
 
 
@@ -367,6 +403,8 @@ def main() -> None:
     parser.add_argument("--parts", default="gemv,attention,gemm")
     parser.add_argument("--gemv-shapes", nargs="+", default=["8B"], choices=list(SHAPES),
                         help="gemv: the products of these Qwen3 shapes")
+    parser.add_argument("--decode-rows", nargs="+", type=int, default=list(DECODE_ROWS),
+                        help="decode: the row counts to time each product at")
     parser.add_argument("--record", action="store_true", help="write bench/results/kernels.json")
     parser.add_argument("--fa2", action="store_true",
                         help="attention: also flashinfer's tensor-core decode on fa2 (compiles its module if missing)")
@@ -390,7 +428,9 @@ def main() -> None:
         result["attention"] = bench_attention(bandwidth, args.fa2)
         result["attention_skewed"] = bench_skewed_attention(bandwidth)
     if "decode" in parts:
-        result["decode_products"] = bench_decode_products(bandwidth, tuple(args.gemv_shapes))
+        result["decode_products"] = bench_decode_products(bandwidth, tuple(args.gemv_shapes), tuple(args.decode_rows))
+    if "rope" in parts:
+        result["rope"] = bench_rope(bandwidth)
     if "gemm" in parts:
         result["gemm"] = bench_gemm()
     log(f"done in {time.perf_counter() - began:.0f} s")

@@ -76,10 +76,24 @@ def norm_rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     t, hq, d = q.shape
     hk = k.shape[1]
     has_norm = q_weight is not None
-    _norm_rope_store_kernel[(t, hq + 2 * hk)](
+    heads = rope_heads_per_program(t, hk)
+    groups = triton.cdiv(hq, heads) + 2 * triton.cdiv(hk, heads)
+    _norm_rope_store_kernel[(t, groups)](
         q, k, v, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k, kv_cache, slot_blocks,
         slot_offsets, hq, hk, q.stride(0), k.stride(0), v.stride(0), cos.stride(0), kv_cache.stride(0),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), eps, HAS_NORM=has_norm, D=d)
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), eps, HAS_NORM=has_norm, D=d, HEADS=heads)
+
+
+def rope_heads_per_program(tokens: int, kv_heads: int) -> int:
+    """Heads per program of norm_rope_store_'s kernel. A program per head moved 128 elements and left the kernel
+    bound by its programs: on the H200 it took 15 ms of a 200 ms prefill step of 8192 tokens through the 8B shape
+    (bench/engine/decode_profile.py --prefill), and 0.5 ms of a 15 ms decode step of 256 sequences. Per layer of that
+    shape (kernel_bench.py --parts rope, in CUDA graphs), one head a program against 4 / 8: 1 token 1.8 us / 1.5 /
+    1.8, 64 tokens 4.3 / 2.4 / 2.4, 256 tokens 11.9 / 4.8 / 4.0, 8192 tokens 354 / 108 / 84 (floor 51)."""
+    return min(8 if tokens >= ROPE_WIDE_FROM else 4, triton.next_power_of_2(kv_heads))
+
+
+ROPE_WIDE_FROM = 128   # tokens from which programs take 8 heads (fewer: 4, spread wider; measured 1 to 8192 tokens)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,28 +148,40 @@ if triton is not None:
     @triton.jit
     def _norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_ptr, blocks_ptr,
                                 offsets_ptr, num_q_heads, num_kv_heads, q_stride, k_stride, v_stride, cs_stride,
-                                s_block, s_kv, s_slot, s_head, eps, HAS_NORM: tl.constexpr, D: tl.constexpr):
-        """Programs (token, head) over the q heads, then the k heads, then the v heads; heads are D apart."""
+                                s_block, s_kv, s_slot, s_head, eps, HAS_NORM: tl.constexpr, D: tl.constexpr,
+                                HEADS: tl.constexpr):
+        """Programs (token, group of HEADS heads) over the q heads, then the k heads, then the v heads; heads are
+        D apart."""
         token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
+        group = tl.program_id(1)
+        q_groups = tl.cdiv(num_q_heads, HEADS)
+        kv_groups = tl.cdiv(num_kv_heads, HEADS)
         dtype = q_ptr.dtype.element_ty
-        half = tl.arange(0, D // 2)
+        half = tl.arange(0, D // 2)[None, :]
+        rows = tl.arange(0, HEADS)[:, None]
         slot = cache_ptr + tl.load(blocks_ptr + token) * s_block + tl.load(offsets_ptr + token) * s_slot
-        if head >= num_q_heads + num_kv_heads:   # a V head: copied to its slot as it is
-            v_head = head - num_q_heads - num_kv_heads
-            src = v_ptr + token * v_stride + v_head * D
-            dst = slot + s_kv + v_head * s_head
-            tl.store(dst + half, tl.load(src + half))
-            tl.store(dst + D // 2 + half, tl.load(src + D // 2 + half))
+        if group >= q_groups + kv_groups:   # V heads: copied to their slot as they are
+            heads = (group - q_groups - kv_groups) * HEADS + rows
+            mask = heads < num_kv_heads
+            src = v_ptr + token * v_stride + heads * D
+            dst = slot + s_kv + heads * s_head
+            tl.store(dst + half, tl.load(src + half, mask=mask), mask=mask)
+            tl.store(dst + D // 2 + half, tl.load(src + D // 2 + half, mask=mask), mask=mask)
         else:
-            if head < num_q_heads:
-                base, w_ptr = q_ptr + token * q_stride + head * D, qw_ptr
+            if group < q_groups:
+                heads = group * HEADS + rows
+                mask = heads < num_q_heads
+                base = q_ptr + token * q_stride + heads * D
+                w_ptr = qw_ptr
             else:
-                base, w_ptr = k_ptr + token * k_stride + (head - num_q_heads) * D, kw_ptr
-            x1 = tl.load(base + half).to(tl.float32)
-            x2 = tl.load(base + D // 2 + half).to(tl.float32)
+                heads = (group - q_groups) * HEADS + rows
+                mask = heads < num_kv_heads
+                base = k_ptr + token * k_stride + heads * D
+                w_ptr = kw_ptr
+            x1 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(base + D // 2 + half, mask=mask, other=0.0).to(tl.float32)
             if HAS_NORM:
-                r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+                r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
                 w1 = tl.load(w_ptr + half).to(tl.float32)
                 w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)
                 x1 = _round(_round(x1 * r, dtype) * w1, dtype)
@@ -164,9 +190,9 @@ if triton is not None:
             s = tl.load(sin_ptr + token * cs_stride + half).to(tl.float32)
             out1 = (_round(x1 * c, dtype) + _round(-x2 * s, dtype)).to(dtype)
             out2 = (_round(x2 * c, dtype) + _round(x1 * s, dtype)).to(dtype)
-            tl.store(base + half, out1)
-            tl.store(base + D // 2 + half, out2)
-            if head >= num_q_heads:   # a K head: also to its slot
-                dst = slot + (head - num_q_heads) * s_head
-                tl.store(dst + half, out1)
-                tl.store(dst + D // 2 + half, out2)
+            tl.store(base + half, out1, mask=mask)
+            tl.store(base + D // 2 + half, out2, mask=mask)
+            if group >= q_groups:   # K heads: also to their slot
+                dst = slot + heads * s_head
+                tl.store(dst + half, out1, mask=mask)
+                tl.store(dst + D // 2 + half, out2, mask=mask)

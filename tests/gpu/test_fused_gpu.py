@@ -39,11 +39,14 @@ def rope_tables(t: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_norm_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v_in_their_slots(with_norm):
-    """q, k and v as the engine passes them: strided views into one [T, q + 2 kv] product."""
-    t, d = 23, 128
-    qkv = randn(t, (32 + 2 * 8) * d)
-    q, k, v = (x.view(t, -1, d) for x in qkv.split([32 * d, 8 * d, 8 * d], dim=-1))
+@pytest.mark.parametrize("t, hq, hk", [(23, 32, 8), (5, 32, 8), (300, 32, 8), (40, 16, 8), (37, 12, 2), (9, 12, 2),
+                                       (64, 40, 8), (200, 40, 8)])
+def test_norm_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v_in_their_slots(with_norm, t, hq, hk):
+    """q, k and v as the engine passes them: strided views into one [T, q + 2 kv] product; batches below and above
+    fused.ROPE_WIDE_FROM (4 heads a program, 8), head counts not a multiple of a group."""
+    d = 128
+    qkv = randn(t, (hq + 2 * hk) * d)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
     v_before = v.clone()
     cos, sin = rope_tables(t, d)
     weights = (randn(d), randn(d)) if with_norm else (None, None)
@@ -51,7 +54,7 @@ def test_norm_rope_store_rotates_q_and_k_in_place_and_stores_k_and_v_in_their_sl
     for x, w in zip((q, k), weights):
         h = fused._rms_norm_reference(x, w, 1e-6) if w is not None else x
         expected.append(fused._rope_reference(h, cos, sin))
-    cache = torch.zeros(40, 2, 16, 8, d, dtype=torch.bfloat16, device="cuda")
+    cache = torch.zeros(40, 2, 16, hk, d, dtype=torch.bfloat16, device="cuda")
     slots = torch.randperm(40 * 16, device="cuda")[:t]   # distinct slots, in no order
     blocks, offsets = slots // 16, slots % 16
     fused.norm_rope_store_(q, k, v, cos, sin, *weights, 1e-6, cache, blocks, offsets)
