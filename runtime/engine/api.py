@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from ember.runtime import tracing
 from ember.runtime.disconnect import WorkCancelled, unless_disconnected
 from ember.runtime.engine import metrics
-from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
+from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError, FormatCostError, RequestFailedError
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.serving.errors import error_response, internal_errors, openai_errors
 from ember.runtime.engine.serving.protocol import (
@@ -46,6 +46,7 @@ def create_app(engine_or_config, served_model_name: str | None = None, warm_form
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
+        server.grammars.close()   # the compile workers
         await asyncio.to_thread(llm.shutdown)
 
     app = FastAPI(title="Ember OpenAI-compatible API", docs_url=None, redoc_url=None, lifespan=lifespan,
@@ -60,6 +61,8 @@ def create_app(engine_or_config, served_model_name: str | None = None, warm_form
 
     @app.exception_handler(RequestFailedError)
     async def request_failed(request: Request, e: RequestFailedError):
+        if isinstance(e, FormatCostError):
+            return error_response(400, str(e), code="format_too_costly")
         return error_response(500, f"{e}; the engine goes on serving, retry the request", "server_error")
 
     internal_errors(app, logger)  # JSON 500s, and the connection stays open for the gateway

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ember.runtime import health, tracing
+from ember.runtime.engine import grammar
 from ember.runtime.engine.detokenizer import Detokenizer
 
 if TYPE_CHECKING:
@@ -40,6 +41,15 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed while running this request; it goes on serving the others."""
+
+
+class FormatCostError(RequestFailedError):
+    """The request's format cost too much to follow for a token (grammar.FOLLOW_SECONDS): the request's fault."""
+
+    def __init__(self):
+        super().__init__(f"following the format took over {grammar.FOLLOW_SECONDS:g} s for one token, in which the "
+                         "replica's other sequences waited: the reply ends here; simplify the format (an ambiguous "
+                         "grammar's cost grows with each token)")
 
 
 @dataclass
@@ -181,6 +191,9 @@ class AsyncLLM:
                         break
                     out = _joined(out, following[1])
                     inbox.items.popleft()
+                if out.finish_reason == grammar.FORMAT_COST:
+                    running.discard(i)
+                    raise FormatCostError()
                 detok = detokenizers[i]
                 text = detok.step(out.new_token_ids, finished=out.finished)
                 finish, stop_reason = (out.finish_reason, None) if out.finished else (None, None)

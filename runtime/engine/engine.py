@@ -13,6 +13,7 @@ from . import kernels
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .gpu_memory import ParkReport, WakeReport
+from .grammar import FORMAT_COST
 from .model_runner import Launched, ModelRunner, RunOutput
 from .observer import EngineObserver, StepRecord
 from .sampling import SamplingParams
@@ -29,7 +30,8 @@ class RequestOutput:                   # what one engine step produced for one r
     new_token_ids: list[int]           # usually 0 or 1 tokens
     new_logprobs: list[dict] | None    # per new token: {"token_id", "logprob", "top": [(token_id, logprob), ...]}
     finished: bool
-    finish_reason: str | None          # "stop" (EOS or stop token), "length" (max_tokens or context), "abort"
+    finish_reason: str | None          # "stop" (EOS or stop token), "length" (max_tokens or context), "abort",
+                                       # FORMAT_COST
     num_prompt_tokens: int
     num_cached_tokens: int             # prompt tokens served from the prefix cache
 
@@ -229,7 +231,8 @@ class LLMEngine:
             seq.token_ids.append(token)
             reason = finish_reason(seq, token, len(seq.token_ids))
             if seq.matcher is not None and seq.matcher.advance(token) and reason is None:
-                reason = "stop"   # the format is complete (with ignore_eos, say, the stop token is not one)
+                # the format is complete (with ignore_eos, say, the stop token is not one), or costs too much
+                reason = FORMAT_COST if seq.matcher.costly else "stop"
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(RequestOutput(seq.request_id, [token], [logprob] if logprob is not None else None,
@@ -320,7 +323,7 @@ class LLMEngine:
             reason = (finish_reason(seq, token, slot + 1) if token in seq.stop_ids or slot + 1 >= seq.max_len
                       else None)
             if seq.matcher is not None and seq.matcher.advance(token) and reason is None:
-                reason = "stop"   # as in _postprocess
+                reason = FORMAT_COST if seq.matcher.costly else "stop"   # as in _postprocess
             if reason is not None:
                 del seq.token_ids[slot + 1:]   # the placeholder of the step launched since: its output is discarded
                 self._finish(seq, reason)

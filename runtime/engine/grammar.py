@@ -2,8 +2,8 @@
 token.
 
 A format is written in xgrammar's structural-tag language (serving/formats.py builds it from an OpenAI request);
-`Grammars` compiles it against this model's vocabulary, once per distinct format (xgrammar caches it), in the
-caller's thread: the server compiles off its event loop. Each constrained sequence gets its own `Matcher`. Before a
+`Grammars` compiles it against this model's vocabulary, once per distinct format, in the caller's thread (the
+server compiles off its event loop). Each constrained sequence gets its own `Matcher`. Before a
 step samples the sequence, the matcher writes the tokens the format allows next into a bitmask; the sampler sets
 every other token's logit to -inf. After the step the sampled token advances the matcher, and a format that is
 complete ends the sequence ("stop"). A mask follows from the step before's token, so with overlap scheduling a step
@@ -11,36 +11,75 @@ that holds a sequence launches its forward pass before that token is on the host
 advanced the matcher (engine.py `_overlap_step`); the step's masks are written meanwhile, while the forward pass runs
 (`MaskFiller`: from THREADED_ROWS rows, one call over several host threads).
 
+A format is first compiled in a worker process (grammar_worker.py): a compile runs in C++ that no thread can stop,
+and a few KB of format can take minutes (measured on the tiny model's 1,024-token vocabulary, 2 cores: an EBNF
+grammar of 160 ambiguous rules, 6.8 KB, over 10 s; a regex of 800 alternatives 8 s; a schema's oneOf nested nine
+deep, 62 KB, 1.2 s on a 152k-token vocabulary). A compile still running after COMPILE_SECONDS is refused as the
+request's fault (400) and its worker killed; the format is remembered as refused, so sending it again costs nothing.
+One the worker compiled in time is compiled again here, where it is used (the compile is deterministic: it ends in
+about the same time, and uses the same memory, which the worker reports: over MAX_COMPILED_BYTES is refused). Reading
+it back would cost more: a typical schema's is ~5 MB of JSON on a 152k-token vocabulary (0.27 s to write, 0.1 s to
+read, where it compiles in 0.1 s), and a regex of 400 alternatives' 926 MB (63 s to write) on a 1,024-token one. A
+worker may allocate WORKER_MEMORY_BYTES: a compile that needs more fails there.
+At most COMPILE_WORKERS formats compile at once, in the workers and here; a request that finds MAX_WAITING others
+waiting for a worker is told to retry (503). Compiled formats are kept (CACHE_BYTES): a format compiles once per
+replica however many requests use it. A worker that crashes on a format costs that request a 400, not the replica.
+
 xgrammar is never imported on a replica's start path. A GPU replica imports it and reads the vocabulary (0.6-1 s for
 152k tokens on the H200 machine) once it idles after its start (`Grammars.warm`); elsewhere the first constrained
 request does (about 1.4 s more on a 2-core machine, most of it transformers' own import).
 """
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
 import os
+import select
+import subprocess
+import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-COMPILE_THREADS = 2                # per replica: compiling shares the host with the engine's step loop
-CACHE_BYTES = 256 << 20            # compiled formats kept for reuse (xgrammar's cache evicts past it)
+COMPILE_THREADS = 2                # per worker: compiling shares the host with the engine's step loop
+COMPILE_WORKERS = 2                # worker processes per replica, started as formats need them
+COMPILE_SECONDS = 10.0             # a format still compiling after this is refused and its worker killed
+MAX_WAITING = 16                   # compiles waiting for a worker, past which a request is answered 503
+WORKER_START_SECONDS = 120.0       # a worker not ready by then (it imports xgrammar and torch) is given up on
+MAX_COMPILED_BYTES = 128 << 20     # a compiled format's memory (a schema on a 152k-token vocabulary: ~1 MiB)
+WORKER_MEMORY_BYTES = 4 << 30      # what a worker may allocate beyond what it holds once started
+REFUSED_KEPT = 1024                # formats refused (by the compiler, the deadline or the walk), remembered
+CACHE_BYTES = 256 << 20            # compiled formats kept for reuse
+WORKER_CACHE_BYTES = 16 << 20      # a worker's (it compiles each format once: this process keeps what compiled)
 FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))   # per replica: a step's masks, written side by side
 # Fewer masks than this are written one after another: handing rows to threads costs ~0.8 ms a call on the H200
 # machine, where one row of a JSON schema takes 0.04-0.09 ms (bench/engine/structured.py: 16 rows 0.7 ms alone,
 # 0.9-1.1 ms together; 64 rows 5.7 ms alone, 1.8 ms together)
 THREADED_ROWS = 24
+# A format whose mask or step for one token takes longer ends its sequence with an error (FormatCostError): the step
+# loop waits for it, and so does every sequence in the batch. A typical schema takes 0.04-0.09 ms a token on a
+# 152k-token vocabulary; an ambiguous grammar's cost grows ~5x a token (20 rules of four ways each: 2 ms, 27, 178, 764)
+FOLLOW_SECONDS = 0.2
+FORMAT_COST = "format_cost"   # the finish reason of such a sequence (engine.py); AsyncLLM fails its request
+PROBE_TOKENS = 24             # a worker walks this far through each format it compiles, timing each token
 INSTALL_HINT = "install xgrammar on the replica (pip install 'xgrammar>=0.2.9')"
 
 
 class FormatError(ValueError):
-    """The format cannot be compiled (a schema feature xgrammar lacks, a bad regex): the request's fault."""
+    """The format cannot be compiled (a schema feature xgrammar lacks, a bad regex, too complex to compile in
+    time): the request's fault."""
+
+
+class CompileBusy(RuntimeError):
+    """Every compile worker is taken and MAX_WAITING requests wait for one: retry later."""
 
 
 class Grammar:
@@ -64,44 +103,319 @@ def missing() -> str | None:
 
 
 class Grammars:
-    """Compiles formats for one model's tokenizer. The tokenizer's vocabulary is read on the first compile."""
+    """Compiles formats for one model's tokenizer in worker processes. The tokenizer's vocabulary is read on the
+    first compile (or `warm`)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], seconds: float | None = None,
+                 workers: int = COMPILE_WORKERS):
+        """`seconds`: how long a format may take to compile; by default EMBER_FORMAT_COMPILE_SECONDS where set, else
+        COMPILE_SECONDS."""
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.seconds, self.workers = compile_seconds() if seconds is None else seconds, workers
+        self._info: Any = None
         self._compiler: Any = None
+        self._compile_slots = threading.Semaphore(max(1, workers))   # this process's own compiles at once
+        self._pool: CompilePool | None = None
         self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()   # by the format's text, least recently used first
+        self._cache_bytes = 0
+        self._refused: OrderedDict[bytes, str] = OrderedDict()    # by the format's digest: why it was refused
+        self._compiling: dict[str, Future] = {}                    # a format asked for again while it compiles
 
     def compile(self, tag: dict) -> Grammar:
         """`tag`: a structural tag (`{"type": "structural_tag", "format": {...}}`). Blocks for the compile: tens of
-        milliseconds for a typical schema on a 152k-token vocabulary, seconds for a huge one."""
-        compiler = self._ready()
+        milliseconds for a typical schema on a 152k-token vocabulary, at most `seconds` (then FormatError); the
+        same format again returns at once."""
         text = json.dumps(tag, ensure_ascii=False)   # key order kept: a schema's properties are written in it
+        with self._lock:
+            if (grammar := self._cache.get(text)) is not None:
+                self._cache.move_to_end(text)
+                return grammar
+            if (reason := self._refused.get(_digest(text))) is not None:
+                raise FormatError(reason)
+            pending = self._compiling.get(text)
+            if pending is None:
+                pending = self._compiling[text] = Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return pending.result()
         try:
-            compiled = compiler.compile_structural_tag(json.dumps(_strict_strings(tag), ensure_ascii=False))
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError or its own for a bad format
-            raise FormatError(_first_line(e)) from None
-        return Grammar(compiled, self.vocab_size, text)
+            grammar = self._compile(text)
+        except BaseException as e:
+            pending.set_exception(e)
+            raise
+        else:
+            pending.set_result(grammar)
+            return grammar
+        finally:
+            with self._lock:
+                del self._compiling[text]
+
+    def _compile(self, text: str) -> Grammar:
+        """A worker compiles the format first, within `seconds`; once it has, so does this process (in about the
+        same time: xgrammar's compile is deterministic), at most `workers` at once. The compiled format is not sent
+        back: on a 152k-token vocabulary it is ~5 MB of JSON that took 0.27 s to write and 0.1 s to read, where a
+        typical schema compiles in 0.1 s."""
+        pool = self._ready()
+        try:
+            reply = pool.compile(text)
+        except CompileTimeout:
+            reply = {"error": f"it did not compile within {self.seconds:g} s (the cost grows fast with a format's "
+                              "alternatives: a grammar's ambiguous rules, a regex's many-way choices, a schema's long "
+                              f"enums and nested anyOf/oneOf): simplify it, or raise the replica's {SECONDS_VARIABLE}"}
+        except WorkerDied as e:   # not remembered: the worker may have been killed from outside
+            raise FormatError(f"the compiler failed on it ({e}): simplify it") from None
+        if "error" not in reply and reply["bytes"] > MAX_COMPILED_BYTES:
+            reply = {"error": f"it compiles to {reply['bytes'] / 2 ** 20:.0f} MiB, over {MAX_COMPILED_BYTES >> 20} "
+                              "MiB (a typical schema takes under 2): simplify it"}
+        if "error" in reply:   # the same format would fail the same way: remembered, it costs no worker again
+            with self._lock:
+                self._refused[_digest(text)] = reply["error"]
+                while len(self._refused) > REFUSED_KEPT:
+                    self._refused.popitem(last=False)
+            raise FormatError(reply["error"])
+        with self._compile_slots:
+            try:
+                compiled = self._compiler.compile_structural_tag(json.dumps(_strict_strings(json.loads(text)),
+                                                                            ensure_ascii=False))
+            except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError or its own
+                raise FormatError(_first_line(e)) from None
+        grammar = Grammar(compiled, self.vocab_size, text)
+        with self._lock:
+            self._cache[text] = grammar
+            self._cache_bytes += compiled.memory_size_bytes
+            while self._cache_bytes > CACHE_BYTES and len(self._cache) > 1:
+                self._cache_bytes -= self._cache.popitem(last=False)[1].compiled.memory_size_bytes
+        return grammar
 
     def warm(self) -> None:
-        """Import xgrammar and read the vocabulary now (0.6-1 s for 152k tokens on the H200 machine), so that the
-        first constrained request does not wait for them; nothing where xgrammar is missing."""
+        """Import xgrammar, read the vocabulary and start a compile worker now (0.6-1 s for 152k tokens on the H200
+        machine, and the worker's start beside it), so that the first constrained request does not wait for them;
+        nothing where xgrammar is missing."""
         if importlib.util.find_spec("xgrammar") is None:
             return
         began = time.perf_counter()
-        self._ready()
-        logger.info("constrained decoding ready: the vocabulary read in %.2f s", time.perf_counter() - began)
+        self._ready().start_one()
+        logger.info("constrained decoding ready: the vocabulary read and a compile worker started in %.2f s",
+                    time.perf_counter() - began)
 
-    def _ready(self):
+    def close(self) -> None:
+        """Stops the compile workers (a later compile starts new ones)."""
         with self._lock:
-            if self._compiler is None:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def _ready(self) -> "CompilePool":
+        with self._lock:
+            if self._pool is None:
                 reason = missing()
                 if reason is not None:
                     raise RuntimeError(reason)
                 import xgrammar as xgr
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_limit_bytes=CACHE_BYTES)
-            return self._compiler
+                if self._compiler is None:
+                    self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                    stop_token_ids=self.stop_token_ids)
+                    self._compiler = xgr.GrammarCompiler(self._info, max_threads=COMPILE_THREADS,
+                                                         cache_limit_bytes=CACHE_BYTES)
+                setup = {"tokenizer_info": self._info.serialize_json(), "max_threads": COMPILE_THREADS,
+                         "cache_bytes": WORKER_CACHE_BYTES, "memory_bytes": WORKER_MEMORY_BYTES,
+                         "probe_tokens": PROBE_TOKENS, "probe_seconds": FOLLOW_SECONDS / 2}
+                self._pool = CompilePool(setup, self.workers, self.seconds)
+            return self._pool
+
+
+SECONDS_VARIABLE = "EMBER_FORMAT_COMPILE_SECONDS"
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+def compile_seconds() -> float:
+    text = os.environ.get(SECONDS_VARIABLE)
+    if text is None:
+        return COMPILE_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{SECONDS_VARIABLE}={text!r}: give a number of seconds above 0, e.g. 30")
+    return seconds
+
+
+class CompileTimeout(Exception):
+    pass
+
+
+class WorkerDied(Exception):
+    pass
+
+
+class CompilePool:
+    """Up to `workers` compile worker processes, each compiling one format at a time. A worker is started when a
+    format finds none free (and fewer than `workers` live); one whose compile passes `seconds` is killed."""
+
+    def __init__(self, setup: dict, workers: int, seconds: float, max_waiting: int = MAX_WAITING):
+        self.setup, self.workers, self.seconds, self.max_waiting = setup, max(1, workers), seconds, max_waiting
+        self._idle: list[_Worker] = []
+        self._live = 0       # started or starting, idle or busy
+        self._waiting = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def compile(self, text: str) -> dict:
+        """The worker's reply for the format's text: {"compiled": ...} or {"error": ...}; CompileTimeout past
+        `seconds` (the worker is killed), WorkerDied when it ended some other way, CompileBusy when too many wait."""
+        worker = self._take()
+        try:
+            reply = worker.request({"tag": text}, self.seconds)
+        except (CompileTimeout, WorkerDied):
+            self._lose(worker)
+            # its replacement starts now (the worker imports xgrammar: seconds), not with the next format
+            threading.Thread(target=self.start_one, kwargs={"spare": True}, daemon=True).start()
+            raise
+        except BaseException:
+            self._lose(worker)
+            raise
+        self._give(worker)
+        return reply
+
+    def start_one(self, spare: bool = False) -> None:
+        """Starts a worker now if none is live, or with `spare` if fewer than `workers` are (idle time pays its
+        start, not a request); a spare that fails to start is logged."""
+        with self._cond:
+            if self._closed or self._live >= (self.workers if spare else 1):
+                return
+            self._live += 1
+        try:
+            worker = _Worker(self.setup)
+        except BaseException:
+            self._lose(None)
+            if not spare:
+                raise
+            logger.exception("a spare compile worker failed to start")
+            return
+        self._give(worker)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cond.notify_all()
+        for worker in idle:
+            worker.kill()
+
+    def _take(self) -> "_Worker":
+        with self._cond:
+            if self._closed:
+                raise CompileBusy("the replica is shutting down")
+            if not self._idle and self._live >= self.workers and self._waiting >= self.max_waiting:
+                raise CompileBusy(f"{self._waiting} formats are waiting to compile")
+            self._waiting += 1
+            try:
+                deadline = time.monotonic() + 3 * self.seconds
+                while not self._idle and self._live >= self.workers:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._closed:
+                        raise CompileBusy(f"no compile worker was free for {3 * self.seconds:g} s")
+                    self._cond.wait(left)
+                while self._idle:
+                    worker = self._idle.pop()
+                    if worker.process.poll() is None:
+                        return worker
+                    self._live -= 1   # it died while idle (killed from outside): not this format's doing
+                    worker.kill()
+                self._live += 1
+            finally:
+                self._waiting -= 1
+        try:
+            return _Worker(self.setup)
+        except BaseException:
+            self._lose(None)
+            raise
+
+    def _give(self, worker: "_Worker") -> None:
+        with self._cond:
+            if not self._closed:
+                self._idle.append(worker)
+                self._cond.notify()
+                return
+        worker.kill()
+
+    def _lose(self, worker: "_Worker | None") -> None:
+        if worker is not None:
+            worker.kill()
+        with self._cond:
+            self._live -= 1
+            self._cond.notify()
+
+
+class _Worker:
+    """One compile worker process and its pipes."""
+
+    def __init__(self, setup: dict):
+        from . import grammar_worker
+        self._frames = grammar_worker
+        began = time.perf_counter()
+        self.process = subprocess.Popen([sys.executable, "-m", grammar_worker.__name__], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, bufsize=0)
+        self._buffer = bytearray()
+        try:
+            ready = self.request(setup, WORKER_START_SECONDS)
+        except BaseException:
+            self.kill()
+            raise
+        if not ready.get("ready"):
+            self.kill()
+            raise WorkerDied(f"the worker answered {str(ready)[:200]} to its setup")
+        logger.info("compile worker %d started in %.2f s", self.process.pid, time.perf_counter() - began)
+
+    def request(self, message: dict, seconds: float) -> dict:
+        assert self.process.stdin is not None
+        try:
+            self._frames.write_frame(self.process.stdin, message)
+        except OSError as e:
+            raise WorkerDied(f"its pipe closed: {e}") from None
+        return self._read(seconds)
+
+    def _read(self, seconds: float) -> dict:
+        """The next frame from the worker within `seconds` (CompileTimeout), or WorkerDied at its end."""
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        deadline = time.monotonic() + seconds
+        header = self._frames.HEADER.size
+        while True:
+            if len(self._buffer) >= header:
+                (size,) = self._frames.HEADER.unpack_from(self._buffer)
+                if len(self._buffer) >= header + size:
+                    data = bytes(self._buffer[header:header + size])
+                    del self._buffer[:header + size]
+                    return json.loads(data)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CompileTimeout()
+            readable, _, _ = select.select([fd], [], [], left)
+            if readable:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    code = self.process.poll()
+                    raise WorkerDied("the worker's pipe closed" if code is None else f"the worker exited with {code}")
+                self._buffer += chunk
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            logger.warning("compile worker %d did not end after SIGKILL", self.process.pid)
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 # xgrammar (0.2.9) writes a string of bounded length (minLength, maxLength) as repeats of any character but quote,
@@ -133,46 +447,60 @@ def _schema_grammar(schema: str, max_whitespace: int | None) -> str:
 
 class Matcher:
     """One sequence's place in its format."""
-    __slots__ = ("_matcher", "_bitmask", "ended")
+    __slots__ = ("_matcher", "_bitmask", "ended", "costly")
 
     def __init__(self, grammar: Grammar):
         import xgrammar as xgr
         self._matcher = xgr.GrammarMatcher(grammar.compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)
         self.ended = False
+        self.costly = False   # a token's mask or step cost over FOLLOW_SECONDS: the sequence ends at its next token
 
     def allowed(self) -> torch.Tensor | None:
         """The tokens the format allows next, as a bitmask row (int32, host; bit t of word t // 32 for token t), or
         None where it allows every token (free text). The row is this matcher's, overwritten by its next call."""
-        if not self._matcher.fill_next_token_bitmask(self._bitmask, 0):
-            return None
-        return self._bitmask[0]
+        began = time.perf_counter()
+        constrained = self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        self._timed(began)
+        return self._bitmask[0] if constrained else None
 
     def advance(self, token_id: int) -> bool:
         """Take the sampled token; True when the format is over (complete, or the token broke it: then the sequence
-        ends rather than going on unconstrained)."""
+        ends rather than going on unconstrained), or has cost too much to follow (`costly`)."""
+        began = time.perf_counter()
         if not self._matcher.accept_token(token_id):
             logger.warning("a constrained sequence sampled token %d, which its format does not allow: it ends here",
                            token_id)
             self.ended = True
         elif self._matcher.is_terminated():
             self.ended = True
+        self._timed(began)
         return self.ended
+
+    def _timed(self, began: float) -> None:
+        seconds = time.perf_counter() - began
+        if seconds > FOLLOW_SECONDS and not self.costly:
+            logger.warning("a format cost %.2f s to follow for one token (over %.2f s): its sequence ends", seconds,
+                           FOLLOW_SECONDS)
+            self.costly = self.ended = True
 
 
 class MaskFiller:
     """Writes a step's masks, one row per constrained sequence: from THREADED_ROWS rows on, in one call that spreads
     them over FILL_THREADS host threads (xgrammar's batch matcher), as tens of microseconds a row on a 152k-token
-    vocabulary add up over a large batch."""
+    vocabulary add up over a large batch. A batch call that took over FOLLOW_SECONDS is followed by one step's
+    masks written row by row, each timed, so that the row that costs too much is found (Matcher.costly)."""
 
     def __init__(self, vocab_size: int, threaded_rows: int = THREADED_ROWS):
         self.vocab_size, self.threaded_rows = vocab_size, max(2, threaded_rows)
         self._batch: Any = None
         self._rows: torch.Tensor | None = None
+        self._one_by_one = False
 
     def fill(self, matchers: list[Matcher]) -> list[torch.Tensor | None]:
         """Each matcher's mask (as Matcher.allowed; a row of a buffer this filler reuses at its next call)."""
-        if len(matchers) < self.threaded_rows:
+        if len(matchers) < self.threaded_rows or self._one_by_one:
+            self._one_by_one = False
             return [matcher.allowed() for matcher in matchers]
         import xgrammar as xgr
         if self._batch is None:
@@ -181,7 +509,9 @@ class MaskFiller:
         if rows is None or len(rows) < len(matchers):
             grown = max(len(matchers), 2 * (0 if rows is None else len(rows)))
             rows = self._rows = xgr.allocate_token_bitmask(grown, self.vocab_size)
+        began = time.perf_counter()
         self._batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], rows)
+        self._one_by_one = time.perf_counter() - began > FOLLOW_SECONDS
         return list(rows[:len(matchers)])
 
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from ember.runtime.engine import grammar
 from ember.runtime.engine.async_engine import AsyncLLM, Completion
 from ember.runtime.engine.detokenizer import token_text
-from ember.runtime.engine.serving import formats, tools
+from ember.runtime.engine.serving import formats, protocol, tools
 from ember.runtime.engine.serving.errors import APIError
 from ember.runtime.engine.serving.protocol import (
     ChatCompletionRequest,
@@ -30,6 +30,7 @@ from ember.runtime.engine.serving.streams import event_stream, merge, renumber, 
 MIN_LOGPROB = -9999.0
 ENCODE_INLINE = 2000  # characters a prompt may have to be tokenized on the event loop (~2 ms at most)
 json_text = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(o, ensure_ascii=False), with no new encoder each
+TAG_MAX_DEPTH = protocol.FORMAT_MAX_DEPTH + 8   # a schema's depth, and the few levels of the tag around it
 
 
 class OpenAIServer:
@@ -102,10 +103,16 @@ class OpenAIServer:
         missing = grammar.missing()
         if missing is not None:
             raise APIError(400, f"Invalid '{param}': {missing}.", param=param)
+        if protocol._depth(tag) > TAG_MAX_DEPTH:   # tools' parameter schemas are checked only here
+            raise APIError(400, f"Invalid '{param}': the format nests objects and arrays more than "
+                           f"{protocol.FORMAT_MAX_DEPTH} deep.", param=param)
         try:
             return await asyncio.to_thread(self.grammars.compile, tag)
         except grammar.FormatError as e:
             raise APIError(400, f"Invalid '{param}': the format cannot be compiled: {e}", param=param) from None
+        except grammar.CompileBusy as e:
+            raise APIError(503, f"This replica is busy compiling other formats ({e}): retry the request shortly.",
+                           param=param, type="server_error") from None
 
     async def _chat_reply(self, req: ChatCompletionRequest, response_id: str, stream, shape: ReplyShape) -> dict:
         choices: dict[int, dict[str, Any]] = {}

@@ -7,7 +7,7 @@ from contextlib import aclosing
 
 from fastapi.responses import StreamingResponse
 
-from ember.runtime.engine.async_engine import Completion, EngineDeadError, RequestFailedError
+from ember.runtime.engine.async_engine import Completion, EngineDeadError, FormatCostError, RequestFailedError
 
 
 async def start(streams: list[AsyncGenerator[Completion, None]]) -> list[AsyncGenerator[Completion, None]]:
@@ -85,7 +85,7 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
             async for event in events:
                 yield f"data: {event}\n\n"
         except (EngineDeadError, RequestFailedError) as e:
-            error = {"error": {"message": _failure(e), "type": "server_error", "param": None, "code": None}}
+            error = {"error": {"message": _failure(e), "type": _kind(e), "param": None, "code": None}}
             yield f"data: {json.dumps(error)}\n\n"
         finally:
             await events.aclose()
@@ -102,7 +102,7 @@ def typed_event_stream(events: AsyncIterator[tuple[str, str]], sequence: Callabl
             async for kind, event in events:
                 yield f"event: {kind}\ndata: {event}\n\n"
         except (EngineDeadError, RequestFailedError) as e:
-            error = {"type": "error", "code": "server_error", "message": _failure(e), "param": None,
+            error = {"type": "error", "code": _kind(e), "message": _failure(e), "param": None,
                      "sequence_number": sequence()}
             yield f"event: error\ndata: {json.dumps(error)}\n\n"
         finally:
@@ -112,7 +112,13 @@ def typed_event_stream(events: AsyncIterator[tuple[str, str]], sequence: Callabl
 
 
 def _failure(e: Exception) -> str:
+    if isinstance(e, FormatCostError):   # the request's own doing: retrying it would fail the same way
+        return str(e)
     return f"{e}; restart the replica" if isinstance(e, EngineDeadError) else f"{e}; retry the request"
+
+
+def _kind(e: Exception) -> str:
+    return "invalid_request_error" if isinstance(e, FormatCostError) else "server_error"
 
 
 def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:

@@ -258,11 +258,14 @@ def test_a_server_that_warms_formats_is_ready_before_its_first_constrained_reque
     warm = create_app(config, served_model_name="tiny", warm_formats=True)
     cold = create_app(config, served_model_name="tiny", warm_formats=False)
     try:
-        deadline = time.monotonic() + 30
-        while warm.state.openai.grammars._compiler is None and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        pool = None
+        while (pool is None or not pool._idle) and time.monotonic() < deadline:   # the vocabulary, then a worker
+            pool = warm.state.openai.grammars._pool
             time.sleep(0.05)
-        assert warm.state.openai.grammars._compiler is not None
-        assert cold.state.openai.grammars._compiler is None
+        assert warm.state.openai.grammars._compiler is not None and pool is not None and len(pool._idle) == 1
+        assert cold.state.openai.grammars._compiler is None and cold.state.openai.grammars._pool is None
     finally:
-        warm.state.llm.shutdown()
-        cold.state.llm.shutdown()
+        for app in (warm, cold):
+            app.state.openai.grammars.close()
+            app.state.llm.shutdown()

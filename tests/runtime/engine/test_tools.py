@@ -234,3 +234,14 @@ def test_template_variables_and_a_continued_last_message(served, client):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="tiny", messages=started, max_tokens=1, extra_body=extra)
         assert refused.value.param == param
+
+
+def test_a_tools_parameters_nested_too_deep_are_a_400_naming_tool_choice(served):
+    """A forced call's parameter schema is compiled: nested past the formats' depth limit, it is refused before."""
+    deep = json.loads('{"type": "object", "properties": {"a": ' * 120 + '{"type": "integer"}' + "}}" * 120)
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    reply = httpx.post(f"{served[1]}/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [tool],
+        "tool_choice": "required"})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "tool_choice" and "deep" in reply.json()["error"]["message"]
