@@ -54,6 +54,7 @@ COMPILE_WORKERS = 2                # worker processes per replica, started as fo
 COMPILE_SECONDS = 10.0             # a format still compiling after this is refused and its worker killed
 MAX_WAITING = 16                   # compiles waiting for a worker, past which a request is answered 503
 WORKER_START_SECONDS = 120.0       # a worker not ready by then (it imports xgrammar and torch) is given up on
+WORKER_WAIT_SECONDS = 30.0         # a format waits for a worker this long beyond three compiles' deadlines
 MAX_COMPILED_BYTES = 128 << 20     # a compiled format's memory (a schema on a 152k-token vocabulary: ~1 MiB)
 WORKER_MEMORY_BYTES = 4 << 30      # what a worker may allocate beyond what it holds once started
 REFUSED_KEPT = 1024                # formats refused (by the compiler, the deadline or the walk), remembered
@@ -127,6 +128,10 @@ class Grammars:
         milliseconds for a typical schema on a 152k-token vocabulary, at most `seconds` (then FormatError); the
         same format again returns at once."""
         text = json.dumps(tag, ensure_ascii=False)   # key order kept: a schema's properties are written in it
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:
+            raise FormatError(f"it holds a lone UTF-16 surrogate ({text[e.start]!r}): send valid Unicode") from None
         with self._lock:
             if (grammar := self._cache.get(text)) is not None:
                 self._cache.move_to_end(text)
@@ -317,11 +322,13 @@ class CompilePool:
                 raise CompileBusy(f"{self._waiting} formats are waiting to compile")
             self._waiting += 1
             try:
-                deadline = time.monotonic() + 3 * self.seconds
+                # long enough for the formats ahead to compile or be cut off, and for a worker to start
+                waited = 3 * self.seconds + WORKER_WAIT_SECONDS
+                deadline = time.monotonic() + waited
                 while not self._idle and self._live >= self.workers:
                     left = deadline - time.monotonic()
                     if left <= 0 or self._closed:
-                        raise CompileBusy(f"no compile worker was free for {3 * self.seconds:g} s")
+                        raise CompileBusy(f"no compile worker was free for {waited:g} s")
                     self._cond.wait(left)
                 while self._idle:
                     worker = self._idle.pop()

@@ -17,8 +17,14 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    body = {"error": {"message": _encodable(message), "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
+
+
+def _encodable(text: str) -> str:
+    """`text` with any lone UTF-16 surrogate (a request's own, quoted back: a model name of "\\ud800") written as
+    its escape, which UTF-8 can carry; the reply would otherwise fail to encode and become a 500."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def internal_errors(app: FastAPI, log: logging.Logger) -> None:

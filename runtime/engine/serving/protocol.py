@@ -66,12 +66,25 @@ def _answer_format(kind: str, value: Any) -> AnswerFormat:
     if kind == "json_schema" and _depth(value) > FORMAT_MAX_DEPTH:
         raise ValueError(f"the schema nests objects and arrays more than {FORMAT_MAX_DEPTH} deep")
     try:
-        size = len(value) if isinstance(value, str) else len(json.dumps(value))
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     except (ValueError, RecursionError):
         raise ValueError("the format is nested too deeply") from None
+    _encodable(text)
+    size = len(text)
     if size > FORMAT_MAX_CHARS:
         raise ValueError(f"the format is {size:,} characters; at most {FORMAT_MAX_CHARS:,}")
     return AnswerFormat(kind, None if kind == "json_object" else value)
+
+
+def _encodable(*texts: str) -> None:
+    """ValueError for text a reply echoes that UTF-8 cannot carry: a lone UTF-16 surrogate ("\\ud800"), which JSON
+    may hold; echoed, it would fail the reply's encoding."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"it holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}); send "
+                             "valid Unicode (a surrogate only as half of a pair)") from None
 
 
 def _depth(value: Any) -> int:
@@ -710,6 +723,15 @@ class ResponsesRequest(SamplingRequest):
                       or any(len(v) > METADATA_VALUE_CHARS for v in value.values())):
             raise ValueError(f"at most {METADATA_MAX_KEYS} pairs, keys of at most {METADATA_KEY_CHARS} characters "
                              f"and values of at most {METADATA_VALUE_CHARS}")
+        for text in (value or {}).items():
+            _encodable(*text)
+        return value
+
+    @field_validator("user")
+    @classmethod
+    def _echoed_user(cls, value):
+        if value is not None:
+            _encodable(value)
         return value
 
     def requested_max_tokens(self) -> int | None:

@@ -28,7 +28,13 @@ class ResponsesAPI:
     async def create(self, req: ResponsesRequest):
         self.server.check_model(req.model)
         chat = chat_request(req)
-        prompt_ids, reply_shape = await self.server.chat_prompt(chat)
+        try:
+            prompt_ids, reply_shape = await self.server.chat_prompt(chat)
+        except APIError as e:   # named as this API's fields: the instructions are the first message, if any
+            if not (e.param or "").startswith("messages"):
+                raise
+            field = "instructions" if req.instructions is not None and e.param == "messages.0.content" else "input"
+            raise APIError(e.status, e.message.replace(f"'{e.param}'", f"'{field}'"), field, e.code, e.type) from None
         held_to = await self.server.chat_grammar(chat, reply_shape, "text")
         [stream] = await self.server.submit(chat, [prompt_ids], "input", held_to)
         shape = ResponseShape(req, self.server.model_name)

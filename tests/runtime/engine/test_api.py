@@ -285,15 +285,31 @@ def test_bad_requests_get_openai_shaped_errors(call, path, body, status, param, 
     ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi \\ud800 there"}]', "messages.0.content"),
     ("/v1/completions", '"prompt": "hi \\udfff"', "prompt"),
     ("/v1/completions", '"prompt": "hi", "stop": ["\\ud83d"]', "stop"),
+    ("/v1/responses", '"input": "hi \\ud800"', "input"),
+    ("/v1/responses", '"input": "hi", "instructions": "\\udbff"', "instructions"),
+    ("/v1/responses", '"input": "hi", "metadata": {"k": "\\udc00"}', "metadata"),   # echoed in the reply
+    ("/v1/responses", '"input": "hi", "user": "\\udc00"', "user"),
+    ("/v1/completions", '"prompt": "hi", "guided_grammar": "root ::= \\"\\ud800\\""', "guided_grammar"),
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": '
+     '"json_schema", "json_schema": {"name": "a", "schema": {"enum": ["\\udfff"]}}}', "response_format"),
 ])
 def test_a_lone_surrogate_in_the_text_is_a_400_naming_it(call, path, fields, param):
-    """Valid JSON, invalid Unicode: the tokenizer raised a TypeError, a 500 that closed the gateway's connection."""
+    """Valid JSON, invalid Unicode: the tokenizer raised a TypeError, a 500 that closed the gateway's connection;
+    echoed in a Responses reply, it failed the reply's encoding (a 500)."""
     body = ('{"model": "' + MODEL + '", "max_tokens": 2, ' + fields + "}").encode()
     response = call("POST", path, content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and "lone UTF-16 surrogate" in error["message"], error
     assert chat(call, max_tokens=2).status_code == 200
+
+
+def test_an_error_that_quotes_a_lone_surrogate_back_is_still_json(call):
+    """The model name is quoted in its 404: a lone surrogate there failed the error's own encoding (a 500)."""
+    body = b'{"model": "gpt-\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
+    response = call("POST", "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["code"] == "model_not_found" and "\\ud800" in response.json()["error"]["message"]
 
 def test_logit_bias_forces_and_bans_tokens(app, call):
     """OpenAI's logit_bias (token id -> bias in [-100, 100]) was refused as unsupported."""
