@@ -20,7 +20,10 @@ One the worker compiled in time is compiled again here, where it is used (the co
 about the same time, and uses the same memory, which the worker reports: over MAX_COMPILED_BYTES is refused). Reading
 it back would cost more: a typical schema's is ~5 MB of JSON on a 152k-token vocabulary (0.27 s to write, 0.1 s to
 read, where it compiles in 0.1 s), and a regex of 400 alternatives' 926 MB (63 s to write) on a 1,024-token one. A
-worker may allocate WORKER_MEMORY_BYTES: a compile that needs more fails there.
+worker may allocate WORKER_MEMORY_BYTES: a compile that needs more fails there. A format's cost can also grow with
+each token it holds (an ambiguous grammar's ~5x a token), which would stall the step loop: the worker walks
+PROBE_TOKENS tokens through each format, timing each (over FOLLOW_SECONDS / 2 is a 400), and a held sequence whose
+mask or step still costs over FOLLOW_SECONDS ends with a FormatCostError (a 400) while the others go on.
 At most COMPILE_WORKERS formats compile at once, in the workers and here; a request that finds MAX_WAITING others
 waiting for a worker is told to retry (503). Compiled formats are kept (CACHE_BYTES): a format compiles once per
 replica however many requests use it. A worker that crashes on a format costs that request a 400, not the replica.
@@ -273,7 +276,7 @@ class CompilePool:
         self._cond = threading.Condition()
 
     def compile(self, text: str) -> dict:
-        """The worker's reply for the format's text: {"compiled": ...} or {"error": ...}; CompileTimeout past
+        """The worker's reply for the format's text: {"ok", "seconds", "bytes"} or {"error"}; CompileTimeout past
         `seconds` (the worker is killed), WorkerDied when it ended some other way, CompileBusy when too many wait."""
         worker = self._take()
         try:
