@@ -17,7 +17,8 @@
     the copy bandwidth; and a skewed batch (one long context among short ones), flashinfer against the streamed
     kernel's sweep;
   - decode: each product at 8 to 256 rows (the decode graphs' batch sizes) with cuBLAS, against the longer of its
-    weight read and its FLOPs at the bandwidth and product rate measured in the same run;
+    weight read and its FLOPs at the bandwidth and product rate measured in the same run (--decode-ways: also
+    with torch's cuBLASLt backend, and with the weight stored transposed);
   - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run).
 --record writes bench/results/kernels.json; otherwise it only prints.
 """
@@ -320,13 +321,17 @@ def bench_fused(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dic
 DECODE_ROWS = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
+DECODE_WAYS = ("cublas", "cublaslt", "transposed")
+
+
 def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
-                          rows_list: tuple[int, ...] = DECODE_ROWS) -> list[dict]:
+                          rows_list: tuple[int, ...] = DECODE_ROWS, ways: tuple[str, ...] = ("cublas",)) -> list[dict]:
     """Each decode product of a shape at the batch sizes a decode graph runs (cuBLAS, as the graphs of 2 rows and
     more run them), inside a CUDA graph over enough copies of the weight that none is read from L2, against its
     floor: the longer of the weight's read at the copy bandwidth and its FLOPs at the product rate measured here.
     The offline run's decode steps take longer than the floor of their reads and products (speed.py); this says how
-    much of that the products leave."""
+    much of that the products leave. `ways`: cublas (F.linear, as the engine runs it), cublaslt (the same with torch's
+    preferred BLAS library set to cuBLASLt), transposed (x @ w with w stored K x N, the other layout cuBLAS reads)."""
     a = torch.randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(12288, 4096, dtype=torch.bfloat16, device="cuda")
     rate = 2 * 8192 * 4096 * 12288 / timed(functools.partial(F.linear, a, b), 10)
@@ -337,17 +342,30 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
         for name, n, k in products(shape):
             copies = max(2, math.ceil((512 << 20) / (n * k * 2)))
             weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+            transposed = [w.t().contiguous() for w in weights] if "transposed" in ways else []
             for m in rows_list:
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
                 reads, flops = n * k * 2 / bandwidth, 2 * m * n * k / rate
                 floor_us = max(reads, flops) * 1e6
-                cublas_us = in_graph([functools.partial(F.linear, x, w) for w in weights]) * 1e6
+                timings = {}
+                for way in ways:
+                    if way == "transposed":
+                        calls = [functools.partial(torch.matmul, x, t) for t in transposed]
+                    else:
+                        calls = [functools.partial(F.linear, x, w) for w in weights]
+                    torch.backends.cuda.preferred_blas_library("cublaslt" if way == "cublaslt" else "cublas")
+                    try:
+                        timings[f"{way}_us"] = round(in_graph(calls) * 1e6, 2)
+                    finally:
+                        torch.backends.cuda.preferred_blas_library("cublas")
+                first = timings[f"{ways[0]}_us"]
                 rows.append({"shape": shape, "product": name, "m": m, "n": n, "k": k, "floor_us": round(floor_us, 2),
-                             "bound": "reads" if reads >= flops else "flops", "cublas_us": round(cublas_us, 2),
-                             "of_floor": round(floor_us / cublas_us, 3)})
-                log(f"decode {shape} {name:13s} m={m:3d}: floor {floor_us:7.2f} us ({rows[-1]['bound']}), "
-                    f"cuBLAS {cublas_us:7.2f} ({floor_us / cublas_us:.0%})")
-            del weights
+                             "bound": "reads" if reads >= flops else "flops", **timings,
+                             "of_floor": round(floor_us / first, 3)})
+                log(f"decode {shape} {name:13s} m={m:3d}: floor {floor_us:7.2f} us ({rows[-1]['bound']}), " +
+                    ", ".join(f"{way} {timings[f'{way}_us']:7.2f} ({floor_us / timings[f'{way}_us']:.0%})"
+                              for way in ways))
+            del weights, transposed
             torch.cuda.empty_cache()
     return rows
 
@@ -405,6 +423,8 @@ def main() -> None:
                         help="gemv: the products of these Qwen3 shapes")
     parser.add_argument("--decode-rows", nargs="+", type=int, default=list(DECODE_ROWS),
                         help="decode: the row counts to time each product at")
+    parser.add_argument("--decode-ways", default="cublas",
+                        help=f"decode: comma-separated, of {','.join(DECODE_WAYS)} (the first gives of_floor)")
     parser.add_argument("--record", action="store_true", help="write bench/results/kernels.json")
     parser.add_argument("--fa2", action="store_true",
                         help="attention: also flashinfer's tensor-core decode on fa2 (compiles its module if missing)")
@@ -428,7 +448,11 @@ def main() -> None:
         result["attention"] = bench_attention(bandwidth, args.fa2)
         result["attention_skewed"] = bench_skewed_attention(bandwidth)
     if "decode" in parts:
-        result["decode_products"] = bench_decode_products(bandwidth, tuple(args.gemv_shapes), tuple(args.decode_rows))
+        ways = tuple(w.strip() for w in args.decode_ways.split(","))
+        if unknown := set(ways) - set(DECODE_WAYS):
+            sys.exit(f"--decode-ways: unknown {', '.join(sorted(unknown))}; choose from {', '.join(DECODE_WAYS)}")
+        result["decode_products"] = bench_decode_products(bandwidth, tuple(args.gemv_shapes), tuple(args.decode_rows),
+                                                          ways)
     if "rope" in parts:
         result["rope"] = bench_rope(bandwidth)
     if "gemm" in parts:
