@@ -11,7 +11,8 @@ that holds a sequence launches its forward pass before that token is on the host
 advanced the matcher (engine.py `_overlap_step`); the step's masks are written meanwhile, while the forward pass runs
 (`MaskFiller`: from THREADED_ROWS rows, one call over several host threads).
 
-A format is first compiled in a worker process (grammar_worker.py): a compile runs in C++ that no thread can stop,
+A format is first compiled in a worker process (grammar_worker.py; forked by a zygote process that imported xgrammar
+once, so a worker costs milliseconds, not the seconds of a fresh import): a compile runs in C++ that no thread can stop,
 and a few KB of format can take minutes (measured on the tiny model's 1,024-token vocabulary, 2 cores: an EBNF
 grammar of 160 ambiguous rules, 6.8 KB, over 10 s; a regex of 800 alternatives 8 s; a schema's oneOf nested nine
 deep, 62 KB, 1.2 s on a 152k-token vocabulary). A compile still running after COMPILE_SECONDS is refused as the
@@ -39,6 +40,7 @@ import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -56,7 +58,7 @@ COMPILE_THREADS = 2                # per worker: compiling shares the host with 
 COMPILE_WORKERS = 2                # worker processes per replica, started as formats need them
 COMPILE_SECONDS = 10.0             # a format still compiling after this is refused and its worker killed
 MAX_WAITING = 16                   # compiles waiting for a worker, past which a request is answered 503
-WORKER_START_SECONDS = 120.0       # a worker not ready by then (it imports xgrammar and torch) is given up on
+WORKER_START_SECONDS = 120.0       # a zygote (it imports xgrammar and torch) or worker not ready by then is given up on
 WORKER_WAIT_SECONDS = 30.0         # a format waits for a worker this long beyond three compiles' deadlines
 MAX_COMPILED_BYTES = 128 << 20     # a compiled format's memory (a schema on a 152k-token vocabulary: ~1 MiB)
 WORKER_MEMORY_BYTES = 4 << 30      # what a worker may allocate beyond what it holds once started
@@ -199,9 +201,9 @@ class Grammars:
         return grammar
 
     def warm(self) -> None:
-        """Import xgrammar, read the vocabulary and start a compile worker now (0.6-1 s for 152k tokens on the H200
-        machine, and the worker's start beside it), so that the first constrained request does not wait for them;
-        nothing where xgrammar is missing."""
+        """Import xgrammar, read the vocabulary and start the zygote and a compile worker now (0.6-1 s for 152k
+        tokens on the H200 machine, and the zygote's start beside it), so that the first constrained request does not
+        wait for them; nothing where xgrammar is missing."""
         if importlib.util.find_spec("xgrammar") is None:
             return
         began = time.perf_counter()
@@ -264,8 +266,9 @@ class WorkerDied(Exception):
 
 
 class CompilePool:
-    """Up to `workers` compile worker processes, each compiling one format at a time. A worker is started when a
-    format finds none free (and fewer than `workers` live); one whose compile passes `seconds` is killed."""
+    """Up to `workers` compile worker processes, each compiling one format at a time, forked by one zygote process
+    (started with the first worker). A worker is started when a format finds none free (and fewer than `workers`
+    live); one whose compile passes `seconds` is killed, and its replacement forked at once."""
 
     def __init__(self, setup: dict, workers: int, seconds: float, max_waiting: int = MAX_WAITING):
         self.setup, self.workers, self.seconds, self.max_waiting = setup, max(1, workers), seconds, max_waiting
@@ -274,6 +277,8 @@ class CompilePool:
         self._waiting = 0
         self._closed = False
         self._cond = threading.Condition()
+        self._zygote: _Zygote | None = None
+        self._zygote_lock = threading.Lock()   # held while one starts (seconds): the others wait for it
 
     def compile(self, text: str) -> dict:
         """The worker's reply for the format's text: {"ok", "seconds", "bytes"} or {"error"}; CompileTimeout past
@@ -283,7 +288,7 @@ class CompilePool:
             reply = worker.request({"tag": text}, self.seconds)
         except (CompileTimeout, WorkerDied):
             self._lose(worker)
-            # its replacement starts now (the worker imports xgrammar: seconds), not with the next format
+            # its replacement starts now, not with the next format
             threading.Thread(target=self.start_one, kwargs={"spare": True}, daemon=True).start()
             raise
         except BaseException:
@@ -300,7 +305,7 @@ class CompilePool:
                 return
             self._live += 1
         try:
-            worker = _Worker(self.setup)
+            worker = self._new_worker()
         except BaseException:
             self._lose(None)
             if not spare:
@@ -316,6 +321,10 @@ class CompilePool:
             self._cond.notify_all()
         for worker in idle:
             worker.kill()
+        with self._zygote_lock:
+            zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            zygote.kill()
 
     def _take(self) -> "_Worker":
         with self._cond:
@@ -335,7 +344,7 @@ class CompilePool:
                     self._cond.wait(left)
                 while self._idle:
                     worker = self._idle.pop()
-                    if worker.process.poll() is None:
+                    if worker.alive():
                         return worker
                     self._live -= 1   # it died while idle (killed from outside): not this format's doing
                     worker.kill()
@@ -343,10 +352,33 @@ class CompilePool:
             finally:
                 self._waiting -= 1
         try:
-            return _Worker(self.setup)
+            return self._new_worker()
         except BaseException:
             self._lose(None)
             raise
+
+    def _new_worker(self) -> "_Worker":
+        """A worker forked by the zygote; the zygote is started first (seconds) where none is alive, and again once
+        where it died since (killed from outside)."""
+        for attempt in (1, 2):
+            zygote = self._zygote_ready()
+            try:
+                return _Worker(zygote)
+            except WorkerDied:
+                if attempt == 2 or zygote.alive():
+                    raise
+        raise AssertionError("unreachable")
+
+    def _zygote_ready(self) -> "_Zygote":
+        with self._zygote_lock:
+            if self._closed:
+                raise CompileBusy("the replica is shutting down")
+            if self._zygote is not None and not self._zygote.alive():
+                self._zygote.kill()
+                self._zygote = None
+            if self._zygote is None:
+                self._zygote = _Zygote(self.setup)
+            return self._zygote
 
     def _give(self, worker: "_Worker") -> None:
         with self._cond:
@@ -364,68 +396,170 @@ class CompilePool:
             self._cond.notify()
 
 
-class _Worker:
-    """One compile worker process and its pipes."""
+class _Frames:
+    """Reads frames from a pipe within deadlines."""
 
-    def __init__(self, setup: dict):
+    def __init__(self, fd: int, ended):
+        """`ended()`: why the pipe closed (for WorkerDied)."""
         from . import grammar_worker
-        self._frames = grammar_worker
-        began = time.perf_counter()
-        self.process = subprocess.Popen([sys.executable, "-m", grammar_worker.__name__], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, bufsize=0)
+        self.fd, self._ended, self._header = fd, ended, grammar_worker.HEADER
         self._buffer = bytearray()
-        try:
-            ready = self.request(setup, WORKER_START_SECONDS)
-        except BaseException:
-            self.kill()
-            raise
-        if not ready.get("ready"):
-            self.kill()
-            raise WorkerDied(f"the worker answered {str(ready)[:200]} to its setup")
-        logger.info("compile worker %d started in %.2f s", self.process.pid, time.perf_counter() - began)
 
-    def request(self, message: dict, seconds: float) -> dict:
-        assert self.process.stdin is not None
-        try:
-            self._frames.write_frame(self.process.stdin, message)
-        except OSError as e:
-            raise WorkerDied(f"its pipe closed: {e}") from None
-        return self._read(seconds)
-
-    def _read(self, seconds: float) -> dict:
-        """The next frame from the worker within `seconds` (CompileTimeout), or WorkerDied at its end."""
-        assert self.process.stdout is not None
-        fd = self.process.stdout.fileno()
+    def read(self, seconds: float) -> dict:
+        """The next frame within `seconds` (CompileTimeout), or WorkerDied at the pipe's end."""
         deadline = time.monotonic() + seconds
-        header = self._frames.HEADER.size
         while True:
-            if len(self._buffer) >= header:
-                (size,) = self._frames.HEADER.unpack_from(self._buffer)
-                if len(self._buffer) >= header + size:
-                    data = bytes(self._buffer[header:header + size])
-                    del self._buffer[:header + size]
+            if len(self._buffer) >= self._header.size:
+                (size,) = self._header.unpack_from(self._buffer)
+                if len(self._buffer) >= self._header.size + size:
+                    data = bytes(self._buffer[self._header.size:self._header.size + size])
+                    del self._buffer[:self._header.size + size]
                     return json.loads(data)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CompileTimeout()
-            readable, _, _ = select.select([fd], [], [], left)
+            readable, _, _ = select.select([self.fd], [], [], left)
             if readable:
-                chunk = os.read(fd, 1 << 20)
+                chunk = os.read(self.fd, 1 << 20)
                 if not chunk:
-                    code = self.process.poll()
-                    raise WorkerDied("the worker's pipe closed" if code is None else f"the worker exited with {code}")
+                    raise WorkerDied(self._ended())
                 self._buffer += chunk
 
+
+class _Zygote:
+    """The process that imports xgrammar and reads the vocabulary once (seconds), then forks compile workers on
+    request (milliseconds each): grammar_worker.main."""
+
+    def __init__(self, setup: dict):
+        import socket
+
+        from . import grammar_worker
+        self._frames_module = grammar_worker
+        began = time.perf_counter()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.process = subprocess.Popen([sys.executable, "-m", grammar_worker.__name__, str(theirs.fileno())],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                            pass_fds=[theirs.fileno()])
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._socket = ours
+        assert self.process.stdout is not None and self.process.stdin is not None
+        self._frames = _Frames(self.process.stdout.fileno(), self._ended)
+        self._lock = threading.Lock()
+        try:
+            grammar_worker.write_frame(self.process.stdin, setup)
+            ready = self._frames.read(WORKER_START_SECONDS)
+        except (OSError, CompileTimeout, WorkerDied) as e:
+            self.kill()
+            raise WorkerDied(f"the compile zygote did not start: {e or type(e).__name__}") from None
+        if not ready.get("ready"):
+            self.kill()
+            raise WorkerDied(f"the compile zygote answered {str(ready)[:200]} to its setup")
+        logger.info("compile zygote %d ready in %.2f s", self.process.pid, time.perf_counter() - began)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def fork(self) -> tuple[int, int, int]:
+        """A new worker: its pid, and this end of its stdin (to write) and of its stdout (to read)."""
+        import socket
+        worker_in, ours_in = os.pipe()
+        ours_out, worker_out = os.pipe()
+        try:
+            with self._lock:
+                try:
+                    socket.send_fds(self._socket, [b"f"], [worker_in, worker_out])
+                except OSError as e:
+                    raise WorkerDied(f"the compile zygote is gone ({e})") from None
+                reply = self._frames.read(WORKER_START_SECONDS)
+        except BaseException:
+            os.close(ours_in)
+            os.close(ours_out)
+            raise
+        finally:
+            os.close(worker_in)
+            os.close(worker_out)
+        if "pid" not in reply:
+            os.close(ours_in)
+            os.close(ours_out)
+            raise WorkerDied(f"the compile zygote answered {str(reply)[:200]}")
+        return reply["pid"], ours_in, ours_out
+
     def kill(self) -> None:
+        self._socket.close()
         if self.process.poll() is None:
             self.process.kill()
         try:
             self.process.wait(5)
         except subprocess.TimeoutExpired:
-            logger.warning("compile worker %d did not end after SIGKILL", self.process.pid)
+            logger.warning("compile zygote %d did not end after SIGKILL", self.process.pid)
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None:
                 pipe.close()
+
+    def _ended(self) -> str:
+        code = self.process.poll()
+        return "the compile zygote's pipe closed" if code is None else f"the compile zygote exited with {code}"
+
+
+class _Worker:
+    """One compile worker, forked by the zygote (not this process's child: it is watched through a pidfd), and its
+    pipes."""
+
+    def __init__(self, zygote: _Zygote):
+        from . import grammar_worker
+        self._frames_module = grammar_worker
+        self.pid, stdin, stdout = zygote.fork()
+        self._stdin = os.fdopen(stdin, "wb", buffering=0)
+        self._stdout = stdout
+        try:
+            self._pidfd: int | None = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            self._pidfd = None   # already gone: its pipe says so below
+        self._frames = _Frames(stdout, self._ended)
+        try:
+            ready = self._frames.read(WORKER_START_SECONDS)
+        except BaseException:
+            self.kill()
+            raise
+        if not ready.get("ready"):
+            self.kill()
+            raise WorkerDied(f"the worker answered {str(ready)[:200]} when it started")
+
+    def alive(self) -> bool:
+        if self._pidfd is None:
+            return False
+        readable, _, _ = select.select([self._pidfd], [], [], 0)   # a pidfd reads as ready once its process ends
+        return not readable
+
+    def request(self, message: dict, seconds: float) -> dict:
+        try:
+            self._frames_module.write_frame(self._stdin, message)
+        except (OSError, ValueError) as e:
+            raise WorkerDied(f"its pipe closed: {e}") from None
+        return self._frames.read(seconds)
+
+    def kill(self) -> None:
+        if self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            readable, _, _ = select.select([self._pidfd], [], [], 5)
+            if not readable:
+                logger.warning("compile worker %d did not end after SIGKILL", self.pid)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if not self._stdin.closed:
+            self._stdin.close()
+            os.close(self._stdout)
+
+    def _ended(self) -> str:
+        return "the worker's pipe closed" if self.alive() else "the worker exited"
 
 
 # xgrammar (0.2.9) writes a string of bounded length (minLength, maxLength) as repeats of any character but quote,

@@ -1,16 +1,24 @@
-"""A child process that compiles formats for grammar.Grammars, so that one which would compile for hours can be
+"""The processes that compile formats for grammar.Grammars, so that one which would compile for hours can be
 stopped: its process is killed.
 
 xgrammar's compile runs in C++ that no thread can interrupt, and a few KB of format can keep it going for long (on
 the tiny model's 1,024-token vocabulary, 2 cores: an EBNF grammar of 160 ambiguous rules, 6.8 KB, over 10 s; a schema
 whose oneOf nests twelve deep 12.5 s, ~8x more each two levels). In the replica's own process such a compile could
-only be abandoned, holding a core until it ended. The replica starts workers as formats need them
-(`python -m ember.runtime.engine.grammar_worker`) and speaks to each over its stdin and stdout in frames: an 8-byte
-length, then UTF-8 JSON. First the vocabulary (xgrammar's TokenizerInfo, serialised), answered {"ready": true};
-then, per format, {"tag": structural tag text}, answered {"ok": true, "seconds": the compile's, "bytes": the compiled
-format's size in memory} or {"error": the compiler's complaint, or what a token cost where a walk through the format
-(`probe`) found one too costly}. Anything else the process writes goes to stderr. A worker holds at most the memory
-it started with and the setup's "memory_bytes"; one whose replica is gone exits.
+only be abandoned, holding a core until it ended.
+
+A replica starts one zygote (`python -m ember.runtime.engine.grammar_worker FD`), which imports xgrammar and reads
+the vocabulary once (3-5 s of a core on a 2-core machine: xgrammar imports torch and transformers), and then forks a
+compile worker each time the replica asks (milliseconds, and the worker shares the zygote's memory until it writes):
+a worker killed for a format that compiles too long is replaced at once, for nothing. Both speak in frames over
+pipes: an 8-byte length, then UTF-8 JSON. The zygote reads its setup from stdin (the vocabulary as xgrammar's
+TokenizerInfo, serialised, and the limits) and answers {"ready": true} on stdout; then, for each pair of pipe ends
+the replica sends on the Unix socket FD (SCM_RIGHTS: the worker's stdin and stdout), it forks a worker and answers
+{"pid": its pid}. A worker answers {"ready": true} on its own pipe and then, per format, {"tag": structural tag
+text}, with {"ok": true, "seconds": the compile's, "bytes": the compiled format's size in memory} or {"error": the
+compiler's complaint, or what a token cost where a walk through the format (`probe`) found one too costly}. Anything
+else either process writes goes to stderr. A worker holds at most the memory it started with and the setup's
+"memory_bytes". The zygote ends when the replica closes the socket (or dies); a worker when its zygote is gone, or
+its pipe closes.
 """
 import json
 import os
@@ -55,19 +63,62 @@ def read_frame(stream: IO[bytes]) -> dict | None:
 
 
 def main() -> None:
+    """The zygote: imports xgrammar and reads the setup, then forks a worker for each pair of pipe ends sent on the
+    socket whose descriptor is argv[1], until the replica closes it."""
+    import signal
+    import socket
+
+    forks = socket.socket(fileno=int(sys.argv[1]))
     # The frames own stdout: whatever xgrammar or torch print goes to stderr instead
     frames_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     frames_in = sys.stdin.buffer
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     import xgrammar as xgr
 
-    from ember.runtime.engine.grammar import _first_line, _strict_strings
+    import ember.runtime.engine.grammar  # noqa: F401 - the workers' compiles need it: imported once, here
 
     setup = read_frame(frames_in)
     if setup is None:
         return
     info = xgr.TokenizerInfo.deserialize_json(setup["tokenizer_info"])
+    write_frame(frames_out, {"ready": True})
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # workers that end are reaped by the kernel, not waited for
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(forks, 16, 2)
+        except OSError:
+            return
+        if not message:   # the replica closed its end, or is gone
+            return
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            write_frame(frames_out, {"error": f"a fork request carried {len(fds)} descriptors, not 2"})
+            continue
+        zygote = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                forks.close()
+                frames_in.close()
+                frames_out.close()
+                serve(info, setup, os.fdopen(fds[0], "rb"), os.fdopen(fds[1], "wb"), zygote)
+            finally:
+                os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        write_frame(frames_out, {"pid": pid})
+
+
+def serve(info, setup: dict, frames_in: IO[bytes], frames_out: IO[bytes], zygote: int) -> None:
+    """A worker, forked by the zygote: compiles the formats it is sent, one at a time, until its stdin closes or
+    the zygote is gone."""
+    import xgrammar as xgr
+
+    from ember.runtime.engine.grammar import _first_line, _strict_strings
+
+    threading.Thread(target=exit_with_parent, args=(zygote,), daemon=True).start()
     compiler = xgr.GrammarCompiler(info, max_threads=setup["max_threads"], cache_limit_bytes=setup["cache_bytes"])
     write_frame(frames_out, {"ready": True})
     limit_memory(setup["memory_bytes"])

@@ -60,8 +60,14 @@ def chat(url: str, timeout: float = 120, **body) -> httpx.Response:
                       json={"model": "tiny", "messages": HELLO, "max_tokens": 8, **body})
 
 
-def workers() -> dict[int, float]:
-    """This process's compile workers: pid -> CPU seconds so far (from /proc)."""
+def workers(parent: int | None = None) -> dict[int, float]:
+    """The compile workers of this process (or `parent`): the children of its zygote; pid -> CPU seconds so far."""
+    zygotes = set(_children(os.getpid() if parent is None else parent))
+    return {pid: cpu for zygote in zygotes for pid, cpu in _children(zygote).items()}
+
+
+def _children(parent: int) -> dict[int, float]:
+    """`parent`'s child processes running grammar_worker (zygotes, or the workers they fork): pid -> CPU seconds."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -72,7 +78,7 @@ def workers() -> dict[int, float]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == os.getpid() and b"grammar_worker" in cmdline:
+        if int(fields[1]) == parent and b"grammar_worker" in cmdline and fields[0] != "Z":
             found[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return found
 
@@ -134,7 +140,8 @@ def test_a_worker_that_dies_mid_compile_costs_its_request_alone(served):
         while not (compiling := busy_workers(0.3)) and time.monotonic() < deadline:
             pass
         assert compiling, "no worker compiled the format"
-        for pid in workers():   # the compiling one and any idle one
+        zygote = pool._zygote.process.pid
+        for pid in workers():   # the compiling one and any idle one (their zygote lives on)
             os.kill(pid, signal.SIGKILL)
         slow.join()
     finally:
@@ -144,6 +151,25 @@ def test_a_worker_that_dies_mid_compile_costs_its_request_alone(served):
     held = chat(url, max_tokens=300, response_format=schema_format({**ORDER, "title": "after"}))
     assert held.status_code == 200, held.text
     jsonschema.validate(json.loads(held.json()["choices"][0]["message"]["content"]), ORDER)
+    assert pool._zygote.process.pid == zygote, "the workers' replacements came from a new zygote"
+
+
+def test_a_zygote_killed_from_outside_is_replaced(served):
+    """Its workers end with it; the next format starts another zygote and compiles."""
+    app, url = served
+    pool = app.state.openai.grammars._ready()
+    pool.start_one()
+    zygote = pool._zygote.process.pid
+    orphans = set(_children(zygote))
+    assert orphans
+    os.kill(zygote, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _running(orphans) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(orphans), "workers outlived their zygote"
+    held = chat(url, max_tokens=300, response_format=schema_format({**ORDER, "title": "zygote"}))
+    assert held.status_code == 200, held.text
+    assert pool._zygote.process.pid != zygote
 
 
 def test_formats_past_the_waiting_limit_are_told_to_retry(served, monkeypatch):
@@ -172,7 +198,8 @@ def test_formats_past_the_waiting_limit_are_told_to_retry(served, monkeypatch):
 
 
 def test_compile_workers_end_with_their_replica(tmp_path):
-    """A replica killed outright leaves no worker compiling on: each watches for its parent."""
+    """A replica killed outright leaves no worker compiling on, nor its zygote: the zygote ends with the replica's
+    socket, each worker with its zygote."""
     path = build_tiny_model(tmp_path / "qwen3")
     script = textwrap.dedent(f"""
         import json, sys, threading, time
@@ -186,36 +213,31 @@ def test_compile_workers_end_with_their_replica(tmp_path):
     """)
     replica = subprocess.Popen([sys.executable, "-c", script])
     try:
-        deadline, pids = time.monotonic() + 90, []
-        while not pids and time.monotonic() < deadline:
+        deadline, compiling = time.monotonic() + 90, set()
+        while not compiling and time.monotonic() < deadline:
+            compiling = {pid for pid, cpu in workers(replica.pid).items() if cpu > 0.5}
             time.sleep(0.5)
-            pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _child_of(p, replica.pid)]
-        assert pids, "the replica started no compile worker"
-        time.sleep(1.0)
+        assert compiling, "the replica's worker did not start compiling"
+        zygotes = set(_children(replica.pid))
     finally:
         replica.kill()
         replica.wait()
-    # within a second of its parent's end once compiling; one still importing xgrammar (seconds) ends after it
-    deadline = time.monotonic() + 60
-    while any(Path(f"/proc/{pid}").exists() and not _zombie(pid) for pid in pids) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30   # within a second or two of the replica's end
+    while _running(compiling | zygotes) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(Path(f"/proc/{pid}").exists() and not _zombie(pid) for pid in pids)
+    assert not _running(compiling | zygotes)
 
 
-def _child_of(entry: Path, parent: int) -> bool:
-    try:
-        stat = (entry / "stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"grammar_worker" in (
-            entry / "cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return False
+def _running(pids: set[int]) -> set[int]:
+    """Those of `pids` that are neither gone nor zombies."""
+    running = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                running.add(pid)
+        except OSError:
+            pass
+    return running
 
 
 def test_a_format_that_grows_too_costly_to_follow_ends_its_request_with_a_400(served):
