@@ -8,13 +8,16 @@ bash scripts/lint.sh  # ruff and mypy: a finding fails the run before any test s
 PYTHON=${PYTHON:-python3}
 # Most tests wait on subprocesses, sockets and timers rather than the CPU, so they run in EMBER_TEST_WORKERS processes
 # (default: two per core), a test file per worker at a time (its module-scoped servers are started once). Each test
-# has its own EMBER_HOME, ports and servers, so workers share nothing but the machine.
+# has its own EMBER_HOME, ports and servers, so workers share nothing but the machine. Files are handed out longest
+# first, as tests/durations.json records them (tests/conftest.py; refresh it with --record-durations
+# tests/durations.json), not by their number of tests, so that a long one does not start last.
 WORKERS=${EMBER_TEST_WORKERS:-$(( $("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))') * 2 ))}
 # Tests marked `serial` time or weigh what they do under a load they make themselves (2,000 TLS handshakes, 480 MiB
 # of uploads): they run afterwards, one at a time. Exit status 5 is pytest's "no test selected" (e.g. a path given
 # holds no serial test); the run fails if either part fails.
 status=0
-"$PYTHON" -m pytest -q -m "not gpu and not serial" -n "$WORKERS" --dist loadfile "$@" || status=$?
+"$PYTHON" -m pytest -q -m "not gpu and not serial" -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@" \
+  || status=$?
 [ "$status" = 5 ] && status=0
 serial=0
 "$PYTHON" -m pytest -q -m "not gpu and serial" "$@" || serial=$?

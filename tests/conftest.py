@@ -152,8 +152,52 @@ def _serving(tmp_path: Path):
         stop_serve(process)
 
 
+# Each test file's seconds in a clean run of scripts/test.sh on the 2-core CI machine (pytest --record-durations)
+DURATIONS = ROOT / "tests" / "durations.json"
+UNRECORDED_SLOW_SECONDS = 30.0   # a file not in it yet that holds a test marked `slow`
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", metavar="PATH", type=Path,
+                     help="write each test file's total seconds (setup, call, teardown) into PATH as JSON (over "
+                          "what it holds), e.g. tests/durations.json, which orders the files of later runs")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Test files holding a test marked `slow` first, in their usual order, then the rest: scripts/test.sh hands the
-    files to its worker processes in this order, so the longest start first rather than finish last."""
+    """Test files longest first, by tests/durations.json (a file missing there: UNRECORDED_SLOW_SECONDS if it holds
+    a test marked `slow`, else 0), equal ones in their usual order: scripts/test.sh hands whole files to its worker
+    processes in this order (pytest-xdist's --dist loadfile, with its own reordering by test count turned off), so
+    the longest start first rather than finish last."""
+    recorded = json.loads(DURATIONS.read_text())["files"] if DURATIONS.exists() else {}
     slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable: order kept within each part
+
+    def seconds(item) -> float:
+        path = item.nodeid.split("::")[0]
+        return recorded.get(path, UNRECORDED_SLOW_SECONDS if path in slow else 0.0)
+
+    items.sort(key=lambda item: -seconds(item))  # stable: a file's tests stay together and in order
+
+
+class DurationRecorder:
+    """Sums each test file's reported durations; in a run across worker processes it runs in the one that reports."""
+
+    def __init__(self, path: Path):
+        self.path, self.files = path, {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        path = report.nodeid.split("::")[0]
+        self.files[path] = self.files.get(path, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session) -> None:
+        """Merged over what PATH holds (scripts/test.sh's second run, of the serial tests, adds its files)."""
+        files = json.loads(self.path.read_text())["files"] if self.path.exists() else {}
+        files |= {path: round(total, 1) for path, total in self.files.items()}
+        files = dict(sorted(files.items(), key=lambda kv: -kv[1]))
+        self.path.write_text(json.dumps({"note": "seconds per test file in one run of scripts/test.sh; written by "
+                                                 "pytest --record-durations", "files": files}, indent=1) + "\n")
+
+
+def pytest_configure(config):
+    path = config.getoption("--record-durations")
+    if path is not None and not hasattr(config, "workerinput"):   # the main process, not an xdist worker
+        config.pluginmanager.register(DurationRecorder(path), "duration-recorder")
