@@ -179,25 +179,59 @@ def pytest_collection_modifyitems(config, items):
 
 
 class DurationRecorder:
-    """Sums each test file's reported durations; in a run across worker processes it runs in the one that reports."""
+    """Sums each test file's reported durations and CPU seconds (CpuMeter's); in a run across worker processes it
+    runs in the one that reports."""
 
     def __init__(self, path: Path):
-        self.path, self.files = path, {}
+        self.path, self.files, self.cpu = path, {}, {}
 
     def pytest_runtest_logreport(self, report) -> None:
         path = report.nodeid.split("::")[0]
         self.files[path] = self.files.get(path, 0.0) + report.duration
+        cpu = dict(report.user_properties).get("cpu_s", 0.0)
+        self.cpu[path] = self.cpu.get(path, 0.0) + cpu
 
     def pytest_sessionfinish(self, session) -> None:
         """Merged over what PATH holds (scripts/test.sh's second run, of the serial tests, adds its files)."""
-        files = json.loads(self.path.read_text())["files"] if self.path.exists() else {}
-        files |= {path: round(total, 1) for path, total in self.files.items()}
-        files = dict(sorted(files.items(), key=lambda kv: -kv[1]))
-        self.path.write_text(json.dumps({"note": "seconds per test file in one run of scripts/test.sh; written by "
-                                                 "pytest --record-durations", "files": files}, indent=1) + "\n")
+        held = json.loads(self.path.read_text()) if self.path.exists() else {}
+        files = held.get("files", {}) | {path: round(total, 1) for path, total in self.files.items()}
+        cpu = held.get("cpu_seconds", {}) | {path: round(total, 1) for path, total in self.cpu.items()}
+        self.path.write_text(json.dumps({
+            "note": "per test file in one run of scripts/test.sh, written by pytest --record-durations: files, its "
+                    "seconds (setup, call and teardown); cpu_seconds, the CPU its worker process and the processes "
+                    "it waited for used meanwhile (a server is counted where it was stopped)",
+            "files": dict(sorted(files.items(), key=lambda kv: -kv[1])),
+            "cpu_seconds": dict(sorted(cpu.items(), key=lambda kv: -kv[1]))}, indent=1) + "\n")
+
+
+class CpuMeter:
+    """Adds to each test phase's report the CPU seconds this process and its reaped children used since the last."""
+
+    def __init__(self):
+        self.mark = self.used()
+
+    def pytest_collection_finish(self, session) -> None:
+        self.mark = self.used()   # the imports of collection are nobody's test
+
+    @staticmethod
+    def used() -> float:
+        import resource
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = yield
+        now = self.used()
+        report.user_properties.append(("cpu_s", now - self.mark))
+        self.mark = now
+        return report
 
 
 def pytest_configure(config):
     path = config.getoption("--record-durations")
-    if path is not None and not hasattr(config, "workerinput"):   # the main process, not an xdist worker
+    if path is None:
+        return
+    config.pluginmanager.register(CpuMeter(), "cpu-meter")   # in each process that runs tests
+    if not hasattr(config, "workerinput"):   # the main process, not an xdist worker
         config.pluginmanager.register(DurationRecorder(path), "duration-recorder")
