@@ -26,6 +26,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 from typing import IO, Any
 
 HEADER = struct.Struct("<Q")
@@ -83,6 +84,9 @@ def main() -> None:
     info = xgr.TokenizerInfo.deserialize_json(setup["tokenizer_info"])
     write_frame(frames_out, {"ready": True})
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # workers that end are reaped by the kernel, not waited for
+    # torch's import leaves a second thread, idle, in this process (Python 3.12 warns of fork() beside threads); the
+    # forked worker touches nothing of it, as torch's own DataLoader workers, forked the same way, do not
+    warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning)
     while True:
         try:
             message, fds, _, _ = socket.recv_fds(forks, 16, 2)
