@@ -11,6 +11,9 @@ PYTHON=${PYTHON:-python3}
 # has its own EMBER_HOME, ports and servers, so workers share nothing but the machine. Files are handed out longest
 # first, as tests/durations.json records them (tests/conftest.py; refresh it with --record-durations
 # tests/durations.json), not by their number of tests, so that a long one does not start last.
+# One torch (OpenMP) thread per test process and what it starts: OpenMP's threads spin while they wait, and several
+# test processes share each core (tests/conftest.py sets the same where pytest is run directly)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1}
 WORKERS=${EMBER_TEST_WORKERS:-$(( $("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))') * 2 ))}
 # Tests marked `serial` time or weigh what they do under a load they make themselves (2,000 TLS handshakes, 480 MiB
 # of uploads): they run afterwards, one at a time. Exit status 5 is pytest's "no test selected" (e.g. a path given

@@ -10,12 +10,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import pytest
+# One torch (OpenMP) thread per process, here and in the replicas and servers the tests start (they inherit it):
+# the tests run in several processes per core, and OpenMP's threads spin while they wait for one another, so on the
+# 2-core CI machine three processes of test_engine.py side by side took 114 s of CPU each with torch's default
+# threads and 28 s with one. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-from ember.gateway.banner import LAST_LINE
-from ember.gateway.keys import KeyStore
-from ember.home import Home
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+from ember.gateway.banner import LAST_LINE  # noqa: E402
+from ember.gateway.keys import KeyStore  # noqa: E402
+from ember.home import Home  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
