@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +60,9 @@ class PacedEngine:
         from ember.runtime.engine.tiny import CORPUS
 
         self.model_name, self.max_model_len = MODEL, 1024
+        # what the OpenAI server reads of an engine besides its steps (the vocabulary for structured outputs)
+        self.runner = types.SimpleNamespace(vocab_size=len(tokenizer), device=types.SimpleNamespace(type="cpu"))
+        self.eos_token_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.step_seconds = step_seconds
         self.text = tokenizer.encode(CORPUS)
         self.running: dict[str, list[int]] = {}   # request id -> [prompt tokens, where in the text, tokens left]
@@ -67,7 +71,7 @@ class PacedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running)
 
-    def add_request(self, request_id, prompt_token_ids, params, trace_context=None) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, trace_context=None, group=None) -> None:
         self.running[request_id] = [len(prompt_token_ids), 37 * self.added, params.max_tokens]
         self.added += 1
 
