@@ -35,6 +35,16 @@ def test_plain_runs_leave_bench_results_alone():
     assert _results() == before
 
 
+def test_the_serving_cpu_bench_runs_against_the_server_as_it_is():
+    """bench/engine/serve_cpu.py serves the OpenAI app over a stand-in engine: one that lacks what the server reads
+    of an engine failed every request (it did, unnoticed, from the structured-output work to session 29)."""
+    run = subprocess.run([sys.executable, str(BENCH / "engine" / "serve_cpu.py"), "--rounds", "1", "--concurrency", "2",
+                          "--requests", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    [row] = [line.split() for line in run.stdout.splitlines() if line.startswith("this")]
+    assert int(row[1]) == 2 and float(row[2]) > 0 and 0 < float(row[3]) <= 1.0   # events per streamed token
+
+
 def test_engine_speed_joins_the_shares_of_runs_that_each_measured_some_parts(tmp_path):
     """A GPU call has a time limit: each measures some models and parts (--parts), and --merge joins them."""
     import json
