@@ -25,7 +25,7 @@ from ember.gateway.service import Gateway
 from ember.gateway.tls import certificate_names, check_own_certificate, issue_server_cert, primary_address
 from ember.home import Home
 from ember.package import build, load_app
-from ember.runtime import environments, logs, tracing
+from ember.runtime import environments, heap, logs, tracing
 
 CLI_KEY_NAME = "ember-cli"
 GRACE = 5
@@ -233,6 +233,7 @@ def serve(app_path: str, host: str = "127.0.0.1", port: int = 8443, new_key: str
             for line in banner.lines(deployment.name, url, ca, tls_cert, home.logs, package, made, replaced, GRACE,
                                      watching, openai_model):
                 print(line, flush=True)
+            heap.settle()  # what the start built lives as long as the gateway: no collection walks it again
             _Server(config, lambda: gateway.stop_calls(GRACE), limits.header_timeout).run(sockets=[sock])
         finally:
             home.gateway_file.unlink(missing_ok=True)  # the lock says this run owns it

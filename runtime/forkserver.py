@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from ember.runtime import heap  # noqa: E402
+
 # tqdm's progress-bar monitor only wakes to check its bars; a child that shows a bar starts its own
 FORK_SAFE_THREADS = {"tqdm_monitor"}
 MAX_MESSAGE = 1 << 20  # a ForkRequest carries the replica's environment
@@ -375,6 +377,9 @@ class UnitTemplate:
         if hazard:
             send(self.channel, Refused(hazard))
             return 1
+        # Replicas share the template's heap copy-on-write; a collection in one that walked it would write to every
+        # object's header and so copy its pages. Frozen, no collection walks it.
+        heap.settle()
         send(self.channel, TemplateReady(round((time.monotonic() - began) * 1000)))
         while True:
             with selectors.DefaultSelector() as selector:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from ember.runtime import control, health, logs, startup, tracing  # noqa: E402
+from ember.runtime import control, health, heap, logs, startup, tracing  # noqa: E402
 from ember.runtime.call_body import (  # noqa: E402
     BadCallBody,
     ResultNotJson,
@@ -683,6 +683,7 @@ def serve(channel: ControlChannel, started: float, load: Callable[[], tuple[Any,
     stops: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: stops.append(signum))
+    heap.settle()  # what the start built lives as long as the replica: no collection walks it again
     channel.send(control.Ready(sock.getsockname()[1], started, timings, secret))
     try:
         _serve(asgi, sock, stops)

@@ -25,6 +25,7 @@ bench/results/serve_cpu.json (serve_cpu_http.json with --against-http h11).
 """
 import argparse
 import asyncio
+import gc
 import importlib.util
 import json
 import os
@@ -112,6 +113,7 @@ def serve(model_dir: str, step_ms: float, http: str = "auto") -> None:
         app = create_app(llm, served_model_name=MODEL)
     else:
         app = create_app(EngineConfig(model=model_dir, max_model_len=1024, max_num_seqs=256), served_model_name=MODEL)
+    gc.freeze()   # as a replica's worker does once it has started (runtime/heap.py); the --against runtime may not
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)   # connections wait in its backlog until uvicorn accepts them

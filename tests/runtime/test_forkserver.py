@@ -114,6 +114,27 @@ def test_snap_hooks_run_once_in_the_fork_server_and_every_replica_sees_their_sta
     run(test, tmp_path)
 
 
+def test_a_replicas_collector_walks_none_of_what_its_start_built_forked_or_spawned(package, tmp_path):
+    """A full collection walks every object it tracks, with the event loop and the engine loop stopped: what the
+    start built (modules, the snapped state, the app) is frozen, in the template before it forks (a collection in a
+    replica would otherwise write to the shared pages) and in the replica before it serves."""
+    async def test(node: Node):
+        forked = await node.start(package, "Snapped")
+        spawned_node = Node(tmp_path / "spawned", fork=False)
+        spawned_node.logs.mkdir()
+        try:
+            spawned = await spawned_node.start(package, "Snapped")
+            assert spawned.timings["start"] == "spawn"
+            for worker, on in ((forked, node), (spawned, spawned_node)):
+                heap = await on.call(worker, "heap")
+                assert heap["frozen"] > 50_000, heap   # torch and the HTTP stack: ~200,000
+                assert not heap["instance_walked"] and heap["new_walked"], heap
+        finally:
+            await spawned_node.close()
+
+    run(test, tmp_path)
+
+
 def test_a_dead_fork_server_falls_back_to_a_spawn_says_so_and_is_restarted(package, tmp_path):
     async def test(node: Node):
         forked = await node.start(package, "imported_in")

@@ -1,4 +1,5 @@
 """An app whose module imports torch and whose class builds its state in a snap=True hook (test_forkserver)."""
+import gc
 import os
 import sys
 
@@ -44,3 +45,13 @@ class Snapped:
     @ember.method()
     def where(self) -> dict:
         return {"built_in": self.built_in, "pid": self.pid, "sum": int(self.table.sum())}
+
+    @ember.method()
+    def heap(self) -> dict:
+        """What this replica's collector still walks: how many objects its start froze, whether this instance (built
+        by the snap=True hook: in the template, where the replica was forked) is among them, and whether an object
+        made now is walked."""
+        made_now = [self]
+        walked = {id(o) for o in gc.get_objects()}
+        return {"frozen": gc.get_freeze_count(), "instance_walked": id(self) in walked,
+                "new_walked": id(made_now) in walked}
