@@ -64,6 +64,9 @@ class Completion:
     num_prompt_tokens: int
     num_cached_tokens: int
     prompt_index: int = 0          # which prompt of a batched request this choice answers
+    # where each token's text ends in `text`, for an increment of several tokens (steps joined for a caller that fell
+    # behind): what is counted by the token (reasoning) reads it; None for one token, whose text is all of it
+    token_ends: list[int] | None = None
 
 
 # What the loop thread hands a caller: (choice index, that choice's step output), or the error that ended it.
@@ -195,7 +198,11 @@ class AsyncLLM:
                     running.discard(i)
                     raise FormatCostError()
                 detok = detokenizers[i]
-                text = detok.step(out.new_token_ids, finished=out.finished)
+                ends = None
+                if len(out.new_token_ids) > 1 and not detok.stop:
+                    text, ends = detok.step_each(out.new_token_ids, finished=out.finished)
+                else:
+                    text = detok.step(out.new_token_ids, finished=out.finished)
                 finish, stop_reason = (out.finish_reason, None) if out.finished else (None, None)
                 if detok.stop_reason is not None:
                     finish, stop_reason = "stop", detok.stop_reason
@@ -206,7 +213,7 @@ class AsyncLLM:
                     if not out.finished:  # a stop string matched in the text: the engine did not see it
                         self.abort(ids[i], reason="stop")
                 yield Completion(i, text, out.new_token_ids, out.new_logprobs, finish, stop_reason,
-                                 out.num_prompt_tokens, out.num_cached_tokens)
+                                 out.num_prompt_tokens, out.num_cached_tokens, token_ends=ends)
         finally:
             for i in running:
                 self.abort(ids[i])

@@ -66,10 +66,25 @@ class Detokenizer:
             self.text, self.sent = self.text[keep_from:], self.sent - keep_from
         return delta
 
-    def _decode_new(self, token_ids, flush: bool) -> str:
+    def step_each(self, token_ids, finished=False) -> tuple[str, list[int]]:
+        """As `step` for a request without stop strings (whose outputs may be joined), with how long the returned
+        text is after each token: where a joined output's tokens start and end in its text."""
+        if self.stop:
+            raise ValueError("step_each is for a request without stop strings; step holds text back for them")
+        ends: list[int] = []
+        return self._decode_new(token_ids, flush=finished, ends=ends), ends
+
+    def _decode_new(self, token_ids, flush: bool, ends: list[int] | None = None) -> str:
         if self.stream is None:
-            self.tokens.extend(token_ids)
-            return self._decode_window(flush)
+            if ends is None:
+                self.tokens.extend(token_ids)
+                return self._decode_window(flush)
+            text = ""
+            for i, token in enumerate(token_ids):   # a window a token, so each token's text is known
+                self.tokens.append(token)
+                text += self._decode_window(flush and i == len(token_ids) - 1)
+                ends.append(len(text))
+            return text
         decoder, backend = self.stream
         text = ""
         for token in token_ids:
@@ -78,8 +93,12 @@ class Detokenizer:
             if chunk is not None:  # the window moves as DecodeStream's does, for a flush to start where it stands
                 text += chunk
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            if ends is not None:
+                ends.append(len(text))
         if flush and self.read_offset < len(self.tokens):  # the last characters, complete or not
             text += self._decode_window(flush=True)
+            if ends:
+                ends[-1] = len(text)
         if len(self.tokens) > 4 * CONTEXT_TOKENS + 64 and self.prefix_offset > 0:  # keep only the window's tokens
             del self.tokens[:self.prefix_offset]
             self.prefix_offset, self.read_offset = 0, self.read_offset - self.prefix_offset

@@ -38,10 +38,13 @@ class ReasoningStream:
         # closed and the whitespace after it is dropped; answer: the rest is content
         self.state = "inside" if inside else "start"
         self.held = ""   # text not yet given out: the reply's opening, or a possible closing tag's start
+        self.fed = 0     # characters fed so far (`held` is always their end)
+        self.closed_at: int | None = None   # where in them the closing tag ended
 
     def feed(self, text: str) -> list[dict]:
         parts: list[dict] = []
         self.held += text
+        self.fed += len(text)
         while self.held:
             if self.state == "start":
                 opening = self.held.lstrip()
@@ -59,6 +62,7 @@ class ReasoningStream:
                     self.held = self.held[len(self.held) - keep:]
                     break
                 parts.append({"reasoning": self.held[:end]})
+                self.closed_at = self.fed - len(self.held) + end + len(CLOSE)
                 self.held, self.state = self.held[end + len(CLOSE):], "after"
             elif self.state == "after":
                 self.held = self.held.lstrip()
@@ -99,25 +103,34 @@ class ReplyParser:
         self.calls = ToolCallStream(shape.parallel_tool_calls) if shape.tools else None
         self.calls_sent = 0   # calls streamed so far (each delta's index)
         self.made_calls = False
-        self.reasoning_tokens = 0   # output tokens up to the step that closed the reasoning
+        self.reasoning_tokens = 0   # output tokens up to the one that closed the reasoning
         self.undecided = 0          # tokens of the reply's opening, before it showed whether it reasons
 
     @property
     def still_thinking(self) -> bool:
         return self.reasoning is not None and self.reasoning.state == "inside"
 
-    def feed(self, text: str, tokens: int = 0, final: bool = False) -> list[dict]:
+    def read(self, c) -> list[dict]:
+        """The parts a choice's increment (an async_engine.Completion) completes."""
+        return self.feed(c.text, len(c.token_ids), bool(c.finish_reason), c.token_ends)
+
+    def feed(self, text: str, tokens: int = 0, final: bool = False, token_ends: list[int] | None = None) -> list[dict]:
+        """The parts `text` completes; `tokens` it took, and with several, where each one's text ends in it
+        (Completion.token_ends): the reasoning is counted to the token that closed it, however the steps came."""
         if self.reasoning is None:
             parts = [{"content": text}]
         else:
-            before = self.reasoning.state
+            before, began = self.reasoning.state, self.reasoning.fed
             parts = self.reasoning.feed(text) + (self.reasoning.finish() if final else [])
+            closed = self.reasoning.closed_at is not None and self.reasoning.closed_at > began
+            in_block = _tokens_to(token_ends, self.reasoning.closed_at - began, tokens) if closed else tokens
             if before == "inside":
-                self.reasoning_tokens += tokens
+                self.reasoning_tokens += in_block
             elif before == "start":   # counted once the opening shows a block (an answer's opening is not)
-                self.undecided += tokens
-                if self.reasoning.state in ("inside", "after"):
-                    self.reasoning_tokens, self.undecided = self.reasoning_tokens + self.undecided, 0
+                if closed or self.reasoning.state == "inside":
+                    self.reasoning_tokens, self.undecided = self.reasoning_tokens + self.undecided + in_block, 0
+                else:
+                    self.undecided += tokens
         if self.calls is None:
             return merged(parts)
         out: list[dict] = []
@@ -126,6 +139,13 @@ class ReplyParser:
         out += self.calls.finish() if final else []
         self.made_calls = self.made_calls or any("tool_call" in part for part in out)
         return merged(out)
+
+
+def _tokens_to(token_ends: list[int] | None, end: int, tokens: int) -> int:
+    """How many of a step's tokens it took to write its text up to `end`: all of them without their ends."""
+    if not token_ends:
+        return tokens
+    return next((i + 1 for i, at in enumerate(token_ends) if at >= end), tokens)
 
 
 def joined(parts: list[dict]) -> tuple[str, str, list[dict]]:

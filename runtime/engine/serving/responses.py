@@ -94,7 +94,7 @@ async def reply(shape: ResponseShape, stream, reply_shape: ReplyShape) -> dict:
     async with aclosing(stream):
         async for c in stream:
             usage.add(c)
-            parts += parser.feed(c.text, len(c.token_ids), final=bool(c.finish_reason))
+            parts += parser.read(c)
             finish = c.finish_reason or finish
     reasoning, content, calls = joined(parts)
     status, incomplete = ending(finish)
@@ -134,7 +134,7 @@ class ResponseEvents:
             async for c in stream:
                 usage.add(c)
                 finish = c.finish_reason or finish
-                for part in parser.feed(c.text, len(c.token_ids), final=bool(c.finish_reason)):
+                for part in parser.read(c):
                     if "tool_call" in part:
                         events = self.call(part["tool_call"])
                     elif "reasoning" in part:

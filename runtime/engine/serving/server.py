@@ -130,7 +130,7 @@ class OpenAIServer:
                     texts.setdefault(c.index, []).append(c.text)
                 else:
                     parser = parsers.setdefault(c.index, ReplyParser(shape))
-                    parts.setdefault(c.index, []).extend(parser.feed(c.text, len(c.token_ids), bool(c.finish_reason)))
+                    parts.setdefault(c.index, []).extend(parser.read(c))
                 if req.logprobs and c.logprobs:
                     choice["logprobs"]["content"] += self._chat_logprobs(c.logprobs)
                 if c.finish_reason:
@@ -334,7 +334,7 @@ def _part_chunks(chunks: "ChunkJSON", c: Completion, parser: ReplyParser, logpro
     its whole calls, the step's logprobs on the first, and the finish (reason "tool_calls" where a call was made and
     the model stopped)."""
     sent = False
-    for part in parser.feed(c.text, len(c.token_ids), final=bool(c.finish_reason)):
+    for part in parser.read(c):
         if "content" in part:
             delta: dict = {"content": part["content"]}
         elif "reasoning" in part:

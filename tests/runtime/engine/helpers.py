@@ -47,8 +47,11 @@ def wait_until_idle(engine, timeout: float = 5.0) -> None:
 
 
 def engine_writes(monkeypatch, pieces: list[str]) -> None:
-    """The real engine's outputs with their text replaced by `pieces`, one per output (the engine may merge steps:
-    the last output takes the rest), each reply ending as the model stopped."""
+    """The real engine's outputs with their text replaced by `pieces`, one per token (an output that joined steps
+    for a caller that fell behind takes one per token, and says where each ends; the last output takes the rest),
+    each reply ending as the model stopped."""
+    import itertools
+
     from ember.runtime.engine import async_engine
 
     real = async_engine.AsyncLLM.generate
@@ -56,7 +59,11 @@ def engine_writes(monkeypatch, pieces: list[str]) -> None:
     async def writing(self, *args, **kwargs):
         rest = iter(pieces)
         async for c in real(self, *args, **kwargs):
-            c.text = "".join(rest) if c.finish_reason else next(rest, "")
+            taken = [next(rest, "") for _ in c.token_ids] or [""]
+            if c.finish_reason:
+                taken[-1] += "".join(rest)
+            c.text = "".join(taken)
+            c.token_ends = list(itertools.accumulate(map(len, taken))) if len(taken) > 1 else None
             if c.finish_reason:
                 c.finish_reason = "stop"
             yield c

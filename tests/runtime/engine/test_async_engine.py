@@ -64,6 +64,14 @@ def test_a_caller_that_falls_behind_gets_the_steps_it_missed_as_one_increment(ll
     separate = asyncio.run(slow(stop=["\u2603\u2603"]))   # a stop string that never matches
     assert [len(c.token_ids) for c in separate] == [1] * 16
     assert [t for c in separate for t in c.token_ids] == tokens
+    # a joined increment says where each token's text ends in it: the texts the steps had one by one
+    each = []
+    for c in chunks:
+        ends = c.token_ends if len(c.token_ids) > 1 else [len(c.text)]
+        assert c.token_ends is None or len(c.token_ends) == len(c.token_ids)
+        each += [c.text[start:end] for start, end in zip([0, *ends], ends)]
+    assert each == [c.text for c in separate]
+    assert any(c.token_ends for c in chunks)
 
 
 def test_n_fans_out_with_seed_plus_i_and_is_reproducible(llm):

@@ -173,3 +173,25 @@ def test_a_request_that_ends_mid_character_flushes_what_it_has(tokenizer):
     long = Detokenizer(tokenizer, [])
     text = "".join(long.step([t]) for t in tokenizer.encode(TEXTS[0] * 20, add_special_tokens=False))
     assert text == TEXTS[0] * 20 and len(long.tokens) < 4 * 5 + 64 + 8  # only the window's tokens are kept
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+@pytest.mark.parametrize("text", TEXTS)
+def test_joined_steps_say_where_each_tokens_text_ends(tokenizer, text, windowed):
+    """step_each (for outputs joined for a caller that fell behind): the text step gives, and after each token how
+    long it is, which is where that token's text ends when decoded one by one (a byte of a character: none)."""
+    one_by_one, _ = stream(tokenizer, text)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = tokenizer.encode("Hello there", add_special_tokens=False)
+    for cut in (2, 3, len(ids)):
+        detok = Detokenizer(tokenizer, prompt_ids)
+        if windowed:
+            detok.stream = None   # as where no DecodeStream can be had
+        pieces = []
+        for at in range(0, len(ids), cut):
+            joined, ends = detok.step_each(ids[at:at + cut], finished=at + cut >= len(ids))
+            assert len(ends) == len(ids[at:at + cut]) and ends[-1] == len(joined)
+            pieces += [joined[start:end] for start, end in zip([0, *ends], ends)]
+        assert pieces == one_by_one
+    with pytest.raises(ValueError, match="without stop strings"):
+        Detokenizer(tokenizer, prompt_ids, stop=["x"]).step_each(ids)

@@ -3,6 +3,7 @@ over the tiny model with chat templates that think (Qwen3's way, whose reply ope
 whose prompt does). The model's random weights never write the tags, so the served tests replace the text of the
 real engine's outputs with a reply that reasons (the stand-in test_tools uses too)."""
 import contextlib
+import itertools
 import json
 import shutil
 
@@ -69,6 +70,28 @@ def test_reasoning_tokens_are_the_blocks_steps_and_an_answers_opening_is_none_of
     assert counted(["<think>a", "b", "c"]) == 6                  # cut off while reasoning: every step
 
 
+REPLY_TOKENS = ["  ", "<think>", "\nThe", " user", " wants", " a city.", "\n</", "think", ">\n\n", "Paris", "."]
+
+
+@pytest.mark.parametrize("joins", [[1] * 11, [11], [3, 8], [2, 7, 2], [6, 3, 2], [9, 2], [8, 3], [1, 1, 9], [4, 4, 3]])
+def test_reasoning_tokens_end_at_the_token_that_closed_the_block_however_the_steps_were_joined(joins):
+    """A caller that fell behind gets several steps' tokens in one output (async_engine._joined), with where each
+    token's text ends: the count is the same as step by step, up to and with the token that wrote the closing tag's
+    last character, whatever else the output holds."""
+    def counted(tokens: list[str], inside: bool = False) -> int:
+        parser, at = ReplyParser(ReplyShape(reasoning=True, inside=inside)), 0
+        for k in joins:
+            taken, at = tokens[at:at + k], at + k
+            ends = list(itertools.accumulate(map(len, taken))) if k > 1 else None
+            parser.feed("".join(taken), k, final=at == len(tokens), token_ends=ends)
+        return parser.reasoning_tokens
+
+    assert counted(REPLY_TOKENS) == 9   # the opening whitespace, the tag, ..., ">\n\n"
+    assert counted(["\nThe", " user", " wants", " a", " city.", "\n</", "think", ">\n\n", "Paris", ".", "!"],
+                   inside=True) == 8
+    assert counted(["Paris", ".", " <", "think", ">", "x", "</", "think", ">", "!", "!"]) == 0   # an answer's
+
+
 def test_a_prompt_left_inside_a_block_starts_the_reply_in_it():
     assert starts_inside("<|im_start|>assistant\n<think>\n")
     assert not starts_inside("<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -107,12 +130,8 @@ def writes(monkeypatch):
     return use
 
 
-# reasoning_tokens counts the tokens up to the step that closed the block, as the caller received the steps: one that
-# fell behind gets the steps it missed joined in one output (async_engine._joined), and a join that takes in the
-# closing step counts its other tokens too. A stop string turns joining off, so both requests here see every step
-# apart however loaded the host (CI once saw 8 against 7).
 ASK = {"model": "tiny", "messages": [{"role": "user", "content": "A city?"}], "max_tokens": 40,
-       "stop": ["\u0000never written"], "extra_body": {"ignore_eos": True}}
+       "extra_body": {"ignore_eos": True}}
 
 
 def test_the_chat_api_gives_the_reasoning_apart_whole_and_streamed(served, writes):
@@ -122,7 +141,9 @@ def test_the_chat_api_gives_the_reasoning_apart_whole_and_streamed(served, write
         chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ASK))
     message = whole.choices[0].message
     assert message.content == "Paris." and message.reasoning_content == "\nThe user wants a city. Paris.\n"
-    assert 0 < whole.usage.completion_tokens_details.reasoning_tokens < whole.usage.completion_tokens
+    # a token a 7-character piece: the block closes in the piece holding the tag's last character, joined or not
+    closing = THOUGHT.index("</think>") + len("</think>")
+    assert whole.usage.completion_tokens_details.reasoning_tokens == -(-closing // 7) < whole.usage.completion_tokens
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant" and deltas[1].content == ""   # the first step's "<think>": held, yet seen
     assert "".join(d.content or "" for d in deltas) == "Paris."
