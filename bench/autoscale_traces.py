@@ -22,7 +22,7 @@ import random
 import sys
 from pathlib import Path
 
-from ember.gateway.autoscaler.trace import Request, poisson, write_jsonl
+from ember.gateway.autoscaler.trace import MAX_SPAN_S, Request, poisson, write_jsonl
 
 KINDS = ("day", "bursts", "small", "steady")
 
@@ -67,7 +67,7 @@ def generate(kind: str, duration: float, seed: int, **options) -> list[Request]:
     return makers[kind](duration, random.Random(f"{kind}-{seed}"), **options)
 
 
-MAX_DURATION_S = 7 * 86400.0   # a week of trace; longer takes hours to replay
+MAX_DURATION_S = MAX_SPAN_S    # a week of trace; longer takes hours to replay
 MAX_RATE = 1000.0              # req/s of one rate: a week at it is 600M requests
 
 

@@ -25,13 +25,17 @@ class Request:
 # A request's token counts past this are no request a replica could serve (the longest context windows are ~1M)
 # and would keep a replay's simulation going for days of simulated time.
 MAX_TOKENS = 1_000_000
+# A week of trace: the simulator steps every policy tick (0.5 s) through it, which takes hours past that; a trace
+# whose times are far apart by mistake (milliseconds read as seconds, one stray timestamp) would never end.
+MAX_SPAN_S = 7 * 86400.0
 
 
 def read_jsonl(lines: Iterable[str], source: str = "trace") -> list[Request]:
     """Requests from JSON lines `{"t", "function", "prompt_tokens", "output_tokens"}`, sorted by time. Times are
     seconds from any origin: they are counted from the whole second of the first request (a trace of Unix
     timestamps replays from its first request; one that starts within its first second is unchanged). Token
-    counts are whole numbers from 0 to MAX_TOKENS; a function name is a non-empty string."""
+    counts are whole numbers from 0 to MAX_TOKENS; a function name is a non-empty string; the requests span at most
+    MAX_SPAN_S."""
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -45,6 +49,10 @@ def read_jsonl(lines: Iterable[str], source: str = "trace") -> list[Request]:
         raise ValueError(f"{source}: no requests (one JSON object a line: "
                          f"{{\"t\", \"function\", \"prompt_tokens\", \"output_tokens\"}})")
     origin = math.floor(min(r.t for r in out))
+    first, last = min(out, key=lambda r: r.t), max(out, key=lambda r: r.t)
+    if last.t - first.t > MAX_SPAN_S:
+        raise ValueError(f"{source}: its requests span {last.t - first.t:,.0f} s (t {first.t:g} to {last.t:g}), over "
+                         f"a week ({MAX_SPAN_S:,.0f} s) of replay: t is in seconds; split a longer trace")
     return sorted((Request(r.t - origin, r.prompt_tokens, r.output_tokens, r.function) for r in out),
                   key=lambda r: r.t)
 

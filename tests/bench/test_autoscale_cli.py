@@ -39,6 +39,25 @@ def test_a_trace_that_would_replay_forever_is_refused(tmp_path, line, names):
     assert out.returncode == 1 and "t.jsonl:1: " in out.stderr and names in out.stderr, out.stderr
 
 
+def test_a_trace_spanning_over_a_week_is_refused_and_a_long_one_shows_progress(tmp_path):
+    """Requests 1e12 s apart ran until killed before; a day of trace ran a minute in silence."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t": 0, "function": "f", "prompt_tokens": 1, "output_tokens": 1}\n'
+                     '{"t": 1e12, "function": "f", "prompt_tokens": 1, "output_tokens": 1}\n')
+    out = run(str(BENCH / "autoscale_sim.py"), "--trace", str(trace), "--json")
+    assert out.returncode == 1 and "over a week" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    trace.write_text('{"t": 0, "function": "f", "prompt_tokens": 100, "output_tokens": 20}\n'
+                     '{"t": 14400, "function": "f", "prompt_tokens": 100, "output_tokens": 20}\n')
+    out = run(str(BENCH / "autoscale_sim.py"), "--trace", str(trace), "--json")
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 6, out.stderr
+    for name, began, ended in zip(("ember", "kpa-like", "ray-default"), lines[::2], lines[1::2]):
+        assert began == f"autoscale_sim: t.jsonl: 2 requests over 14,400 s under {name}..." and \
+            ended.startswith(f"autoscale_sim: t.jsonl: {name} done in "), out.stderr
+    assert '"ember": {"gpu_s"' in out.stdout
+
+
 def test_a_trace_of_unix_timestamps_replays_from_its_first_request(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(f'{{"t": {1764650000 + 3 * i}, "function": "f", "prompt_tokens": 100, '

@@ -51,3 +51,13 @@ def test_times_count_from_the_first_requests_whole_second():
     assert [(r.t, r.function) for r in unix] == [(0.25, "f"), (3.75, "g")]
     assert [r.t for r in read_jsonl([line(t="0.4"), line(t="2")])] == [0.4, 2.0]
     assert [r.t for r in read_jsonl([line(t="-5"), line(t="-2.5")])] == [0.0, 2.5]
+
+
+def test_a_trace_spanning_more_than_a_week_is_named_not_replayed_for_ever():
+    """Times 1e12 s apart (a stray timestamp, milliseconds read as seconds) had the replay step every policy tick
+    through them: it never ended."""
+    week = read_jsonl([line(t="100"), line(t=str(100 + 7 * 86400))])
+    assert week[-1].t == 7 * 86400
+    with pytest.raises(ValueError, match=r"t.jsonl: its requests span 1,000,000,000,005 s \(t -5 to 1e\+12\), over a "
+                                         r"week .*t is in seconds"):
+        read_jsonl([line(t="-5"), line(t="1e12")], "t.jsonl")
