@@ -108,8 +108,10 @@ def policies(model: ReplicaModel, ember: ScalingSettings = EMBER) -> dict[str, P
 
 def compare(trace: list[Request], model: ReplicaModel, name: str, until: float | None = None,
             ember: ScalingSettings = EMBER, progress: bool = False) -> dict[str, Report]:
-    """Every policy's report on `trace`; with `progress`, a line on stderr as each begins and ends (a day of trace
-    took 37 s under Ember's policy and 11-13 s under the others on a 2-core machine)."""
+    """Every policy's report on `trace`; with `progress`, a line on stderr as each begins and ends (on a 2-core
+    machine a day of trace took 37 s under Ember's policy and 11-13 s under the others; 2,000 requests over 10
+    minutes among 50 functions took 48 s in all, among 200 functions 6 minutes: each function's decision pools
+    the others' tails)."""
     until = until if until is not None else (trace[-1].t if trace else 0.0)
     reports = {}
     for key, policy in policies(model, ember).items():
@@ -130,7 +132,6 @@ def summary(reports: dict[str, Report]) -> dict:
                          for key, r in reports.items()}}
 
 
-PROGRESS_AFTER_S = 3 * 3600.0   # a replay of a longer trace says how it goes (its policies take minutes)
 MAX_TIER_S = 3600.0   # a start that takes longer is no tier a policy could weigh
 
 
@@ -459,7 +460,7 @@ def main() -> None:
         except (OSError, ValueError) as exc:
             sys.exit(f"autoscale_sim: {exc}")
         ember = scaling_settings(spec)
-        reports = compare(trace, model, args.trace.name, ember=ember, progress=trace[-1].t > PROGRESS_AFTER_S)
+        reports = compare(trace, model, args.trace.name, ember=ember, progress=True)
         if args.json:
             print(json.dumps(summary(reports)))
         else:

@@ -39,7 +39,7 @@ def test_a_trace_that_would_replay_forever_is_refused(tmp_path, line, names):
     assert out.returncode == 1 and "t.jsonl:1: " in out.stderr and names in out.stderr, out.stderr
 
 
-def test_a_trace_spanning_over_a_week_is_refused_and_a_long_one_shows_progress(tmp_path):
+def test_a_trace_spanning_over_a_week_is_refused_and_a_replay_shows_progress(tmp_path):
     """Requests 1e12 s apart ran until killed before; a day of trace ran a minute in silence."""
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"t": 0, "function": "f", "prompt_tokens": 1, "output_tokens": 1}\n'
