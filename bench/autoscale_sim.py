@@ -29,7 +29,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ember.gateway.autoscaler.baselines import KPA_SETTINGS, KpaMemo, RayMemo, kpa_decide, ray_decide
-from ember.gateway.autoscaler.policy import PolicyMemo, ScalingSettings, app_tail, decide
+from ember.gateway.autoscaler.policy import AppTails, PolicyMemo, ScalingSettings, decide
 from ember.gateway.autoscaler.simulator import Policy, ReplicaModel, Report, simulate
 from ember.gateway.autoscaler.trace import Request, read_jsonl
 from ember.gateway.deployment import scaling_settings
@@ -100,7 +100,7 @@ def fast_wakes(model: ReplicaModel) -> bool:
 def policies(model: ReplicaModel, ember: ScalingSettings = EMBER) -> dict[str, Policy]:
     return {
         "ember": Policy("ember", partial(decide, ember), PolicyMemo(costs=model.costs()), 0, ember.max_replicas,
-                        peers=app_tail),
+                        peers=AppTails),
         "kpa": Policy("kpa-like", partial(kpa_decide, KPA), KpaMemo(), 0, KPA.max_replicas),
         "ray": Policy("ray-default", partial(ray_decide, RAY), RayMemo(), 0, RAY.max_replicas),
     }

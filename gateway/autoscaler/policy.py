@@ -279,6 +279,14 @@ class Tail:
         return Tail(now, a.requests + b.requests, a.queued_s + b.queued_s, a.stranded + b.stranded, self.last_work,
                     a.surged + b.surged, self.served)
 
+    def less(self, other: Tail) -> Tail:
+        """This pool without `other`, a tail pooled in it (seen at this pool's time)."""
+        if self.t is None or other.t is None:
+            return self
+        b = other.faded(self.t)
+        return Tail(self.t, self.requests - b.requests, self.queued_s - b.queued_s, self.stranded - b.stranded,
+                    self.last_work, self.surged - b.surged, self.served)
+
     def lost(self, wake_s: float, queueing: bool = True) -> bool:
         return self.requests >= TAIL and ((queueing and self.queued_s * TAIL > self.requests * wake_s)
                                           or self.stranded * TAIL > self.requests
@@ -292,6 +300,25 @@ def app_tail(memos: Iterable[object], now: float) -> Tail:
         if isinstance(memo, PolicyMemo):
             pooled = pooled + memo.tail
     return pooled.faded(now)
+
+
+class AppTails:
+    """The pooled tail of an app's functions in one round of decisions at `now`, kept as each decision changes its
+    function's memo: a function's peers are the pool less its own tail. Pooling the others afresh for each function
+    cost O(functions²) a round: 200 functions took the trace simulator 6 minutes for 10 minutes of trace."""
+
+    def __init__(self, memos: Iterable[object], now: float):
+        self.now, self.pool = now, app_tail(memos, now)
+
+    def peers(self, memo: object) -> Tail:
+        return self.pool.less(_tail(memo))
+
+    def replace(self, old: object, new: object) -> None:
+        self.pool = self.pool.less(_tail(old)) + _tail(new).faded(self.now)
+
+
+def _tail(memo: object) -> Tail:
+    return memo.tail if isinstance(memo, PolicyMemo) else Tail()
 
 
 def window(history: Sequence[Sample], now: float, seconds: float) -> list[Sample]:

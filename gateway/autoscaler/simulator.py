@@ -80,7 +80,8 @@ class Policy:
     min_replicas: int
     max_replicas: int
     initial_hot: int = 0  # replicas already hot at t=0 (always-on)
-    # what decide is told of the trace's other functions (the same app): peers(their memos, now) -> its `peers`
+    # what decide is told of the trace's other functions (the same app): peers(every function's memo, now) -> a
+    # round (policy.AppTails): round.peers(a function's memo) is its `peers`; round.replace(old, new) as memos change
     peers: Callable[[list[Any], float], Any] | None = None
 
 
@@ -223,10 +224,12 @@ class Simulation:
                 self.done(replica_id, index, now)
             else:
                 self.place_pending(now)
+                round_ = None if self.policy.peers is None else \
+                    self.policy.peers([f.memo for f in self.functions.values()], now)
                 for fn in self.functions.values():
                     while fn.waiting and expired(now - self.trace[fn.waiting[0]].t, self.queue.timeout):
                         self.reject(fn.waiting.popleft())
-                    self.decide(fn, now)
+                    self.decide(fn, now, round_)
                 held = sum(r.gpu is not None for r in self.replicas.values())
                 self.timeline.append((now, held, sum(r.state == PARKED for r in self.replicas.values())))
                 busy = any(fn.waiting for fn in self.functions.values()) or \
@@ -308,7 +311,8 @@ class Simulation:
         self.outcome[i] = None
         self.settled[i] += 1
 
-    def decide(self, fn: FunctionRun, now: float) -> None:
+    def decide(self, fn: FunctionRun, now: float, round_: Any = None) -> None:
+        """`round_`: the policy's peers round of this tick (one is made for a decision out of turn)."""
         mine = [r for r in self.replicas.values() if r.function == fn.name]
         fn.history.append(Sample(now, len(fn.waiting), sum(r.in_flight for r in mine), fn.arrivals, tuple(fn.measured)))
         fn.arrivals = 0
@@ -319,8 +323,11 @@ class Simulation:
         if self.policy.peers is None:
             actions, fn.memo = self.policy.decide(views, fn.history, now, fn.memo)
         else:
-            peers = self.policy.peers([f.memo for f in self.functions.values() if f is not fn], now)
-            actions, fn.memo = self.policy.decide(views, fn.history, now, fn.memo, peers)
+            if round_ is None:
+                round_ = self.policy.peers([f.memo for f in self.functions.values()], now)
+            before = fn.memo
+            actions, fn.memo = self.policy.decide(views, fn.history, now, fn.memo, round_.peers(before))
+            round_.replace(before, fn.memo)
         for action in actions:
             self.apply(fn, action, now)
         live = self.live(fn)

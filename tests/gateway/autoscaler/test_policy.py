@@ -6,6 +6,7 @@ from ember.gateway.autoscaler.costs import PARK_AFTER_FLOOR, CostModel, StartMea
 from ember.gateway.autoscaler.policy import (
     IDLE_HOLD,
     TAIL_HORIZON,
+    AppTails,
     Evict,
     Park,
     PolicyMemo,
@@ -433,6 +434,24 @@ def test_an_apps_functions_pool_their_tails_and_a_lost_pool_parks_a_trickle_afte
     actions, memo = decide(s, idle, trickle(60.0), 60.0, mine, peers)
     assert [type(a) for a in actions] == [Park] and not memo.tail.lost(0.3)  # the pool's p99 is lost, not its own
     assert app_tail([], 60.0) == Tail()
+
+
+def test_a_round_of_decisions_gives_each_function_the_others_pool_as_their_memos_change():
+    """AppTails keeps the pool of a tick's round and takes one function's tail out for its peers: what pooling the
+    others afresh gives (that cost O(functions²) a round), memos changing as each decides."""
+    memos = [PolicyMemo(tail=Tail(50.0 + i, requests=100.0 * i, queued_s=0.5 * i, stranded=i, surged=2 * i))
+             for i in range(5)] + [object(), PolicyMemo()]
+    round_ = AppTails(memos, 60.0)
+    fields = ("requests", "queued_s", "stranded", "surged")
+    for i, memo in enumerate(list(memos)):
+        fresh = app_tail(memos[:i] + memos[i + 1:], 60.0)
+        peers = round_.peers(memo)
+        assert [getattr(peers, f) for f in fields] == pytest.approx([getattr(fresh, f) for f in fields], abs=1e-9)
+        if isinstance(memo, PolicyMemo):   # the function decides: its tail now holds this tick's sample
+            memos[i] = PolicyMemo(tail=Tail(60.0, requests=memo.tail.requests + 7, stranded=memo.tail.stranded + 1))
+            round_.replace(memo, memos[i])
+    pooled = app_tail(memos, 60.0)
+    assert [getattr(round_.pool, f) for f in fields] == pytest.approx([getattr(pooled, f) for f in fields])
 
 
 def test_load_that_fell_after_outlasting_the_stable_window_parks_as_after_a_burst():
