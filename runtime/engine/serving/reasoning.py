@@ -122,8 +122,9 @@ class ReplyParser:
         else:
             before, began = self.reasoning.state, self.reasoning.fed
             parts = self.reasoning.feed(text) + (self.reasoning.finish() if final else [])
-            closed = self.reasoning.closed_at is not None and self.reasoning.closed_at > began
-            in_block = _tokens_to(token_ends, self.reasoning.closed_at - began, tokens) if closed else tokens
+            closed_at, closed, in_block = self.reasoning.closed_at, False, tokens
+            if closed_at is not None and closed_at > began:   # the block closed in this text
+                closed, in_block = True, _tokens_to(token_ends, closed_at - began, tokens)
             if before == "inside":
                 self.reasoning_tokens += in_block
             elif before == "start":   # counted once the opening shows a block (an answer's opening is not)
