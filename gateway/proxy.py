@@ -17,13 +17,14 @@ from yarl import URL
 from ember.gateway.errors import ApiError, error_response
 from ember.gateway.replica import Drain, GatewayReplica
 from ember.gateway.usage import UsageMeter
-from ember.runtime.worker import CONTROL_HEADER, NOT_STARTED, RECYCLING
+from ember.runtime.worker import CALLER_HEADER, CONTROL_HEADER, NOT_STARTED, RECYCLING
 
 log = logging.getLogger("ember.gateway")
 
 # Connection-level headers that must not cross a proxy (RFC 9110 7.6.1), plus the caller's credentials.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-              "transfer-encoding", "upgrade", "host", "authorization", "content-length", CONTROL_HEADER}
+              "transfer-encoding", "upgrade", "host", "authorization", "content-length", CONTROL_HEADER,
+              CALLER_HEADER}
 # From a reply: hop-by-hop headers, and date/server, which uvicorn writes itself. Content-Length stays: the body
 # passes unchanged, so the client gets it whole rather than chunked.
 REPLY_DROP = {k.encode() for k in HOP_BY_HOP - {"content-length"} | {"date", "server"}}
@@ -156,11 +157,14 @@ async def open_stream(
     body: bytes | bytearray,
     timeout: float,
     trace: dict | None = None,
+    caller: str | None = None,
 ) -> aiohttp.ClientResponse:
     """Start forwarding `request` with the `body` the gateway read to the replica's ASGI app at `path`. `timeout`
     bounds the wait for each response chunk. `trace`, when tracing is on: this hop's trace context headers, which
-    replace the client's."""
+    replace the client's. `caller`: the API key's id, named to the replica (a client's own header is dropped)."""
     headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+    if caller is not None:
+        headers.append((CALLER_HEADER, caller))
     if trace is not None:
         headers = [(k, v) for k, v in headers if k not in trace and k not in TRACE_HEADERS] + list(trace.items())
     try:

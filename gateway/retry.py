@@ -168,7 +168,8 @@ async def forward(request: Request, unit: Unit, target: Forward, body: bytes | b
     upstream, lease = await send_with_retry(
         unit, lease, key,
         lambda replica, trace: proxy.open_stream(client, replica, request, target.path, body, unit.spec.timeout,
-                                                 trace), RetryBudget(unit.spec.retry_policy.max_retries, on_retry))
+                                                 trace, caller),
+        RetryBudget(unit.spec.retry_policy.max_retries, on_retry))
 
     async def close() -> None:
         unit.queue.release(lease.replica)

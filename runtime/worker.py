@@ -346,6 +346,7 @@ def rss_bytes() -> int:
 CALL_PATH = "/__ember__/call/"
 CONTROL = "/__ember__/"
 CONTROL_HEADER = "x-ember-control"  # carries the replica's secret on every request to its control routes
+CALLER_HEADER = "x-ember-caller"  # the gateway's name for a forwarded request's caller (its API key's id)
 REPLICA_QUIET = ("/__ember__/health", "/metrics")  # polled by the gateway: no access line each time
 
 

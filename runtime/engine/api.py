@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ember.runtime import tracing
 from ember.runtime.disconnect import WorkCancelled, unless_disconnected
-from ember.runtime.engine import metrics
+from ember.runtime.engine import grammar, metrics
 from ember.runtime.engine.async_engine import AsyncLLM, EngineDeadError, FormatCostError, RequestFailedError
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.serving.errors import error_response, internal_errors, openai_errors
@@ -31,6 +31,7 @@ from ember.runtime.engine.serving.protocol import (
 )
 from ember.runtime.engine.serving.responses import ResponsesAPI
 from ember.runtime.engine.serving.server import OpenAIServer
+from ember.runtime.worker import CALLER_HEADER
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -128,8 +129,10 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | JSON
     """Run a handler, cancelling it (and so aborting its engine requests) if the client hangs up first.
 
     Streaming responses get the same from Starlette once they start; this covers the wait
-    for the first token and whole non-streaming generations.
+    for the first token and whole non-streaming generations. The caller the gateway named (CALLER_HEADER)
+    takes its turn for the format compilers.
     """
+    grammar.CALLER.set(request.headers.get(CALLER_HEADER))
     try:
         return await unless_disconnected(request, work)
     except WorkCancelled:  # 499: nginx's "client closed request"; nobody is left to read it

@@ -26,16 +26,22 @@ each token it holds (an ambiguous grammar's ~5x a token), which would stall the 
 PROBE_TOKENS tokens through each format, timing each (over FOLLOW_SECONDS / 2 is a 400), and a held sequence whose
 mask or step still costs over FOLLOW_SECONDS ends with a FormatCostError (a 400) while the others go on.
 At most COMPILE_WORKERS formats compile at once, in the workers and here; a request that finds MAX_WAITING others
-waiting for a worker is told to retry (503). Compiled formats are kept (CACHE_BYTES): a format compiles once per
-replica however many requests use it. A worker that crashes on a format costs that request a 400, not the replica.
+waiting for a worker, or MAX_WAITING_PER_CALLER of its own caller's (the API key the gateway names in
+worker.CALLER_HEADER), is told to retry (503). Callers take turns for a free worker (next_ticket): the caller with
+the fewest compiles running, then the one served longest ago, its oldest format first; so one client's flood of
+costly formats holds at most its share of the workers. Compiled formats are kept (CACHE_BYTES): a format compiles
+once per replica however many requests use it. A worker that crashes on a format costs that request a 400, not the
+replica.
 
 xgrammar is never imported on a replica's start path. A GPU replica imports it and reads the vocabulary (0.6-1 s for
 152k tokens on the H200 machine) once it idles after its start (`Grammars.warm`); elsewhere the first constrained
 request does (about 1.4 s more on a 2-core machine, most of it transformers' own import).
 """
+import contextvars
 import functools
 import hashlib
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -45,7 +51,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -58,6 +64,11 @@ COMPILE_THREADS = 2                # per worker: compiling shares the host with 
 COMPILE_WORKERS = 2                # worker processes per replica, started as formats need them
 COMPILE_SECONDS = 10.0             # a format still compiling after this is refused and its worker killed
 MAX_WAITING = 16                   # compiles waiting for a worker, past which a request is answered 503
+MAX_WAITING_PER_CALLER = 4         # of them one caller's (an API key's, as the gateway names it)
+TURNS_KEPT = 1024                  # callers whose last compile is remembered, for their turns
+# the caller whose request compiles a format (set by the OpenAI app's handlers; threads started with
+# asyncio.to_thread carry it): None where no gateway named one
+CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("ember_format_caller", default=None)
 WORKER_START_SECONDS = 120.0       # a zygote (it imports xgrammar and torch) or worker not ready by then is given up on
 WORKER_WAIT_SECONDS = 30.0         # a format waits for a worker this long beyond three compiles' deadlines
 MAX_COMPILED_BYTES = 128 << 20     # a compiled format's memory (a schema on a 152k-token vocabulary: ~1 MiB)
@@ -265,6 +276,17 @@ class WorkerDied(Exception):
     pass
 
 
+Ticket = tuple[int, "str | None"]   # a format waiting for a compile worker: (its arrival, its caller)
+
+
+def next_ticket(waiting: Iterable[Ticket], running: Counter, turns: Iterable["str | None"]) -> Ticket:
+    """Whose format a free worker takes: the caller with the fewest compiles running, then the one served longest
+    ago (`turns`: callers by their last service, oldest first; one never served comes first), its oldest format. So
+    callers take turns: one that queued many gets every other worker while another waits."""
+    last = {caller: i for i, caller in enumerate(turns)}
+    return min(waiting, key=lambda ticket: (running[ticket[1]], last.get(ticket[1], -1), ticket[0]))
+
+
 class CompilePool:
     """Up to `workers` compile worker processes, each compiling one format at a time, forked by one zygote process
     (started with the first worker). A worker is started when a format finds none free (and fewer than `workers`
@@ -274,7 +296,10 @@ class CompilePool:
         self.setup, self.workers, self.seconds, self.max_waiting = setup, max(1, workers), seconds, max_waiting
         self._idle: list[_Worker] = []
         self._live = 0       # started or starting, idle or busy
-        self._waiting = 0
+        self._waiting: list[Ticket] = []   # formats waiting for a worker
+        self._running: Counter = Counter()   # compiles in the workers, by caller
+        self._turns: OrderedDict[str | None, None] = OrderedDict()   # callers by their last compile, oldest first
+        self._arrivals = itertools.count()
         self._closed = False
         self._cond = threading.Condition()
         self._zygote: _Zygote | None = None
@@ -282,19 +307,21 @@ class CompilePool:
 
     def compile(self, text: str) -> dict:
         """The worker's reply for the format's text: {"ok", "seconds", "bytes"} or {"error"}; CompileTimeout past
-        `seconds` (the worker is killed), WorkerDied when it ended some other way, CompileBusy when too many wait."""
-        worker = self._take()
+        `seconds` (the worker is killed), WorkerDied when it ended some other way, CompileBusy when too many wait
+        (in all, or of this format's caller: CALLER)."""
+        caller = CALLER.get()
+        worker = self._take(caller)
         try:
             reply = worker.request({"tag": text}, self.seconds)
         except (CompileTimeout, WorkerDied):
-            self._lose(worker)
+            self._lose(worker, caller)
             # its replacement starts now, not with the next format
             threading.Thread(target=self.start_one, kwargs={"spare": True}, daemon=True).start()
             raise
         except BaseException:
-            self._lose(worker)
+            self._lose(worker, caller)
             raise
-        self._give(worker)
+        self._give(worker, caller)
         return reply
 
     def start_one(self, spare: bool = False) -> None:
@@ -307,12 +334,12 @@ class CompilePool:
         try:
             worker = self._new_worker()
         except BaseException:
-            self._lose(None)
+            self._lose(None, compiled=False)
             if not spare:
                 raise
             logger.exception("a spare compile worker failed to start")
             return
-        self._give(worker)
+        self._give(worker, compiled=False)
 
     def close(self) -> None:
         with self._cond:
@@ -326,22 +353,32 @@ class CompilePool:
         if zygote is not None:
             zygote.kill()
 
-    def _take(self) -> "_Worker":
+    def _take(self, caller: str | None) -> "_Worker":
         with self._cond:
             if self._closed:
                 raise CompileBusy("the replica is shutting down")
-            if not self._idle and self._live >= self.workers and self._waiting >= self.max_waiting:
-                raise CompileBusy(f"{self._waiting} formats are waiting to compile")
-            self._waiting += 1
+            if not self._free() or self._waiting:   # it waits: in line, its caller's turn
+                if len(self._waiting) >= self.max_waiting:
+                    raise CompileBusy(f"{len(self._waiting)} formats are waiting to compile")
+                if caller is not None and sum(c == caller for _, c in self._waiting) >= MAX_WAITING_PER_CALLER:
+                    raise CompileBusy(f"{MAX_WAITING_PER_CALLER} formats of this API key's requests are waiting to "
+                                      "compile")
+            ticket = (next(self._arrivals), caller)
+            self._waiting.append(ticket)
             try:
                 # long enough for the formats ahead to compile or be cut off, and for a worker to start
                 waited = 3 * self.seconds + WORKER_WAIT_SECONDS
                 deadline = time.monotonic() + waited
-                while not self._idle and self._live >= self.workers:
+                while not self._free() or next_ticket(self._waiting, self._running, self._turns) != ticket:
                     left = deadline - time.monotonic()
                     if left <= 0 or self._closed:
                         raise CompileBusy(f"no compile worker was free for {waited:g} s")
                     self._cond.wait(left)
+                self._running[caller] += 1
+                self._turns.pop(caller, None)
+                self._turns[caller] = None
+                while len(self._turns) > TURNS_KEPT:
+                    self._turns.popitem(last=False)
                 while self._idle:
                     worker = self._idle.pop()
                     if worker.alive():
@@ -350,12 +387,16 @@ class CompilePool:
                     worker.kill()
                 self._live += 1
             finally:
-                self._waiting -= 1
+                self._waiting.remove(ticket)
+                self._cond.notify_all()   # the next in line may be another waiter now
         try:
             return self._new_worker()
         except BaseException:
-            self._lose(None)
+            self._lose(None, caller)
             raise
+
+    def _free(self) -> bool:
+        return bool(self._idle) or self._live < self.workers
 
     def _new_worker(self) -> "_Worker":
         """A worker forked by the zygote; the zygote is started first (seconds) where none is alive, and again once
@@ -380,20 +421,30 @@ class CompilePool:
                 self._zygote = _Zygote(self.setup)
             return self._zygote
 
-    def _give(self, worker: "_Worker") -> None:
+    def _give(self, worker: "_Worker", caller: str | None = None, compiled: bool = True) -> None:
+        """`worker` idle again, after a compile of `caller`'s where `compiled` (a new worker's start: none)."""
         with self._cond:
+            if compiled:
+                self._done(caller)
             if not self._closed:
                 self._idle.append(worker)
-                self._cond.notify()
+                self._cond.notify_all()   # the waiter whose turn it is, whichever it is
                 return
         worker.kill()
 
-    def _lose(self, worker: "_Worker | None") -> None:
+    def _lose(self, worker: "_Worker | None", caller: str | None = None, compiled: bool = True) -> None:
         if worker is not None:
             worker.kill()
         with self._cond:
+            if compiled:
+                self._done(caller)
             self._live -= 1
-            self._cond.notify()
+            self._cond.notify_all()
+
+    def _done(self, caller: str | None) -> None:
+        self._running[caller] -= 1
+        if self._running[caller] <= 0:
+            del self._running[caller]
 
 
 class _Frames:

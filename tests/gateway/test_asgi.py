@@ -10,8 +10,15 @@ def test_asgi_forwarding_and_sse_cancellation(serve):
     with served.client(served.key()) as http:
         echo = http.post("/streaming/v1/echo?x=1", json={"hello": "world"})
         assert echo.status_code == 200, echo.text
-        assert echo.json() == {"path": "/v1/echo", "query": "x=1", "body": {"hello": "world"}}
+        reply = echo.json()
+        caller = reply.pop("caller")
+        assert reply == {"path": "/v1/echo", "query": "x=1", "body": {"hello": "world"}}
         assert echo.headers["x-ember-replica"].startswith("web-")
+        # the replica is told which API key called (a format compiler's turns go by it); a client cannot say
+        forged = http.post("/streaming/v1/echo", json={}, headers={"x-ember-caller": "someone-else"}).json()
+        assert caller and forged["caller"] == caller != "someone-else"
+        with served.client(served.key("other")) as other:
+            assert other.post("/streaming/v1/echo", json={}).json()["caller"] not in (caller, None)
 
         assert http.post("/streaming/Web.ping", json={}).json() == {"result": "pong"}
 

@@ -26,7 +26,8 @@ class Web:
 
         @api.post("/v1/echo")
         async def echo(request: Request) -> dict:
-            return {"path": request.url.path, "query": request.url.query, "body": await request.json()}
+            return {"path": request.url.path, "query": request.url.query, "body": await request.json(),
+                    "caller": request.headers.get("x-ember-caller")}
 
         @api.get("/v1/stream")
         async def stream(n: int = 1000):

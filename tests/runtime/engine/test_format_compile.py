@@ -18,7 +18,9 @@ import pytest
 
 from ember.runtime.engine.api import create_app
 from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.grammar import next_ticket
 from ember.runtime.engine.tiny import build_tiny_model
+from ember.runtime.worker import CALLER_HEADER
 
 from .helpers import ORDER, uvicorn_thread
 
@@ -195,6 +197,60 @@ def test_formats_past_the_waiting_limit_are_told_to_retry(served, monkeypatch):
         assert answers["slow"].status_code == 400
         app.state.openai.grammars._ready().max_waiting = 4   # to wait for the worker started in the killed one's place
         assert chat(url, response_format=schema_format({"type": "array", "title": "waits"})).status_code == 200
+
+
+def test_a_free_worker_goes_to_the_caller_with_fewest_running_then_longest_unserved():
+    from collections import Counter
+
+    waiting = [(1, "a"), (2, "a"), (3, "b"), (4, None), (5, "c")]
+    assert next_ticket(waiting, Counter(), []) == (1, "a")                   # none served yet: the oldest
+    assert next_ticket(waiting, Counter(), ["a"]) == (3, "b")                # a was served: the others first
+    assert next_ticket(waiting, Counter(), ["b", None, "a"]) == (5, "c")     # c never was
+    assert next_ticket(waiting, Counter(b=1, c=1, a=1), ["c", "a", "b"]) == (4, None)
+    busy = Counter({"a": 1, "b": 1, "c": 2, None: 1})
+    assert next_ticket(waiting, busy, ["c", "a", "b", None]) == (1, "a")   # fewest running, then served longest ago
+
+
+def test_callers_take_turns_for_the_compile_workers(served, monkeypatch):
+    """One worker; caller A floods it with formats that cannot compile in time, and its fifth waiting is a 503 that
+    names its own share; caller B's format, sent after A's four waited, takes the worker as soon as it is free, before
+    A's, which go one by one (each killed at the deadline)."""
+    monkeypatch.setenv("EMBER_FORMAT_COMPILE_SECONDS", str(SECONDS))
+    app = create_app(EngineConfig(model=served[0].state.llm.engine.config.model, max_num_seqs=4),
+                     served_model_name="tiny")
+    app.state.openai.grammars.workers = 1
+    done: list[tuple[str, int]] = []
+
+    def send(url, caller, name, **body):
+        reply = httpx.post(f"{url}/chat/completions", timeout=120, headers={CALLER_HEADER: caller},
+                           json={"model": "tiny", "messages": HELLO, "max_tokens": 4, **body})
+        done.append((name, reply.status_code))
+        return reply
+
+    with uvicorn_thread(app) as url:
+        url = f"{url}/v1"
+        threads = [threading.Thread(target=send, args=(url, "a", "a0"),
+                                    kwargs={"guided_grammar": ambiguous_grammar(100, "d")})]
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while not busy_workers(0.3) and time.monotonic() < deadline:
+            pass
+        for i in range(1, 5):   # each its own format: the same one would wait on the first's compile
+            threads.append(threading.Thread(target=send, args=(url, "a", f"a{i}"),
+                                            kwargs={"guided_grammar": ambiguous_grammar(100 + i, "d")}))
+            threads[-1].start()
+        pool = app.state.openai.grammars._ready()
+        while len(pool._waiting) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        over = send(url, "a", "a5", guided_grammar=ambiguous_grammar(110, "d"))
+        assert over.status_code == 503 and "this API key" in over.json()["error"]["message"], over.text
+        b = send(url, "b", "b", response_format=schema_format({"type": "array", "title": "turns"}))
+        for thread in threads:
+            thread.join()
+    assert b.status_code == 200, b.text
+    order = [name for name, _ in done]
+    assert order.index("b") < min(order.index(f"a{i}") for i in range(1, 5)), done   # after a0, before a1-a4
+    assert all(status == 400 for name, status in done if name.startswith("a") and name != "a5"), done
 
 
 def test_compile_workers_end_with_their_replica(tmp_path):
