@@ -276,6 +276,11 @@ NOTES = """## How to read this
 
 ## What the defaults trade, and where the 40% goal is out of reach
 
+- Since 2026-12-03 the record runs seeds 0-4, the issue's five (before, seeds 0-1, whose counts the notes below
+  quote: 70 of 72). What fails of the 180: small at seeds 1-4 under fast wakes (8: KPA-like's p99 there is a
+  hot replica's or a first start's, below), bursts burst_rate=3 at seeds 3-4 and alpha=1.2 at seed 4 under fast
+  wakes (6, at -35% to -38%: the trickle between bursts, below), and day shape=linear seed 3 under the measured
+  tiers (+1% GPU-seconds, 0.18 s p99 either way).
 - Under 13 s tiers where a park frees nothing, parking cannot pay; Ember learns that and sizes and stops
   replicas as KPA does (60 s stable average, last replica stopped after 90 s idle), so GPU-seconds match
   KPA-like within a few percent either way; on bursts its p99 is lower, as it starts capacity on a
