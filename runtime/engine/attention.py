@@ -200,3 +200,8 @@ class FlashInferBackend:
         if self.graph is not None:
             return self.graph.forward(q, kv_cache, self.scale)
         return self.wrapper.run(q, kv_cache)
+
+    def attend_into(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
+        """As `attend`, planned without a graph size, written into `out` (prefill_graphs.py: the buffer its graph
+        after this layer's attention reads)."""
+        self.wrapper.run(q, kv_cache, out=out)

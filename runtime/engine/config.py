@@ -35,6 +35,10 @@ class EngineConfig:
     # "lazy": capture each decode graph on the first step that needs it or while the engine idles (a cold start
     # does not wait ~1.5 s for twenty captures); "start": all of them before the engine serves.
     graph_capture: str = "lazy"
+    # Steps that prefill (eager without this) replay piecewise graphs of their padded token count, each layer's
+    # attention run between them, up to the size where the GPU's work outlasts an eager step's host work
+    # (prefill_graphs.py); captured as the decode graphs are. Off with enforce_eager.
+    prefill_graphs: bool = True
     # CUDA: one throwaway decoder layer of the model's shape runs on the attention thread while the weights stream
     # in, so the first request does not load cuBLAS's, Triton's and flashinfer's kernels (~0.5 s on an H200).
     warm_kernels: bool = True
@@ -82,6 +86,8 @@ class EngineConfig:
         if self.device_wait not in ("block", "spin"):
             raise ValueError(f"device_wait={self.device_wait!r}: use 'block' (the step loop sleeps on the device) or "
                              "'spin' (it polls, a core busy while the engine steps)")
+        if not isinstance(self.prefill_graphs, bool):
+            raise ValueError(f"prefill_graphs={self.prefill_graphs!r}: use True or False")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap={self.overlap!r}: use True or False")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

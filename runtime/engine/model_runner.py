@@ -22,6 +22,7 @@ from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .gpu_memory import AddressTaken, Arena, CudaDriverError, ParkReport, WakeReport, tensor_bytes
 from .grammar import MaskFiller
 from .models.loader import load_model, model_config, snapshot_key
+from .prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from .sampling import Draws, HostCopy, SamplingRow, draw
 from .scheduler import ScheduledBatch
 from .step_inputs import step_inputs
@@ -137,6 +138,10 @@ class ModelRunner:
         # Lazily (the default) none is captured here: each size on the first step that needs it or while the engine
         # idles, so a restored replica takes its first request sooner.
         self.graphs = self._capture_graphs(None if config.graph_capture == "start" else []) if use_graphs else None
+        self.prefill_graphs = self._prefill_graphs() if use_graphs and config.prefill_graphs else None
+        if self.prefill_graphs is not None and config.graph_capture == "start":
+            while self.capture_next_graph():
+                pass
         self.start_phases["graph_capture"] = time.perf_counter() - began
         self._planned: torch.cuda.Event | None = None   # overlap: the last step's plan is on the device
         self._token_buffers: list[torch.Tensor] = []     # overlap: host buffers of sampled tokens (_host_tokens)
@@ -210,7 +215,7 @@ class ModelRunner:
         """Frees the weights, the KV cache and the graphs; the runner must not run again."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # an overlapped step may still run on what is freed next
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         self.arena.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -282,10 +287,18 @@ class ModelRunner:
         return DecodeGraphs(self.model, self.attention, self.kv_caches, graph_batch_sizes(self.config.max_num_seqs),
                             max_blocks_per_seq, scratch_block=self.num_blocks - 1, capture=sizes)
 
+    def _prefill_graphs(self) -> PrefillGraphs | None:
+        parameters = sum(p.numel() for p in self.model.parameters())
+        sizes = prefill_graph_sizes(self.config.max_num_batched_tokens, parameters)
+        return PrefillGraphs(self.model, self.attention, self.kv_caches, sizes, self.num_blocks - 1) if sizes else None
+
     @torch.inference_mode()
     def capture_next_graph(self) -> bool:
-        """Capture one decode graph not captured yet (the engine calls this while idle); False when none is left."""
-        return self.graphs is not None and not self.arena.parked and self.graphs.capture_next()
+        """Capture one graph not captured yet, the decode graphs first (the engine calls this while idle); False
+        when none is left."""
+        if self.graphs is None or self.arena.parked:
+            return False
+        return self.graphs.capture_next() or (self.prefill_graphs is not None and self.prefill_graphs.capture_next())
 
     def capture_due(self, num_seqs: int) -> bool:
         """Whether a decode step of `num_seqs` sequences would first capture its graph (tens of milliseconds)."""
@@ -332,13 +345,23 @@ class ModelRunner:
             if len(sample_index) < len(seqs):
                 logits = logits[torch.from_numpy(sample_index).to(self.device, non_blocking=True)]
         else:
-            ids, pos, blocks, offsets = torch.from_numpy(inputs.tokens).to(self.device)
+            num_tokens = inputs.tokens.shape[1]
+            piecewise = self.prefill_graphs
+            prefill_size = piecewise.size_for(num_tokens) if piecewise is not None else None
+            if piecewise is not None and prefill_size is not None:   # padded to a size with graphs
+                piecewise.prepare(inputs.tokens)
+                ids, pos, blocks, offsets = piecewise.rows(prefill_size)[:, :num_tokens]
+            else:
+                ids, pos, blocks, offsets = torch.from_numpy(inputs.tokens).to(self.device)
             self._feed(ids, inputs.feeds, previous)
             self.attention.plan(AttentionBatch(inputs.query_lens, inputs.context_lens, inputs.block_tables,
                                                inputs.num_blocks, blocks, offsets))
             self._planned_now(timer)
             prepared = time.perf_counter()
-            hidden = self.model(ids, pos, self.attention, self.kv_caches)
+            if piecewise is not None and prefill_size is not None:
+                hidden = piecewise.replay(prefill_size, num_tokens)
+            else:
+                hidden = self.model(ids, pos, self.attention, self.kv_caches)
             if rows:
                 logits = self.model.compute_logits(hidden[torch.from_numpy(sample_index).to(self.device,
                                                                                            non_blocking=True)])

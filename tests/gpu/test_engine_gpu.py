@@ -61,10 +61,11 @@ def family(request, tmp_path_factory):
 
 
 def engine(model_dir: str, backend: str = "flashinfer", enforce_eager: bool = False,
-           graph_capture: str = "start") -> LLMEngine:
+           graph_capture: str = "start", prefill_graphs: bool = True) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=8192, max_num_seqs=128,
                                   max_num_batched_tokens=4096, max_model_len=1024, attention_backend=backend,
-                                  enforce_eager=enforce_eager, graph_capture=graph_capture))
+                                  enforce_eager=enforce_eager, graph_capture=graph_capture,
+                                  prefill_graphs=prefill_graphs))
 
 
 def run(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[list[dict]]]:
@@ -168,6 +169,21 @@ def test_cuda_graphs_and_eager_agree(family):
     compare_engines(family, "graphs vs eager", eng, lambda: engine(family[1], enforce_eager=True))
 
 
+def test_prefill_graphs_and_eager_prefills_agree(family):
+    """Steps that prefill (whole prompts, chunks of one, prompts beside decodes) replayed from piecewise graphs, their
+    tokens padded to a graph's size and each layer's attention run between the pieces, against the same steps run
+    eagerly. A pad row writing K/V anywhere but the scratch block, or attention reading the pads, changes answers."""
+    eng = engine(family[1])
+    piecewise = eng.runner.prefill_graphs
+    assert piecewise is not None and not piecewise.pending, "graph_capture='start' captures every size"
+    replays: list[tuple[int, int]] = []
+    replay = piecewise.replay
+    piecewise.replay = lambda size, n: replays.append((size, n)) or replay(size, n)
+    compare_engines(family, "prefill graphs vs eager prefills", eng, lambda: engine(family[1], prefill_graphs=False))
+    assert len(replays) >= 2 and all(n <= size for size, n in replays)
+    assert any(n < size for size, n in replays), "some step was padded"
+
+
 def test_lazy_graph_capture_captures_on_first_use_and_while_idle(family):
     """The default: none at start (only what the warm-up's decode steps used), a size on the first step that needs
     it, the rest in idle time; the answers are those of an engine that captured every size before serving."""
@@ -178,9 +194,10 @@ def test_lazy_graph_capture_captures_on_first_use_and_while_idle(family):
     before = set(graphs.graphs)
     run(eng, prompts(24, seed=5), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert graphs.batch_size_for(24) in set(graphs.graphs) - before, "a decode step of 24 captured its size"
+    assert eng.runner.prefill_graphs is not None and eng.runner.prefill_graphs.pending, "prefill graphs wait for idle"
     while eng.capture_idle():
         pass
-    assert not graphs.pending
+    assert not graphs.pending and not eng.runner.prefill_graphs.pending
     compare_engines(family, "lazy vs start graphs", eng, lambda: engine(family[1]))
 
 
