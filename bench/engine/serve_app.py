@@ -26,8 +26,9 @@ class Engine:
         overlap = os.environ.get("EMBER_BENCH_OVERLAP", "1") == "1"
         wait = os.environ.get("EMBER_BENCH_DEVICE_WAIT")
         wait = {"device_wait": wait} if wait else {}
+        prefill_graphs = os.environ.get("EMBER_BENCH_PREFILL_GRAPHS", "1") == "1"
         self.api = create_app(LLMEngine(EngineConfig(model=model, max_model_len=min(4096, longest),
-                                                     overlap=overlap, **wait)))
+                                                     overlap=overlap, prefill_graphs=prefill_graphs, **wait)))
 
     @ember.asgi_app()
     def web(self):

@@ -424,10 +424,15 @@ def serving_url(process: subprocess.Popen, serve_log: Path, timeout: float = 300
     raise RuntimeError(f"`ember serve` printed no URL within {timeout:g} s; see {serve_log}")
 
 
+ONLINE_SETTLE_S = 6.0   # the replica idles after the warm-up: ~1 s before its idle loop starts, ~2 s of captures
+
+
 def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: int,
-           overlap: bool = True, serve_log_dir: Path | None = None, device_wait: str | None = None) -> list[dict]:
+           overlap: bool = True, serve_log_dir: Path | None = None, device_wait: str | None = None,
+           settle: float = ONLINE_SETTLE_S) -> list[dict]:
     """`ember serve` with one replica (its engine with EngineConfig(overlap=overlap)); streaming completions at each
-    concurrency. The server's log is kept in `serve_log_dir` (default: beside the model)."""
+    concurrency, `settle` seconds after a warm-up request. The server's log is kept in `serve_log_dir` (default:
+    beside the model)."""
     serve_log_dir = serve_log_dir or model_dir.parent
     import httpx
 
@@ -489,6 +494,9 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
             began = time.monotonic()
             first = one(prompts[0])   # warm-up: the replica's first decode steps capture their graphs
             log(f"  online: warm-up request done in {time.monotonic() - began:.1f} s (TTFT {first[0]:.2f} s)")
+            # an idle replica captures the graphs it has not used yet (decode sizes, then the prefill graphs): a
+            # replica that served before has them; the levels measure that, not the first minute of a new one
+            time.sleep(settle)
             rows = []
             for level in concurrency:
                 before = cpu_seconds(process.pid)
