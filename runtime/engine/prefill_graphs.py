@@ -5,7 +5,7 @@ A step that prefills runs eagerly: the decode graphs hold one token per sequence
 depends on how the step's tokens split into sequences, which a graph cannot hold fixed. Launched from Python, such a
 step of a small model is all host: on the H200, a 256-token prompt of the Qwen3-0.6B shape took 11-16 ms of wall
 time for 1.2 ms of kernels (332 launches: ~29 us of host a cuBLAS product, ~40 us a Triton kernel, ~80 us
-flashinfer's prefill call), and the 8B shape's took 24 ms; that time is the time to first token of a short prompt,
+flashinfer's prefill call), and the 8B shape's took 19-24 ms; that time is the time to first token of a short prompt,
 and a stall of every stream decoding beside it.
 
 Here a step's tokens are padded to the next of a few sizes, and each size has one graph per stretch between two
@@ -22,6 +22,11 @@ eagerly. Measured on the H200 against the same engine without them: a 256-token 
 and 18.9 -> 12.5 ms (8B), one beside 60 decoding sequences 19.8 -> 6.5 and 27.8 -> 18.3 ms; served, the time to
 first token at concurrency 1 27.4 -> 9.6 ms (0.6B) and 31.8 -> 15.2 ms (8B), at 4 58.2 -> 11.5 and 64.9 -> 18.8 ms
 (bench/README.md, session 31). Answers are unchanged: the GPU tests compare them with eager prefills.
+
+Known cost: a layer's q, read between two pieces, is a view of its q/k/v product, so the pool keeps that product of
+every layer and size alive (~1.9 GB for the 0.6B shape's sizes, ~0.2 GB for the 8B's), beside the KV cache that
+gpu_memory_utilization sizes rather than inside it. Copying q into one static buffer inside the graph would free
+them; not yet measured on the GPU.
 """
 import bisect
 import time
