@@ -23,10 +23,11 @@ and 18.9 -> 12.5 ms (8B), one beside 60 decoding sequences 19.8 -> 6.5 and 27.8 
 first token at concurrency 1 27.4 -> 9.6 ms (0.6B) and 31.8 -> 15.2 ms (8B), at 4 58.2 -> 11.5 and 64.9 -> 18.8 ms
 (bench/README.md, session 31). Answers are unchanged: the GPU tests compare them with eager prefills.
 
-Known cost: a layer's q, read between two pieces, is a view of its q/k/v product, so the pool keeps that product of
-every layer and size alive (~1.9 GB for the 0.6B shape's sizes, ~0.2 GB for the 8B's), beside the KV cache that
-gpu_memory_utilization sizes rather than inside it. Copying q into one static buffer inside the graph would free
-them; not yet measured on the GPU.
+Each piece ends by copying the layer's q into one buffer that every layer and size shares (one small copy kernel a
+layer), and attention reads it there. Left a view of the q/k/v product, q kept that product of every layer and size
+alive in the pool: ~1.9 GB for the 0.6B shape's sizes, ~0.2 GB for the 8B's, beside the KV cache that
+gpu_memory_utilization sizes. Now they hold that buffer and each size's outputs, three tensors of hidden width a
+size: 50 MB for the 0.6B shape's sizes, 38 MB for the 8B's (measured on the H200).
 """
 import bisect
 import time
@@ -52,14 +53,17 @@ class _Cut:
     captured there, notes where its q sits and which cache it reads, and begins the next graph, which reads the
     attention's output from `out`. With no pieces (the warm-up), it only returns `out`."""
 
-    def __init__(self, batch: AttentionBatch, out: torch.Tensor, pool, pieces: list | None):
-        self.batch, self.out, self.pool, self.pieces = batch, out, pool, pieces
+    def __init__(self, batch: AttentionBatch, out: torch.Tensor, q_buffer: torch.Tensor, pool, pieces: list | None):
+        self.batch, self.out, self.q_buffer, self.pool, self.pieces = batch, out, q_buffer, pool, pieces
         self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         if self.pieces is not None:
+            # q is a view of the layer's q/k/v product: kept as the slot, it would keep that product alive in the pool
+            static = self.q_buffer.view(-1)[:q.numel()].view(q.shape)
+            static.copy_(q)
             self.pieces[-1].capture_end()
-            self.slots.append((q, kv_cache))
+            self.slots.append((static, kv_cache))
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool)
             self.pieces.append(graph)
@@ -80,6 +84,8 @@ class PrefillGraphs:
         # each layer's attention output, which the graph after it reads (one layer at a time uses it)
         heads, head_dim = attention.num_heads, attention.head_dim
         self._out = torch.zeros(largest, heads, head_dim, dtype=kv_caches[0].dtype, device=device)
+        # each layer's q, copied out of its q/k/v product at the end of the graph before its attention
+        self._q = torch.zeros_like(self._out)
         # per size: the graphs in order, each layer's (q, cache) between them, and the final hidden states
         self.captured: dict[int, tuple[list[torch.cuda.CUDAGraph], list[tuple[torch.Tensor, torch.Tensor]],
                                        torch.Tensor]] = {}
@@ -125,10 +131,10 @@ class PrefillGraphs:
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
             # warm-up outside the capture: loads the kernels of this size and settles the allocator
-            self.model(rows[0], rows[1], _Cut(batch, self._out, self.pool, None), self.kv_caches)
+            self.model(rows[0], rows[1], _Cut(batch, self._out, self._q, self.pool, None), self.kv_caches)
             torch.cuda.synchronize(device)
             pieces = [torch.cuda.CUDAGraph()]
-            cut = _Cut(batch, self._out, self.pool, pieces)
+            cut = _Cut(batch, self._out, self._q, self.pool, pieces)
             pieces[0].capture_begin(pool=self.pool)
             try:
                 hidden = self.model(rows[0], rows[1], cut, self.kv_caches)

@@ -184,6 +184,32 @@ def test_prefill_graphs_and_eager_prefills_agree(family):
     assert any(n < size for size, n in replays), "some step was padded"
 
 
+def test_prefill_graphs_hold_no_layer_products(family):
+    """Each layer's q reaches its attention through one buffer that every layer and size shares: left a view of the
+    layer's q/k/v product, it kept that product of every layer and size alive in the graph pool, outside the KV budget
+    (~1.9 GB on the Qwen3-0.6B shape). What capturing every size holds is its outputs, of hidden width."""
+    eng = engine(family[1], graph_capture="lazy")
+    while eng.runner.graphs.pending:   # the decode graphs come first
+        eng.capture_idle()
+    piecewise = eng.runner.prefill_graphs
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    while eng.capture_idle():
+        pass
+    assert not piecewise.pending
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    layers = _COMMON["num_hidden_layers"]
+    qkv_width = (_COMMON["num_attention_heads"] + 2 * _COMMON["num_key_value_heads"]) * _COMMON["head_dim"]
+    products = sum(layers * size * qkv_width * 2 for size in piecewise.sizes)  # bf16 q/k/v of every layer and size
+    hidden = sum(size * _COMMON["hidden_size"] * 2 for size in piecewise.sizes)
+    # three tensors of hidden width a size (measured on the H200); q a view of its product kept the products too
+    assert held < 4 * hidden < products, f"capturing every size held {held} bytes ({products} of q/k/v products)"
+    storages = {q.untyped_storage().data_ptr() for _, slots, _ in piecewise.captured.values() for q, _ in slots}
+    assert len(storages) == 1, "every layer and size reads q from one buffer"
+    run(eng, prompts(8, seed=11), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+
+
 def test_lazy_graph_capture_captures_on_first_use_and_while_idle(family):
     """The default: none at start (only what the warm-up's decode steps used), a size on the first step that needs
     it, the rest in idle time; the answers are those of an engine that captured every size before serving."""
