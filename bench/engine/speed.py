@@ -36,7 +36,6 @@ runtime/engine/tiny.py). Per model:
     new request's prefill joined) with their mean GPU ms, from the engine's counters at the gateway's /metrics.
 """
 import argparse
-import concurrent.futures
 import gc
 import json
 import os
@@ -435,6 +434,7 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
     beside the model)."""
     serve_log_dir = serve_log_dir or model_dir.parent
     import httpx
+    import load_client  # beside this file
 
     home = Path(tempfile.mkdtemp(prefix="ember-speed-"))
     kept = Path(os.environ["EMBER_HOME"]) / "kernels" if os.environ.get("EMBER_HOME") else None
@@ -479,20 +479,13 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
                 time.sleep(1)
             log(f"  online: replica up in {time.monotonic() - began:.1f} s")
 
-            def one(prompt: list[int]) -> tuple[float, list[float], int]:
-                began = time.perf_counter()
-                stamps = []
-                body = {"model": name, "prompt": prompt, "max_tokens": 128, "ignore_eos": True, "temperature": 0,
-                        "stream": True}
-                with http.stream("POST", "/speed/v1/completions", json=body) as response:
-                    response.raise_for_status()
-                    for line in response.iter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
-                            stamps.append(time.perf_counter())
-                return stamps[0] - began, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps)
+            def level_of(prompts: list[list[int]], concurrency: int) -> tuple[list, float]:
+                body = {"model": name, "max_tokens": 128, "ignore_eos": True, "temperature": 0}
+                return load_client.stream(url, "/speed/v1/completions", body, prompts, concurrency,
+                                          {"Authorization": f"Bearer {key}"}, str(home / "tls" / "ca.pem"))
 
             began = time.monotonic()
-            first = one(prompts[0])   # warm-up: the replica's first decode steps capture their graphs
+            first = level_of(prompts[:1], 1)[0][0]   # warm-up: the replica's first decode steps capture their graphs
             log(f"  online: warm-up request done in {time.monotonic() - began:.1f} s (TTFT {first[0]:.2f} s)")
             # an idle replica captures the graphs it has not used yet (decode sizes, then the prefill graphs): a
             # replica that served before has them; the levels measure that, not the first minute of a new one
@@ -502,10 +495,7 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
                 before = cpu_seconds(process.pid)
                 loops_before = main_thread_cpu_seconds(pid for pid in before if pid != process.pid)
                 steps_before = engine_steps(http)
-                began = time.perf_counter()
-                with concurrent.futures.ThreadPoolExecutor(level) as pool:
-                    results = list(pool.map(one, prompts[:max(level * 4, 16)]))
-                elapsed = time.perf_counter() - began
+                results, elapsed = level_of(prompts[:max(level * 4, 16)], level)
                 used = {pid: seconds - before.get(pid, 0.0) for pid, seconds in cpu_seconds(process.pid).items()}
                 loops = {pid: seconds - loops_before.get(pid, 0.0)
                          for pid, seconds in main_thread_cpu_seconds(pid for pid in used if pid != process.pid).items()}
