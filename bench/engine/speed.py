@@ -29,7 +29,8 @@ runtime/engine/tiny.py). Per model:
   - Ember runs with overlap scheduling, EngineConfig's default; with --overlap both or off, also or only with
     EngineConfig(overlap=False), in fields named "..._serial";
   - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
-    128-token outputs at each concurrency: output tok/s, TTFT and ITL p50/p99 (serial steps in "online_serial"),
+    128-token outputs at each concurrency, streamed from client processes of their own (load_client.py; every stream
+    of a level starts at once): output tok/s, TTFT and ITL p50/p99 (serial steps in "online_serial"),
     and the host CPU each streamed token cost the gateway process and the rest of `ember serve`'s processes (and
     of that, their main threads: the replica's event loop; its step loop spins on the device while steps run),
     and the replica's forward passes by kind (decode graphs replayed, eager steps: prefills and the decode steps a
