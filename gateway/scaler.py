@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 from ember.gateway.autoscaler.costs import ParkMeasured, StartMeasured
-from ember.gateway.autoscaler.policy import Evict, Park, ReplicaView, Sample, Start, Wake, app_tail, decide
+from ember.gateway.autoscaler.policy import AppTails, Evict, Park, ReplicaView, Sample, Start, Wake, decide
 from ember.gateway.backends import Backend
 from ember.gateway.backends.local import parked_over_budget
 from ember.gateway.deployment import Deployment, ScalingDecision, Unit
@@ -46,14 +46,20 @@ class Scaler:
             for deployment in list(self.deployments.values()):
                 if deployment.name not in self.checking:  # a new version's check has the app's fork server
                     self.backend.prepare(deployment.name, deployment.package)
+                # whether the p99 is already lost is the app's: its other functions' requests count with each one's.
+                # Pooled once a round, each unit's taken out for its peers: pooling the others afresh for every unit
+                # cost O(functions²) a round (an app of 200 functions: 40,000 pools twice a second).
+                now = time.monotonic()
+                tails = AppTails((unit.memo for unit in deployment.units.values()), now)
                 for unit in deployment.units.values():
                     try:
-                        self.tick(deployment, unit, time.monotonic())
+                        self.tick(deployment, unit, now, tails)
                     except Exception:  # one function's bad tick must not stop scaling for every other one
                         log.exception("autoscaler tick failed for %s/%s", unit.app, unit.name)
             self._free_gpus()
 
-    def tick(self, deployment: Deployment, unit: Unit, now: float) -> None:
+    def tick(self, deployment: Deployment, unit: Unit, now: float, tails: AppTails) -> None:
+        """One call of the policy for `unit`; `tails` pools its app's functions' tails this round."""
         router = unit.router
         for replica in [r for r in router.replicas.values() if r.draining and r.in_flight == 0]:
             self._finish(unit, replica)
@@ -63,9 +69,9 @@ class Scaler:
         unit.measured.clear()
         views = [ReplicaView(r.id, r.state, r.in_flight, r.idle_since, draining=r.draining is not None)
                  for r in router.replicas.values() if r.state in LIVE]
-        # whether the p99 is already lost is the app's: its other functions' requests count with this one's
-        peers = app_tail((u.memo for u in deployment.units.values() if u is not unit), now)
-        actions, unit.memo = decide(unit.settings, views, unit.history, now, unit.memo, peers)
+        before = unit.memo
+        actions, unit.memo = decide(unit.settings, views, unit.history, now, before, tails.peers(before))
+        tails.replace(before, unit.memo)
         for action in actions:
             if isinstance(action, Start) and self._held(unit):
                 continue
