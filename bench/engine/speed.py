@@ -33,8 +33,9 @@ runtime/engine/tiny.py). Per model:
     of a level starts at once): output tok/s, TTFT and ITL p50/p99 (serial steps in "online_serial"),
     and the host CPU each streamed token cost the gateway process and the rest of `ember serve`'s processes (and
     of that, their main threads: the replica's event loop; its step loop spins on the device while steps run),
-    and the replica's forward passes by kind (decode graphs replayed, eager steps: prefills and the decode steps a
-    new request's prefill joined) with their mean GPU ms, from the engine's counters at the gateway's /metrics.
+    and the replica's forward passes by kind (decode graphs replayed, prefills through the piecewise graphs, eager
+    steps: prefills no piecewise size fits and the decode steps such a prefill joined) with their mean GPU ms, from
+    the engine's counters at the gateway's /metrics.
 """
 import argparse
 import gc
@@ -518,8 +519,9 @@ def online(model_dir: Path, concurrency: tuple[int, ...], requests_per_level: in
                              # of which the main threads (the replica's event loop); the rest is mostly the step
                              # loop, whose wait for each step's tokens is CUDA's spin-wait: about a core throughout
                              "replica_loop_cpu_us_per_token": round(1e6 * sum(loops.values()) / tokens, 1),
-                             # the replica's forward passes in the level: replayed decode graphs, and eager ones
-                             # (prefills, and decode steps a new request's prefill joined), with GPU ms each
+                             # the replica's forward passes in the level: replayed decode graphs, steps that
+                             # prefilled through the piecewise graphs, and eager ones (prefills no piecewise size
+                             # fits, and the decode steps such a prefill joined), with GPU ms each
                              **step_split(steps)})
                 log("  online", rows[-1])
         return rows
@@ -549,7 +551,7 @@ def engine_steps(http) -> dict[tuple[str, str], float]:
 def step_split(steps: dict[tuple[str, str], float]) -> dict:
     """Steps by kind over a load level, and each kind's mean GPU milliseconds."""
     row = {}
-    for kind in ("graph", "eager"):
+    for kind in ("graph", "piecewise", "eager"):
         count = steps.get(("ember:engine_steps_total", kind), 0.0)
         row[f"{kind}_steps"] = int(count)
         device = steps.get(("ember:engine_step_device_seconds_total", kind), 0.0)

@@ -26,7 +26,7 @@ COUNTERS = [
     ("num_preemptions", "num_preemptions", "Requests preempted because the KV cache ran out."),
 ]
 
-KINDS = ("graph", "eager")   # of engine steps
+KINDS = ("graph", "piecewise", "eager")   # of engine steps
 
 
 def render(stats: EngineStats, model_name: str) -> str:
@@ -44,7 +44,8 @@ def render(stats: EngineStats, model_name: str) -> str:
         count = stats.request_success.get(reason, 0)
         lines.append(f'{PREFIX}request_success_total{{{label},finished_reason="{reason}"}} {count}')
     lines += _header("engine_steps", "counter", "Forward passes, by kind: graph (a decode step replayed from a CUDA "
-                     "graph) or eager (prefill chunks, mixed steps, decode batches without a graph).")
+                     "graph), piecewise (a step that prefilled, replayed from per-size graphs with attention between "
+                     "them) or eager (prefills no piecewise graph fits, decode batches without a graph).")
     lines += [f'{PREFIX}engine_steps_total{{{label},kind="{kind}"}} {stats.steps[kind]}' for kind in KINDS]
     lines += _header("engine_step_device_seconds", "counter", "Device (GPU) seconds of the forward passes and "
                      "sampling, by kind of step; 0 on CPU.")

@@ -51,6 +51,7 @@ class Launched:
     graph_batch_size: int | None
     # the step's logits and sampling rows while its sampling waits for its held rows' masks (ModelRunner.sample)
     pending: "tuple[torch.Tensor, list[SamplingRow]] | None" = None
+    prefill_graph_size: int | None = None   # the piecewise prefill graphs' size the step was padded to
 
 
 @dataclass
@@ -64,6 +65,7 @@ class RunOutput:
     wait_seconds: float
     gpu_seconds: float | None          # device time of the forward pass and sampling (CUDA events); None on CPU
     graph_batch_size: int | None       # the CUDA graph replayed, None when the step ran eagerly
+    prefill_graph_size: int | None = None   # a step that prefilled: the piecewise graphs' size it replayed
 
 
 class ModelRunner:
@@ -334,6 +336,7 @@ class ModelRunner:
         blocked = time.perf_counter() - blocked
         # one new token per sequence: a decode step, replayed from a graph unless above the largest
         graph_size = self.graphs.batch_size_for(len(seqs)) if self.graphs is not None and inputs.decode else None
+        prefill_size = None   # else: the piecewise graphs' size a step that prefills pads to, where captured
         if self.graphs is not None and graph_size is not None:
             self.graphs.capture(graph_size)  # once per size, when not done yet
             graph_size = self.graphs.prepare(inputs.tokens, inputs.block_tables, inputs.num_blocks,
@@ -366,7 +369,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[torch.from_numpy(sample_index).to(self.device,
                                                                                            non_blocking=True)])
         launched = Launched(len(seqs), inputs.sampled, inputs.samples_all, None, None, timer, began, blocked, prepared,
-                            0.0, graph_size, (logits, rows) if rows else None)
+                            0.0, graph_size, (logits, rows) if rows else None, prefill_size)
         if not (defer_held and any(row.matcher is not None for row in rows)):
             self.sample(launched)
         launched.queued = time.perf_counter()
@@ -409,7 +412,7 @@ class ModelRunner:
         # On CPU the forward pass runs on the host: all of it counts as the wait for the "device".
         wait = done - waiting + launched.blocked + (0.0 if timer.enabled else launched.queued - launched.prepared)
         return RunOutput(tokens, logprobs, launched.prepared - launched.began - launched.blocked, wait,
-                         timer.elapsed(), launched.graph_batch_size)
+                         timer.elapsed(), launched.graph_batch_size, launched.prefill_graph_size)
 
     def _feed(self, token_ids: torch.Tensor, feeds: np.ndarray, previous: "Launched | None") -> None:
         """Fill the placeholders among the step's token ids with the previous step's sampled tokens, on the device."""

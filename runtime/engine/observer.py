@@ -79,7 +79,9 @@ class EngineObserver:
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_cache_usage = self.scheduler.block_manager.usage
         if step.run is not None:
-            kind = "eager" if step.run.graph_batch_size is None else "graph"
+            run = step.run
+            kind = "graph" if run.graph_batch_size is not None else "eager" if run.prefill_graph_size is None else \
+                "piecewise"
             s.steps[kind] += 1
             if step.run.gpu_seconds is not None:
                 s.step_device_seconds[kind] += step.run.gpu_seconds

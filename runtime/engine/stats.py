@@ -71,7 +71,10 @@ class EngineStats:
     generation_tokens: int = 0        # vllm:generation_tokens_total
     num_preemptions: int = 0          # vllm:num_preemptions_total
     request_success: Counter = field(default_factory=Counter)  # vllm:request_success_total{finished_reason}
-    # Ember's own: forward passes by kind, "graph" (a decode step replayed from a CUDA graph) or "eager" (prefill
-    # chunks, steps mixing them with decodes, decode batches without a graph), and their device seconds (CUDA only)
-    steps: dict[str, int] = field(default_factory=lambda: {"graph": 0, "eager": 0})
-    step_device_seconds: dict[str, float] = field(default_factory=lambda: {"graph": 0.0, "eager": 0.0})
+    # Ember's own: forward passes by kind, "graph" (a decode step replayed from a CUDA graph), "piecewise" (a step
+    # that prefilled, replayed from prefill_graphs.py's graphs with attention between them) or "eager" (prefills and
+    # steps mixing them with decodes where no piecewise graph fits, decode batches without a graph), and their
+    # device seconds (CUDA only)
+    steps: dict[str, int] = field(default_factory=lambda: {"graph": 0, "piecewise": 0, "eager": 0})
+    step_device_seconds: dict[str, float] = field(default_factory=lambda: {"graph": 0.0, "piecewise": 0.0,
+                                                                           "eager": 0.0})

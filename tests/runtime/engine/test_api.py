@@ -374,6 +374,7 @@ def test_health_and_metrics_use_vllm_names(call):
     # on a CPU every forward pass is eager (CUDA graphs need a GPU) and no device time is measured
     assert samples[f'ember:engine_steps_total{{{label},kind="eager"}}'] >= 3
     assert samples[f'ember:engine_steps_total{{{label},kind="graph"}}'] == 0
+    assert samples[f'ember:engine_steps_total{{{label},kind="piecewise"}}'] == 0
     assert samples[f'ember:engine_step_device_seconds_total{{{label},kind="eager"}}'] == 0
 
 
