@@ -78,13 +78,16 @@ class EngineObserver:
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_cache_usage = self.scheduler.block_manager.usage
-        if step.run is not None:
-            run = step.run
-            kind = "graph" if run.graph_batch_size is not None else "eager" if run.prefill_graph_size is None else \
-                "piecewise"
+        if (run := step.run) is not None:
+            if run.graph_batch_size is not None:
+                kind = "graph"
+            elif run.prefill_graph_size is not None:
+                kind = "piecewise"
+            else:
+                kind = "eager"
             s.steps[kind] += 1
-            if step.run.gpu_seconds is not None:
-                s.step_device_seconds[kind] += step.run.gpu_seconds
+            if run.gpu_seconds is not None:
+                s.step_device_seconds[kind] += run.gpu_seconds
         s.step_time.observe(step.seconds)
         s.step_host_time.observe(step.seconds - (step.run.wait_seconds if step.run else 0.0))
 
