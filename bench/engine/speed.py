@@ -548,6 +548,17 @@ def engine_steps(http) -> dict[tuple[str, str], float]:
     return totals
 
 
+def streams(text: str) -> int:
+    """A --concurrency level: streams in flight, 1 to 4,096."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 4096:
+        raise argparse.ArgumentTypeError(f"want a whole number of streams from 1 to 4,096, got {text!r}")
+    return value
+
+
 def step_split(steps: dict[tuple[str, str], float]) -> dict:
     """Steps by kind over a load level, and each kind's mean GPU milliseconds."""
     row = {}
@@ -735,7 +746,7 @@ def main() -> None:
     parser.add_argument("--hf-b1-tokens", type=int, default=256,
                         help="tokens transformers decodes at batch 1 (its rate is steady; fewer save minutes)")
     parser.add_argument("--online-requests", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument("--concurrency", type=streams, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--skip-online", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--workdir", default=None,

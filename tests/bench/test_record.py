@@ -71,6 +71,9 @@ def test_engine_speed_joins_the_shares_of_runs_that_each_measured_some_parts(tmp
     bad = subprocess.run([sys.executable, str(BENCH / "engine" / "speed.py"), "--parts", "b1,warp"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "warp" in bad.stderr and "Traceback" not in bad.stderr
+    none = subprocess.run([sys.executable, str(BENCH / "engine" / "speed.py"), "--concurrency", "4", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert none.returncode == 2 and "from 1 to 4,096, got '0'" in none.stderr and "Traceback" not in none.stderr
 
 
 def _speed():
