@@ -215,7 +215,9 @@ def test_callers_take_turns_for_the_compile_workers(served, monkeypatch):
     """One worker; caller A floods it with formats that cannot compile in time, and its fifth waiting is a 503 that
     names its own share; caller B's format, sent after A's four waited, takes the worker as soon as it is free, before
     A's, which go one by one (each killed at the deadline)."""
-    monkeypatch.setenv("EMBER_FORMAT_COMPILE_SECONDS", str(SECONDS))
+    # B must wait before A's first compile is killed: at a 2 s deadline, on a loaded 2-core CI host, A's four waits
+    # and fifth 503 took longer once, and A's second took the worker before B came (a clean clone's run, session 32)
+    monkeypatch.setenv("EMBER_FORMAT_COMPILE_SECONDS", str(2.5 * SECONDS))
     app = create_app(EngineConfig(model=served[0].state.llm.engine.config.model, max_num_seqs=4),
                      served_model_name="tiny")
     app.state.openai.grammars.workers = 1
