@@ -159,6 +159,11 @@ class FunctionSpec(BaseModel):
                 f"park_after ({self.park_after:g}) must be < scaledown_window ({window:g}): "
                 "a replica parks first and is stopped when the window ends"
             )
+        if self.park_after is not None and not self.park:
+            raise ValueError(
+                f"park_after ({self.park_after:g}) needs park=True: with park=False an idle replica never parks (it "
+                "stops after scaledown_window); drop park_after or park=False"
+            )
         if self.panic_window is not None and self.stable_window is not None and self.panic_window > self.stable_window:
             raise ValueError(
                 f"panic_window ({self.panic_window:g}) must be <= stable_window ({self.stable_window:g}): "

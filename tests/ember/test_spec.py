@@ -32,6 +32,7 @@ def test_misspelt_argument_names_the_nearest_valid_one():
     ({"panic_window": 10, "stable_window": 5}, "panic_window (10) must be <= stable_window (5)"),
     ({"park_after": 10, "scaledown_window": 10}, "park_after (10) must be < scaledown_window (10)"),
     ({"park": "sometimes"}, "park: Input should be a valid boolean"),
+    ({"park_after": 5, "park": False}, "park_after (5) needs park=True"),
     # each below was taken before: an infinite timeout failed every call with a gateway 500, an env key or
     # value os.environ refuses failed every replica's start (a 503 naming "embedded null byte")
     ({"timeout": float("inf")}, "timeout: Input should be a finite number"),
