@@ -4,8 +4,8 @@ bench/engine/speed.py ran a level's streams on threads of its own process. At th
 one interpreter parsed every SSE event of 64 streams under one GIL; its threads read them in bursts, and more than
 half the inter-token latencies it stamped were under 0.1 ms (the ITL p50 of the 0.6B rows at concurrency 32 and 64)
 though the replica's steps were milliseconds apart. Here a level's streams are spread over up to CLIENT_PROCESSES
-processes (this file run as a script), each with its threads and its own connections: they start, connect, report
-ready, and stream only when every one of them is ready, so start-up stays out of the level's time.
+processes (this file run as a script), each with its threads and its own connections: they start, build their
+clients, report ready, and stream only when every one of them is ready, so start-up stays out of the level's time.
 
     python bench/engine/load_client.py    # a worker: one JSON job on stdin, "ready", a line to start, JSON results
 """
