@@ -1,6 +1,6 @@
 """The decode step's kernels against the library kernels they could replace, side by side on one GPU.
 
-    python bench/engine/kernel_bench.py [--parts gemv,fused,decode,attention,gemm] [--record]
+    python bench/engine/kernel_bench.py [--parts gemv,fused,decode,attention,gemm,overlap] [--record]
 
   - gemv: runtime/engine/gemv.py's Triton product over a sweep of its configurations against F.linear (cuBLAS),
     for the Qwen3-8B shape's products (--gemv-shapes: also the 4B's and 0.6B's) at 1 row (and 2 and 4 with the best
@@ -19,8 +19,12 @@
   - decode: each product at 8 to 256 rows (the decode graphs' batch sizes) with cuBLAS, against the longer of its
     weight read and its FLOPs at the bandwidth and product rate measured in the same run (--decode-ways: also
     with torch's cuBLASLt backend, and with the weight stored transposed);
-  - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run).
---record writes bench/results/kernels.json; otherwise it only prints.
+  - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run);
+  - overlap: a decode forward and a prefill forward of the 8B shape one after the other, as one step, on two
+    streams and on green contexts that split the SMs (whether the offline floor's sum of reads and products can
+    be beaten by running both at once; bench_overlap says how).
+--record writes the parts run into bench/results/kernels.json (the parts it did not run stay as they were);
+otherwise it only prints.
 """
 import argparse
 import functools
@@ -416,6 +420,121 @@ def bench_gemm() -> list[dict]:
     return rows
 
 
+def bench_overlap(prefill_tokens: tuple[int, ...] = (512, 1024, 2048), batch: int = 256, context: int = 843,
+                  decode_sms: tuple[int, ...] = (32, 48, 66, 88)) -> list[dict]:
+    """Whether a decode step and a prefill chunk gain by running at once: the offline floor (speed.py) adds a
+    decode step's K/V reads to its products, and only work that overlaps them could pass it. On the 8B shape (36
+    layers, random weights), a decode forward of `batch` sequences of `context` tokens (its products at `batch`
+    rows, each layer's attention by paged_decode's streamed kernel over one layer's worth of pages, read again by
+    every layer: ~0.9 GB, far over L2) and a prefill forward of M tokens (its products; the prefill attention, a
+    few % of a 512-token chunk's FLOPs, is left out), timed: each alone, one after the other, as one step whose
+    products take both parts' rows (as a mixed step does), on two streams at once (also with the decode stream at
+    high priority), and on two green contexts splitting the SMs (`decode_sms` to the decode, the rest to the
+    prefill). Both forwards run eager: each enqueues in a few ms and runs for 11-55 ms, so the host stays ahead.
+    Norms, RoPE and sampling are left out of both: they are the same work either way."""
+    import numpy as np
+
+    from ember.runtime.engine.paged_decode import StreamedDecode, streamed_parts
+
+    hidden, intermediate, heads, kv_heads = SHAPES["8B"]
+    layers, dim, page, dtype, device = 36, 128, 16, torch.bfloat16, torch.device("cuda")
+    qkv_width = (heads + 2 * kv_heads) * dim
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, dtype=dtype, device=device, generator=generator) * 0.02
+
+    weights = [(weight(qkv_width, hidden), weight(hidden, heads * dim), weight(2 * intermediate, hidden),
+                weight(hidden, intermediate)) for _ in range(layers)]
+    pages = -(-context // page)
+    kv = torch.randn(batch * pages, 2, page, kv_heads, dim, dtype=dtype, device=device, generator=generator)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    attention = StreamedDecode(batch, pages, page, heads, kv_heads, dim, device,
+                               parts=streamed_parts(batch, kv_heads, sms))
+    attention.stage(np.arange(batch * pages, dtype=np.int32).reshape(batch, pages), np.full(batch, context, np.int32))
+
+    def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, gate_up)
+        return F.linear(F.silu(h[:, :intermediate]) * h[:, intermediate:], down)
+
+    def forward(x: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        """The first `decode_rows` rows of x decode (attention over the pages), the rest are prefill tokens."""
+        for qkv_w, o_w, gate_up_w, down_w in weights:
+            qkv = F.linear(x, qkv_w)
+            parts = []
+            if decode_rows:
+                q = qkv[:decode_rows].view(decode_rows, heads + 2 * kv_heads, dim)[:, :heads]
+                parts.append(attention.forward(q, kv, dim ** -0.5).reshape(decode_rows, heads * dim))
+            if decode_rows < x.shape[0]:
+                parts.append(qkv[decode_rows:, :heads * dim] * 1.0)
+            x = mlp(F.linear(parts[0] if len(parts) == 1 else torch.cat(parts), o_w), gate_up_w, down_w)
+        return x
+
+    def run(jobs: list[tuple[torch.cuda.Stream, functools.partial]], rounds: int = 5) -> float:
+        """Milliseconds (median of `rounds`) from enqueueing each job on its stream, all at once, to the last end."""
+        current = torch.cuda.current_stream()
+        times = []
+        for _ in range(rounds + 1):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(current)
+            for stream, job in jobs:
+                stream.wait_stream(current)
+                with torch.cuda.stream(stream):
+                    job()
+            for stream, _ in jobs:
+                current.wait_stream(stream)
+            end.record(current)
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times[1:])[rounds // 2]   # the first round loads the kernels
+
+    decode_x = torch.randn(batch, hidden, dtype=dtype, device=device, generator=generator)
+    decode = functools.partial(forward, decode_x, batch)
+    one, two, urgent = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+    decode_ms = run([(one, decode)])
+    log(f"overlap: decode forward of {batch} x {context} tokens {decode_ms:.2f} ms")
+    green = None
+    try:
+        from torch.cuda.green_contexts import GreenContext
+        green = GreenContext
+    except ImportError:
+        log("overlap: this torch has no green contexts")
+    rows = []
+    for m in prefill_tokens:
+        prefill = functools.partial(forward, torch.randn(m, hidden, dtype=dtype, device=device, generator=generator), 0)
+        mixed = functools.partial(forward, torch.randn(batch + m, hidden, dtype=dtype, device=device,
+                                                       generator=generator), batch)
+        prefill_ms = run([(two, prefill)])
+        row = {"batch": batch, "context": context, "prefill_tokens": m, "decode_ms": round(decode_ms, 2),
+               "prefill_ms": round(prefill_ms, 2), "serial_ms": round(decode_ms + prefill_ms, 2),
+               "one_step_ms": round(run([(one, mixed)]), 2),
+               "two_streams_ms": round(run([(one, decode), (two, prefill)]), 2),
+               "two_streams_decode_urgent_ms": round(run([(urgent, decode), (two, prefill)]), 2)}
+        log(f"overlap M={m}: prefill {prefill_ms:.2f} ms, one after the other {row['serial_ms']:.2f}, one step "
+            f"{row['one_step_ms']:.2f}, two streams {row['two_streams_ms']:.2f} (decode urgent "
+            f"{row['two_streams_decode_urgent_ms']:.2f})")
+        row["green"] = []
+        for n in decode_sms if green is not None else ():
+            decode_ctx, prefill_ctx = green.create(num_sms=n), green.create(num_sms=sms - n)
+            split = {"decode_sms": n, "decode_ms": round(run([(decode_ctx.Stream(), decode)]), 2),
+                     "prefill_ms": round(run([(prefill_ctx.Stream(), prefill)]), 2),
+                     "both_ms": round(run([(decode_ctx.Stream(), decode), (prefill_ctx.Stream(), prefill)]), 2)}
+            row["green"].append(split)
+            log(f"   green contexts, {n} SMs to the decode, {sms - n} to the prefill: decode {split['decode_ms']:.2f}"
+                f" ms, prefill {split['prefill_ms']:.2f}, both at once {split['both_ms']:.2f}")
+        rows.append(row)
+    return rows
+
+
+def record(path: Path, result: dict) -> None:
+    """Writes this run's parts into `path`, keeping the parts of earlier runs that this one did not run (each
+    part's rows are one run's; `machine` and `copy_bandwidth_gb_s` are the latest run's)."""
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**kept, **result}, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="gemv,attention,gemm")
@@ -457,10 +576,11 @@ def main() -> None:
         result["rope"] = bench_rope(bandwidth)
     if "gemm" in parts:
         result["gemm"] = bench_gemm()
+    if "overlap" in parts:
+        result["overlap"] = bench_overlap()
     log(f"done in {time.perf_counter() - began:.0f} s")
     if args.record:
-        args.results.mkdir(parents=True, exist_ok=True)
-        (args.results / "kernels.json").write_text(json.dumps(result, indent=1) + "\n")
+        record(args.results / "kernels.json", result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Benchmarks write bench/results/ only when asked (--record): a plain run prints its table and leaves the tree as it
 was."""
 import hashlib
+import json
 import re
 import subprocess
 import sys
@@ -198,3 +199,18 @@ def test_the_online_load_streams_a_level_from_client_processes(tmp_path):
     # three streams in flight throughout: their summed durations are three times the level's
     in_flight = sum(ttft + sum(request_gaps) for ttft, request_gaps, _ in results) / seconds
     assert 2.0 < in_flight <= 3.05, in_flight
+
+
+def test_kernel_bench_records_the_parts_it_ran_and_keeps_the_rest(tmp_path):
+    """kernel_bench.py's parts run one at a time on the GPU (its whole run is longer than a device call); a record
+    of one part rewrote kernels.json with that part alone, dropping every row the others had measured."""
+    sys.path.insert(0, str(BENCH / "engine"))
+    try:
+        import kernel_bench
+    finally:
+        sys.path.remove(str(BENCH / "engine"))
+    path = tmp_path / "kernels.json"
+    kernel_bench.record(path, {"machine": "first", "gemv": [{"us": 1}], "attention": [{"us": 2}]})
+    kernel_bench.record(path, {"machine": "second", "overlap": [{"ms": 3}], "gemv": [{"us": 4}]})
+    assert json.loads(path.read_text()) == {"machine": "second", "gemv": [{"us": 4}], "attention": [{"us": 2}],
+                                            "overlap": [{"ms": 3}]}
