@@ -535,9 +535,23 @@ def record(path: Path, result: dict) -> None:
     path.write_text(json.dumps({**kept, **result}, indent=1) + "\n")
 
 
+PARTS = ("gemv", "fused", "attention", "decode", "rope", "gemm", "overlap")
+
+
+def parts_arg(text: str) -> set[str]:
+    """--parts: a comma-separated subset of PARTS (a misspelt part ran nothing and said nothing)."""
+    parts = {p.strip() for p in text.split(",") if p.strip()}
+    if unknown := parts - set(PARTS):
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(sorted(unknown))}; choose from {','.join(PARTS)}")
+    if not parts:
+        raise argparse.ArgumentTypeError(f"name at least one of {','.join(PARTS)}")
+    return parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="gemv,attention,gemm")
+    parser.add_argument("--parts", type=parts_arg, default="gemv,attention,gemm",
+                        help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--gemv-shapes", nargs="+", default=["8B"], choices=list(SHAPES),
                         help="gemv: the products of these Qwen3 shapes")
     parser.add_argument("--decode-rows", nargs="+", type=int, default=list(DECODE_ROWS),
@@ -556,7 +570,7 @@ def main() -> None:
     began = time.perf_counter()
     bandwidth = copy_bandwidth()
     log(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    parts = {p.strip() for p in args.parts.split(",")}
+    parts = args.parts
     result = {"machine": f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, {platform.machine()}; "
                          f"torch {torch.__version__}", "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
     if "gemv" in parts:

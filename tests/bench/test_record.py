@@ -214,3 +214,12 @@ def test_kernel_bench_records_the_parts_it_ran_and_keeps_the_rest(tmp_path):
     kernel_bench.record(path, {"machine": "second", "overlap": [{"ms": 3}], "gemv": [{"us": 4}]})
     assert json.loads(path.read_text()) == {"machine": "second", "gemv": [{"us": 4}], "attention": [{"us": 2}],
                                             "overlap": [{"ms": 3}]}
+
+
+def test_kernel_bench_refuses_a_part_it_does_not_have():
+    """A misspelt --parts ran no part and printed only the bandwidth: on the GPU machine, a device call spent."""
+    run = subprocess.run([sys.executable, str(BENCH / "engine" / "kernel_bench.py"), "--parts", "gemm,overlaps"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 2
+    assert "unknown overlaps" in run.stderr and "overlap" in run.stderr.split("choose from")[1]
+    assert "Traceback" not in run.stderr
