@@ -155,7 +155,6 @@ def test_the_chat_api_gives_the_reasoning_apart_whole_and_streamed(served, write
         whole.usage.completion_tokens_details.reasoning_tokens
 
 
-
 def test_a_step_whose_text_is_held_back_still_sends_a_chunk():
     """A step that wrote only what may be a tag ("<think>", "</th") sends a chunk with no text, so a client sees each
     token come, as with a plain reply; its finishing step sends the finish alone."""
@@ -173,6 +172,7 @@ def test_a_step_whose_text_is_held_back_still_sends_a_chunk():
     assert [c["delta"] for c in step("</th")] == [{"content": ""}]
     assert [c["delta"] for c in step("ink>Paris")] == [{"content": "Paris"}]
     assert [(c["delta"], c["finish_reason"]) for c in step("", "length")] == [({}, "length")]
+
 
 def test_a_template_that_opens_the_block_starts_the_reply_in_it(served, writes):
     writes("The user wants a city.\n</think>\n\nParis.")
