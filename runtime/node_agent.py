@@ -59,8 +59,10 @@ async def publish(address: str, port: int) -> asyncio.Server:
 
 
 class NodeAgent:
-    def __init__(self, instance_id: str, address: str, gpus: int, slots: int, work: Path, bucket: str, tables: str):
+    def __init__(self, instance_id: str, address: str, gpus: int, slots: int, work: Path, bucket: str, tables: str,
+                 prefer_grace: float = PREFER_GRACE):
         self.instance_id, self.address, self.slots, self.work, self.bucket = instance_id, address, slots, work, bucket
+        self.prefer_grace = prefer_grace
         (work / "logs").mkdir(parents=True, exist_ok=True)
         (work / "packages").mkdir(parents=True, exist_ok=True)
         self.supervisor = Supervisor([str(i) for i in range(gpus)], log)
@@ -114,7 +116,7 @@ class NodeAgent:
     def _mine(self, item: dict) -> bool:
         """Placed here, placed nowhere, or its preferred node had its chance."""
         prefer = item.get("prefer")
-        return prefer in (None, self.instance_id) or time.time() - float(item["created"]) > PREFER_GRACE
+        return prefer in (None, self.instance_id) or time.time() - float(item["created"]) > self.prefer_grace
 
     def _claim(self, item: dict) -> None:
         """Take a pending assignment; the condition makes exactly one node win it."""
@@ -219,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=1, help="replicas this instance runs at once (default 1)")
     parser.add_argument("--work", type=Path, default=Path(os.environ.get("EMBER_HOME", "/var/lib/ember")),
                         help="where packages and replica logs go")
+    parser.add_argument("--prefer-grace", type=float, default=PREFER_GRACE,
+                        help=f"seconds a replica placed on another node (it holds the package) waits for that node "
+                             f"before this one may claim it (default {PREFER_GRACE:g})")
     args = parser.parse_args(argv)
+    if not 0 <= args.prefer_grace < float("inf"):
+        parser.error("--prefer-grace: give a number of seconds, 0 or more")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     bucket = os.environ.get("EMBER_AWS_BUCKET")
     if not bucket:
@@ -233,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         args.work,
         bucket,
         os.environ.get("EMBER_AWS_TABLES", "ember-"),
+        args.prefer_grace,
     )
 
     async def run() -> None:

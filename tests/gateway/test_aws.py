@@ -254,8 +254,10 @@ def test_a_new_replica_starts_on_the_node_that_holds_its_package(aws, tmp_path):
     package = build(load_app(str(APPS / "quick.py")), Home(tmp_path / "laptop"))
     (tmp_path / "holder" / "packages").mkdir(parents=True)
     shutil.copy(package, tmp_path / "holder" / "packages" / f"{sha256_file(package)}.pkg")  # deployed here before
+    # the fresh node waits out a long grace: on a loaded host the holder may take over the default 2 s to poll, and
+    # the fresh node then took the replica (a clean-clone CI run saw it start node-cold)
     agents = [subprocess.Popen([sys.executable, "-m", "ember.runtime.node_agent", "--instance-id", f"i-{name}",
-                                "--address", "127.0.0.1", "--work", str(tmp_path / name)],
+                                "--address", "127.0.0.1", "--work", str(tmp_path / name), "--prefer-grace", "60"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name in ("fresh", "holder")]
     nodes = boto3.resource("dynamodb").Table("ember-nodes")
     try:
