@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .paged_decode import PagedDecode, StreamedDecode, streamed_parts
+from .paged_decode import PagedDecode, StreamedDecode, streamed_pool
 
 
 @dataclass
@@ -117,7 +117,7 @@ class FlashInferBackend:
         if self.streamed_min_batch is not None and batch_size >= self.streamed_min_batch:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.triton_graph_decode[batch_size] = StreamedDecode(
-                *shape, parts=streamed_parts(batch_size, self.num_kv_heads, sms))
+                *shape, pool=streamed_pool(batch_size, self.num_kv_heads, sms))
             return
 
         def buffer(n: int) -> torch.Tensor:
@@ -139,20 +139,20 @@ class FlashInferBackend:
                                  num_blocks=one, slot_blocks=slots, slot_offsets=slots))
 
     def build_streamed_kernels(self) -> None:
-        """With streamed_min_batch, compiles (or loads) the streamed decode kernel in both its variants (one part,
-        written directly; several, merged) on a one-sequence batch shaped as the graphs' (table width, q's
-        strides), so a node's first large batch does not compile it inside a step. Reads no real KV."""
+        """With streamed_min_batch, compiles (or loads) the streamed decode kernel on a one-sequence batch shaped as
+        the graphs' (table width, q's strides, the pool), so a node's first large batch does not compile it inside
+        a step. Reads no real KV."""
         if self.streamed_min_batch is None or self.max_blocks_per_seq is None:
             return
         cache = torch.zeros(2, 2, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                             device=self.device)
         qkv = torch.zeros(1, self.num_heads + 2 * self.num_kv_heads, self.head_dim, dtype=self.dtype,
                           device=self.device)
-        for parts in (1, 2):
-            decode = StreamedDecode(1, self.max_blocks_per_seq, self.block_size, self.num_heads, self.num_kv_heads,
-                                    self.head_dim, self.device, parts=parts)
-            decode.stage(np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int32))
-            decode.forward(qkv[:, :self.num_heads], cache, self.scale)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        decode = StreamedDecode(1, self.max_blocks_per_seq, self.block_size, self.num_heads, self.num_kv_heads,
+                                self.head_dim, self.device, pool=streamed_pool(1, self.num_kv_heads, sms))
+        decode.stage(np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int32))
+        decode.forward(qkv[:, :self.num_heads], cache, self.scale)
         torch.cuda.synchronize(self.device)
 
     def plan(self, batch: AttentionBatch, graph_batch_size: int | None = None) -> None:

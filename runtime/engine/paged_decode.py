@@ -2,7 +2,7 @@
 
 flashinfer's decode kernel, planned for a CUDA graph, took 15.6 us per layer at batch 1 on the H200 (plus 2.5 us
 to merge its splits) for a context of ~200 tokens: a tenth of the step, for 1% of the bytes it reads. These take
-8.6 us; at batch 16 and more flashinfer is faster, and the graphs of those sizes keep it (attention.py). Here the
+8.6 us; at batch 16 and more flashinfer is faster, and StreamedDecode below faster still (attention.py). Here the
 context is cut into fixed splits of `split_tokens` (fewer, longer splits for larger batches), one program per
 (sequence, KV head, split) runs every query head of its group against its split (online softmax), and a second
 kernel merges the splits of each (sequence, head) by their log-sum-exp. The grid is fixed by the graph's batch
@@ -40,19 +40,33 @@ class PagedDecode:
         # step's widest table, W), the B context lengths, then the B tables, W blocks a row, each part on a 16-byte
         # boundary as the kernels' own buffers were. One queued copy from a pinned buffer fills it: the kernels
         # load the stride, so no device copy re-lays the tables out.
+        # Subclasses keep `meta` more ints between the lengths and the tables (StreamedDecode: its plan), and header
+        # ints 1-3 are theirs.
         self.max_blocks_per_seq = max_blocks_per_seq
-        self._tables_at = 4 + -(-batch_size // 4) * 4
+        self._meta_at = 4 + -(-batch_size // 4) * 4
+        self._tables_at = self._meta_at + -(-self.meta_size() // 4) * 4
         self.staged = torch.zeros(self._tables_at + batch_size * max_blocks_per_seq, dtype=torch.int32, device=device)
         self.staged[0] = 1
         self.staged[4:4 + batch_size] = 1
         self.context_lens = self.staged[4:4 + batch_size]
         self.tables = self.staged[self._tables_at:]
-        self.partial = torch.empty(batch_size, num_heads, self.num_splits, head_dim, dtype=torch.float32,
-                                   device=device)
-        self.lse = torch.empty(batch_size, num_heads, self.num_splits, dtype=torch.float32, device=device)
+        self.partial, self.lse = self.split_results(device)
         self._pinned: torch.Tensor | None = None   # stage's host buffer, its numpy view, and its copies by size
         self._host: np.ndarray | None = None
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def split_results(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The splits' partial outputs and log-sum-exps."""
+        b, h = self.batch_size, self.num_heads
+        return (torch.empty(b, h, self.num_splits, self.head_dim, dtype=torch.float32, device=device),
+                torch.empty(b, h, self.num_splits, dtype=torch.float32, device=device))
+
+    def meta_size(self) -> int:
+        return 0
+
+    def stage_meta(self, host: np.ndarray) -> None:
+        """Fills the header's ints 1-3 and the meta ints of the step in `host` (the staged buffer's host copy, whose
+        lengths, padded rows included, are written already)."""
 
     def prepare(self, block_tables: list[list[int]], context_lens: list[int]) -> None:
         """`stage` for lists (the batch already padded to this size)."""
@@ -86,6 +100,7 @@ class PagedDecode:
         host[4:4 + b] = context_lens
         host[4 + b:4 + size] = 1
         host[at:n].reshape(b, width)[:] = block_tables
+        self.stage_meta(host)
         copy = self._copies.get(n)
         if copy is None:
             copy = self._copies[n] = (self.staged[:n], self._pinned[:n])
@@ -113,44 +128,93 @@ class PagedDecode:
         return out
 
 
-def streamed_parts(batch_size: int, num_kv_heads: int, multiprocessors: int) -> int:
-    """Parts per sequence for StreamedDecode: enough programs for about two of them on every multiprocessor (each
-    reads one KV head's pages of one part), at most 4; a first guess for kernel_bench.py's sweep to confirm."""
-    return max(1, min(4, -(-2 * multiprocessors // (batch_size * num_kv_heads))))
+def streamed_pool(batch_size: int, num_kv_heads: int, multiprocessors: int) -> int:
+    """Programs StreamedDecode keeps for the pieces of long contexts: a program for every two sequences, so that a
+    piece is at most twice a mean context (measured on the H200: one 32,768-token context among 255 of 843 took
+    322 us a layer with 33 programs, 250 with 128, against 213 without it), and at least about two programs a
+    multiprocessor (each reads one KV head of one piece). A batch of fewer sequences than that takes a pool that
+    cuts even contexts into up to 4 pieces each, to fill the multiprocessors."""
+    programs = -(-2 * multiprocessors // num_kv_heads)
+    if batch_size >= programs:
+        return max(programs, batch_size // 2)
+    return batch_size * min(4, -(-programs // batch_size))
 
 
 class StreamedDecode(PagedDecode):
-    """The same attention for large batches: each program streams its part of a sequence's pages in a loop Triton
-    pipelines (`stages` tiles in flight), with bf16 products on the tensor cores. Each sequence is cut into `parts`
-    equal parts (whole tiles of `block_t` tokens), so a long context is spread over as many programs as a short one
-    and cannot hold a step back alone, and a partition needs no plan on the host; with one part the programs write
-    the output themselves, with no merge. `parts`, `block_t`, `warps` and `stages` are what
-    bench/engine/kernel_bench.py sweeps."""
+    """The same attention for large batches: each program streams one piece of a sequence's pages for one KV head,
+    in a loop Triton pipelines (`stages` tiles in flight), with bf16 products on the tensor cores.
+
+    A piece is at most `chunk` tokens, a whole number of `block_t` tiles that the host picks each step as the
+    step's tokens over `pool`: every sequence's first piece has a program of its own, and the pieces after a long
+    sequence's first take the pool's programs (at most `pool` of them, as their tokens are at most the step's over
+    `chunk`). So a long context among short ones is spread over as many programs as its share of the step's KV,
+    and a step of even contexts of 33 sequences or more (none over the chunk, see streamed_pool) runs one program
+    per sequence and KV head, which writes its output directly. A long sequence's pieces write their partial results;
+    the last of them to finish (an atomic count per sequence and head) merges them by their log-sum-exp.
+    `block_t`, `warps` and `stages` are what bench/engine/kernel_bench.py sweeps."""
 
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device, parts: int = 1, block_t: int = 64, warps: int = 4,
+                 head_dim: int, device: torch.device, pool: int = 33, block_t: int = 64, warps: int = 4,
                  stages: int = 3):
+        if pool < 1:
+            raise ValueError(f"pool must be at least 1, not {pool}")
+        self.pool = pool
         super().__init__(batch_size, max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim, device)
-        self.num_splits = parts
         self.block_t, self.warps, self.stages = block_t, warps, stages
-        if parts == 1:   # the output straight from the one part: no partial results to keep
-            self.partial = self.lse = torch.empty(0, dtype=torch.float32, device=device)
-        else:
-            self.partial = self.partial.new_empty(batch_size, num_heads, parts, head_dim)
-            self.lse = self.lse.new_empty(batch_size, num_heads, parts)
+        self.first_slots = self.staged[self._meta_at:self._meta_at + batch_size]
+        self.extras = self.staged[self._meta_at + batch_size:self._meta_at + batch_size + 2 * pool]
+        self.staged[1] = max_blocks_per_seq * block_size   # a chunk no context passes, until a step's plan
+        self.arrived = torch.zeros(2 * pool, num_kv_heads, dtype=torch.int32, device=device)
+
+    def split_results(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # a long sequence's pieces, in the pool and first: at most 2 x pool (each long one has one in the pool)
+        return (torch.empty(2 * self.pool, self.num_heads, self.head_dim, dtype=torch.float32, device=device),
+                torch.empty(2 * self.pool, self.num_heads, dtype=torch.float32, device=device))
+
+    def meta_size(self) -> int:
+        return self.batch_size + 2 * self.pool   # each sequence's first slot; the pool's (sequence, first token)
+
+    def stage_meta(self, host: np.ndarray) -> None:
+        """The step's plan: header 1 the chunk, header 2 the pool's pieces in use; for each long sequence (over the
+        chunk) the slot of its first piece's partial result, its later pieces' slots following it; and for each
+        pool program, its piece's sequence and first token."""
+        size, tile = self.batch_size, self.block_t
+        lens = host[4:4 + size]
+        chunk = max(tile, -(-int(lens.sum()) // (self.pool * tile)) * tile)
+        host[1] = chunk
+        if lens.max() <= chunk:
+            host[2] = 0
+            return
+        long = np.flatnonzero(lens > chunk)
+        pieces = (lens[long] + chunk - 1) // chunk
+        later = pieces - 1
+        host[self._meta_at + long] = np.cumsum(pieces) - pieces
+        n = int(later.sum())   # < the step's tokens over the chunk, which is at most the pool
+        seqs = np.repeat(long, later)
+        index = np.arange(1, n + 1) - np.repeat(np.cumsum(later) - later, later)   # 1.. within each sequence
+        extras = host[self._meta_at + size:self._meta_at + size + 2 * n].reshape(n, 2)
+        extras[:, 0] = seqs
+        extras[:, 1] = index * chunk
+        host[2] = n
+
+    def staged_plan(self) -> tuple[int, list[tuple[int, int]], list[int]]:
+        """What the kernels read of the plan (reads the device): the chunk, the pool's pieces in use as (sequence,
+        first token), and each sequence's first slot (meaningful for long sequences only)."""
+        chunk, n = int(self.staged[1]), int(self.staged[2])
+        extras = self.extras[:2 * n].view(n, 2).tolist()
+        return chunk, [tuple(e) for e in extras], self.first_slots.tolist()
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         b, hq, d = q.shape
         group = hq // self.num_kv_heads
         out = q.new_empty(b, hq, d)
-        _stream_kernel[(b, self.num_kv_heads, self.num_splits)](
-            q, kv_cache, self.tables, self.context_lens, out, self.partial, self.lse,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-            kv_cache.stride(3), self.staged, scale * _LOG2_E, GROUP=group,
+        # the pool's programs first, so a long context's pieces start with the step's first wave
+        _stream_kernel[(self.num_kv_heads, self.pool + b)](
+            q, kv_cache, self.tables, self.context_lens, self.first_slots, self.extras, out, self.partial,
+            self.lse, self.arrived, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            kv_cache.stride(2), kv_cache.stride(3), self.staged, scale * _LOG2_E, self.pool, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, PAGE=self.block_size, BLOCK_T=self.block_t,
-            DIRECT=self.num_splits == 1, num_warps=self.warps, num_stages=self.stages)
-        if self.num_splits > 1:
-            _merge_kernel[(b, hq)](self.partial, self.lse, out, self.num_splits, D=d, CHUNK=MERGE_CHUNK)
+            num_warps=self.warps, num_stages=self.stages)
         return out
 
 
@@ -272,35 +336,73 @@ if triton is not None:
             acc += tl.sum(parts * weights[:, None], axis=0)
         tl.store(out_ptr + row * D + dims, (acc / tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty))
 
-    @triton.jit
-    def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, partial_ptr, lse_ptr, q_stride_t, q_stride_h,
-                       s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2, GROUP: tl.constexpr,
-                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
-                       DIRECT: tl.constexpr):
-        # _split_kernel's work over one of the sequence's equal parts, with a loop whose bounds are the part's own
-        # tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2, and p
-        # rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor cores.
-        seq, kv_head, split, context, heads, head_ok, q, table = _program_start(
-            q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, stride_ptr, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D)
-        part = tl.cdiv(tl.cdiv(context, tl.num_programs(2)), BLOCK_T) * BLOCK_T   # whole tiles
-        begin = split * part
-        end = tl.minimum(begin + part, context)
+    @triton.jit(do_not_specialize=["pool"])   # one kernel for every graph size's pool
+    def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, first_ptr, extras_ptr, out_ptr, partial_ptr, lse_ptr,
+                       arrived_ptr, q_stride_t, q_stride_h, s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2,
+                       pool, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                       PAGE: tl.constexpr, BLOCK_T: tl.constexpr):
+        # _split_kernel's work over one piece of a sequence (StreamedDecode's plan), with a loop whose bounds are the
+        # piece's own tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2,
+        # and p rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor
+        # cores. Programs 0..pool-1 of axis 1 take the plan's later pieces of long sequences (those past its count
+        # run nothing); program pool + i takes sequence i's first piece.
+        kv_head = tl.program_id(0)
+        item = tl.program_id(1)
+        if item < pool:
+            if item >= tl.load(stride_ptr + 2):
+                return   # past the plan's pieces
+            seq = tl.load(extras_ptr + 2 * item).to(tl.int64)
+            begin = tl.load(extras_ptr + 2 * item + 1)
+        else:
+            seq = (item - pool).to(tl.int64)
+            begin = item * 0
+        chunk = tl.load(stride_ptr + 1)
+        table_stride = tl.load(stride_ptr).to(tl.int64)
+        context = tl.load(lens_ptr + seq)
+        end = tl.minimum(begin + chunk, context)
+        rows = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + rows
+        head_ok = rows < GROUP
         dims = tl.arange(0, D)
+        q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=head_ok[:, None],
+                    other=0.0)
+        table = tables_ptr + seq * table_stride
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
         for start in range(begin, end, BLOCK_T):
             m, total, acc = _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head,
                                          scale_log2, m, total, acc, D=D, PAGE=PAGE, BLOCK_T=BLOCK_T, STREAMED=True)
-        num_heads = GROUP * tl.num_programs(1)
-        if DIRECT:   # every sequence has a token, so its one split saw it
-            tl.store(out_ptr + (seq * num_heads + heads[:, None]) * D + dims[None, :],
-                     (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        num_heads = GROUP * tl.num_programs(0)
+        out_rows = (seq * num_heads + heads[:, None]) * D + dims[None, :]
+        if context <= chunk:   # one piece, this one: the output directly (every sequence has a token)
+            tl.store(out_ptr + out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
         else:
-            out_row = (seq * num_heads + heads) * tl.num_programs(2) + split
-            seen = total > 0   # else a split past the sequence's end: lse -inf, which the merge skips
-            tl.store(partial_ptr + out_row[:, None] * D + dims[None, :], acc / tl.where(seen, total, 1.0)[:, None],
-                     mask=head_ok[:, None])
-            # the merge weighs splits by exp(lse): natural log
-            tl.store(lse_ptr + out_row, tl.where(seen, (m + tl.log2(total)) * 0.6931471805599453, float("-inf")),
-                     mask=head_ok)
+            first = tl.load(first_ptr + seq)
+            pieces = tl.cdiv(context, chunk)
+            slot_rows = (first + begin // chunk) * num_heads + heads   # every piece holds a token: total > 0
+            tl.store(partial_ptr + slot_rows[:, None] * D + dims[None, :], acc / total[:, None], mask=head_ok[:, None])
+            tl.store(lse_ptr + slot_rows, m + tl.log2(total), mask=head_ok)
+            # The last piece to arrive merges. The barrier orders every thread's stores before the release of the
+            # count; the merging program reads the others' through L2.
+            tl.debug_barrier()
+            counter = arrived_ptr + first * tl.num_programs(0) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == pieces - 1:
+                tl.debug_barrier()
+                top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                weight = tl.zeros([GROUP_PAD], tl.float32)
+                merged = tl.zeros([GROUP_PAD, D], tl.float32)
+                for piece in range(0, pieces):
+                    rows_j = (first + piece) * num_heads + heads
+                    lse = tl.load(lse_ptr + rows_j, mask=head_ok, other=0.0, cache_modifier=".cg")
+                    part = tl.load(partial_ptr + rows_j[:, None] * D + dims[None, :], mask=head_ok[:, None],
+                                   other=0.0, cache_modifier=".cg")
+                    new_top = tl.maximum(top, lse)
+                    keep = tl.exp2(top - new_top)
+                    w = tl.exp2(lse - new_top)
+                    merged = merged * keep[:, None] + part * w[:, None]
+                    weight = weight * keep + w
+                    top = new_top
+                tl.store(out_ptr + out_rows, (merged / weight[:, None]).to(out_ptr.dtype.element_ty),
+                         mask=head_ok[:, None])
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # for the next layer's launch

@@ -43,22 +43,67 @@ def test_split_attention_matches_the_reference_over_scattered_blocks(batch_size)
     torch.testing.assert_close(decode.forward(q, cache, D ** -0.5).float(), expected.float(), **close)
 
 
-@pytest.mark.parametrize("batch_size,parts,block_t,stages", [(40, 1, 64, 3), (200, 1, 32, 2), (40, 4, 128, 4),
-                                                               (3, 3, 64, 3)])
-def test_streamed_attention_matches_the_reference(batch_size, parts, block_t, stages):
-    """The large-batch kernel, with one part per sequence (its output written directly) and with several (merged),
-    its tables staged from a padded array as the engine stages a step."""
+def padded(tables: list[list[int]]) -> np.ndarray:
+    rows = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+    for row, table in zip(rows, tables):
+        row[:len(table)] = table
+    return rows
+
+
+def skewed(lengths: list[int], seed: int):
+    """`scattered`'s data for given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(sum(-(-n // PAGE) for n in lengths) + 1, generator=g).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        tables.append(order[used:used + -(-n // PAGE)])
+        used += len(tables[-1])
+    cache = torch.randn(len(order), 2, PAGE, KV_HEADS, D, generator=g).bfloat16().cuda()
+    qkv = torch.randn(len(lengths), HEADS + 2 * KV_HEADS, D, generator=g).bfloat16().cuda()
+    return lengths, tables, cache, qkv[:, :HEADS]
+
+
+# p is rounded to bf16 before its product with V, as flash attention does: two bf16 steps of the output
+STREAMED_CLOSE = dict(atol=2 ** -6, rtol=2 ** -6)
+
+
+@pytest.mark.parametrize("batch_size,pool,block_t,stages", [(40, 33, 64, 3), (200, 33, 32, 2), (40, 200, 128, 4),
+                                                              (3, 1, 64, 3), (16, 64, 64, 3)])
+def test_streamed_attention_matches_the_reference(batch_size, pool, block_t, stages):
+    """The large-batch kernel with pools that leave every sequence one piece (its output written directly) and that
+    cut many into pieces (merged by the last to arrive), its tables staged from a padded array as the engine
+    stages a step."""
     lengths, tables, cache, q = scattered(batch_size)
     decode = paged_decode.StreamedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
-                                         parts=parts, block_t=block_t, stages=stages)
-    padded = np.zeros((batch_size, max(map(len, tables))), dtype=np.int32)
-    for row, table in zip(padded, tables):
-        row[:len(table)] = table
-    decode.stage(padded, np.array(lengths))
+                                         pool=pool, block_t=block_t, stages=stages)
+    decode.stage(padded(tables), np.array(lengths))
     expected = paged_decode.reference(q, cache, tables, lengths, D ** -0.5)
-    # p is rounded to bf16 before its product with V, as flash attention does: two bf16 steps of the output
-    torch.testing.assert_close(decode.forward(q, cache, D ** -0.5).float(), expected.float(), atol=2 ** -6,
-                               rtol=2 ** -6)
+    torch.testing.assert_close(decode.forward(q, cache, D ** -0.5).float(), expected.float(), **STREAMED_CLOSE)
+
+
+@pytest.mark.parametrize("lengths", [[2048] + [64] * 39, [2048, 2047, 1] + [17] * 61, [2048] * 3 + [16] * 13])
+def test_streamed_attention_spreads_long_contexts_and_merges_them_in_a_graph(lengths):
+    """Long contexts among short ones, replayed from a CUDA graph as the engine runs it: each step's plan (a new
+    chunk and pieces) is read at replay, and the counts the merges leave let the next layer and step merge again.
+    Planned over the same tables, an even step after a skewed one writes every output directly."""
+    lengths, tables, cache, q = skewed(lengths, seed=len(lengths))
+    decode = paged_decode.StreamedDecode(len(lengths), MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"))
+    decode.stage(padded(tables), np.array(lengths))
+    chunk, extras, _ = decode.staged_plan()
+    assert extras and max(lengths) > chunk   # the long ones are in pieces
+    out = torch.empty_like(q)
+    decode.forward(q, cache, D ** -0.5)   # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):   # three layers' launches over the same plan
+            out.copy_(decode.forward(q, cache, D ** -0.5))
+    even = [min(n, 64) for n in lengths]
+    for step_lengths in (lengths, even, lengths):
+        decode.stage(padded(tables), np.array(step_lengths))
+        graph.replay()
+        expected = paged_decode.reference(q, cache, tables, step_lengths, D ** -0.5)
+        torch.testing.assert_close(out.float(), expected.float(), **STREAMED_CLOSE)
+    assert not decode.arrived.any()   # every merge reset its count
 
 
 def test_the_merge_keeps_its_tiles_in_registers_at_the_longest_context():

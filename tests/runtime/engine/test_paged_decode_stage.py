@@ -37,11 +37,55 @@ def test_streamed_decode_min_batch_is_validated(value):
         EngineConfig(model="m", streamed_decode_min_batch=value)
 
 
-def test_streamed_parts_fill_the_multiprocessors_twice_over_up_to_four_parts():
-    from ember.runtime.engine.paged_decode import streamed_parts
+def test_streamed_pool_is_a_program_for_two_sequences_two_a_multiprocessor_or_four_pieces_a_sequence():
+    from ember.runtime.engine.paged_decode import streamed_pool
 
-    for batch in range(9, 257):
-        parts = streamed_parts(batch, 8, 132)
-        assert 1 <= parts <= 4
-        assert parts * batch * 8 >= 2 * 132 or parts == 4   # about two programs on each of the 132
-        assert parts == 1 or (parts - 1) * batch * 8 < 2 * 132   # and no more parts than that takes
+    assert streamed_pool(256, 8, 132) == 128   # a piece at most twice the mean context
+    assert streamed_pool(64, 8, 132) == streamed_pool(33, 8, 132) == 33   # the H200, 8 KV heads: 264 programs
+    assert streamed_pool(32, 8, 132) == 64    # even contexts: 2 pieces each
+    assert streamed_pool(16, 8, 132) == 48    # 3 each
+    assert streamed_pool(1, 8, 132) == 4      # at most 4 each
+    assert streamed_pool(264, 1, 132) == 264 and streamed_pool(256, 1, 132) == 512
+    assert streamed_pool(256, 32, 132) == 128
+
+
+@pytest.mark.parametrize("lengths", [
+    [843] * 256,                          # even: one piece a sequence, written directly
+    [16384] + [512] * 63,                 # one long context among short ones
+    [16384, 16384] + [512] * 62,
+    [4096] * 4 + [256] * 124,
+    [40960] + [1] * 15,                   # everything in one sequence
+    [1, 2, 3],                            # fewer rows than the size: the rest are one token each
+    list(range(1, 257)),
+])
+def test_the_streamed_plan_cuts_each_context_into_pieces_the_pool_can_hold(lengths):
+    """Every token of every sequence is in exactly one piece of at most `chunk` tokens (a whole number of tiles);
+    the pieces after a sequence's first fit the pool; a long sequence's pieces have slots of their own, in order."""
+    from ember.runtime.engine.paged_decode import StreamedDecode, streamed_pool
+
+    size, page, tile = max(len(lengths), 16), 16, 64
+    pool = streamed_pool(size, 8, 132)
+    decode = StreamedDecode(size, 40960 // page, page, 32, 8, 128, torch.device("cpu"), pool=pool, block_t=tile)
+    tables = np.zeros((len(lengths), max(-(-n // page) for n in lengths)), dtype=np.int32)
+    for _ in range(2):   # a second step over the first's leftovers plans the same
+        decode.stage(tables, np.array(lengths))
+        chunk, extras, first_slots = decode.staged_plan()
+        lens = lengths + [1] * (size - len(lengths))
+        assert chunk % tile == 0 and chunk >= tile
+        assert chunk <= max(tile, -(-sum(lens) // (pool * tile)) * tile)   # no longer than the step needs
+        assert len(extras) <= pool
+        pieces: dict[int, list[int]] = {}
+        for seq, begin in extras:
+            pieces.setdefault(seq, []).append(begin)
+        used_slots = []
+        for seq, n in enumerate(lens):
+            begins = [0] + pieces.get(seq, [])
+            assert begins == [i * chunk for i in range(-(-n // chunk))], (seq, n, begins)
+            if n > chunk:
+                used_slots += [first_slots[seq] + i for i in range(len(begins))]
+        assert sorted(used_slots) == list(range(len(used_slots)))   # disjoint, packed
+        assert len(used_slots) <= 2 * pool
+    if lengths == [843] * 256:
+        assert extras == []   # nothing to merge
+    if lengths[0] == 16384:
+        assert len(pieces[0]) >= 8   # the long one is spread over the pool
