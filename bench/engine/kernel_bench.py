@@ -13,9 +13,9 @@
     pages in a shuffled order) at several batch sizes and context lengths, each kernel replayed from a CUDA graph:
     flashinfer's decode kernel (16-token pages, also without split-KV, and with 64-token pages), its tensor-core
     decode (its prefill kernel, fa3 on Hopper), and paged_decode.py's Triton kernels (from batch 16 also its
-    streamed kernel over a sweep of tiles, warps, pipeline stages and splits), against the KV bytes' read time at
-    the copy bandwidth; and a skewed batch (one long context among short ones), flashinfer against the streamed
-    kernel's sweep;
+    streamed kernel over a sweep of tiles, warps and pipeline stages, and its time with the engine's), against the
+    KV bytes' read time at the copy bandwidth; and skewed batches (long contexts among short ones), flashinfer
+    against the streamed kernel's sweep;
   - decode: each product at 8 to 256 rows (the decode graphs' batch sizes) with cuBLAS, against the longer of its
     weight read and its FLOPs at the bandwidth and product rate measured in the same run (--decode-ways: also
     with torch's cuBLASLt backend, and with the weight stored transposed);
@@ -208,14 +208,15 @@ def bench_attention(bandwidth: float, fa2: bool = False) -> list[dict]:
 
 
 def bench_skewed_attention(bandwidth: float) -> list[dict]:
-    """One long context among short ones (64 sequences: one of 16,384 tokens, 63 of 512), where a kernel that gives
-    each sequence the same number of programs leaves the long one's programs running alone: flashinfer's decode
-    (its plan splits the KV by length) against the streamed kernel's sweep, in graphs."""
+    """Long contexts among short ones (SKEWED_CASES), where a kernel that gives each sequence the same number of
+    programs leaves the long one's programs running alone: flashinfer's decode (its plan splits the KV by length)
+    against the streamed kernel's sweep (its plan cuts a long context into pieces from a pool of programs), in
+    graphs."""
     import flashinfer
 
     heads, kv_heads, dim, page = 32, 8, 128, 16
     rows = []
-    for contexts in ([16384] + [512] * 63, [4096] * 4 + [256] * 124):
+    for contexts in SKEWED_CASES:
         batch = len(contexts)
         pages = [-(-n // page) for n in contexts]
         order = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(1)).to(torch.int32)
@@ -226,8 +227,7 @@ def bench_skewed_attention(bandwidth: float) -> list[dict]:
         kv = torch.randn(sum(pages), 2, page, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
         q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
         kv_bytes = sum(contexts) * kv_heads * dim * 2 * 2
-        row = {"batch": batch, "contexts": f"{contexts[0]} x{contexts.count(contexts[0])}, {contexts[-1]} "
-                                           f"x{contexts.count(contexts[-1])}",
+        row = {"batch": batch, "contexts": ", ".join(f"{n} x{contexts.count(n)}" for n in dict.fromkeys(contexts)),
                "kv_mb": round(kv_bytes / 1e6, 1), "floor_us": round(kv_bytes / bandwidth * 1e6, 2)}
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_cuda_graph=True,
@@ -250,24 +250,29 @@ def bench_skewed_attention(bandwidth: float) -> list[dict]:
 
 
 STREAM_MIN_BATCH = 16
-# paged_decode.StreamedDecode's configurations: (parts per sequence, tokens per tile, warps, stages)
-STREAM_CONFIGS = [(parts, block_t, warps, stages) for parts in (1, 2, 4) for block_t in (32, 64, 128)
-                  for warps in (4, 8) for stages in (2, 3)]
+# skewed batches: one long context among short ones, several, and one long one in an offline-sized batch
+SKEWED_CASES = ([16384] + [512] * 63, [4096] * 4 + [256] * 124, [16384] * 2 + [512] * 62, [16384] + [256] * 15,
+                [32768] + [843] * 255)
+# paged_decode.StreamedDecode's configurations: (tokens per tile, warps, stages); the first is the engine's
+STREAM_CONFIGS = [(64, 4, 3)] + [(block_t, warps, stages) for block_t in (32, 64, 128) for warps in (4, 8)
+                                 for stages in (2, 3) if (block_t, warps, stages) != (64, 4, 3)]
 
 
 def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], contexts: list[int],
                    outputs: dict) -> dict:
-    """paged_decode.StreamedDecode over STREAM_CONFIGS, each in a graph: the best time, its configuration and every
-    configuration's time ("parts/block_t/warps/stages": us); the best one's output joins `outputs`."""
-    from ember.runtime.engine.paged_decode import StreamedDecode
+    """paged_decode.StreamedDecode over STREAM_CONFIGS, each in a graph with the engine's pool: the engine's
+    configuration's time, the best time, its configuration and every configuration's time ("block_t/warps/stages":
+    us); the best one's output joins `outputs`."""
+    from ember.runtime.engine.paged_decode import StreamedDecode, streamed_pool
 
     batch, heads, dim = q.shape
+    pool = streamed_pool(batch, kv.shape[3], torch.cuda.get_device_properties(q.device).multi_processor_count)
     times, best = {}, None
-    for parts, block_t, warps, stages in STREAM_CONFIGS:
-        name = f"{parts}/{block_t}/{warps}/{stages}"
+    for block_t, warps, stages in STREAM_CONFIGS:
+        name = f"{block_t}/{warps}/{stages}"
         try:
-            decode = StreamedDecode(batch, -(-16384 // 16), 16, heads, kv.shape[3], dim, q.device, parts=parts,
-                                    block_t=block_t, warps=warps, stages=stages)
+            decode = StreamedDecode(batch, -(-max(16384, *contexts) // 16), 16, heads, kv.shape[3], dim, q.device,
+                                    pool=pool, block_t=block_t, warps=warps, stages=stages)
             decode.prepare(tables, contexts)
             run = functools.partial(decode.forward, q, kv, dim ** -0.5)
             times[name] = round(in_graph([run] * 10) * 1e6, 2)
@@ -279,7 +284,9 @@ def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], c
     if best is None:
         return {}
     outputs["triton_stream"] = best[1]().float()
-    return {"triton_stream_us": times[best[0]], "triton_stream_config": best[0], "triton_stream_sweep": times}
+    engine = "/".join(map(str, STREAM_CONFIGS[0]))
+    return {"triton_stream_engine_us": times.get(engine), "triton_stream_us": times[best[0]],
+            "triton_stream_config": best[0], "triton_stream_sweep": times}
 
 
 def fused_ways(x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor) -> dict:
@@ -434,7 +441,7 @@ def bench_overlap(prefill_tokens: tuple[int, ...] = (512, 1024, 2048), batch: in
     Norms, RoPE and sampling are left out of both: they are the same work either way."""
     import numpy as np
 
-    from ember.runtime.engine.paged_decode import StreamedDecode, streamed_parts
+    from ember.runtime.engine.paged_decode import StreamedDecode, streamed_pool
 
     hidden, intermediate, heads, kv_heads = SHAPES["8B"]
     layers, dim, page, dtype, device = 36, 128, 16, torch.bfloat16, torch.device("cuda")
@@ -450,7 +457,7 @@ def bench_overlap(prefill_tokens: tuple[int, ...] = (512, 1024, 2048), batch: in
     kv = torch.randn(batch * pages, 2, page, kv_heads, dim, dtype=dtype, device=device, generator=generator)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     attention = StreamedDecode(batch, pages, page, heads, kv_heads, dim, device,
-                               parts=streamed_parts(batch, kv_heads, sms))
+                               pool=streamed_pool(batch, kv_heads, sms))
     attention.stage(np.arange(batch * pages, dtype=np.int32).reshape(batch, pages), np.full(batch, context, np.int32))
 
     def mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
