@@ -12,20 +12,25 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PAGE, KV_HEADS, HEADS, D, MAX_BLOCKS = 16, 8, 32, 128, 128
 
 
-def scattered(batch_size: int):
-    """Lengths from one token to past several splits, blocks in random order, q a strided view as the engine's:
+def paged(lengths: list[int], g: torch.Generator):
+    """Sequences of these lengths with their blocks in random order, and q a strided view as the engine's:
     (lengths, tables, cache, q)."""
-    g = torch.Generator().manual_seed(batch_size)
-    lengths = [1, 2047, 15, 16, 17, 64, 65, 1000][:batch_size]
-    lengths += torch.randint(1, MAX_BLOCKS * PAGE, (batch_size - len(lengths),), generator=g).tolist()
     order = torch.randperm(sum(-(-n // PAGE) for n in lengths) + 1, generator=g).tolist()
     tables, used = [], 0
     for n in lengths:
         tables.append(order[used:used + -(-n // PAGE)])
         used += len(tables[-1])
     cache = torch.randn(len(order), 2, PAGE, KV_HEADS, D, generator=g).bfloat16().cuda()
-    qkv = torch.randn(batch_size, HEADS + 2 * KV_HEADS, D, generator=g).bfloat16().cuda()
+    qkv = torch.randn(len(lengths), HEADS + 2 * KV_HEADS, D, generator=g).bfloat16().cuda()
     return lengths, tables, cache, qkv[:, :HEADS]
+
+
+def scattered(batch_size: int):
+    """`paged` with lengths from one token to past several splits."""
+    g = torch.Generator().manual_seed(batch_size)
+    lengths = [1, 2047, 15, 16, 17, 64, 65, 1000][:batch_size]
+    lengths += torch.randint(1, MAX_BLOCKS * PAGE, (batch_size - len(lengths),), generator=g).tolist()
+    return paged(lengths, g)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 16, 40, 200])
@@ -48,19 +53,6 @@ def padded(tables: list[list[int]]) -> np.ndarray:
     for row, table in zip(rows, tables):
         row[:len(table)] = table
     return rows
-
-
-def skewed(lengths: list[int], seed: int):
-    """`scattered`'s data for given lengths."""
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(sum(-(-n // PAGE) for n in lengths) + 1, generator=g).tolist()
-    tables, used = [], 0
-    for n in lengths:
-        tables.append(order[used:used + -(-n // PAGE)])
-        used += len(tables[-1])
-    cache = torch.randn(len(order), 2, PAGE, KV_HEADS, D, generator=g).bfloat16().cuda()
-    qkv = torch.randn(len(lengths), HEADS + 2 * KV_HEADS, D, generator=g).bfloat16().cuda()
-    return lengths, tables, cache, qkv[:, :HEADS]
 
 
 # p is rounded to bf16 before its product with V, as flash attention does: two bf16 steps of the output
@@ -86,7 +78,7 @@ def test_streamed_attention_spreads_long_contexts_and_merges_them_in_a_graph(len
     """Long contexts among short ones, replayed from a CUDA graph as the engine runs it: each step's plan (a new
     chunk and pieces) is read at replay, and the counts the merges leave let the next layer and step merge again.
     Planned over the same tables, an even step after a skewed one writes every output directly."""
-    lengths, tables, cache, q = skewed(lengths, seed=len(lengths))
+    lengths, tables, cache, q = paged(lengths, torch.Generator().manual_seed(len(lengths)))
     decode = paged_decode.StreamedDecode(len(lengths), MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"))
     decode.stage(padded(tables), np.array(lengths))
     chunk, extras, _ = decode.staged_plan()
