@@ -26,6 +26,10 @@ runtime/engine/tiny.py). Per model:
     waited for the device, GPU = CUDA events around the forward pass and sampling, and the step's wall time;
     the median of --b64-processes fresh processes (each its own engine on the same model), as one process's host
     time moves from 0.50 to 0.86 ms on the same H200 machine within minutes (the runs are kept in the row);
+  - skewed: long prompts among short ones (SKEWED), 256 greedy tokens each, all at once: output tok/s, and the
+    decode graphs' mean GPU ms a step against the floor of those steps (the weights' read or products, whichever
+    is longer, plus every sequence's K/V at the copy bandwidth); with --streamed-decode 0, flashinfer's decode
+    kernel in Ember's place, to run beside it;
   - Ember runs with overlap scheduling, EngineConfig's default; with --overlap both or off, also or only with
     EngineConfig(overlap=False), in fields named "..._serial";
   - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
@@ -163,6 +167,15 @@ def offline_floor(model_dir: Path, weight_bytes: int, prompt_lens: list[int], ou
     return seconds
 
 
+def decode_floor(model_dir: Path, weight_bytes: int, prompt_lens: list[int], new_tokens: int, bandwidth: float,
+                 flops: float) -> float:
+    """offline_floor's seconds for the decode steps alone of these prompts, each generating `new_tokens` tokens
+    together (the first with its prefill)."""
+    prefill = _workload_costs(model_dir, weight_bytes, prompt_lens)["prefill_flops"] / flops
+    return offline_floor(model_dir, weight_bytes, prompt_lens, [new_tokens] * len(prompt_lens), bandwidth,
+                         flops) - prefill
+
+
 def offline_bound(model_dir: Path, weight_bytes: int, prompt_lens: list[int], output_lens: list[int],
                   bandwidth: float, flops: float) -> float:
     """Seconds no engine can beat on the offline workload with bf16 weights and K/V at these rates: the longer of
@@ -231,7 +244,7 @@ def hf_offline(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
 
 
 def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool = True,
-                 streamed_decode: int | None = None, device_wait: str | None = None):
+                 streamed_decode: int | None = None, device_wait: str | None = None, max_model_len: int = 4096):
     """The engine with batches of up to `max_num_seqs` sequences and 8192 tokens a step; with None, with
     EngineConfig's defaults (what a user gets). `streamed_decode`: EngineConfig.streamed_decode_min_batch when
     given, 0 for flashinfer's decode kernel at every batch size; `device_wait`: EngineConfig.device_wait when
@@ -244,7 +257,7 @@ def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool
         tuned["streamed_decode_min_batch"] = streamed_decode or None
     if device_wait is not None:
         tuned["device_wait"] = device_wait
-    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=4096, overlap=overlap, **tuned))
+    return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=max_model_len, overlap=overlap, **tuned))
 
 
 def ember_batch1(eng, prompt: list[int], new_tokens: int) -> float:
@@ -307,6 +320,28 @@ def ember_offline(eng, prompts: list[list[int]], output_lens: list[int]) -> tupl
              # before the run, outside its time: the graphs the engine's idle loop captures
              "captured_before_s": round(captured_before, 2)}
     return sum(output_lens) / elapsed, split
+
+
+def ember_skewed(eng, model_dir: Path, weight_bytes: int, bandwidth: float, flops: float) -> list[dict]:
+    """Each SKEWED batch (SKEWED_TOKENS greedy tokens a request, all at once): output tok/s, and its decode graphs'
+    mean GPU ms a step against the floor of its decode steps (offline_floor's, less its prefill)."""
+    from ember.runtime.engine.sampling import SamplingParams
+
+    rows = []
+    for name, lens in SKEWED.items():
+        prompts = [random_prompts(1, n, n, seed=i)[0] for i, n in enumerate(lens)]
+        params = SamplingParams(temperature=0, max_tokens=SKEWED_TOKENS, ignore_eos=True)
+        outputs, elapsed, runs = generate_recorded(eng, prompts, params)
+        assert [len(o) for o in outputs] == [SKEWED_TOKENS] * len(lens)
+        graphed = [r for r in runs if r.graph_batch_size is not None]
+        floor = decode_floor(model_dir, weight_bytes, lens, SKEWED_TOKENS, bandwidth, flops)
+        rows.append({"workload": name, "requests": len(lens),
+                     "output_tok_s": round(len(lens) * SKEWED_TOKENS / elapsed, 1),
+                     "decode_graph_steps": len(graphed),
+                     "decode_gpu_ms_per_step": round(1000 * sum(r.gpu_seconds for r in graphed) / max(1, len(graphed)),
+                                                     3),
+                     "decode_floor_ms_per_step": round(1000 * floor / (SKEWED_TOKENS - 1), 3)})
+    return rows
 
 
 def ember_host_vs_gpu(eng, batch: int = 64) -> tuple[float, float, float, dict]:
@@ -661,6 +696,19 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     if args.parts & {"b1", "offline", "b64", "offline-defaults"}:
         for overlap in OVERLAP_MODES[args.overlap]:
             ember_parts(row, shape, model_dir, args, b1_prompt, prompts, output_lens, overlap)
+    if "skewed" in args.parts:
+        eng = ember_engine(model_dir, max_num_seqs=256, streamed_decode=args.streamed_decode,
+                           device_wait=args.device_wait,
+                           max_model_len=max(max(lens) for lens in SKEWED.values()) + SKEWED_TOKENS)
+        while eng.capture_idle():   # as offline: the graphs an engine that has been up holds
+            pass
+        row["skewed"] = ember_skewed(eng, model_dir, weight_bytes, bandwidth, args.flops)
+        log(f"[{shape}] ember skewed batches: {row['skewed']}")
+        args.checkpoint(row)
+        eng.close()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
     if not args.workdir:   # a model in a given --workdir stays for the next run
         shutil.rmtree(model_dir, ignore_errors=True)
     return row
@@ -820,7 +868,12 @@ def main() -> None:
 
 
 PARTIAL = "engine_speed.partial.json"   # --record's checkpoint of a run in progress (bench/results ignores it)
-PARTS = ("transformers", "b1", "offline", "b64", "offline-defaults", "online")
+PARTS = ("transformers", "b1", "offline", "b64", "offline-defaults", "online", "skewed")
+# skewed: long prompts among short ones, decoded together (one program per sequence left a long context's KV to a
+# few programs, session 35); each request decodes SKEWED_TOKENS tokens
+SKEWED = {"one 16,384-token prompt among 63 of 512": [16384] + [512] * 63,
+          "8 of 8,192 among 120 of 600": [8192] * 8 + [600] * 120}
+SKEWED_TOKENS = 256
 OVERLAP_MODES = {"on": [True], "off": [False], "both": [True, False]}
 
 

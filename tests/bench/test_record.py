@@ -121,6 +121,30 @@ def test_the_offline_floor_counts_the_head_once_per_prompt(tmp_path):
     assert short == pytest.approx((10 * body + head + 4 * layers * 4 * 16 * 100 / 2) / flops)
 
 
+def test_the_decode_floor_reads_every_sequences_kv_and_the_weights_or_computes_the_products_each_step(tmp_path):
+    """speed.py's skewed part: a step of B sequences reads the weights once or computes B tokens' products,
+    whichever takes longer, and reads each sequence's K/V so far."""
+    import json
+
+    speed = _speed()
+    hidden, vocab, layers, kv_heads, head_dim = 64, 1000, 2, 2, 16
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
+        head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=False)))
+    weights = 2 * vocab * hidden * 2 + 100_000
+    products = weights - vocab * hidden * 2   # the embedding is gathered, not read whole
+    kv = layers * kv_heads * head_dim * 2 * 2
+    prompts, tokens = [5, 300, 7], 4
+    for bandwidth, flops in ((1e9, 1e15), (1e15, 1e6)):   # bound by reads, then by products
+        expected = sum(max(products / bandwidth, products * len(prompts) / flops)
+                       + sum(p + step for p in prompts) * kv / bandwidth for step in range(1, tokens))
+        assert speed.decode_floor(tmp_path, weights, prompts, tokens, bandwidth, flops) == pytest.approx(expected)
+    # a longer prompt among the same costs its extra K/V in every step, nothing more
+    longer = speed.decode_floor(tmp_path, weights, [5, 3000, 7], tokens, 1e9, 1e15)
+    shorter = speed.decode_floor(tmp_path, weights, prompts, tokens, 1e9, 1e15)
+    assert longer - shorter == pytest.approx((tokens - 1) * 2700 * kv / 1e9)
+
+
 def test_the_offline_bound_is_the_longer_of_all_products_and_all_reads_and_never_above_the_floor(tmp_path):
     import json
     import random
