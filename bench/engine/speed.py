@@ -28,8 +28,8 @@ runtime/engine/tiny.py). Per model:
     time moves from 0.50 to 0.86 ms on the same H200 machine within minutes (the runs are kept in the row);
   - skewed: long prompts among short ones (SKEWED), 256 greedy tokens each, all at once: output tok/s, and the
     decode graphs' mean GPU ms a step against the floor of those steps (the weights' read or products, whichever
-    is longer, plus every sequence's K/V at the copy bandwidth); with --streamed-decode 0, flashinfer's decode
-    kernel in Ember's place, to run beside it;
+    is longer, plus every sequence's K/V at the copy bandwidth), and beside them the same with flashinfer's decode
+    kernel in place of Ember's streamed attention (flashinfer_...; not when --streamed-decode names the kernel);
   - Ember runs with overlap scheduling, EngineConfig's default; with --overlap both or off, also or only with
     EngineConfig(overlap=False), in fields named "..._serial";
   - online: `ember serve` with one replica, the OpenAI completions API streaming, 256-token prompts and
@@ -697,18 +697,24 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
         for overlap in OVERLAP_MODES[args.overlap]:
             ember_parts(row, shape, model_dir, args, b1_prompt, prompts, output_lens, overlap)
     if "skewed" in args.parts:
-        eng = ember_engine(model_dir, max_num_seqs=256, streamed_decode=args.streamed_decode,
-                           device_wait=args.device_wait,
-                           max_model_len=max(max(lens) for lens in SKEWED.values()) + SKEWED_TOKENS)
-        while eng.capture_idle():   # as offline: the graphs an engine that has been up holds
-            pass
-        row["skewed"] = ember_skewed(eng, model_dir, weight_bytes, bandwidth, args.flops)
+        # Ember's decode attention (as configured) and, unless --streamed-decode chose one, flashinfer's beside it
+        kernels = [("", args.streamed_decode)] + ([("flashinfer_", 0)] if args.streamed_decode is None else [])
+        runs = {}
+        for prefix, streamed in kernels:
+            eng = ember_engine(model_dir, max_num_seqs=256, streamed_decode=streamed, device_wait=args.device_wait,
+                               max_model_len=max(max(lens) for lens in SKEWED.values()) + SKEWED_TOKENS)
+            while eng.capture_idle():   # as offline: the graphs an engine that has been up holds
+                pass
+            runs[prefix] = ember_skewed(eng, model_dir, weight_bytes, bandwidth, args.flops)
+            eng.close()
+            del eng
+            gc.collect()
+            torch.cuda.empty_cache()
+        row["skewed"] = [dict(first, **{prefix + key: other[key] for prefix, rows in runs.items() if prefix
+                                        for other in [rows[i]] for key in SKEWED_MEASURED})
+                         for i, first in enumerate(runs[""])]
         log(f"[{shape}] ember skewed batches: {row['skewed']}")
         args.checkpoint(row)
-        eng.close()
-        del eng
-        gc.collect()
-        torch.cuda.empty_cache()
     if not args.workdir:   # a model in a given --workdir stays for the next run
         shutil.rmtree(model_dir, ignore_errors=True)
     return row
@@ -874,6 +880,7 @@ PARTS = ("transformers", "b1", "offline", "b64", "offline-defaults", "online", "
 SKEWED = {"one 16,384-token prompt among 63 of 512": [16384] + [512] * 63,
           "8 of 8,192 among 120 of 600": [8192] * 8 + [600] * 120}
 SKEWED_TOKENS = 256
+SKEWED_MEASURED = ("output_tok_s", "decode_gpu_ms_per_step")   # per kernel, the rest per workload
 OVERLAP_MODES = {"on": [True], "off": [False], "both": [True, False]}
 
 
@@ -940,7 +947,7 @@ def record(result: dict, results: Path = RESULTS) -> None:
         *(["| model | concurrency | output tok/s | TTFT ms p50 / p99 | ITL ms p50 / p99 | host CPU us/token: gateway "
             "/ the rest (of it, the replica's event loop, where measured) |", "|---" * 6 + "|", *online, "",
             "![online output tok/s by concurrency](results/engine_speed_online.svg)"]
-          if online else ["Online serving: not measured in this run."]), MARK_END])
+          if online else ["Online serving: not measured in this run."]), *skewed_rows(result["models"]), MARK_END])
     readme = ROOT / "bench" / "README.md"
     text = readme.read_text() if readme.exists() else "# Benchmarks\n\n"
     if MARK_BEGIN in text:
@@ -951,6 +958,18 @@ def record(result: dict, results: Path = RESULTS) -> None:
 
 
 MARK_BEGIN, MARK_END = "<!-- engine-speed:begin -->", "<!-- engine-speed:end -->"
+
+
+def skewed_rows(models: list[dict]) -> list[str]:
+    """The skewed part's table (README lines, a blank line first), or none where no model measured it."""
+    rows = [f"| {m['name']} | {s['workload']} | {s['output_tok_s']} | {s.get('flashinfer_output_tok_s', '-')} | "
+            f"{s['decode_gpu_ms_per_step']} / {s.get('flashinfer_decode_gpu_ms_per_step', '-')} / "
+            f"{s['decode_floor_ms_per_step']} |" for m in models for s in m.get("skewed", [])]
+    if not rows:
+        return []
+    return ["", "Long prompts among short ones, decoded together (the skewed part, 256 tokens each):", "",
+            "| model | workload | output tok/s | with flashinfer's decode attention | decode step GPU ms: Ember / "
+            "flashinfer's / floor |", "|---" * 5 + "|", *rows]
 
 
 def bar_chart(models: list[dict]) -> str:

@@ -145,6 +145,20 @@ def test_the_decode_floor_reads_every_sequences_kv_and_the_weights_or_computes_t
     assert longer - shorter == pytest.approx((tokens - 1) * 2700 * kv / 1e9)
 
 
+def test_the_skewed_table_puts_both_kernels_beside_the_floor_and_is_left_out_where_nothing_was_measured():
+    speed = _speed()
+    measured = {"workload": "one long among short", "requests": 64, "output_tok_s": 5041.2, "decode_graph_steps": 255,
+                "decode_gpu_ms_per_step": 7.61, "decode_floor_ms_per_step": 6.02,
+                "flashinfer_output_tok_s": 3120.5, "flashinfer_decode_gpu_ms_per_step": 12.4}
+    alone = {k: v for k, v in measured.items() if not k.startswith("flashinfer_")}   # --streamed-decode named one
+    lines = speed.skewed_rows([{"name": "8B", "skewed": [measured, alone]}, {"name": "0.6B"}])
+    rows = [line for line in lines if line.startswith("| 8B")]
+    assert rows == ["| 8B | one long among short | 5041.2 | 3120.5 | 7.61 / 12.4 / 6.02 |",
+                    "| 8B | one long among short | 5041.2 | - | 7.61 / - / 6.02 |"]
+    assert lines[0] == "" and not any("0.6B" in line for line in lines)
+    assert speed.skewed_rows([{"name": "8B"}]) == []
+
+
 def test_the_offline_bound_is_the_longer_of_all_products_and_all_reads_and_never_above_the_floor(tmp_path):
     import json
     import random
