@@ -889,17 +889,19 @@ def merge(files: list[Path]) -> dict:
     later run's winning; the machines named once each."""
     models: dict[str, dict] = {}
     machines: list[str] = []
-    bandwidth = flops = None
+    bandwidth = flops = note = None
     for file in files:
         run = json.loads(file.read_text())
         machines += [run["machine"]] if run["machine"] not in machines else []
         bandwidth = run.get("copy_bandwidth_gb_s", bandwidth)
         flops = run.get("matmul_tflops", flops)
+        note = run.get("note", note)   # the recorded summary's paragraph
         for model in run["models"]:
             models.setdefault(model["name"], {}).update(model)
     order = {f"Qwen3-{shape} shape (random weights)": i for i, shape in enumerate(SHAPES)}
     return {"machine": "; ".join(machines), "copy_bandwidth_gb_s": bandwidth, "matmul_tflops": flops,
-            "models": sorted(models.values(), key=lambda m: order.get(m["name"], len(order)))}
+            "models": sorted(models.values(), key=lambda m: order.get(m["name"], len(order))),
+            **({"note": note} if note is not None else {})}
 
 
 def record(result: dict, results: Path = RESULTS) -> None:

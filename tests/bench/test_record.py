@@ -261,3 +261,22 @@ def test_kernel_bench_refuses_a_part_it_does_not_have():
     assert run.returncode == 2
     assert "unknown overlaps" in run.stderr and "overlap" in run.stderr.split("choose from")[1]
     assert "Traceback" not in run.stderr
+
+
+def test_merge_keeps_the_summary_note_and_takes_a_later_runs_fields(tmp_path):
+    """speed.py --merge: the recorded summary's paragraph (note) survives a merge with a run that has none."""
+    import json
+
+    speed = _speed()
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"machine": "H200", "copy_bandwidth_gb_s": 4223.2, "matmul_tflops": 811.0,
+                                 "note": "Session N: what the table shows.",
+                                 "models": [{"name": "Qwen3-8B shape (random weights)", "ember_b1_tok_s": 232.9}]}))
+    second.write_text(json.dumps({"machine": "H200", "models": [
+        {"name": "Qwen3-8B shape (random weights)", "skewed": [{"workload": "w", "output_tok_s": 1.0}]}]}))
+    merged = speed.merge([first, second])
+    assert merged["note"] == "Session N: what the table shows."
+    assert merged["copy_bandwidth_gb_s"] == 4223.2 and merged["machine"] == "H200"
+    (model,) = merged["models"]
+    assert model["ember_b1_tok_s"] == 232.9 and model["skewed"][0]["output_tok_s"] == 1.0
+    assert "note" not in speed.merge([second])
