@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from ember.runtime.engine import gpu_memory
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.sampling import SamplingParams
@@ -35,7 +36,7 @@ def build(path) -> None:
     Qwen3ForCausalLM(config).save_pretrained(path)
 
 
-def test_park_releases_the_gpu_and_wake_answers_the_same(tmp_path):
+def test_park_releases_the_gpu_and_wake_answers_the_same(tmp_path, monkeypatch):
     build(tmp_path)
     # The default sizing: the KV cache takes most of the GPU, so a park that kept it would show.
     engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=1024,
@@ -57,13 +58,23 @@ def test_park_releases_the_gpu_and_wake_answers_the_same(tmp_path):
     assert all(engine.runner.graphs.graphs[size] is graph for size, graph in graphs.items())
     engine.park()  # the second park reuses the host copy of the weights; a step wakes the engine by itself
     assert engine.generate(prompts, GREEDY) == expected and not engine.parked
-    del engine
+    # a wake maps the weights in pieces and queues each piece's copy as it maps: here one granule a piece
+    arena = engine.runner.arena
+    monkeypatch.setattr(gpu_memory, "WAKE_PIECE", 1)
+    engine.park()
+    wake = engine.wake()
+    (weights,) = [r for r in arena.regions if r.keep]
+    assert len(weights.mapping.pieces) == weights.size // arena.driver.granularity > 1
+    assert wake.copied_bytes == weights.size
+    assert engine.generate(prompts, GREEDY) == expected
+    del engine, arena, weights
     gc.collect()
     assert gpu_bytes_used() <= PARKED_GOAL  # the arena's memory goes with the engine's tensors
 
 
 RESTORE = """
 import json, sys, torch
+from ember.runtime.engine import gpu_memory
 from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.sampling import SamplingParams

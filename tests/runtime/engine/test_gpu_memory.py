@@ -41,3 +41,36 @@ def test_region_names_are_unique_free_replaces_and_a_parked_arena_allocates_noth
     arena.park()
     with pytest.raises(RuntimeError, match="wake it"):
         arena.region("kv_cache", 64, keep=False)
+
+
+def test_a_mapping_is_backed_in_pieces_and_releases_each_of_them():
+    """A wake maps a kept region in pieces (gpu_memory.WAKE_PIECE): each piece is its own physical allocation,
+    all of them released by one unmap, while the range and its array interface stay. The driver is a stand-in: the
+    calls themselves run on a GPU (tests/gpu/test_park_gpu.py)."""
+    from ember.runtime.engine.gpu_memory import _Mapping
+
+    class Driver:
+        def __init__(self):
+            self.live, self.next = {}, 1
+
+        def map(self, address, size):
+            self.live[self.next] = (address, size)
+            self.next += 1
+            return self.next - 1
+
+        def unmap(self, address, size, handle):
+            assert self.live.pop(handle) == (address, size)
+
+    driver = Driver()
+    mapping = _Mapping(driver, torch.device("cpu"), 1 << 30, 6 << 20)
+    assert mapping.__cuda_array_interface__["data"] == (1 << 30, False)
+    assert mapping.__cuda_array_interface__["shape"] == (6 << 20,)
+    for at in range(0, 6 << 20, 2 << 20):
+        mapping.map(at, 2 << 20)
+    assert mapping.pieces == [((1 << 30) + (i << 21), 2 << 20, i + 1) for i in range(3)]
+    assert sorted(driver.live.values()) == [((1 << 30) + (i << 21), 2 << 20) for i in range(3)]
+    mapping.unmap()
+    assert mapping.pieces is None and not driver.live
+    mapping.map(0, 6 << 20)   # mapped whole again after a park
+    assert mapping.pieces == [(1 << 30, 6 << 20, 4)]
+    mapping.freed = True      # nothing to free on a CPU at exit
