@@ -31,9 +31,9 @@ ALIGN = 256                 # tensors inside a region start at this alignment (w
 RANGE_ALIGN = 1 << 30       # a region's device addresses start here: see Driver.reserve
 DISCARDED_BYTE = 0xFF       # an all-ones float is a NaN in every float dtype
 # A wake maps a kept region (the weights) in pieces of this many bytes and queues each piece's copy as soon as it is
-# mapped: a physical allocation of memory a park just gave back waits for the driver to clear it, ~40 ms for an 8B
-# model's 15 GiB on an H200, which mapped whole came before the first byte of the copy (0.335 s wakes against a
-# 0.297 s copy; .gpu-run probe, session 36). A piece of 1 GiB maps in ~3 ms.
+# mapped, so the copy does not wait for the whole region's allocation (memory a park gave back is cleared by the
+# driver before it is handed out again). An 8B-shaped engine on an H200 (bench/engine/park_wake.py): median wake
+# 0.341 s mapped whole, 0.327 s in pieces, against a 0.297 s copy floor.
 WAKE_PIECE = 1 << 30
 
 # Driver enums (cuda.h)
@@ -352,9 +352,9 @@ class Arena:
 
     def wake(self) -> WakeReport:
         """Maps every region again at its addresses and copies the kept ones back. The kept regions are mapped
-        first, in pieces whose copies start as each is mapped, and the copies run while the rest are mapped:
-        remapping a large KV cache takes about as long as copying the weights (0.26 s for 108 GiB against 0.16 s
-        for 8 GiB on an H200; 0.1 s for 108 GiB two seconds after a park)."""
+        first, in pieces whose copies start as each is mapped, and the copies run while the rest are mapped: a
+        large KV cache can take as long to map as the weights to copy (108 GiB on an H200: ~0.3 s while the driver
+        still clears what the park released, 5-50 ms a few seconds later; the 8B shape's 15 GiB copy: 0.3 s)."""
         if not self.parked:
             return WakeReport(0.0, 0, 0, 0.0, 0.0)
         began = time.perf_counter()
