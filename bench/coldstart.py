@@ -12,13 +12,15 @@ For each model shape (random weights, the tiny tokenizer; Qwen3-4B's shape is 7.
   fresh kernels    the node's kernel directory and flashinfer's JIT cache deleted and the page cache dropped (a
                    fresh machine whose store holds the snapshot and the kernels); FLASHINFER_DISABLE_JIT=1, so a
                    compile on the request path would fail the request instead of hiding in its time
-  T1 wake          the replica parks after 1 s idle; once its park finished, nvidia-smi's memory.used (and each
-                   process's share); the next request
+  T1 wake          the replica parks after 1 s idle; once its first park finished, nvidia-smi's memory.used (and each
+                   process's share); then requests, each 1 s or 10 s after the park before it finished (T1_GAPS),
+                   and the median of each (one wake is one sample: 0.30-0.33 s for the 8B shape in one run)
 Each server is measured once its deploy is prepared (fork server imported, the unit's snap=True hooks run, as
 `ember status` shows), and each zero-replica rung once the previous replica's process has exited and given the GPU
 back: a request at zero replicas, not one racing the last replica's exit (which the T2 rows' gpu_wait_ms would show).
 Floors, measured in the same run: the snapshot's bytes over the disk (O_DIRECT), the page cache and pinned PCIe.
-Prints a table; with --record writes bench/results/coldstart.{json,md}. `--seed-kernels DIR`: a
+Prints a table; with --record writes bench/results/coldstart.{json,md}, and with --merge keeps there the shapes this
+run did not measure (a GPU call's time limit fits one shape). `--seed-kernels DIR`: a
 FLASHINFER_WORKSPACE_BASE whose built modules become the node's kept kernels before the first boot (saves the
 67-110 s of compiling them on a machine that has compiled them before).
 """
@@ -28,6 +30,7 @@ import os
 import shutil
 import signal
 import ssl
+import statistics
 import subprocess
 import sys
 import threading
@@ -146,6 +149,7 @@ class Server:
             "Authorization": f"Bearer {KeyStore(home / 'ember.db').create('coldstart')[1]}"})
         self.wait(self.prepared, "the deploy's fork server and templates", timeout=300)
         self.prepare_s = time.perf_counter() - began  # serve until the deploy is prepared
+        self.parks_seen = len(self.parks())
         prepared = self.admin.get("/admin/status").json()["apps"]["chat"]["prepared"]
         print(f"  deploy prepared in {self.prepare_s:.1f} s: {prepared}", flush=True)
 
@@ -153,6 +157,19 @@ class Server:
         prepared = (self.admin.get("/admin/status").json()["apps"].get("chat") or {}).get("prepared") or {}
         server = prepared.get("forkserver") or {}
         return server.get("state") == "ready" and "Chat" in server.get("templates", {})
+
+    def parks(self) -> list[str]:
+        """The gateway's log lines of finished parks (it logs one when the worker answers)."""
+        log = self.home / "logs" / "gateway.log"
+        return [line.strip() for line in log.read_text().splitlines() if " parked in " in line] if log.is_file() else []
+
+    def wait_park(self) -> list[str]:
+        """Until a park newer than the last one seen has finished; the park lines so far. (A replica's state reads
+        parked as soon as its park begins, and its parked_bytes stay from the park before.)"""
+        self.wait(lambda: len(self.parks()) > self.parks_seen, "a park")
+        parks = self.parks()
+        self.parks_seen = len(parks)
+        return parks
 
     def replicas(self) -> list[dict]:
         functions = self.admin.get("/admin/status").json()["apps"].get("chat", {}).get("functions", {})
@@ -217,6 +234,18 @@ class Server:
 
 
 STANDBY_SETTLE_S = 1.0
+# Seconds a T1 request comes after its replica's park finished, one wake each, alternating: 1 s while the driver
+# still clears the memory the park gave back (a new mapping waits for it: 30-56 ms more for the 8B shape's weights on
+# the H200 3 s after a 125 GB release, 7 ms 6 s after), 10 s once it is done.
+T1_GAPS = (1.0, 10.0, 1.0, 10.0, 1.0, 10.0)
+
+
+def t1_rung(gap: float) -> str:
+    return "T1 wake" if gap == T1_GAPS[0] else f"T1 wake, parked {gap:g} s"
+
+
+def t1_median(wakes: list[dict], gap: float) -> float:
+    return round(statistics.median(w["first_token_s"] for w in wakes if w["parked_s"] == gap), 3)
 
 
 def wait_gpu_free(baseline: int | None, timeout: float = 120, standbys: int = 0) -> float:
@@ -348,18 +377,27 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
     wait_gpu_free(baseline)
 
     server = Server(home, env | {"EMBER_CHAT_SCALEDOWN_WINDOW": "600", "EMBER_CHAT_PARK_AFTER": "1"})
+    wakes: list[dict] = []
     try:
         server.first_token(name)
-        # parked_bytes arrives with the worker's answer: the park has finished, not merely begun
-        server.wait(lambda: any(r["state"] == "parked" and r["parked_bytes"] for r in server.replicas()), "a park")
-        time.sleep(1)  # a wake comes some time after the park, not on its heels
-        parked_bytes, holders = gpu_memory_used(), gpu_processes()
-        log = (home / "logs" / "gateway.log").read_text().splitlines()
-        parks = [line.strip() for line in log if " parked " in line]
-        print(f"  parked: {parked_bytes} bytes in use; per process (pid:MiB) {holders}; {parks[-1:]}", flush=True)
-        wake, headers = server.first_token(name)
-        record("T1 wake", wake, headers, f"parked GPU memory {parked_bytes / 2**30:.2f} GiB ({holders})"
-               if parked_bytes else "")
+        parked_bytes, holders = None, ""
+        for i, gap in enumerate(T1_GAPS):
+            parks = server.wait_park()
+            if i == 0:   # the first park: what a parked replica holds of the GPU
+                parked_bytes, holders = gpu_memory_used(), gpu_processes()
+                print(f"  parked: {parked_bytes} bytes in use; per process (pid:MiB) {holders}; {parks[-1:]}",
+                      flush=True)
+            time.sleep(gap)  # a wake comes some time after the park, not on its heels
+            wake, headers = server.first_token(name)
+            wakes.append({"parked_s": gap, "first_token_s": round(wake, 3)})
+            print(f"[{shape}] T1 wake {gap:g} s after its park: {wake:.3f} s  {headers.get('x-ember-cold-start', '')}",
+                  flush=True)
+        parked_note = f"parked GPU memory {parked_bytes / 2**30:.2f} GiB ({holders}); " if parked_bytes else ""
+        for gap in sorted(set(T1_GAPS)):
+            times = [w["first_token_s"] for w in wakes if w["parked_s"] == gap]
+            record(t1_rung(gap), statistics.median(times), headers, f"{parked_note}median of "
+                   f"{', '.join(f'{t:.3f}' for t in times)}")
+            parked_note = ""
     finally:
         server.stop()
     wait_gpu_free(baseline)
@@ -374,7 +412,8 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
                   snapshot_bytes=nbytes)
     result = {"name": name, "weight_bytes": weight_bytes, "deploy_prepare_s": round(prepare_s, 1),
               "full_boot_s": round(full, 3), "t2_warm_s": round(warm, 3),
-              "t2_cold_s": round(cold, 3), "t1_wake_s": round(wake, 3),
+              "t2_cold_s": round(cold, 3), "t1_wake_s": t1_median(wakes, T1_GAPS[0]),
+              "t1_wake_settled_s": t1_median(wakes, max(T1_GAPS)), "t1_wakes": wakes,
               "fresh_kernels_first_request_s": round(fresh, 3), "parked_gpu_bytes": parked_bytes, "floors": floors}
     return result, rows
 
@@ -403,12 +442,13 @@ def goals(m: dict) -> list[str]:
     return [f"{what}: {'met' if ok else 'NOT met'}" for what, ok in checks]
 
 
-def table(models: list[dict], rows: list[dict]) -> str:
+def table(models: list[dict]) -> str:
     lines = ["| model | rung | first token (s) | floor (s) | X-Ember-Cold-Start | start breakdown | note |",
              "|---|---|---|---|---|---|---|"]
     floor_of = {"T2 warm": "t2_warm_s", "T2 cold": "t2_cold_s", "fresh kernels": "t2_cold_s", "T1 wake": "t1_wake_s"}
+    floor_of |= {t1_rung(gap): "t1_wake_s" for gap in T1_GAPS}
     by_name = {m["name"]: m for m in models}
-    for r in rows:
+    for r in (r for m in models for r in m["rows"]):
         floor = by_name[r["model"]]["floors"].get(floor_of.get(r["rung"], ""), "")
         lines.append(f"| {r['model']} | {r['rung']} | {r['first_token_s']:.3f} | {floor if floor is not None else ''} "
                      f"| {r['cold_start']} | {r['breakdown']} | {r['note']} |")
@@ -431,6 +471,8 @@ def main() -> None:
     parser.add_argument("--t2-only", action="store_true", help="only the full boot and T2 rungs, printed (a check "
                         "of the restore path; cannot --record)")
     parser.add_argument("--results", default=str(RESULTS), help="where --record writes (default bench/results)")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --record: keep the recorded shapes this run does not measure")
     parser.add_argument("--trace", action="store_true",
                         help="serve with EMBER_TRACE_FILE and print each rung's request spans (gateway, worker, "
                              "engine): where the time after a replica's start goes")
@@ -440,29 +482,60 @@ def main() -> None:
     args = parser.parse_args()
     if args.t2_only and args.record:
         parser.error("--t2-only measures part of the ladder: it cannot --record")
+    if args.merge and not args.record:
+        parser.error("--merge joins this run into the record: add --record")
+    kept: list[dict] = []
+    if args.merge:
+        try:
+            kept = kept_models(Path(args.results) / "coldstart.json")
+        except ValueError as err:
+            parser.error(str(err))
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
     gpu = shutil.which("nvidia-smi") is not None
-    models, rows = [], []
+    models = []
     for shape in args.shapes.split(","):
         result, shape_rows = measure_shape(shape.strip(), folder, args, gpu)
         if not result:
             continue
-        models.append(result)
-        rows += shape_rows
         print(json.dumps(result), flush=True)
-    report = table(models, rows)
+        models.append(result | {"measured_on": time.strftime("%Y-%m-%d", time.gmtime()), "rows": shape_rows})
+    report = table(models)
     print(report)
     if args.record:
-        out = Path(args.results)
-        out.mkdir(parents=True, exist_ok=True)
-        results = {"machine": machine(folder), "models": models}
-        (out / "coldstart.json").write_text(json.dumps(results, indent=1) + "\n")
-        command = f"python bench/coldstart.py --shapes {args.shapes}"
-        (out / "coldstart.md").write_text(
-            f"# Cold starts through `ember serve examples/chat.py`\n\n`{command}` on {results['machine']['gpu']} "
-            f"(driver {results['machine']['driver']}). A streamed chat request sent at zero replicas (or to a parked "
-            f"one), seconds to its first token.\n\n{report}\n")
+        command = f"python bench/coldstart.py --shapes {args.shapes}" + (" --merge" if args.merge else "")
+        write_record(Path(args.results), models, kept, command, machine(folder))
+
+
+def write_record(out: Path, models: list[dict], kept: list[dict], command: str, machine_info: dict) -> None:
+    """bench/results/coldstart.{json,md}: this run's shapes, and the `kept` ones of an earlier record it did not
+    measure (in their recorded order, each replaced where this run measured it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    measured = {m["name"] for m in models}
+    joined = [next((m for m in models if m["name"] == k["name"]), k) for k in kept]
+    joined += [m for m in models if m["name"] not in {k["name"] for k in kept}]
+    (out / "coldstart.json").write_text(json.dumps({"machine": machine_info, "models": joined}, indent=1) + "\n")
+    earlier = [f"{m['name']} ({m.get('measured_on', 'an earlier run')})" for m in joined if m["name"] not in measured]
+    (out / "coldstart.md").write_text(
+        f"# Cold starts through `ember serve examples/chat.py`\n\n`{command}` on {machine_info['gpu']} "
+        f"(driver {machine_info['driver']})" + (f"; kept from earlier runs: {', '.join(earlier)}" if earlier else "")
+        + ". A streamed chat request sent at zero replicas (or to a parked one), seconds to its first token.\n\n"
+        f"{table(joined)}\n")
+
+
+def kept_models(path: Path) -> list[dict]:
+    """The shapes of an earlier record, each with its table rows, for --merge (none where there is no record)."""
+    if not path.is_file():
+        return []
+    try:
+        models = json.loads(path.read_text())["models"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a coldstart record ({err}): drop --merge to write a new one") from None
+    bare = [m.get("name", "?") for m in models if not isinstance(m, dict) or "rows" not in m]
+    if bare:
+        raise ValueError(f"{path} keeps no table rows for {', '.join(bare)} (recorded before --merge): record every "
+                         "shape without --merge")
+    return models
 
 
 if __name__ == "__main__":

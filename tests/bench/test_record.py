@@ -280,3 +280,63 @@ def test_merge_keeps_the_summary_note_and_takes_a_later_runs_fields(tmp_path):
     (model,) = merged["models"]
     assert model["ember_b1_tok_s"] == 232.9 and model["skewed"][0]["output_tok_s"] == 1.0
     assert "note" not in speed.merge([second])
+
+
+def _coldstart():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("coldstart_bench", BENCH / "coldstart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _shape(name: str, t1: float, day: str) -> dict:
+    return {"name": name, "weight_bytes": 7_300_000_000, "full_boot_s": 7.4, "t2_warm_s": 0.47, "t2_cold_s": 4.5,
+            "t1_wake_s": t1, "fresh_kernels_first_request_s": 4.9, "parked_gpu_bytes": 1 << 30, "measured_on": day,
+            "floors": {"disk_gbps": 1.2, "page_cache_gbps": 32.0, "pcie_gbps": 55.0, "t1_wake_s": 0.13,
+                       "t2_warm_s": 0.23, "t2_cold_s": 5.9},
+            "rows": [{"model": name, "rung": "T1 wake", "first_token_s": t1, "cold_start": "parked; ms=0",
+                      "breakdown": "", "note": f"{name} on {day}"}]}
+
+
+def test_coldstart_merge_replaces_the_shapes_it_measured_and_keeps_the_rest_in_order(tmp_path):
+    """A GPU call fits one shape's ladder: --record --merge keeps the others' rows and says which run they are from;
+    the first shape stays first (bench/autoscale_sim.py's measured tiers read it)."""
+    coldstart = _coldstart()
+    machine = {"gpu": "NVIDIA H200", "driver": "580"}
+    coldstart.write_record(tmp_path, [_shape("4b", 0.2, "2026-12-01"), _shape("8b", 0.33, "2026-12-01")], [],
+                           "python bench/coldstart.py --shapes 4b,8b", machine)
+    kept = coldstart.kept_models(tmp_path / "coldstart.json")
+    coldstart.write_record(tmp_path, [_shape("8b", 0.31, "2026-12-04")], kept,
+                           "python bench/coldstart.py --shapes 8b --merge", machine)
+    models = json.loads((tmp_path / "coldstart.json").read_text())["models"]
+    assert [(m["name"], m["t1_wake_s"], m["measured_on"]) for m in models] == [("4b", 0.2, "2026-12-01"),
+                                                                              ("8b", 0.31, "2026-12-04")]
+    md = (tmp_path / "coldstart.md").read_text()
+    assert "kept from earlier runs: 4b (2026-12-01)" in md
+    assert "| 4b | T1 wake | 0.200 |" in md and "| 8b | T1 wake | 0.310 |" in md and "0.330" not in md
+    assert "8b: 7.3 GB of weights" in md and "T1 wake <= 0.3 s: NOT met" in md
+
+
+def test_coldstart_merge_refuses_a_record_without_rows(tmp_path):
+    coldstart = _coldstart()
+    bare = _shape("4b", 0.2, "2026-12-01")
+    del bare["rows"]
+    (tmp_path / "coldstart.json").write_text(json.dumps({"machine": {}, "models": [bare]}))
+    with pytest.raises(ValueError, match="without --merge"):
+        coldstart.kept_models(tmp_path / "coldstart.json")
+    (tmp_path / "coldstart.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a coldstart record"):
+        coldstart.kept_models(tmp_path / "coldstart.json")
+    assert coldstart.kept_models(tmp_path / "none.json") == []
+
+
+def test_coldstart_t1_is_the_median_of_each_parked_time():
+    coldstart = _coldstart()
+    wakes = [{"parked_s": gap, "first_token_s": t}
+             for gap, t in zip(coldstart.T1_GAPS, (0.333, 0.28, 0.308, 0.281, 0.304, 0.29))]
+    assert coldstart.t1_median(wakes, coldstart.T1_GAPS[0]) == 0.308
+    assert coldstart.t1_median(wakes, max(coldstart.T1_GAPS)) == 0.281
+    assert coldstart.t1_rung(coldstart.T1_GAPS[0]) == "T1 wake"
+    assert coldstart.t1_rung(10.0) == "T1 wake, parked 10 s"
