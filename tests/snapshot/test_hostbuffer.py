@@ -57,3 +57,39 @@ def test_load_falls_back_to_torch_memory_when_huge_page_buffers_cannot_be_mapped
     source.close()
     assert report.chunks > 6
     assert all(torch.equal(tensors[k], v) for k, v in state.items())
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_every_slice_of_a_large_buffer_is_faulted_in_when_made(monkeypatch):
+    """The pages are touched at allocation (in slices across threads), not during the first read or copy: the
+    process holds the whole buffer as soon as it exists, odd sizes and a slice smaller than the rest included."""
+    from ember.snapshot import hostbuffer
+
+    monkeypatch.setattr(hostbuffer, "TOUCH_SLICE", 4 * HUGE)
+    for nbytes in (13 * HUGE + 4096, 64 * HUGE):
+        before = _rss()
+        buf = HostBuffer(nbytes)
+        try:
+            assert _rss() - before >= buf.size - HUGE
+            assert int(buf.tensor.count_nonzero()) == 0
+        finally:
+            buf.close()
+
+
+def test_touch_writes_zeros_over_exactly_its_range(monkeypatch):
+    import ctypes
+
+    from ember.snapshot import hostbuffer
+
+    monkeypatch.setattr(hostbuffer, "TOUCH_SLICE", 4 * HUGE)   # slices of different lengths, one thread each
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    block = (ctypes.c_uint8 * (40 * HUGE))()
+    ctypes.memset(block, 7, len(block))
+    start = ctypes.addressof(block) + HUGE
+    hostbuffer.touch(start, 37 * HUGE + 100)
+    data = bytes(block)
+    assert set(data[:HUGE]) == {7} and set(data[HUGE:38 * HUGE + 100]) == {0} and set(data[38 * HUGE + 100:]) == {7}
