@@ -27,6 +27,7 @@ FLASHINFER_WORKSPACE_BASE whose built modules become the node's kept kernels bef
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import ssl
@@ -240,6 +241,12 @@ STANDBY_SETTLE_S = 1.0
 T1_GAPS = (1.0, 10.0, 1.0, 10.0, 1.0, 10.0)
 
 
+def park_ms(line: str) -> int | None:
+    """How long a park took, from the gateway's log line of it."""
+    found = re.search(r" parked in (\d+) ms", line)
+    return int(found.group(1)) if found else None
+
+
 def t1_rung(gap: float) -> str:
     return "T1 wake" if gap == T1_GAPS[0] else f"T1 wake, parked {gap:g} s"
 
@@ -389,10 +396,12 @@ def measure_shape(shape: str, folder: Path, args, gpu: bool) -> tuple[dict, list
                       flush=True)
             time.sleep(gap)  # a wake comes some time after the park, not on its heels
             wake, headers = server.first_token(name)
-            wakes.append({"parked_s": gap, "first_token_s": round(wake, 3)})
-            print(f"[{shape}] T1 wake {gap:g} s after its park: {wake:.3f} s  {headers.get('x-ember-cold-start', '')}",
-                  flush=True)
+            wakes.append({"parked_s": gap, "first_token_s": round(wake, 3), "park_ms": park_ms(parks[-1])})
+            print(f"[{shape}] T1 wake {gap:g} s after its park ({wakes[-1]['park_ms']} ms): {wake:.3f} s  "
+                  f"{headers.get('x-ember-cold-start', '')}", flush=True)
         parked_note = f"parked GPU memory {parked_bytes / 2**30:.2f} GiB ({holders}); " if parked_bytes else ""
+        parked_note += f"parks took {', '.join(str(w['park_ms']) for w in wakes)} ms (the first copies the weights " \
+                       "to host memory); "
         for gap in sorted(set(T1_GAPS)):
             times = [w["first_token_s"] for w in wakes if w["parked_s"] == gap]
             record(t1_rung(gap), statistics.median(times), headers, f"{parked_note}median of "

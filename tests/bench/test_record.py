@@ -340,3 +340,11 @@ def test_coldstart_t1_is_the_median_of_each_parked_time():
     assert coldstart.t1_median(wakes, max(coldstart.T1_GAPS)) == 0.281
     assert coldstart.t1_rung(coldstart.T1_GAPS[0]) == "T1 wake"
     assert coldstart.t1_rung(10.0) == "T1 wake, parked 10 s"
+
+
+def test_coldstart_reads_a_parks_time_from_the_gateways_log_line():
+    coldstart = _coldstart()
+    line = ('{"ts": "2026-12-04T03:21:30.946+00:00", "level": "info", "logger": "ember.gateway", "msg": "replica '
+            'chat-d2f3adcc parked in 3217 ms (14968418304 bytes of host RAM)", "source": "gateway"}')
+    assert coldstart.park_ms(line) == 3217
+    assert coldstart.park_ms('{"msg": "replica chat-1 woke"}') is None
