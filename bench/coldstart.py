@@ -499,12 +499,18 @@ def main() -> None:
             kept = kept_models(Path(args.results) / "coldstart.json")
         except ValueError as err:
             parser.error(str(err))
+    gpu = shutil.which("nvidia-smi") is not None
+    shapes = [shape.strip() for shape in args.shapes.split(",")]
+    for shape in shapes:
+        if shape not in NAMES:
+            parser.error(f"unknown shape {shape!r}: choose from {', '.join(NAMES)}")
+        if shape != "tiny" and not gpu:
+            parser.error(f"the {shape} shape needs a GPU (no nvidia-smi here): on a CPU run --shapes tiny")
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
-    gpu = shutil.which("nvidia-smi") is not None
     models = []
-    for shape in args.shapes.split(","):
-        result, shape_rows = measure_shape(shape.strip(), folder, args, gpu)
+    for shape in shapes:
+        result, shape_rows = measure_shape(shape, folder, args, gpu)
         if not result:
             continue
         print(json.dumps(result), flush=True)
@@ -540,7 +546,10 @@ def kept_models(path: Path) -> list[dict]:
         models = json.loads(path.read_text())["models"]
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path} is not a coldstart record ({err}): drop --merge to write a new one") from None
-    bare = [m.get("name", "?") for m in models if not isinstance(m, dict) or "rows" not in m]
+    if not isinstance(models, list) or not all(isinstance(m, dict) and "name" in m for m in models):
+        raise ValueError(f"{path} is not a coldstart record (its models are not named shapes): drop --merge to "
+                         "write a new one")
+    bare = [m["name"] for m in models if "rows" not in m]
     if bare:
         raise ValueError(f"{path} keeps no table rows for {', '.join(bare)} (recorded before --merge): record every "
                          "shape without --merge")

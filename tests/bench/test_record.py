@@ -326,9 +326,10 @@ def test_coldstart_merge_refuses_a_record_without_rows(tmp_path):
     (tmp_path / "coldstart.json").write_text(json.dumps({"machine": {}, "models": [bare]}))
     with pytest.raises(ValueError, match="without --merge"):
         coldstart.kept_models(tmp_path / "coldstart.json")
-    (tmp_path / "coldstart.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="not a coldstart record"):
-        coldstart.kept_models(tmp_path / "coldstart.json")
+    for text in ("[1, 2]", '{"models": {"a": 1}}', '{"models": [1]}', "{"):
+        (tmp_path / "coldstart.json").write_text(text)
+        with pytest.raises(ValueError, match="not a coldstart record"):
+            coldstart.kept_models(tmp_path / "coldstart.json")
     assert coldstart.kept_models(tmp_path / "none.json") == []
 
 
