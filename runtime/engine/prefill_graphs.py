@@ -27,7 +27,8 @@ Each piece ends by copying the layer's q into one buffer that every layer and si
 layer), and attention reads it there. Left a view of the q/k/v product, q kept that product of every layer and size
 alive in the pool: ~1.9 GB for the 0.6B shape's sizes, ~0.2 GB for the 8B's, beside the KV cache that
 gpu_memory_utilization sizes. Now they hold that buffer and each size's outputs, three tensors of hidden width a
-size: 50 MB for the 0.6B shape's sizes, 38 MB for the 8B's (measured on the H200).
+size: 50 MB for the 0.6B shape's sizes, 38 MB for the 8B's (measured on the H200, when the 8B's stopped at
+256 tokens; its 512 adds 12.6 MB of outputs by that count, not measured).
 """
 import bisect
 import time
@@ -37,9 +38,13 @@ import torch
 
 from .attention import AttentionBatch
 
-# An eager step's host work (11-24 ms on the H200 machine, above) is what its products take on the GPU at about this
-# many FLOPs (at ~700 TFLOPS); a step of more tokens is bound by the GPU, where a graph saves nothing.
-HOST_BOUND_FLOPS = 8e12
+# An eager step's host work (11-24 ms on the H200 machine, above; 15-29 ms for the 4B and 8B shapes' steps of 256 to
+# 1,024 tokens in bench/results/prefill_steps.json) is what its products take on the GPU at about this many FLOPs (at
+# ~800 TFLOPS); a step of more tokens is bound by the GPU, where a graph saves nothing and its padding costs. At 8e12
+# the 4B shape's 1,024-token size fell out by 3%, and its steps of 513 to 1,024 tokens ran eagerly in 20-30 ms where
+# that graph takes 14-18 (the bench, in one run); the 8B's 512 is in by the same bound (12.8 ms against 14.8 eager
+# at 512 tokens, 15.8 against 13.9 at 288), its 1,024 out (22.5 ms against 18.4 eager at 768 tokens).
+HOST_BOUND_FLOPS = 1.1e13
 SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 

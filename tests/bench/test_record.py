@@ -349,3 +349,28 @@ def test_coldstart_reads_a_parks_time_from_the_gateways_log_line():
             'chat-d2f3adcc parked in 3217 ms (14968418304 bytes of host RAM)", "source": "gateway"}')
     assert coldstart.park_ms(line) == 3217
     assert coldstart.park_ms('{"msg": "replica chat-1 woke"}') is None
+
+
+def test_prefill_steps_table_marks_the_graph_each_step_pads_to():
+    """prefill_steps.py's table, read from its record: a step replays the smallest graph at or above its tokens
+    (a 544-token step pads to 1,024), and a mode without a graph there ran eagerly (no mark)."""
+    sys.path.insert(0, str(BENCH / "engine"))
+    try:
+        import prefill_steps
+    finally:
+        sys.path.remove(str(BENCH / "engine"))
+    row = {"sizes": [256, 512, 1024], "512": {"wall_ms": 8.0}, "32+512": {"wall_ms": 17.6}}
+    eager = {"sizes": [], "512": {"wall_ms": 26.7}, "32+512": {"wall_ms": 20.0}}
+    lines = prefill_steps.table([{"name": "4B", "rows": {"eager": eager, "default": dict(row, sizes=[256, 512]),
+                                                         "every size": row}}])
+    assert lines[0] == "4B: default sizes [256, 512]"
+    assert "512 tokens: eager  26.70, default   8.00 (graph 512), every size   8.00 (graph 512)" in lines[1]
+    assert "32+512 tokens: eager  20.00, default  17.60, every size  17.60 (graph 1024)" in lines[2]
+    recorded = json.loads((BENCH / "results" / "prefill_steps.json").read_text())
+    assert [m["name"] for m in recorded["models"]] == ["4B", "8B"] and prefill_steps.table(recorded["models"])
+
+
+def test_prefill_steps_without_a_gpu_is_one_line():
+    run = subprocess.run([sys.executable, str(BENCH / "engine" / "prefill_steps.py"), "--models", "4B"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr

@@ -6,13 +6,16 @@ from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.prefill_graphs import HOST_BOUND_FLOPS, prefill_graph_sizes
 
 QWEN3_0_6B = 596_049_920   # parameters, the embedding (tied) counted once
+QWEN3_4B = 4_022_468_096
 QWEN3_8B = 8_190_735_360
 
 
 def test_small_models_get_graphs_up_to_large_steps_and_large_models_only_for_short_ones():
     assert prefill_graph_sizes(8192, QWEN3_0_6B) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-    # an 8B step of 512 tokens is the GPU's work already: eager launches hide behind it
-    assert prefill_graph_sizes(8192, QWEN3_8B) == [16, 32, 64, 128, 256]
+    # bench/results/prefill_steps.json: the 4B's 1,024-token graph halves an eager step's time at 768-1,024 tokens;
+    # at 2,048 (and the 8B's 1,024) the products are the GPU's work already and the eager launches hide behind them
+    assert prefill_graph_sizes(8192, QWEN3_4B) == [16, 32, 64, 128, 256, 512, 1024]
+    assert prefill_graph_sizes(8192, QWEN3_8B) == [16, 32, 64, 128, 256, 512]
     assert prefill_graph_sizes(8192, 400_000_000_000) == []
 
 
