@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="write bench/results/prefill_steps.json")
     parser.add_argument("--results", default=str(RESULTS), help="where --record writes")
     args = parser.parse_args()
+    if args.reps < 1:
+        parser.error(f"--reps {args.reps}: want at least 1 step a cell")
     if not torch.cuda.is_available():
         sys.exit("prefill_steps: needs a CUDA GPU (it times graphs against eager launches on the device)")
     models = []

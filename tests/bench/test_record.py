@@ -374,3 +374,9 @@ def test_prefill_steps_without_a_gpu_is_one_line():
     run = subprocess.run([sys.executable, str(BENCH / "engine" / "prefill_steps.py"), "--models", "4B"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_prefill_steps_refuses_no_reps():
+    run = subprocess.run([sys.executable, str(BENCH / "engine" / "prefill_steps.py"), "--reps", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "--reps 0: want at least 1" in run.stderr and "Traceback" not in run.stderr
