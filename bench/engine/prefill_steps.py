@@ -15,6 +15,11 @@ idling between eager launches). Where a size's graph is slower than the eager st
 (above half its size), the size costs more in padding than it saves in launches: the default's largest size
 should sit just below that.
 
+Eager steps are bound by the host, and the device machine's CPU speed moves by up to ~2x from one engine to the
+next (session 39: a fixed pure-Python loop took 104 to 252 ms in one process). Each engine's rows therefore carry
+that loop's time before and after them (`host_loop_ms`), and the table prints it: compare eager rows across modes
+only where their loops agree.
+
 With --record, writes bench/results/prefill_steps.json (the machine, the command, each model's rows).
 """
 import argparse
@@ -39,6 +44,7 @@ ALONE = (1, 2, 3, 4, 6, 8)
 BESIDE = (1, 2, 3, 4)
 DECODING = 32
 MODES = ("eager", "default", "every size")
+HOST_LOOP = 1_000_000   # iterations of host_loop_ms's loop (~50-130 ms on the device machine)
 
 
 def log(*args) -> None:
@@ -79,11 +85,21 @@ def one_step_ms(eng, prompts: int, reps: int, rng: random.Random) -> dict:
             "device_ms": round(statistics.median(device[1:]) * 1e3, 2)}
 
 
+def host_loop_ms() -> float:
+    """The host's speed now: the median of three runs of a fixed pure-Python loop, in ms."""
+    times = []
+    for _ in range(3):
+        began = time.perf_counter()
+        sum(i * i for i in range(HOST_LOOP))
+        times.append(time.perf_counter() - began)
+    return round(statistics.median(times) * 1e3, 1)
+
+
 def measure(model_dir: Path, mode: str, reps: int) -> dict:
     rng = random.Random(0)
     eng = engine(model_dir, mode)
     graphs = eng.runner.prefill_graphs
-    row = {"sizes": list(graphs.sizes) if graphs is not None else []}
+    row = {"sizes": list(graphs.sizes) if graphs is not None else [], "host_loop_ms": [host_loop_ms()]}
     for n in ALONE:
         row[f"{n * PROMPT}"] = one_step_ms(eng, n, reps, rng)
     from ember.runtime.engine.sampling import SamplingParams
@@ -94,6 +110,7 @@ def measure(model_dir: Path, mode: str, reps: int) -> dict:
         eng.step()
     for n in BESIDE:
         row[f"{DECODING}+{n * PROMPT}"] = one_step_ms(eng, n, reps, rng)
+    row["host_loop_ms"].append(host_loop_ms())
     for i in range(DECODING):
         eng.abort_request(f"d{i}")
     while eng.has_unfinished_requests():
@@ -110,7 +127,11 @@ def table(models: list[dict]) -> list[str]:
     lines = []
     for m in models:
         lines.append(f"{m['name']}: default sizes {m['rows']['default']['sizes']}")
-        for step in [k for k in m["rows"]["eager"] if k != "sizes"]:
+        loops = [f"{mode} {' -> '.join(str(t) for t in m['rows'][mode]['host_loop_ms'])}"
+                 for mode in MODES if "host_loop_ms" in m["rows"][mode]]
+        if loops:   # records before session 39 have none
+            lines.append("  host loop ms (before -> after each engine's steps): " + ", ".join(loops))
+        for step in [k for k in m["rows"]["eager"] if k not in ("sizes", "host_loop_ms")]:
             tokens = sum(int(part) for part in step.split("+"))
             cells = []
             for mode in MODES:

@@ -366,6 +366,13 @@ def test_prefill_steps_table_marks_the_graph_each_step_pads_to():
     assert lines[0] == "4B: default sizes [256, 512]"
     assert "512 tokens: eager  26.70, default   8.00 (graph 512), every size   8.00 (graph 512)" in lines[1]
     assert "32+512 tokens: eager  20.00, default  17.60, every size  17.60 (graph 1024)" in lines[2]
+    # rows since session 39 carry the host's speed around each engine's steps: printed, and not a step
+    timed = {mode: dict(rows, host_loop_ms=[60.5, 131.0 + i]) for i, (mode, rows) in
+             enumerate({"eager": eager, "default": dict(row, sizes=[256, 512]), "every size": row}.items())}
+    lines = prefill_steps.table([{"name": "4B", "rows": timed}])
+    assert lines[1] == ("  host loop ms (before -> after each engine's steps): eager 60.5 -> 131.0, "
+                        "default 60.5 -> 132.0, every size 60.5 -> 133.0")
+    assert len(lines) == 4 and "512 tokens: eager  26.70" in lines[2]
     recorded = json.loads((BENCH / "results" / "prefill_steps.json").read_text())
     assert [m["name"] for m in recorded["models"]] == ["4B", "8B"] and prefill_steps.table(recorded["models"])
 
