@@ -184,6 +184,24 @@ def test_prefill_graphs_and_eager_prefills_agree(family):
     assert any(n < size for size, n in replays), "some step was padded"
 
 
+def test_eager_prefill_launches_no_fill_a_layer(family):
+    """An eager prefill step gives flashinfer's prefill its output buffer: given none, it allocates one zeroed, a fill
+    kernel a layer (~20 us of the step's host time each) for rows its attention writes whole."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = engine(family[1], prefill_graphs=False)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    run(eng, prompts(2, seed=5), params)   # warm: the first step's allocations and plans
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tokens, _ = run(eng, prompts(4, seed=6), params)
+        torch.cuda.synchronize()
+    assert all(len(t) == 1 for t in tokens)
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("Prefill" in k for k in kernels), "the step ran flashinfer's prefill"
+    fills = [k for k in kernels if "FillFunctor" in k]   # torch's zero_/fill_ kernel (not "prefill")
+    assert len(fills) < _COMMON["num_hidden_layers"], f"a fill kernel a layer: {fills}"
+
+
 def test_prefill_graphs_hold_no_layer_products(family):
     """Each layer's q reaches its attention through one buffer that every layer and size shares: left a view of the
     layer's q/k/v product, it kept that product of every layer and size alive in the graph pool, outside the KV budget
