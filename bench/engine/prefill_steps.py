@@ -44,7 +44,6 @@ ALONE = (1, 2, 3, 4, 6, 8)
 BESIDE = (1, 2, 3, 4)
 DECODING = 32
 MODES = ("eager", "default", "every size")
-HOST_LOOP = 1_000_000   # iterations of host_loop_ms's loop (~50-130 ms on the device machine)
 
 
 def log(*args) -> None:
@@ -85,21 +84,11 @@ def one_step_ms(eng, prompts: int, reps: int, rng: random.Random) -> dict:
             "device_ms": round(statistics.median(device[1:]) * 1e3, 2)}
 
 
-def host_loop_ms() -> float:
-    """The host's speed now: the median of three runs of a fixed pure-Python loop, in ms."""
-    times = []
-    for _ in range(3):
-        began = time.perf_counter()
-        sum(i * i for i in range(HOST_LOOP))
-        times.append(time.perf_counter() - began)
-    return round(statistics.median(times) * 1e3, 1)
-
-
 def measure(model_dir: Path, mode: str, reps: int) -> dict:
     rng = random.Random(0)
     eng = engine(model_dir, mode)
     graphs = eng.runner.prefill_graphs
-    row = {"sizes": list(graphs.sizes) if graphs is not None else [], "host_loop_ms": [host_loop_ms()]}
+    row = {"sizes": list(graphs.sizes) if graphs is not None else [], "host_loop_ms": [speed.host_loop_ms()]}
     for n in ALONE:
         row[f"{n * PROMPT}"] = one_step_ms(eng, n, reps, rng)
     from ember.runtime.engine.sampling import SamplingParams
@@ -110,7 +99,7 @@ def measure(model_dir: Path, mode: str, reps: int) -> dict:
         eng.step()
     for n in BESIDE:
         row[f"{DECODING}+{n * PROMPT}"] = one_step_ms(eng, n, reps, rng)
-    row["host_loop_ms"].append(host_loop_ms())
+    row["host_loop_ms"].append(speed.host_loop_ms())
     for i in range(DECODING):
         eng.abort_request(f"d{i}")
     while eng.has_unfinished_requests():

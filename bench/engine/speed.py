@@ -644,12 +644,28 @@ def saved_weight_bytes(model_dir: Path) -> int:
     return total
 
 
+def host_loop_ms() -> float:
+    """The host's speed now: the median of three runs of a fixed pure-Python loop, in ms. The device machine's CPU
+    moves by up to ~2x from one minute to the next (session 39: 104 to 252 ms in one process), and every host-bound
+    number (batch-1 host time, eager steps, the online rows' replica CPU) moves with it."""
+    times = []
+    for _ in range(3):
+        began = time.perf_counter()
+        sum(i * i for i in range(HOST_LOOP))
+        times.append(time.perf_counter() - began)
+    return round(statistics.median(times) * 1e3, 1)
+
+
+HOST_LOOP = 1_000_000   # iterations of host_loop_ms's loop (~50-130 ms on the device machine)
+
+
 def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     began = time.perf_counter()
     model_dir, hf = model_directory(workdir, shape, keep_model=True)
     weight_bytes = saved_weight_bytes(model_dir)
     row = {"name": f"Qwen3-{shape} shape (random weights)", "weight_bytes": weight_bytes,
-           "roofline_b1_tok_s": round(bandwidth / weight_bytes, 1)}
+           "roofline_b1_tok_s": round(bandwidth / weight_bytes, 1),
+           "host_loop_ms": [host_loop_ms()]}   # and again at the end: how fast the host was around this row
     if args.device_wait:
         row["device_wait"] = args.device_wait
     log(f"[{shape}] built in {time.perf_counter() - began:.1f} s, {weight_bytes / 1e9:.2f} GB; roofline "
@@ -715,6 +731,7 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
                          for i, first in enumerate(runs[""])]
         log(f"[{shape}] ember skewed batches: {row['skewed']}")
         args.checkpoint(row)
+    row["host_loop_ms"].append(host_loop_ms())
     if not args.workdir:   # a model in a given --workdir stays for the next run
         shutil.rmtree(model_dir, ignore_errors=True)
     return row
