@@ -355,7 +355,7 @@ class ModelRunner:
                 piecewise.prepare(inputs.tokens)
                 ids, pos, blocks, offsets = piecewise.rows(prefill_size)[:, :num_tokens]
             else:
-                ids, pos, blocks, offsets = torch.from_numpy(inputs.tokens).to(self.device)
+                ids, pos, blocks, offsets = aligned_rows(inputs.tokens, self.device)
             self._feed(ids, inputs.feeds, previous)
             self.attention.plan(AttentionBatch(inputs.query_lens, inputs.context_lens, inputs.block_tables,
                                                inputs.num_blocks, blocks, offsets))
@@ -505,6 +505,23 @@ class _GpuTimer:
 
     def elapsed(self) -> float | None:
         return self.begin.elapsed_time(self.end) / 1000 if self.enabled else None
+
+
+def aligned_rows(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The step's [4, T] inputs on the device with each row starting on a 64-byte boundary. Triton compiles a kernel
+    once per combination of its pointers' 16-byte alignment: rows T int64s apart left every other row unaligned
+    when T was odd, so the first eager step of odd length compiled a second variant of the K/V write
+    (norm_rope_store_ reads the slot offsets, row 3) on a request's path, hundreds of milliseconds."""
+    t = tokens.shape[1]
+    width = -(-t // ROW_ALIGN) * ROW_ALIGN
+    if width != t:
+        padded = np.zeros((tokens.shape[0], width), dtype=tokens.dtype)
+        padded[:, :t] = tokens
+        tokens = padded
+    return torch.from_numpy(tokens).to(device)[:, :t]
+
+
+ROW_ALIGN = 8   # int64s: rows of aligned_rows start 64 bytes apart at least
 
 
 def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, attention, block_size: int,

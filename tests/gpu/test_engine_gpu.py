@@ -202,6 +202,38 @@ def test_eager_prefill_launches_no_fill_a_layer(family):
     assert len(fills) < _COMMON["num_hidden_layers"], f"a fill kernel a layer: {fills}"
 
 
+def _triton_variants() -> dict[str, int]:
+    """How many variants of each of fused.py's Triton kernels this process has compiled."""
+    from ember.runtime.engine import fused
+    counts = {}
+    for name in dir(fused):
+        caches = getattr(getattr(fused, name), "device_caches", None)   # a triton.JITFunction's, per device
+        if caches is not None:
+            counts[name] = sum(len(entry[0]) for entry in caches.values())
+    return counts
+
+
+def test_eager_steps_of_any_length_compile_no_kernel(family):
+    """Eager steps of odd and even length, each side of where the K/V write's programs take more heads, run the
+    kernels the first steps compiled: the step's inputs for an odd length sat at offsets Triton specialises on
+    (16-byte alignment), and the first such step compiled a second variant of the K/V write on a request's path."""
+    eng = engine(family[1], prefill_graphs=False)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    g = torch.Generator().manual_seed(7)
+
+    def prefill(length: int) -> None:   # fresh tokens: no prefix hit shortens the step
+        tokens, _ = run(eng, [torch.randint(3, VOCAB, (length,), generator=g).tolist()], params)
+        assert len(tokens[0]) == 1
+
+    for length in (30, 130):
+        prefill(length)
+    before = _triton_variants()
+    assert before.get("_norm_rope_store_kernel"), f"the steps ran fused.py's Triton kernels: {before}"
+    for length in (31, 129, 257):
+        prefill(length)
+    assert _triton_variants() == before
+
+
 def test_prefill_graphs_hold_no_layer_products(family):
     """Each layer's q reaches its attention through one buffer that every layer and size shares: left a view of the
     layer's q/k/v product, it kept that product of every layer and size alive in the graph pool, outside the KV budget

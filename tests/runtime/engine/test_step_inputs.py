@@ -1,10 +1,13 @@
 """A step's inputs built with numpy, and the block tables as attention takes them, against the same built token by
 token from the sequences' lists."""
+import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ember.runtime.engine.attention import AttentionBatch
 from ember.runtime.engine.block_manager import BlockManager
+from ember.runtime.engine.model_runner import aligned_rows
 from ember.runtime.engine.sampling import SamplingParams
 from ember.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from ember.runtime.engine.sequence import Sequence
@@ -55,3 +58,15 @@ def test_inputs_match_the_token_by_token_build(w):
                                        for i in range(len(expected["tables"]) + 1)]
             assert inputs.decode == expected["decode"]
         compute(scheduler, batch)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 70))
+def test_the_rows_a_step_hands_its_kernels_start_aligned_whatever_its_length(t):
+    """Triton compiles a kernel once per combination of its pointers' 16-byte alignment: a step of odd length must
+    hand the K/V write rows that start where an even one's do, or its first such step compiles on a request's path."""
+    tokens = np.arange(4 * t, dtype=np.int64).reshape(4, t)
+    rows = aligned_rows(tokens, torch.device("cpu"))
+    assert rows.shape == (4, t) and torch.equal(rows, torch.from_numpy(tokens))
+    base = rows.untyped_storage().data_ptr()
+    assert all((row.data_ptr() - base) % 64 == 0 for row in rows), [row.data_ptr() - base for row in rows]
