@@ -263,6 +263,15 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(None, max_length=256)
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value):
+        """A part this server cannot take is named by its type (an image, say), not by the union's first branch."""
+        for part in value if isinstance(value, list) else ():
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError(f"a part of {_described(part)}; this server takes text parts alone")
+        return value
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)

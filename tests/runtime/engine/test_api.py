@@ -280,6 +280,20 @@ def test_bad_requests_get_openai_shaped_errors(call, path, body, status, param, 
     assert "Value error" not in error["message"]
 
 
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "https://x/cat.png"}}, "hi",
+                                  {"text": "x"}])
+def test_a_chat_part_that_is_not_text_is_named(call, part):
+    """An image part used to fail on the union's first branch: "Invalid 'messages.0.content.str': Input should be a
+    valid string", which names neither the part nor what the server takes."""
+    content = [{"type": "text", "text": "what is this?"}, part]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    response = call("POST", "/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages.0.content" and "text parts alone" in error["message"]
+    assert ("'image_url'" in error["message"]) == (isinstance(part, dict) and "type" in part)
+
+
 
 @pytest.mark.parametrize("path, fields, param", [
     ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi \\ud800 there"}]', "messages.0.content"),
