@@ -27,6 +27,16 @@ from .attention import AttentionBatch
 logger = logging.getLogger(__name__)
 
 
+ROW_ALIGN = 8   # int64s: a step's input rows start 64 bytes apart at least
+
+
+def row_width(tokens: int) -> int:
+    """The stride, in int64s, of a step's [4, tokens] input rows. Triton compiles a kernel once per combination of
+    its pointers' 16-byte alignment, so rows `tokens` apart (row 3, the slot offsets the K/V write reads, 24 bytes
+    in for one token) would compile a second variant of that kernel for every odd length."""
+    return -(-tokens // ROW_ALIGN) * ROW_ALIGN
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
@@ -43,10 +53,11 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         device = kv_caches[0].device
         # The step's inputs, [4, size] for a graph of `size` (token ids, positions, block of each token's KV slot,
-        # offset in that block): the first 4 * size elements, contiguous for every size, so one copy from the
-        # pinned buffer fills them (a strided destination took a copy to a temporary and a kernel besides)
-        self._inputs = torch.zeros(4 * self.batch_sizes[-1], dtype=torch.long, device=device)
-        self._pinned_inputs = torch.zeros(4 * self.batch_sizes[-1], dtype=torch.long, pin_memory=device.type == "cuda")
+        # offset in that block): the first 4 * row_width(size) elements, rows row_width(size) apart, so one copy
+        # from the pinned buffer fills them (a strided destination took a copy to a temporary and a kernel besides)
+        largest = 4 * row_width(self.batch_sizes[-1])
+        self._inputs = torch.zeros(largest, dtype=torch.long, device=device)
+        self._pinned_inputs = torch.zeros(largest, dtype=torch.long, pin_memory=device.type == "cuda")
         self._host_inputs = self._pinned_inputs.numpy()
         # per size: the copy's destination and source, and the graph's [4, size] view (slicing a tensor costs a
         # few microseconds of host time on the GPU machine, every step)
@@ -74,8 +85,9 @@ class DecodeGraphs:
     def _size_views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         views = self._views.get(size)
         if views is None:
-            inputs = self._inputs[:4 * size]
-            views = self._views[size] = (inputs, self._pinned_inputs[:4 * size], inputs.view(4, size))
+            width = row_width(size)
+            inputs = self._inputs[:4 * width]
+            views = self._views[size] = (inputs, self._pinned_inputs[:4 * width], inputs.view(4, width)[:, :size])
         return views
 
     def capture(self, size: int) -> None:
@@ -120,7 +132,7 @@ class DecodeGraphs:
             raise ValueError(f"{n} sequences are more than the largest graph holds ({self.batch_sizes[-1]})")
         # The pinned buffer is rewritten by the next step's prepare, which the model runner starts only after this
         # step's copies ran (as the attention plan's)
-        host = self._host_inputs[:4 * size].reshape(4, size)
+        host = self._host_inputs[:4 * row_width(size)].reshape(4, -1)
         host[:, :n] = inputs
         host[:, n:] = 0
         host[2, n:] = self.scratch_block

@@ -18,7 +18,7 @@ from ember.snapshot.store import SnapshotStore
 from . import kernels
 from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from .config import EngineConfig
-from .cuda_graphs import DecodeGraphs, graph_batch_sizes
+from .cuda_graphs import DecodeGraphs, graph_batch_sizes, row_width
 from .gpu_memory import AddressTaken, Arena, CudaDriverError, ParkReport, WakeReport, tensor_bytes
 from .grammar import MaskFiller
 from .models.loader import load_model, model_config, snapshot_key
@@ -513,15 +513,12 @@ def aligned_rows(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
     when T was odd, so the first eager step of odd length compiled a second variant of the K/V write
     (norm_rope_store_ reads the slot offsets, row 3) on a request's path, hundreds of milliseconds."""
     t = tokens.shape[1]
-    width = -(-t // ROW_ALIGN) * ROW_ALIGN
+    width = row_width(t)
     if width != t:
         padded = np.zeros((tokens.shape[0], width), dtype=tokens.dtype)
         padded[:, :t] = tokens
         tokens = padded
     return torch.from_numpy(tokens).to(device)[:, :t]
-
-
-ROW_ALIGN = 8   # int64s: rows of aligned_rows start 64 bytes apart at least
 
 
 def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, attention, block_size: int,

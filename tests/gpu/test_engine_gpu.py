@@ -5,6 +5,7 @@ trained (tests/gpu/trained.py) for free-running agreement. Run on the GPU machin
     python -m pytest tests/gpu/test_engine_gpu.py -m gpu -s
 """
 import gc
+import re
 
 import pytest
 import torch
@@ -202,36 +203,41 @@ def test_eager_prefill_launches_no_fill_a_layer(family):
     assert len(fills) < _COMMON["num_hidden_layers"], f"a fill kernel a layer: {fills}"
 
 
-def _triton_variants() -> dict[str, int]:
-    """How many variants of each of fused.py's Triton kernels this process has compiled."""
+def _triton_variants() -> dict[str, list[str]]:
+    """The keys of the variants of each of fused.py's Triton kernels this process has compiled (or loaded)."""
     from ember.runtime.engine import fused
-    counts = {}
+    variants = {}
     for name in dir(fused):
         caches = getattr(getattr(fused, name), "device_caches", None)   # a triton.JITFunction's, per device
         if caches is not None:
-            counts[name] = sum(len(entry[0]) for entry in caches.values())
-    return counts
+            variants[name] = [str(key) for entry in caches.values() for key in entry[0]]
+    return variants
 
 
-def test_eager_steps_of_any_length_compile_no_kernel(family):
-    """Eager steps of odd and even length, each side of where the K/V write's programs take more heads, run the
-    kernels the first steps compiled: the step's inputs for an odd length sat at offsets Triton specialises on
-    (16-byte alignment), and the first such step compiled a second variant of the K/V write on a request's path."""
-    eng = engine(family[1], prefill_graphs=False)
+def test_steps_of_any_length_hand_the_kv_write_aligned_rows(family):
+    """Decode graphs of every size and eager steps of odd and even length, each side of where the K/V write's
+    programs take more heads, hand it 16-byte aligned pointers, so it compiles one variant where it could compile
+    two: Triton specialises on each pointer's alignment, and a step's [4, T] inputs T int64s apart put the slot
+    offsets (row 3) off it for odd T (the batch-1 graph at start; the first odd eager step on a request's path)."""
+    eng = engine(family[1], prefill_graphs=False)   # every decode graph size, captured at start
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     g = torch.Generator().manual_seed(7)
 
-    def prefill(length: int) -> None:   # fresh tokens: no prefix hit shortens the step
-        tokens, _ = run(eng, [torch.randint(3, VOCAB, (length,), generator=g).tolist()], params)
-        assert len(tokens[0]) == 1
+    def fresh(length: int) -> list[int]:   # fresh tokens: no prefix hit shortens the step
+        return torch.randint(3, VOCAB, (length,), generator=g).tolist()
 
     for length in (30, 130):
-        prefill(length)
+        run(eng, [fresh(length)], params)
     before = _triton_variants()
     assert before.get("_norm_rope_store_kernel"), f"the steps ran fused.py's Triton kernels: {before}"
     for length in (31, 129, 257):
-        prefill(length)
-    assert _triton_variants() == before
+        tokens, _ = run(eng, [fresh(length)], params)
+        assert len(tokens[0]) == 1
+    run(eng, [fresh(33), fresh(40), fresh(51)], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert _triton_variants() == before, "a step compiled a kernel"
+    # Triton marks a pointer it found 16-byte aligned 'D' in the variant's key: ('*i64', 'D'), else ('*i64', '')
+    marks = {mark for key in before["_norm_rope_store_kernel"] for mark in re.findall(r"\('\*\w+', '(\w*)'\)", key)}
+    assert marks == {"D"}, f"a variant took an unaligned pointer: {before['_norm_rope_store_kernel']}"
 
 
 def test_prefill_graphs_hold_no_layer_products(family):
