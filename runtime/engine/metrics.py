@@ -23,7 +23,8 @@ COUNTERS = [
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     ("prompt_tokens", "prompt_tokens", "Prompt tokens processed."),
     ("generation_tokens", "generation_tokens", "Tokens generated."),
-    ("num_preemptions", "num_preemptions", "Requests preempted because the KV cache ran out."),
+    ("num_preemptions", "num_preemptions",
+     "Sequences preempted: the KV cache ran out, or a request with none running took one's slot."),
 ]
 
 KINDS = ("graph", "piecewise", "eager")   # of engine steps

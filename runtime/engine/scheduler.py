@@ -3,7 +3,10 @@
 Waiting sequences are admitted in arrival order, but fairly across requests: a sequence's `group` is the API request
 it belongs to (n choices, a batch of prompts), and the next one admitted is the first of those whose group has the
 fewest running sequences, so a batch of 2,048 completions does not hold a later caller's request behind all of it.
-Preempted sequences go first.
+Where every slot is taken and a request waits with none of its sequences running, the request with the most running
+gives one up (the one with the fewest tokens to recompute), a step at a time: otherwise a later caller waited until
+one of the batch's sequences ended, minutes for long completions. Sequences preempted because the cache ran out go
+first; one that gave its slot up waits its turn.
 
 No clocks, threads or devices here: `schedule()` is a function of the queues and the free blocks, so a
 property test can drive it directly.
@@ -52,7 +55,7 @@ class Scheduler:
         running sequences."""
         head = self.waiting[0]
         fewest = self._running_groups[head.group]
-        if head.num_preemptions or fewest == 0 or len(self._waiting_groups) == 1:
+        if (head.num_preemptions and not head.yielded) or fewest == 0 or len(self._waiting_groups) == 1:
             return 0
         best = 0
         for i, seq in enumerate(self.waiting):
@@ -69,6 +72,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(tables=self.block_manager.tables)
         budget = self.max_num_batched_tokens
+        if self.waiting and len(self.running) >= self.max_num_seqs:
+            self._yield_a_slot(batch)
+        yielded = len(batch.preempted)
         # This loop runs for every running sequence every step (~1 us each on the GPU machine's host): its calls
         # are bound once, and the block manager is called only where a block fills up or one more is needed,
         # which the loop tells by the same arithmetic the calls would start with (once per block_size tokens).
@@ -98,7 +104,7 @@ class Scheduler:
             add_count(n)
             budget -= n
             i += 1
-        if batch.preempted:   # the cache is full: admitting more would only preempt again
+        if len(batch.preempted) > yielded:   # the cache is full: admitting more would only preempt again
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             at = self._next_waiting()
@@ -122,6 +128,24 @@ class Scheduler:
             batch.admitted.append(seq)
             budget -= n
         return batch
+
+    def _yield_a_slot(self, batch: ScheduledBatch) -> None:
+        """Every slot is taken: if a waiting group has no running sequence and some group runs two or more, the
+        largest group's running sequence with the fewest computed tokens goes back to the waiting queue's end (into
+        the batch's preempted list), and the admission after the running sequences gives its slot to the first group
+        with none running. One a step, so a flood of small requests costs a batch one recompute a step at most."""
+        if len(self._running_groups) == len(self.running):   # one running sequence a group: nobody holds more
+            return
+        head = self.waiting[0]
+        if head.num_preemptions and not head.yielded:   # the cache ran out: that sequence goes first
+            return
+        if all(group in self._running_groups for group in self._waiting_groups):
+            return
+        group = max(self._running_groups, key=self._running_groups.__getitem__)
+        victim = min((seq for seq in self.running if seq.group == group), key=lambda seq: seq.num_computed_tokens)
+        self.running.remove(victim)
+        self._preempt(victim, yielded=True)
+        batch.preempted.append(victim)
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Blocks for `n` more tokens of a running sequence, preempting the newest running ones (into the batch's
@@ -153,10 +177,15 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Drop the sequence's KV and queue it first; its tokens (prompt + outputs so far) are recomputed."""
+    def _preempt(self, seq: Sequence, yielded: bool = False) -> None:
+        """Drop the sequence's KV and queue it, first (the cache ran out) or last (it `yielded` its slot to a request
+        with none); its tokens (prompt + outputs so far) are recomputed."""
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        seq.yielded = yielded
+        if yielded:
+            self.waiting.append(seq)
+        else:
+            self.waiting.appendleft(seq)
         self._moved(seq, self._running_groups, self._waiting_groups)

@@ -40,6 +40,7 @@ class Sequence:
         self.num_computed_tokens = 0   # tokens whose K/V are in the cache
         self.num_cached_tokens = 0     # prompt tokens served from the prefix cache on first admission
         self.num_preemptions = 0
+        self.yielded = False           # last preempted to give its slot to a request with none running
         self.finish_reason: str | None = None
 
     @property

@@ -133,6 +133,76 @@ def test_a_later_callers_request_is_admitted_before_the_rest_of_an_earlier_batch
     assert [s.request_id for s in admitted][:1] == ["later"]   # a preempted sequence first
 
 
+def test_a_request_with_none_running_takes_a_slot_from_the_largest_one_step_later():
+    """Every slot held by one batch whose sequences run long: a later request is admitted the next step, in the slot
+    of the batch's sequence with the fewest tokens to recompute, which goes to the back of the queue; one a step,
+    and none where no request runs more than one (n=1 requests keep arrival order)."""
+    bm = BlockManager(64, BS, False)
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=1000)
+    batch = [Sequence(f"b{i}", [1, 2, 3] * (i + 1), SamplingParams(max_tokens=50)) for i in range(6)]
+    for seq in batch:
+        seq.group = "batch"
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    compute(scheduler, first)
+    assert [s.request_id for s in first.admitted] == ["b0", "b1", "b2", "b3"]
+    later, other = (Sequence(name, [4, 5], SamplingParams(max_tokens=50)) for name in ("later", "other"))
+    scheduler.add(later)
+    scheduler.add(other)
+    step = scheduler.schedule()
+    assert [s.request_id for s in step.preempted] == ["b0"]   # 4 tokens computed against 7, 10, 13
+    assert [s.request_id for s in step.admitted] == ["later"] and "b0" not in [s.request_id for s in step.seqs]
+    assert [s.request_id for s in scheduler.waiting] == ["b4", "b5", "other", "b0"]
+    assert batch[0].num_computed_tokens == 0 and batch[0].status is SequenceStatus.WAITING
+    compute(scheduler, step)
+    step = scheduler.schedule()   # "other" waits with none running: the batch (3 running) gives up b1
+    assert [s.request_id for s in step.preempted] == ["b1"] and [s.request_id for s in step.admitted] == ["other"]
+    compute(scheduler, step)
+    step = scheduler.schedule()   # every waiting group runs a sequence: nothing yields
+    assert not step.preempted and not step.admitted
+    scheduler.finish(later, "length")
+    assert [s.request_id for s in scheduler.schedule().admitted] == ["b4"]   # the batch's own order, b0 at the back
+
+    singles = Scheduler(BlockManager(64, BS, False), max_num_seqs=2, max_num_batched_tokens=1000)
+    for i in range(3):
+        singles.add(Sequence(f"s{i}", [1, 2], SamplingParams(max_tokens=5)))
+    assert [s.request_id for s in singles.schedule().admitted] == ["s0", "s1"]
+    step = singles.schedule()
+    assert not step.preempted and not step.admitted
+
+
+def test_a_later_request_gets_its_first_token_within_steps_of_a_batch_that_holds_every_slot(qwen3_dir):
+    """The engine with the batch's sequences giving slots up: the later request's first token comes two steps after
+    it is added (a step to yield and prefill, one to sample) where it used to wait for a batch sequence to end, and
+    every answer, the preempted ones recomputed, is the unpressured engine's."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[7 + i] * (5 + i) for i in range(4)]
+    roomy = LLMEngine(EngineConfig(model=qwen3_dir, num_kv_blocks=64, max_model_len=64))
+    expected = {str(i): roomy.generate([p], params)[0] for i, p in enumerate(prompts)}
+    expected["later"] = roomy.generate([[3, 4, 5]], params)[0]
+
+    eng = LLMEngine(EngineConfig(model=qwen3_dir, num_kv_blocks=64, max_model_len=64, max_num_seqs=2))
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params, group="batch")
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in eng.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    for _ in range(4):
+        step()
+    eng.add_request("later", [3, 4, 5], params)
+    steps = 0
+    while "later" not in tokens:
+        step()
+        steps += 1
+    assert steps <= 3, f"the later request waited {steps} steps for its first token"
+    while eng.has_unfinished_requests():
+        step()
+    assert tokens == expected
+
+
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen3-prop")
