@@ -395,3 +395,29 @@ def test_a_failed_collect_loses_no_token(llama):
     assert eng.runner.collect == collect
     assert [outcome[str(i)] for i in range(2)] == [(reference_greedy(model, p, 12), "length") for p in prompts]
     assert_idle(eng)
+
+
+def test_a_later_request_takes_a_slot_from_a_batch_that_holds_them_all(llama):
+    """Eight sequences of one request fill every slot; a request that comes later gets its first token within a few
+    steps (one of the batch gives its slot up and is recomputed later) and every sequence still ends as greedy."""
+    model_dir, model = llama
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts([12, 9, 15, 7, 11, 10, 8, 14, 6], seed=11)
+    waited = []
+
+    def scenario(eng):
+        for i, prompt in enumerate(prompts[:8]):
+            eng.add_request(f"batch-{i}", prompt, params, group="batch")
+        outcome = run(eng, steps=3)
+        eng.add_request("late", prompts[8], params)
+        steps = 0
+        while "late" not in outcome:
+            outcome = run(eng, outcome, steps=1)
+            steps += 1
+        waited.append((steps, eng.stats.num_preemptions))
+        return run(eng, outcome)
+
+    outcome = serial_and_overlapped(scenario, model_dir)
+    assert [outcome[f"batch-{i}"][0] for i in range(8)] + [outcome["late"][0]] == [
+        reference_greedy(model, p, 30) for p in prompts]
+    assert all(steps <= 3 and preemptions == 1 for steps, preemptions in waited), waited
