@@ -15,6 +15,7 @@ import sys
 import time
 
 LOCK_TIMEOUT_MS = 30_000
+CUDA_ERROR_NOT_SUPPORTED = 801
 STEPS = {"park": ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint"),
          "wake": ("cuCheckpointProcessRestore", "cuCheckpointProcessUnlock")}
 
@@ -43,7 +44,12 @@ def run(action: str, pid: int) -> float:
         if code:
             text = ctypes.c_char_p()
             lib.cuGetErrorString(code, ctypes.byref(text))
-            raise CheckpointError(f"{step}({pid}) failed: {(text.value or b'unknown error').decode()} ({code})")
+            why = f"{step}({pid}) failed: {(text.value or b'unknown error').decode()} ({code})"
+            if code == CUDA_ERROR_NOT_SUPPORTED:
+                why += (": this GPU or driver cannot checkpoint the process (seen on an H100 with driver 580.159.04"
+                        " where an H200 could); park with park_with=\"hooks\" (the default) and"
+                        " @ember.park()/@ember.wake()")
+            raise CheckpointError(why)
     return time.perf_counter() - began
 
 

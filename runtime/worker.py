@@ -281,7 +281,12 @@ class Parking:
             getattr(self.obj, name)()
         if self.checkpoint:
             from ember.runtime.cuda_checkpoint import checkpoint_self
-            checkpoint_self("park")
+            try:
+                checkpoint_self("park")
+            except Exception:   # the process keeps serving: what the park hooks released comes back
+                for name in self.wake_hooks:
+                    getattr(self.obj, name)()
+                raise
             return
         for t in self._tensors():
             if t.is_cuda:

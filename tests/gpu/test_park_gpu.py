@@ -109,6 +109,7 @@ def test_the_driver_checkpoint_parks_code_that_cannot_cooperate():
     import asyncio
     import time
 
+    from ember.runtime.cuda_checkpoint import CUDA_ERROR_NOT_SUPPORTED, CheckpointError
     from ember.runtime.worker import Parking
 
     class Opaque:  # GPU memory Ember cannot see: not a torch module, no hooks
@@ -120,7 +121,12 @@ def test_the_driver_checkpoint_parks_code_that_cannot_cooperate():
     awake = gpu_bytes_used()
     parking = Parking(obj, checkpoint=True)
     began = time.perf_counter()
-    parked = asyncio.run(parking.park())
+    try:
+        parked = asyncio.run(parking.park())
+    except CheckpointError as err:   # the H100 machine's driver (580.159.04) answers 801 where the H200's parks
+        if f"({CUDA_ERROR_NOT_SUPPORTED})" not in str(err):
+            raise
+        pytest.skip(f"this GPU's driver cannot checkpoint a process: {err}")
     park_s, parked_bytes = time.perf_counter() - began, gpu_bytes_used()
     began = time.perf_counter()
     asyncio.run(parking.wake())

@@ -347,10 +347,20 @@ def test_parking_with_the_driver_checkpoint_names_what_is_missing_on_a_machine_w
 
     if ctypes.util.find_library("cuda"):
         pytest.skip("this machine has a CUDA driver; tests/gpu covers the checkpoint itself")
-    parking = Parking(object(), checkpoint=True)
+    class Model:
+        loaded = True
+
+        def release(self):
+            self.loaded = False
+
+        def restore(self):
+            self.loaded = True
+
+    model = Model()
+    parking = Parking(model, park_hooks=["release"], wake_hooks=["restore"], checkpoint=True)
     with pytest.raises(RuntimeError, match="park_with='cuda-checkpoint' needs an NVIDIA GPU"):
         asyncio.run(parking.park())
-    assert not parking.parked  # a park that failed leaves the replica serving
+    assert not parking.parked and model.loaded  # a park that failed leaves the replica serving, its hooks undone
     assert main(["nap", "1"]) == 2
 
 
