@@ -118,7 +118,9 @@ def admin_router(gateway: "Gateway") -> APIRouter:
                     "replicas_by_state": {state.value: sum(r.state == state for r in unit.router.replicas.values())
                                           for state in ReplicaState if state in LIVE} | {"failed": len(unit.failures)},
                     "queue_depth": unit.queue.depth,
+                    "queue_slots": unit.queue.demand,
                     "in_flight": unit.router.in_flight,
+                    "load": unit.router.load,
                     "failed": list(unit.failures),
                     "decisions": [dataclasses.asdict(d) for d in unit.decisions],
                     "settings": unit.spec.model_dump(),

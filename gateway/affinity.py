@@ -46,19 +46,20 @@ def weight(key: str, replica_id: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def load_cap(total: int, n: int, epsilon: float) -> int:
-    """The most load any replica may carry once one more unit is placed among n replicas."""
-    return math.ceil((1 + epsilon) * (total + 1) / n)
+def load_cap(total: int, n: int, epsilon: float, added: int = 1) -> int:
+    """The most load any replica may carry once `added` more units are placed among n replicas."""
+    return math.ceil((1 + epsilon) * (total + added) / n)
 
 
-def pick(key: str, replicas: Sequence[ReplicaLoad], epsilon: float = DEFAULT_EPSILON) -> str:
-    """The highest-ranked replica for `key` whose load stays within the bound."""
+def pick(key: str, replicas: Sequence[ReplicaLoad], epsilon: float = DEFAULT_EPSILON, adding: int = 1) -> str:
+    """The highest-ranked replica for `key` whose load stays within the bound once it takes `adding` more (an LLM
+    request's sequences)."""
     if not replicas:
         raise ValueError("pick() needs at least one replica")
     if epsilon < 0:
         raise ValueError(f"epsilon must be >= 0 (0.1-0.5 is usual), got {epsilon}")
-    cap = load_cap(sum(r.load for r in replicas), len(replicas), epsilon)
-    best = min(replicas, key=lambda r: (r.load + 1 > cap, -weight(key, r.id)))
+    cap = load_cap(sum(r.load for r in replicas), len(replicas), epsilon, adding)
+    best = min(replicas, key=lambda r: (r.load + adding > cap, -weight(key, r.id)))
     return best.id
 
 

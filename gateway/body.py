@@ -14,7 +14,7 @@ from ember.gateway.affinity import prefix_key, prompt_text
 from ember.gateway.errors import ApiError
 from ember.gateway.inflight import BodyBudget
 from ember.gateway.routing import SESSION, Forward
-from ember.gateway.usage import OPENAI_PATHS, UsageMeter, estimate, max_tokens
+from ember.gateway.usage import OPENAI_PATHS, UsageMeter, estimate, max_tokens, sequences
 from ember.runtime.call_body import BadCallBody, keyword_arguments, plain_encoding
 
 MAX_BODY = 16 * 1024 * 1024
@@ -98,12 +98,13 @@ def session_id(request: Request) -> str | None:
 class ForwardRequest:
     """A request for an ASGI endpoint as the gateway holds it: its body (read whole before it takes a replica slot)
     and, for an OpenAI completion POST, its token estimate for the rate limits, the meter that counts what the reply
-    really used, and the routing key."""
+    really used, the routing key, and the replica slots it takes (one per sequence the engine runs for it)."""
 
     body: bytes | bytearray  # bytearray: read in place into a buffer of its Content-Length
     tokens: int
     meter: UsageMeter | None
     affinity: str | None
+    slots: int = 1
 
 
 async def read_forward(request: Request, target: Forward, session: str | None, budget: BodyBudget) -> ForwardRequest:
@@ -114,13 +115,13 @@ async def read_forward(request: Request, target: Forward, session: str | None, b
     usage = await off_loop(_completion_usage, body)
     if usage is None:  # the engine answers it with its own 400
         return ForwardRequest(body, 0, None, session)
-    tokens, prompt_tokens, key = usage
-    return ForwardRequest(body, tokens, UsageMeter(prompt_tokens), session or key)
+    tokens, prompt_tokens, key, slots = usage
+    return ForwardRequest(body, tokens, UsageMeter(prompt_tokens), session or key, slots)
 
 
-def _completion_usage(body: bytes | bytearray) -> tuple[int, int, str | None] | None:
-    """An OpenAI completion request's token estimate (prompt and output), its prompt's, and its routing key; None
-    for a body that is not a JSON object."""
+def _completion_usage(body: bytes | bytearray) -> tuple[int, int, str | None, int] | None:
+    """An OpenAI completion request's token estimate (prompt and output), its prompt's, its routing key and the
+    sequences it runs; None for a body that is not a JSON object."""
     try:
         parsed = json.loads(body)
     except (ValueError, RecursionError):
@@ -128,7 +129,7 @@ def _completion_usage(body: bytes | bytearray) -> tuple[int, int, str | None] | 
     if not isinstance(parsed, dict):
         return None
     tokens = estimate(parsed)
-    return tokens, tokens - max_tokens(parsed), prefix_key(prompt_text(parsed))
+    return tokens, tokens - max_tokens(parsed), prefix_key(prompt_text(parsed)), sequences(parsed)
 
 
 async def off_loop(work: Callable[[bytes | bytearray], T], body: bytes | bytearray) -> T:

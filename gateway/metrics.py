@@ -165,6 +165,9 @@ class Metrics:
     def _render_units(deployments: dict[str, Deployment]) -> list[str]:
         lines = _family("ember_queue_depth", "gauge", "Calls waiting for a replica slot.")
         lines += _family("ember_in_flight", "gauge", "Calls running on replicas.")
+        lines += _family("ember_slots_in_use", "gauge",
+                         "Replica slots (of max_concurrency) the running calls hold: one per LLM sequence.")
+        lines += _family("ember_queue_slots", "gauge", "Replica slots the waiting calls ask for.")
         lines += _family("ember_replicas", "gauge", "Replicas by state.")
         lines += _family("ember_replica_failures", "gauge", "Failed replica starts or crashes remembered.")
         for app, deployment in sorted(deployments.items()):
@@ -172,6 +175,8 @@ class Metrics:
                 labels = f'app="{app}",function="{name}"'
                 lines.append(f"ember_queue_depth{{{labels}}} {unit.queue.depth}")
                 lines.append(f"ember_in_flight{{{labels}}} {unit.router.in_flight}")
+                lines.append(f"ember_slots_in_use{{{labels}}} {unit.router.load}")
+                lines.append(f"ember_queue_slots{{{labels}}} {unit.queue.demand}")
                 states = Counter(r.state for r in unit.router.replicas.values())
                 lines += [f'ember_replicas{{{labels},state="{s}"}} {states[s]}' for s in STATES]
                 lines.append(f"ember_replica_failures{{{labels}}} {len(unit.failures)}")

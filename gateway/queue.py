@@ -5,7 +5,11 @@ Callers (API keys) take turns, round-robin: a free slot goes to the oldest call 
 caller served goes to the back of the turns, so a caller with a thousand calls queued gets every other slot while
 another caller waits, not all of them first. A full queue still takes a call from a caller holding two places fewer
 than another: that other caller's newest call gives up its place (429 `queue_share`), so one caller's backlog can
-fill the queue, but not keep others out of it."""
+fill the queue, but not keep others out of it.
+
+A call takes as many of a replica's `max_concurrency` slots as it runs sequences at once (an LLM request with n=8
+takes 8, one of a batch of 4 prompts 4; any other call one), and at most all of them: a call too large for any
+replica's free slots waits, and the autoscaler counts the slots the queue asks for, not its calls."""
 import asyncio
 import time
 from collections import OrderedDict
@@ -40,6 +44,7 @@ class Lease:
     waited_s: float = 0.0  # in the queue
     granted_ns: int = 0  # wall clock when a call that waited was handed its slot
     attempt: int = 1  # 2 for the one retry on another replica
+    slots: int = 1  # of the replica's max_concurrency: what release gives back
 
 
 class Retired(Exception):
@@ -53,6 +58,7 @@ class Waiter:
     since: float
     key: str | None  # affinity key: session id or prompt prefix
     caller: str | None = None  # the API key's id: callers take turns
+    slots: int = 1
 
 
 class FunctionQueue:
@@ -72,27 +78,40 @@ class FunctionQueue:
     def depth(self) -> int:
         return len(self.waiters)
 
-    def _take(self, replica: GatewayReplica) -> None:
+    @property
+    def demand(self) -> int:
+        """The replica slots the waiting calls ask for."""
+        return sum(waiter.slots for waiter in self.waiters)
+
+    def slots_for(self, sequences: int) -> int:
+        """The slots a call running `sequences` at once takes: one each, at most a whole replica's."""
+        return max(1, min(sequences, self.router.max_concurrency))
+
+    @staticmethod
+    def _take(replica: GatewayReplica, slots: int) -> None:
         replica.in_flight += 1
+        replica.load += slots
         replica.idle_since = None
 
-    async def acquire(self, key: str | None = None, caller: str | None = None) -> Lease:
-        """A slot for a call with affinity `key` from `caller` (an API key's id), waiting for it if need be."""
+    async def acquire(self, key: str | None = None, caller: str | None = None, sequences: int = 1) -> Lease:
+        """Slots for a call with affinity `key` from `caller` (an API key's id) that runs `sequences` at once,
+        waiting for them if need be."""
         if self.retired:
             raise Retired()
         self.arrivals += 1
         now = time.monotonic()
-        if not self.waiters and (replica := self.router.pick(key)) is not None:
+        slots = self.slots_for(sequences)
+        if not self.waiters and (replica := self.router.pick(key, slots=slots)) is not None:
             cold = self._cold_start(replica, now, now)
-            self._take(replica)
-            return Lease(replica, cold)
+            self._take(replica, slots)
+            return Lease(replica, cold, slots=slots)
         oldest = now - next(iter(self.waiters)).since if self.waiters else 0.0
         starting = any(r.state == STARTING for r in self.router.replicas.values())
         decision = admit(len(self.waiters), self.bound, oldest, self.wait_timeout, 1.5 if starting else 3.0)
         if isinstance(decision, Reject) and not (len(self.waiters) >= self.bound and self._make_room(caller)):
             raise ApiError(503, "overloaded", f"{decision.reason}; retry later",
                            {"Retry-After": str(decision.retry_after)})
-        waiter = Waiter(asyncio.get_running_loop().create_future(), now, key, caller)
+        waiter = Waiter(asyncio.get_running_loop().create_future(), now, key, caller, slots)
         self.waiters[waiter] = None
         self.callers.setdefault(caller, OrderedDict())[waiter] = None
         self.turns.setdefault(caller, None)  # a caller that was not waiting joins the back of the turns
@@ -109,21 +128,21 @@ class FunctionQueue:
             raise
         granted = time.monotonic()
         return Lease(granted_replica, self._cold_start(granted_replica, waiter.since, granted), granted - now,
-                     time.time_ns())
+                     time.time_ns(), slots=slots)
 
-    def try_acquire(self, key: str | None, avoid: frozenset[str]) -> Lease | None:
-        """A slot on a replica other than `avoid`, now or never: the one retry after a replica failed."""
-        replica = self.router.pick(key, avoid)
+    def try_acquire(self, key: str | None, avoid: frozenset[str], slots: int = 1) -> Lease | None:
+        """`slots` on a replica other than `avoid`, now or never: the one retry after a replica failed."""
+        replica = self.router.pick(key, avoid, slots)
         if replica is None:
             return None
-        self._take(replica)
-        return Lease(replica, None)
+        self._take(replica, slots)
+        return Lease(replica, None, slots=slots)
 
     def _abandon(self, waiter: Waiter) -> None:
         if waiter in self.waiters:
             self._remove(waiter)
         elif waiter.future.done() and not waiter.future.exception():
-            self.release(waiter.future.result())  # a slot was handed over just as the caller left
+            self.release(waiter.future.result(), waiter.slots)  # handed over just as the caller left
 
     @staticmethod
     def _cold_start(replica: GatewayReplica, since: float, now: float) -> ColdStart | None:
@@ -134,11 +153,12 @@ class FunctionQueue:
     def dispatch(self) -> None:
         """Hand free slots to the waiters, the oldest call of the caller whose turn it is first: after a release, or
         when a replica became ready or woke."""
-        while self.waiters and (replica := self.router.pick((waiter := self._next()).key)) is not None:
+        while self.waiters and (replica := self.router.pick((waiter := self._next()).key,
+                                                             slots=waiter.slots)) is not None:
             self._remove(waiter)
             if waiter.caller in self.turns:
                 self.turns.move_to_end(waiter.caller)  # served: the other callers' turns come first
-            self._take(replica)
+            self._take(replica, waiter.slots)
             waiter.future.set_result(replica)
 
     def _make_room(self, caller: str | None) -> bool:
@@ -168,8 +188,10 @@ class FunctionQueue:
             del self.callers[waiter.caller]
             del self.turns[waiter.caller]
 
-    def release(self, replica: GatewayReplica) -> None:
+    def release(self, replica: GatewayReplica, slots: int = 1) -> None:
+        """A call on `replica` that held `slots` (its lease's) ended."""
         replica.in_flight -= 1
+        replica.load -= slots
         if replica.in_flight == 0:
             replica.idle_since = time.monotonic()
         self.dispatch()

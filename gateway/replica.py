@@ -20,7 +20,8 @@ class Drain(StrEnum):
 class GatewayReplica(WorkerProcess):
     _state: ReplicaState = field(default=STARTING, repr=False)
     host: str = "127.0.0.1"  # the node it runs on (loopback for the local backend)
-    in_flight: int = 0
+    in_flight: int = 0  # calls under way on it
+    load: int = 0  # the slots they hold, which max_concurrency bounds: an LLM request takes one per sequence it runs
     idle_since: float | None = None
     created: float = field(default_factory=time.monotonic)
     ready_at: float | None = None  # when it last became able to serve (start or wake)
@@ -75,6 +76,7 @@ class GatewayReplica(WorkerProcess):
             "id": self.id,
             "state": self.state.value,
             "in_flight": self.in_flight,
+            "load": self.load,
             "draining": self.draining.value if self.draining else None,
             "address": self.address if self.port else None,
             "gpus": self.gpus,

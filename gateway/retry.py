@@ -68,9 +68,9 @@ async def send_with_retry(unit: Unit, lease: Lease, key: str | None,
                 hop.reply(reply.status_code if isinstance(reply, Response) else reply.status)
             return reply, lease
         except (proxy.Unreachable, proxy.ReplicaFailed) as exc:
-            unit.queue.release(replica)
+            unit.queue.release(replica, lease.slots)
             allowed = unreached > 0 if isinstance(exc, proxy.Unreachable) else budget.left > 0
-            retry = unit.queue.try_acquire(key, frozenset(tried)) if allowed else None
+            retry = unit.queue.try_acquire(key, frozenset(tried), lease.slots) if allowed else None
             if retry is None:
                 raise exc.error from None
             if isinstance(exc, proxy.Unreachable):
@@ -81,17 +81,18 @@ async def send_with_retry(unit: Unit, lease: Lease, key: str | None,
             lease = dataclasses.replace(lease, replica=retry.replica, attempt=lease.attempt + 1)
             tried.add(retry.replica.id)
         except BaseException:
-            unit.queue.release(replica)
+            unit.queue.release(replica, lease.slots)
             raise
 
 
-async def acquire(unit: Unit, method: str | None, key: str | None, caller: str | None) -> tuple[Unit, Lease]:
-    """A slot for a call to `unit` (`method` of it, or None for its ASGI app). A call that reaches the queue of a
-    version a redeploy replaced goes to the same function of the version that replaced it: it was sent nowhere yet.
-    The unit whose slot it holds, and the slot."""
+async def acquire(unit: Unit, method: str | None, key: str | None, caller: str | None,
+                  sequences: int = 1) -> tuple[Unit, Lease]:
+    """Slots for a call to `unit` (`method` of it, or None for its ASGI app) that runs `sequences` at once. A call
+    that reaches the queue of a version a redeploy replaced goes to the same function of the version that replaced
+    it: it was sent nowhere yet. The unit whose slots it holds, and its lease of them."""
     while True:
         try:
-            return unit, await unit.queue.acquire(key, caller)
+            return unit, await unit.queue.acquire(key, caller, sequences)
         except Retired:
             unit = successor(unit, method)
 
@@ -134,19 +135,19 @@ async def call(client: aiohttp.ClientSession, unit: Unit, target: Call, body: by
         attempts = lease.attempt
         if isinstance(reply, aiohttp.ClientResponse) or not raised(reply) or not budget.take(FUNCTION_ERROR):
             break
-        unit.queue.release(lease.replica)
+        unit.queue.release(lease.replica, lease.slots)
         delay = policy.delay(policy.max_retries - budget.left)
         log.warning("%s/%s raised on attempt %d; running it again in %.3g s", unit.app, target.method, attempts,
                     delay)
         await asyncio.sleep(delay)
     if isinstance(reply, aiohttp.ClientResponse):
         async def close() -> None:
-            unit.queue.release(lease.replica)
+            unit.queue.release(lease.replica, lease.slots)
             await settle()
 
         settle.hold()
         return proxy.Relay(reply, close), lease
-    unit.queue.release(lease.replica)
+    unit.queue.release(lease.replica, lease.slots)
     await settle()
     return reply, lease
 
@@ -159,12 +160,12 @@ def call_on(client: aiohttp.ClientSession, method: str, body: bytes | bytearray,
 
 async def forward(request: Request, unit: Unit, target: Forward, body: bytes | bytearray, key: str | None,
                   meter: UsageMeter | None, settle: Settlement, on_retry: Callable[[str], None],
-                  caller: str | None = None) -> tuple[Response, Lease]:
-    """To the app's ASGI endpoint, with the body the gateway read before it took the slot; the replica slot and
-    rate-limit charge are held until the streamed response ends. Only a lost replica is retried: an ASGI reply
-    has no sign that the function raised."""
+                  caller: str | None = None, sequences: int = 1) -> tuple[Response, Lease]:
+    """To the app's ASGI endpoint, with the body the gateway read before it took its slots (one per sequence the
+    request runs, see FunctionQueue); they and the rate-limit charge are held until the streamed response ends.
+    Only a lost replica is retried: an ASGI reply has no sign that the function raised."""
     client = request.app.state.client
-    unit, lease = await acquire(unit, None, key, caller)
+    unit, lease = await acquire(unit, None, key, caller, sequences)
     upstream, lease = await send_with_retry(
         unit, lease, key,
         lambda replica, trace: proxy.open_stream(client, replica, request, target.path, body, unit.spec.timeout,
@@ -172,7 +173,7 @@ async def forward(request: Request, unit: Unit, target: Forward, body: bytes | b
         RetryBudget(unit.spec.retry_policy.max_retries, on_retry))
 
     async def close() -> None:
-        unit.queue.release(lease.replica)
+        unit.queue.release(lease.replica, lease.slots)
         await settle()
 
     settle.hold()

@@ -71,13 +71,14 @@ class SessionTable:
             self.count[forgotten] -= 1
 
 
-def choose(mode: str, key: str | None, loads: list[ReplicaLoad], turn: int) -> str:
-    """Which of the replicas with a free slot takes a request. Affinity: the key's bounded-load rendezvous
-    choice (session id or prompt prefix), least loaded without a key; round robin: in turn."""
+def choose(mode: str, key: str | None, loads: list[ReplicaLoad], turn: int, adding: int = 1) -> str:
+    """Which of the replicas with free slots takes a request adding `adding` to its load. Affinity: the key's
+    bounded-load rendezvous choice (session id or prompt prefix), least loaded without a key; round robin: in
+    turn."""
     if mode == "round-robin":
         return sorted(r.id for r in loads)[turn % len(loads)]
     if mode == "affinity" and key:
-        return pick(key, loads)
+        return pick(key, loads, adding=adding)
     return min(loads, key=lambda r: r.load).id
 
 
@@ -106,17 +107,24 @@ class Router:
         """Whether a replica may still serve (starting, hot or parked)."""
         return any(r.state in LIVE for r in self.replicas.values())
 
-    def pick(self, key: str | None = None, avoid: frozenset[str] = frozenset()) -> GatewayReplica | None:
+    @property
+    def load(self) -> int:
+        """The slots the calls under way hold (see GatewayReplica.load)."""
+        return sum(r.load for r in self.replicas.values())
+
+    def pick(self, key: str | None = None, avoid: frozenset[str] = frozenset(),
+             slots: int = 1) -> GatewayReplica | None:
+        """A replica with `slots` free for a call with affinity `key`, other than `avoid`'s; None when none has."""
         hot = [r for r in self.replicas.values()
-               if r.state == HOT and not r.draining and r.in_flight < self.max_concurrency and r.id not in avoid]
+               if r.state == HOT and not r.draining and r.load + slots <= self.max_concurrency and r.id not in avoid]
         if hot:
             self.turn += 1
             session = key if self.mode == "affinity" and key is not None and key.startswith(SESSION) else None
             if session is not None:
                 loads = self.sessions.loads(session, [r.id for r in hot])
             else:
-                loads = [ReplicaLoad(r.id, r.in_flight) for r in hot]
-            chosen = choose(self.mode, key, loads, self.turn)
+                loads = [ReplicaLoad(r.id, r.load) for r in hot]
+            chosen = choose(self.mode, key, loads, self.turn, slots if session is None else 1)
             if session is not None:
                 self.sessions.record(session, chosen)
             return self.replicas[chosen]

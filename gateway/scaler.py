@@ -63,11 +63,12 @@ class Scaler:
         router = unit.router
         for replica in [r for r in router.replicas.values() if r.draining and r.in_flight == 0]:
             self._finish(unit, replica)
-        unit.history.append(Sample(now, unit.queue.depth, router.in_flight, unit.queue.arrivals - unit.arrivals_seen,
+        # in slots, as max_concurrency and target_concurrency count them: an LLM request of n=8 is 8
+        unit.history.append(Sample(now, unit.queue.demand, router.load, unit.queue.arrivals - unit.arrivals_seen,
                                    tuple(unit.measured)))
         unit.arrivals_seen = unit.queue.arrivals
         unit.measured.clear()
-        views = [ReplicaView(r.id, r.state, r.in_flight, r.idle_since, draining=r.draining is not None)
+        views = [ReplicaView(r.id, r.state, r.load, r.idle_since, draining=r.draining is not None)
                  for r in router.replicas.values() if r.state in LIVE]
         before = unit.memo
         actions, unit.memo = decide(unit.settings, views, unit.history, now, before, tails.peers(before))

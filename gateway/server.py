@@ -163,9 +163,11 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any
                     raise ApiError(405, "method_not_allowed",
                                    f"call {target.method!r} with POST and a JSON object of keyword arguments")
                 body, tokens, meter, affinity = await read_kwargs(request, gateway.bodies), 0, None, session
+                sequences = 1
             else:
                 held = await read_forward(request, target, session, gateway.bodies)
                 body, tokens, meter, affinity = held.body, held.tokens, held.meter, held.affinity
+                sequences = held.slots
             admission = await charge(gateway.limiter, gateway.app_limits, key, unit.app, tokens)
             settle = Settlement(gateway.limiter, admission, meter)
             try:
@@ -177,7 +179,7 @@ def create_app(gateway: Gateway, background: Sequence[Callable[[], Coroutine[Any
                         gateway.cut_short)
                 else:
                     response, lease = await answer_unless_disconnected(request, retry.forward(
-                        request, unit, target, body, affinity, meter, settle, retried(unit), key.id),
+                        request, unit, target, body, affinity, meter, settle, retried(unit), key.id, sequences),
                         gateway.cut_short)
             except BaseException:
                 await settle()

@@ -20,8 +20,13 @@ def max_tokens(body: dict) -> int:
     (a completions request may hold a list of prompts, each completed n times; a response's is max_output_tokens)."""
     value = body.get("max_completion_tokens") or body.get("max_output_tokens") or body.get("max_tokens")
     count = value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else DEFAULT_MAX_TOKENS
+    return count * sequences(body)
+
+
+def sequences(body: dict) -> int:
+    """The sequences the engine runs for the request at once: n choices of each prompt of a batch."""
     n = body.get("n")
-    return count * max(n if isinstance(n, int) and not isinstance(n, bool) else 1, 1) * batch_size(body)
+    return max(n if isinstance(n, int) and not isinstance(n, bool) else 1, 1) * batch_size(body)
 
 
 def batch_size(body: dict) -> int:

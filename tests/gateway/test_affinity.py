@@ -71,6 +71,28 @@ def test_no_replica_ever_exceeds_1_plus_epsilon_times_the_mean(keys, n, epsilon)
         assert max(load.values()) <= load_cap(placed - 1, n, epsilon)
 
 
+@given(
+    placed=st.lists(st.tuples(st.sampled_from(["hot"] * 5 + [f"k{i}" for i in range(30)]), st.integers(1, 16)),
+                    max_size=100),
+    n=st.integers(1, 6),
+    epsilon=st.floats(0, 1),
+)
+def test_a_request_of_many_sequences_is_placed_within_the_bound_for_all_of_them(placed, n, epsilon):
+    """An LLM request with n choices adds n to its replica's load: the bound counts all of them, wherever one
+    replica can take them within it."""
+    ids = [f"r{i}" for i in range(n)]
+    load = dict.fromkeys(ids, 0)
+    for key, adding in placed:
+        cap = load_cap(sum(load.values()), n, epsilon, adding)
+        chosen = pick(key, [ReplicaLoad(r, load[r]) for r in ids], epsilon, adding)
+        if min(load.values()) + adding <= cap:
+            assert load[chosen] + adding <= cap
+        load[chosen] += adding
+    top, other = ReplicaLoad("top", 5), ReplicaLoad("other", 3)
+    key = next(k for k in SESSIONS if weight(k, "top") > weight(k, "other"))
+    assert pick(key, [top, other], 0.25) == "top" and pick(key, [top, other], 0.25, adding=4) == "other"
+
+
 def test_without_load_pressure_pick_is_plain_rendezvous():
     ids = [f"r{i}" for i in range(5)]
     for key in SESSIONS[:50]:

@@ -84,8 +84,18 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | TE
 @given(st.dictionaries(st.sampled_from(["messages", "prompt", "max_tokens", "max_completion_tokens", "n", "model"]),
                        JSON, max_size=4))
 def test_any_json_object_gets_an_estimate_and_no_error(body):
-    """An OpenAI body's estimate and routing key, whatever its fields hold (lone surrogates included): the engine
-    refuses what it cannot take, with its own 400; the gateway must not fail first."""
+    """An OpenAI body's estimate, routing key and sequences, whatever its fields hold (lone surrogates included):
+    the engine refuses what it cannot take, with its own 400; the gateway must not fail first."""
     raw = json.dumps(body).encode()
-    tokens, prompt, key = _completion_usage(raw)
+    tokens, prompt, key, sequences = _completion_usage(raw)
     assert tokens >= 1 and 1 <= prompt <= tokens and (key is None or key.startswith("prefix:"))
+    assert sequences >= 1
+
+
+@pytest.mark.parametrize("body, sequences", [
+    ({"prompt": ["a", "b", "c"], "n": 4}, 12), ({"prompt": [[1, 2], [3]], "n": 2}, 4), ({"prompt": [1, 2, 3]}, 1),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 8}, 8), ({"input": "hi"}, 1), ({"n": "two"}, 1),
+    ({"n": -3}, 1), ({"n": True}, 1), ({"prompt": "a", "n": 0}, 1)])
+def test_a_request_runs_a_sequence_per_choice_of_each_prompt(body, sequences):
+    """What the request takes of a replica's max_concurrency (gateway/queue.py)."""
+    assert _completion_usage(json.dumps(body).encode())[3] == sequences

@@ -132,6 +132,35 @@ def test_callers_take_turns_for_free_slots():
 
 
 
+def test_a_call_takes_a_slot_per_sequence_and_at_most_a_whole_replica():
+    """An LLM request of n=8 takes 8 of a replica's max_concurrency slots; one asking for more than a replica has
+    takes all of one; a call that fits nowhere waits, and the queue's demand (what the autoscaler counts) is the
+    slots its calls ask for."""
+    async def scenario():
+        queue = function_queue(8, 16)
+        a, b = replica("a"), replica("b")
+        for r in (a, b):
+            queue.router.add(r)
+            r.ready()
+        big = await queue.acquire(sequences=6)
+        small = await queue.acquire(sequences=3)   # 2 left on the first replica: it goes to the second
+        assert big.slots == 6 and small.slots == 3 and {big.replica, small.replica} == {a, b}
+        assert queue.router.load == 9 and queue.router.in_flight == 2
+        huge = asyncio.create_task(queue.acquire(sequences=10_000))   # a whole replica: waits for an empty one
+        after = asyncio.create_task(queue.acquire(sequences=2))   # would fit, but waits its turn behind it
+        await settle()
+        assert not huge.done() and not after.done() and queue.depth == 2 and queue.demand == 8 + 2
+        queue.release(small.replica, small.slots)
+        lease = await huge
+        assert lease.replica is small.replica and lease.slots == 8 and small.replica.load == 8
+        assert (await after).replica is big.replica and big.replica.load == 8 and queue.demand == 0
+        for held in (big, lease):
+            queue.release(held.replica, held.slots)
+        assert big.replica.load == 2 and small.replica.load == 0 and small.replica.idle_since is not None
+
+    asyncio.run(scenario())
+
+
 def test_a_full_queue_takes_another_callers_call_in_place_of_the_newest_of_the_largest_backlog():
     async def scenario():
         queue = function_queue(1, 6)

@@ -144,3 +144,42 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_an_error_event(serve):
     assert "event: error" in rest
     error = next(line for line in rest if line.startswith("data:") and "replica_failed" in line)
     assert '"type": "replica_failed"' in error
+
+
+def test_an_llm_request_takes_a_replica_slot_per_sequence(serve):
+    """Llm has max_concurrency=8 on each of 2 replicas. A chat of n=8 fills one, so the next with the same prompt
+    prefix goes to the other (counted as one call each, prefix affinity would put both on the first), and a third
+    waits in the queue, counted there as the slots it asks for, until the first's stream ends."""
+    served = serve(APPS / "fleet.py")
+    _hot(served, "Llm", 2)
+    chat = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 400, "delay": 0.05}
+
+    def llm() -> dict:
+        return served.status()["apps"]["fleet"]["functions"]["Llm"]
+
+    with served.client(served.key(), timeout=60) as http, concurrent.futures.ThreadPoolExecutor(1) as pool, \
+            http.stream("POST", "/fleet/v1/chat/completions", json=chat | {"n": 8}) as first, \
+            http.stream("POST", "/fleet/v1/chat/completions", json=chat | {"n": 8}) as second:
+        streams = [first.iter_lines(), second.iter_lines()]   # held: a dropped iterator closes its stream
+        assert all(next(lines).startswith("data:") for lines in streams)
+        assert second.headers["x-ember-replica"] != first.headers["x-ember-replica"]
+        assert {r["id"]: r["load"] for r in llm()["replicas"]} == {first.headers["x-ember-replica"]: 8,
+                                                                     second.headers["x-ember-replica"]: 8}
+        third = pool.submit(http.post, "/fleet/v1/chat/completions",
+                            json=chat | {"n": 3, "stream": False, "max_tokens": 2})
+        deadline = time.monotonic() + 10
+        while llm()["queue_slots"] != 3:
+            assert time.monotonic() < deadline and not third.done(), "the third request never queued"
+            time.sleep(0.05)
+        assert llm()["queue_depth"] == 1 and llm()["in_flight"] == 2 and llm()["load"] == 16
+        page = served.client(None).get("/metrics").text
+        assert 'ember_slots_in_use{app="fleet",function="Llm"} 16' in page
+        assert 'ember_queue_slots{app="fleet",function="Llm"} 3' in page
+        assert 'ember_in_flight{app="fleet",function="Llm"} 2' in page
+        first.close()   # its replica's slots come back: the third takes 3 of them
+        reply = third.result(timeout=20)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-ember-replica"] == first.headers["x-ember-replica"]
+        assert {r["id"]: r["load"] for r in llm()["replicas"]} == {first.headers["x-ember-replica"]: 0,
+                                                                     second.headers["x-ember-replica"]: 8}

@@ -25,3 +25,22 @@ def test_min_replicas_and_scale_out_to_max(serve):
     assert len({r.json()["result"] for r in replies}) == 2
     busy = served.status()["apps"]["scaling"]["functions"]["busy"]
     assert sum(d["count"] or 0 for d in busy["decisions"] if d["action"] == "start") == 2
+
+
+def test_the_autoscaler_counts_an_llm_request_by_its_sequences(serve):
+    """Llm: target_concurrency=4. One completion of n=8 asks for 8 slots, so the autoscaler starts two replicas for
+    it (one, were it counted as one call); the request itself runs on one, which can hold all 8."""
+    served = serve(APPS / "scaling.py")
+    llm = {"prompt": "hi", "n": 8, "max_tokens": 200, "delay": 0.05, "stream": True}
+    with served.client(served.key(), timeout=60) as http, \
+            http.stream("POST", "/scaling/v1/completions", json=llm) as reply:
+        lines = reply.iter_lines()   # held: a dropped iterator closes the stream
+        assert next(lines).startswith("data:")
+        deadline = time.monotonic() + 20
+        while len(hot := [r for r in served.status()["apps"]["scaling"]["functions"]["Llm"]["replicas"]
+                          if r["state"] == "hot"]) < 2:
+            assert time.monotonic() < deadline, "a second replica never started for the request's 8 sequences"
+            time.sleep(0.2)
+        assert sorted(r["load"] for r in hot) == [0, 8]
+    decisions = served.status()["apps"]["scaling"]["functions"]["Llm"]["decisions"]
+    assert sum(d["count"] or 0 for d in decisions if d["action"] == "start") == 2
