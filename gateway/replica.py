@@ -47,6 +47,11 @@ class GatewayReplica(WorkerProcess):
         self._move("park")
         self.draining, self.parked_at = None, time.monotonic()
 
+    def park_refused(self) -> None:
+        """Its park did not happen (the replica answered so): it serves on, hot, as it was before."""
+        self._move("wake")
+        self.parked_at = None
+
     def wake(self) -> None:
         self._move("wake")
         self.tier, self.ready_at = Tier.PARKED, time.monotonic()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from ember.gateway.autoscaler.costs import ParkMeasured, StartMeasured
 from ember.gateway.autoscaler.policy import AppTails, Evict, Park, ReplicaView, Sample, Start, Wake, decide
-from ember.gateway.backends import Backend
+from ember.gateway.backends import Backend, ParkRefused
 from ember.gateway.backends.local import parked_over_budget
 from ember.gateway.deployment import Deployment, ScalingDecision, Unit
 from ember.gateway.lifecycle import FAILED, LIVE, PARKED, STOPPING
@@ -141,6 +141,14 @@ class Scaler:
         """Release its GPU memory; then, if parked replicas hold more host RAM than the budget, evict the oldest."""
         try:
             parked = await self.backend.park(replica)
+        except ParkRefused as exc:  # it serves on, its GPU memory held: hot again, and the function parks no more
+            log.warning("replica %s cannot park (%s); it stays hot, and %s/%s's replicas stop when idle instead of "
+                        "parking", replica.id, exc, unit.app, unit.name)
+            unit.measured.append(ParkMeasured(0, refused=True))   # the policy parks this function no more
+            if replica.state == PARKED:   # no call came meanwhile to wake it: it routes again as it was
+                replica.park_refused()
+                unit.queue.dispatch()
+            return
         except Exception as exc:  # a replica that cannot park is stopped instead: its GPU memory must be freed
             log.warning("replica %s could not park (%s: %s); stopping it", replica.id, type(exc).__name__, exc)
             if replica.state == PARKED:

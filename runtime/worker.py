@@ -249,6 +249,11 @@ async def _disconnected(request) -> None:
         pass
 
 
+class ParkRefused(Exception):
+    """The park did not happen and the replica serves as it did before it (the driver cannot checkpoint the
+    process; the park hooks were undone). Answered 409 `park_refused`: the gateway keeps it hot, parking no more."""
+
+
 class Parking:
     """Park (T1): release the replica's GPU memory and keep its process; wake: restore it before the next call.
 
@@ -283,10 +288,10 @@ class Parking:
             from ember.runtime.cuda_checkpoint import checkpoint_self
             try:
                 checkpoint_self("park")
-            except Exception:   # the process keeps serving: what the park hooks released comes back
+            except Exception as exc:   # the process keeps serving: what the park hooks released comes back
                 for name in self.wake_hooks:
                     getattr(self.obj, name)()
-                raise
+                raise ParkRefused(str(exc)) from exc
             return
         for t in self._tensors():
             if t.is_cuda:
@@ -370,7 +375,10 @@ def build_asgi(replica: LoadedUnit, secret: str):
         return JSONResponse({"ok": True, "parked": replica.parking.parked})
 
     async def park(request):
-        return JSONResponse(await replica.parking.park())
+        try:
+            return JSONResponse(await replica.parking.park())
+        except ParkRefused as exc:
+            return _error_response(409, "park_refused", str(exc))
 
     async def wake(request):
         return JSONResponse(await replica.parking.wake())

@@ -9,7 +9,7 @@ memo and needs no clock or I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 WAKE = "parked"  # the tier name a wake reports; every other tier is a fresh start of a new process
 # A park pays while a wake costs at most half a fresh start: slower than that, a parked replica
@@ -33,9 +33,11 @@ class StartMeasured:
 
 @dataclass(frozen=True)
 class ParkMeasured:
-    """One park: the bytes of GPU memory it released (0: the backend keeps the GPU while parked)."""
+    """One park: the bytes of GPU memory it released (0: the backend keeps the GPU while parked), or refused: the
+    replica could not park at all (its driver cannot checkpoint it) and served on."""
 
     gpu_bytes_freed: int
+    refused: bool = False
 
 
 Measured = StartMeasured | ParkMeasured
@@ -50,15 +52,17 @@ class CostModel:
     park_frees_gpu: bool = True
     wakes: int = 0
     starts: int = 0
+    park_refused: bool = False  # a replica answered that it cannot park: no setting makes parking possible
 
     def observe(self, measured: Measured) -> CostModel:
         if isinstance(measured, ParkMeasured):
-            return CostModel(self.wake_s, self.start_s, measured.gpu_bytes_freed > 0, self.wakes, self.starts)
+            return replace(self, park_frees_gpu=measured.gpu_bytes_freed > 0,
+                           park_refused=self.park_refused or measured.refused)
         if measured.tier == WAKE:
             n = self.wakes + 1
-            return CostModel(blend(self.wake_s, measured.seconds, n), self.start_s, self.park_frees_gpu, n, self.starts)
+            return replace(self, wake_s=blend(self.wake_s, measured.seconds, n), wakes=n)
         n = self.starts + 1
-        return CostModel(self.wake_s, blend(self.start_s, measured.seconds, n), self.park_frees_gpu, self.wakes, n)
+        return replace(self, start_s=blend(self.start_s, measured.seconds, n), starts=n)
 
     def park_pays(self) -> bool:
         return self.park_frees_gpu and self.wake_s <= WAKE_PAYS_BELOW * self.start_s
@@ -72,6 +76,8 @@ class CostModel:
         return max(PARK_AFTER_FLOOR, self.wake_cost())
 
     def why_not_park(self) -> str:
+        if self.park_refused:
+            return "its replicas cannot park here (the driver refused to checkpoint one)"
         if not self.park_frees_gpu:
             return "a park frees no GPU memory on this backend"
         return f"a wake ({self.wake_s:.1f}s) costs about as much as a start ({self.start_s:.1f}s)"

@@ -9,6 +9,10 @@ from ember.runtime.tiers import Tier
 from ember.spec import FunctionSpec
 
 
+class ParkRefused(Exception):
+    """A replica answered that it cannot park (its driver cannot checkpoint it) and serves on as before."""
+
+
 class Backend(Protocol):
     tier: Tier  # the cold-start tier a fresh replica comes from
     can_park: bool  # whether `park` and `wake` may be called
@@ -29,7 +33,8 @@ class Backend(Protocol):
         ...
 
     async def park(self, replica: GatewayReplica) -> dict:
-        """Release its GPU memory; the reply has `ms` and `host_bytes`, the RAM it holds parked."""
+        """Release its GPU memory; the reply has `ms` and `host_bytes`, the RAM it holds parked. ParkRefused where
+        the replica cannot park and still serves."""
         ...
 
     async def wake(self, replica: GatewayReplica) -> dict:

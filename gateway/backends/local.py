@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 
+from ember.gateway.backends import ParkRefused
 from ember.gateway.replica import GatewayReplica
 from ember.runtime.supervisor import GpuPool, Supervisor, detect_gpus
 from ember.runtime.tiers import Tier
@@ -86,6 +87,8 @@ class LocalBackend:
         async with httpx.AsyncClient(timeout=60) as client:
             reply = await client.post(f"http://{replica.address}/__ember__/{action}",
                                       headers={CONTROL_HEADER: replica.control_secret or ""})
+        if reply.status_code == 409 and action == "park":
+            raise ParkRefused(reply.json()["error"]["message"])
         reply.raise_for_status()
         return reply.json()
 

@@ -187,3 +187,30 @@ def test_a_deployed_app_gets_a_warm_fork_server_before_its_first_call(serve):
         first = http.post("/quick/add", json={"a": 1, "b": 2})
     breakdown = first.headers["x-ember-start-breakdown"]
     assert "start=fork" in breakdown and "forkserver_wait_ms" not in breakdown, breakdown
+
+
+def test_a_replica_that_cannot_park_stays_hot_and_its_function_parks_no_more(serve):
+    """park_with="cuda-checkpoint" where no driver can checkpoint (this CPU machine; an H100 whose driver answers
+    801): the worker undoes its park hooks and answers 409 park_refused. The replica serves on, hot, in the same
+    process, and the policy parks the function no more, whatever its park_after says: its replicas scale down as
+    those of a function that does not park do (a stop, once the stable window's average says so)."""
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("this machine has a CUDA driver, which may checkpoint; tests/gpu covers that")
+    served = serve(APPS / "parking.py")
+    opaque = lambda: served.status()["apps"]["parking"]["functions"]["Opaque"]  # noqa: E731
+    with served.client(served.key()) as http:
+        first = http.post("/parking/Opaque.predict", json={})
+        assert first.status_code == 200 and first.json()["result"]["parks"] == 0
+        wait_for(lambda: any(d["action"] == "park" for d in opaque()["decisions"]), 10, "a park attempt")
+        [replica] = wait_for(lambda: [r for r in opaque()["replicas"] if r["state"] == "hot"], 10,
+                             "the refused park to leave the replica hot")
+        second = http.post("/parking/Opaque.predict", json={})
+        assert replica["id"] == first.headers["x-ember-replica"] == second.headers["x-ember-replica"]
+        assert second.json()["result"] == {"pid": first.json()["result"]["pid"], "parks": 1, "wakes": 1}
+        assert "x-ember-cold-start" not in second.headers
+        time.sleep(3)   # idle past park_after (0.5 s) six times over: no second park
+        assert sum(d["action"] == "park" for d in opaque()["decisions"]) == 1
+        third = http.post("/parking/Opaque.predict", json={})
+        assert third.json()["result"] == second.json()["result"] and "x-ember-cold-start" not in third.headers

@@ -109,8 +109,8 @@ def test_the_driver_checkpoint_parks_code_that_cannot_cooperate():
     import asyncio
     import time
 
-    from ember.runtime.cuda_checkpoint import CUDA_ERROR_NOT_SUPPORTED, CheckpointError
-    from ember.runtime.worker import Parking
+    from ember.runtime.cuda_checkpoint import CUDA_ERROR_NOT_SUPPORTED
+    from ember.runtime.worker import Parking, ParkRefused
 
     class Opaque:  # GPU memory Ember cannot see: not a torch module, no hooks
         def __init__(self):
@@ -123,7 +123,7 @@ def test_the_driver_checkpoint_parks_code_that_cannot_cooperate():
     began = time.perf_counter()
     try:
         parked = asyncio.run(parking.park())
-    except CheckpointError as err:   # the H100 machine's driver (580.159.04) answers 801 where the H200's parks
+    except ParkRefused as err:   # the H100 machine's driver (580.159.04) answers 801 where the H200's parks
         if f"({CUDA_ERROR_NOT_SUPPORTED})" not in str(err):
             raise
         pytest.skip(f"this GPU's driver cannot checkpoint a process: {err}")

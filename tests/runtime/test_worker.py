@@ -343,7 +343,7 @@ def test_parking_with_the_driver_checkpoint_names_what_is_missing_on_a_machine_w
     import ctypes.util
 
     from ember.runtime.cuda_checkpoint import main
-    from ember.runtime.worker import Parking
+    from ember.runtime.worker import Parking, ParkRefused
 
     if ctypes.util.find_library("cuda"):
         pytest.skip("this machine has a CUDA driver; tests/gpu covers the checkpoint itself")
@@ -358,7 +358,7 @@ def test_parking_with_the_driver_checkpoint_names_what_is_missing_on_a_machine_w
 
     model = Model()
     parking = Parking(model, park_hooks=["release"], wake_hooks=["restore"], checkpoint=True)
-    with pytest.raises(RuntimeError, match="park_with='cuda-checkpoint' needs an NVIDIA GPU"):
+    with pytest.raises(ParkRefused, match="park_with='cuda-checkpoint' needs an NVIDIA GPU"):
         asyncio.run(parking.park())
     assert not parking.parked and model.loaded  # a park that failed leaves the replica serving, its hooks undone
     assert main(["nap", "1"]) == 2

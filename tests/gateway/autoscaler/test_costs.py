@@ -32,3 +32,14 @@ def test_a_park_that_frees_no_gpu_memory_stops_parking():
 def test_park_after_grows_with_the_wake_and_has_a_floor():
     assert CostModel(wake_s=0.01).park_after() == PARK_AFTER_FLOOR
     assert CostModel(wake_s=1.0).park_after() > CostModel(wake_s=0.5).park_after() > PARK_AFTER_FLOOR
+
+
+def test_a_refused_park_stops_parking_even_where_the_user_set_park_after():
+    from ember.gateway.autoscaler.policy import ScalingSettings
+
+    refused = CostModel().observe(ParkMeasured(0, refused=True))
+    assert not refused.park_pays() and "cannot park here" in refused.why_not_park()
+    assert refused.observe(ParkMeasured(gpu_bytes_freed=16 << 30)).park_refused   # a refusal is not forgotten
+    explicit = ScalingSettings(target_concurrency=1, max_concurrency=1, park_after=0.5)
+    assert explicit.park_after_for(CostModel().observe(ParkMeasured(0)), rate=1.0) == 0.5   # the user's choice
+    assert explicit.park_after_for(refused, rate=1.0) is None
