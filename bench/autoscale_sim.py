@@ -280,7 +280,9 @@ NOTES = """## How to read this
   quote: 70 of 72). What fails of the 180: small at seeds 1-4 under fast wakes (8: KPA-like's p99 there is a
   hot replica's or a first start's, below), bursts burst_rate=3 at seeds 3-4 and alpha=1.2 at seed 4 under fast
   wakes (6, at -35% to -38%: the trickle between bursts, below), and day shape=linear seed 3 under the measured
-  tiers (+1% GPU-seconds, 0.18 s p99 either way).
+  tiers (+1% GPU-seconds, 0.18 s p99 either way). The same 15 fail with the 4B tiers re-measured on 2026-12-06
+  (wake 0.193 s, T2 warm 0.436, T2 cold 3.997, against 0.200, 0.472, 4.470): burst_rate=3 seed 4 under them
+  now also misses on p99 (1.34 against KPA-like's 1.20 s; 0.97 against 1.22 before), at -37% GPU-seconds.
 - Held out at the trace generator's default length (3600 s; the record runs 1800), the issue's four kinds at their
   default options, seeds 5-9, all three tiers (2026-12-03, a script in the session's scratch calling `one_trace`):
   49 of 60 pass. Bursts and steady pass all 30 (bursts -64% to -73% under fast wakes). Small fails at seeds 6-9
