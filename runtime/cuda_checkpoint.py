@@ -46,9 +46,9 @@ def run(action: str, pid: int) -> float:
             lib.cuGetErrorString(code, ctypes.byref(text))
             why = f"{step}({pid}) failed: {(text.value or b'unknown error').decode()} ({code})"
             if code == CUDA_ERROR_NOT_SUPPORTED:
-                why += (": this GPU or driver cannot checkpoint the process (seen on an H100 with driver 580.159.04"
-                        " where an H200 could); park with park_with=\"hooks\" (the default) and"
-                        " @ember.park()/@ember.wake()")
+                why += (": this machine's driver cannot checkpoint the process (seen once on an H100 with driver"
+                        " 580.159.04, where other machines with that driver could); park with park_with=\"hooks\""
+                        " (the default) and @ember.park()/@ember.wake()")
             raise CheckpointError(why)
     return time.perf_counter() - began
 

@@ -123,7 +123,7 @@ def test_the_driver_checkpoint_parks_code_that_cannot_cooperate():
     began = time.perf_counter()
     try:
         parked = asyncio.run(parking.park())
-    except ParkRefused as err:   # the H100 machine's driver (580.159.04) answers 801 where the H200's parks
+    except ParkRefused as err:   # one H100 machine's driver (580.159.04) answered 801; others with it parked
         if f"({CUDA_ERROR_NOT_SUPPORTED})" not in str(err):
             raise
         pytest.skip(f"this GPU's driver cannot checkpoint a process: {err}")
