@@ -41,11 +41,14 @@ def status(args: argparse.Namespace) -> int:
         print(f"app {app}  (package {info['package']})")
         for name, unit in info["functions"].items():
             states = ", ".join(f"{n} {state}" for state, n in unit["replicas_by_state"].items())
-            print(f"  {name}: replicas {states}; queue depth {unit['queue_depth']}, in flight {unit['in_flight']}")
+            slots = unit["settings"].get("max_concurrency")
+            print(f"  {name}: replicas {states}; queue depth {unit['queue_depth']} ({unit.get('queue_slots', 0)} "
+                  f"slots), in flight {unit['in_flight']} ({unit.get('load', 0)} slots, {slots} a replica)")
             for r in unit["replicas"]:
                 start = r["start"]
                 breakdown = ", ".join(f"{k}={v}" for k, v in start.items() if k != "tier")
-                print(f"    {r['id']:<24} {r['state']:<9} in_flight={r['in_flight']} age={r['age_s']}s  "
+                print(f"    {r['id']:<24} {r['state']:<9} in_flight={r['in_flight']} slots={r.get('load', 0)}/{slots} "
+                      f"age={r['age_s']}s  "
                       f"start: {start['tier']} {breakdown}")
                 if r.get("note"):
                     print(f"      note: {terminal_safe(str(r['note']))}")

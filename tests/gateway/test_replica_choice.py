@@ -177,6 +177,9 @@ def test_an_llm_request_takes_a_replica_slot_per_sequence(serve):
         assert 'ember_slots_in_use{app="fleet",function="Llm"} 16' in page
         assert 'ember_queue_slots{app="fleet",function="Llm"} 3' in page
         assert 'ember_in_flight{app="fleet",function="Llm"} 2' in page
+        shown = served.cli("status").stdout
+        assert "Llm: replicas" in shown and "queue depth 1 (3 slots), in flight 2 (16 slots, 8 a replica)" in shown
+        assert shown.count("slots=8/8") == 2
         first.close()   # its replica's slots come back: the third takes 3 of them
         reply = third.result(timeout=20)
         assert reply.status_code == 200, reply.text
