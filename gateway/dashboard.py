@@ -154,6 +154,7 @@ class Dashboard:
         latency, ttft, itl = delta(raw.latency, old.latency), delta(raw.ttft, old.ttft), delta(raw.itl, old.itl)
         kv = [v for (name, _), v in totals.items() if name == KV]
         return {"t": round(raw.t, 3), **states, "queue": unit.queue.depth, "in_flight": unit.router.in_flight,
+                "slots": unit.router.load, "queue_slots": unit.queue.demand,
                 "rps": round((raw.requests - old.requests) / span, 3),
                 "eps": round((raw.errors - old.errors) / span, 3),
                 "p50": quantile(0.5, latency), "p99": quantile(0.99, latency),
@@ -184,6 +185,7 @@ class Dashboard:
                     "by_state": {s: sum(r.state == s for r in replicas) for s in (STARTING, HOT, PARKED)}
                     | {"failed": len(unit.failures)},
                     "queue_depth": unit.queue.depth, "in_flight": unit.router.in_flight,
+                    "queue_slots": unit.queue.demand, "slots": unit.router.load,
                     "series": list(history.samples),
                     "cold_starts": {"by_tier": {t: n for (a, f, t), n in self.gateway.metrics.cold_starts.items()
                                                 if (a, f) == (unit.app, unit.name)},

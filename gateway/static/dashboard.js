@@ -158,6 +158,10 @@ function functionCard(f) {
       chart("kv", id, "KV-cache usage", [
         {key: "kv", label: "used", color: COLORS.b, values: column(s, "kv")},
       ], {kind: "percent", stacked: true, max: 1}),
+      chart("slots", id, "Replica slots, one a sequence (n choices of each prompt)", [
+        {key: "queue_slots", label: "queued", color: COLORS.d, values: column(s, "queue_slots")},
+        {key: "slots", label: "held", color: COLORS.c, values: column(s, "slots")},
+      ]),
     );
   }
   const stat = (value, label, key) => html("div", {class: "stat", "data-stat": key}, html("b", {}, String(value)),
@@ -166,7 +170,7 @@ function functionCard(f) {
     html("h2", {}, `${f.app} / ${f.function}`, html("span", {class: "badge"}, f.kind),
          f.llm ? html("span", {class: "badge llm"}, "LLM") : null,
          html("span", {class: "muted"}, `replicas ${f.settings.min_replicas}–${f.settings.max_replicas}, ` +
-                                         `${f.settings.max_concurrency} calls each`)),
+                                         `${f.settings.max_concurrency} ${f.llm ? "slots" : "calls"} each`)),
     html("div", {class: "stats"}, stat(f.by_state.hot, "hot", "hot"), stat(f.by_state.starting, "starting", "starting"),
          stat(f.by_state.parked, "parked", "parked"), stat(f.by_state.failed, "failed", "failed"),
          stat(f.queue_depth, "queued", "queue"), stat(f.in_flight, "in flight", "in_flight")),

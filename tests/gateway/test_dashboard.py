@@ -157,7 +157,10 @@ def test_dashboard_in_chromium_shows_the_replicas_and_queue_admin_status_reports
                 status = http.get("/admin/status").json()["apps"]["chat"]["functions"]["Chat"]
                 shown = {state: charts[f"replicas.{state}"]["last"] for state in ("starting", "hot", "parked")}
                 reported = {state: str(status["replicas_by_state"][state]) for state in ("starting", "hot", "parked")}
-                if shown == reported and charts["queue.queue"]["last"] == str(status["queue_depth"]):
+                # the LLM charts (slots among them) appear once the engine's metrics were read, after the first start
+                slots = "slots.slots" not in charts or (charts["slots.slots"]["last"], charts["slots.queue_slots"][
+                    "last"]) == (str(status["load"]), str(status["queue_slots"]))
+                if shown == reported and charts["queue.queue"]["last"] == str(status["queue_depth"]) and slots:
                     seen["queued"] |= status["queue_depth"] > 0  # the first wave, waiting for the first start
                     seen["hot"] |= status["replicas_by_state"]["hot"] > 0
                 time.sleep(0.2)
@@ -165,7 +168,7 @@ def test_dashboard_in_chromium_shows_the_replicas_and_queue_admin_status_reports
         # Once a wave has finished, the request, latency and LLM charts have something to draw.
         WebDriverWait(browser, 60).until(lambda b: all(
             b.execute_script(CHART_VALUES, "chat/Chat")[series]["last"] not in ("", None)
-            for series in ("requests.rps", "latency.p99", "ttft.ttft_p99", "itl.itl_p50", "kv.kv")))
+            for series in ("requests.rps", "latency.p99", "ttft.ttft_p99", "itl.itl_p50", "kv.kv", "slots.slots")))
         time.sleep(4)  # a few more seconds of traffic on the charts
         charts = browser.execute_script(CHART_VALUES, "chat/Chat")
         assert float(charts["requests.rps"]["last"]) > 0 and charts["replicas.hot"]["d"].count("L") > 3
