@@ -158,7 +158,7 @@ function functionCard(f) {
       chart("kv", id, "KV-cache usage", [
         {key: "kv", label: "used", color: COLORS.b, values: column(s, "kv")},
       ], {kind: "percent", stacked: true, max: 1}),
-      chart("slots", id, "Replica slots, one a sequence (n choices of each prompt)", [
+      chart("slots", id, "Replica slots (one a sequence)", [
         {key: "queue_slots", label: "queued", color: COLORS.d, values: column(s, "queue_slots")},
         {key: "slots", label: "held", color: COLORS.c, values: column(s, "slots")},
       ]),
