@@ -332,7 +332,7 @@ def bench_fused(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dic
 DECODE_ROWS = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
-DECODE_WAYS = ("cublas", "cublaslt", "transposed")
+DECODE_WAYS = ("cublas", "cublaslt", "transposed", "fp8", "fp8_fast", "fp8_mm")
 
 
 def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
@@ -342,7 +342,11 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
     floor: the longer of the weight's read at the copy bandwidth and its FLOPs at the product rate measured here.
     The offline run's decode steps take longer than the floor of their reads and products (speed.py); this says how
     much of that the products leave. `ways`: cublas (F.linear, as the engine runs it), cublaslt (the same with torch's
-    preferred BLAS library set to cuBLASLt), transposed (x @ w with w stored K x N, the other layout cuBLAS reads)."""
+    preferred BLAS library set to cuBLASLt), transposed (x @ w with w stored K x N, the other layout cuBLAS reads),
+    fp8 (the weight FP8 with row scales, as EngineConfig(quantization="fp8") runs it: gemv.py's kernel for a row,
+    else the input quantized per row and torch._scaled_mm), fp8_fast (the same with _scaled_mm's fast accumulation),
+    fp8_mm (_scaled_mm alone, its input quantized before)."""
+    from ember.runtime.engine import fp8, gemv
     a = torch.randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(12288, 4096, dtype=torch.bfloat16, device="cuda")
     rate = 2 * 8192 * 4096 * 12288 / timed(functools.partial(F.linear, a, b), 10)
@@ -354,6 +358,7 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
             copies = max(2, math.ceil((512 << 20) / (n * k * 2)))
             weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
             transposed = [w.t().contiguous() for w in weights] if "transposed" in ways else []
+            quantized = [fp8.quantize_rows(w) for w in weights] if any(w.startswith("fp8") for w in ways) else []
             for m in rows_list:
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
                 reads, flops = n * k * 2 / bandwidth, 2 * m * n * k / rate
@@ -362,6 +367,12 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
                 for way in ways:
                     if way == "transposed":
                         calls = [functools.partial(torch.matmul, x, t) for t in transposed]
+                    elif way == "fp8":
+                        calls = [functools.partial(gemv.linear, x, w, scale=s) for w, s in quantized]
+                    elif way in ("fp8_fast", "fp8_mm"):
+                        xq, xs = fp8.quantize_tokens(x)
+                        calls = [functools.partial(_fp8_product, x, xq, xs, w, s, way == "fp8_fast")
+                                 for w, s in quantized]
                     else:
                         calls = [functools.partial(F.linear, x, w) for w in weights]
                     torch.backends.cuda.preferred_blas_library("cublaslt" if way == "cublaslt" else "cublas")
@@ -376,9 +387,18 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
                 log(f"decode {shape} {name:13s} m={m:3d}: floor {floor_us:7.2f} us ({rows[-1]['bound']}), " +
                     ", ".join(f"{way} {timings[f'{way}_us']:7.2f} ({floor_us / timings[f'{way}_us']:.0%})"
                               for way in ways))
-            del weights, transposed
+            del weights, transposed, quantized
             torch.cuda.empty_cache()
     return rows
+
+
+def _fp8_product(x, xq, xs, weight, scale, fast: bool):
+    """fp8.linear with fast accumulation (`fast`), or _scaled_mm alone on an input quantized before."""
+    from ember.runtime.engine import fp8
+    if fast:
+        xq, xs = fp8.quantize_tokens(x)
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16,
+                            use_fast_accum=fast)
 
 
 def bench_rope(bandwidth: float) -> list[dict]:

@@ -42,6 +42,10 @@ class EngineConfig:
     # CUDA: one throwaway decoder layer of the model's shape runs on the attention thread while the weights stream
     # in, so the first request does not load cuBLAS's, Triton's and flashinfer's kernels (~0.5 s on an H200).
     warm_kernels: bool = True
+    # "fp8": each decoder product's weight quantized to float8 e4m3 as it loads, a scale per output row, and each
+    # product's input per token as it runs (fp8.py): half the weight bytes, Hopper's FP8 tensor cores, outputs that
+    # differ from the checkpoint's by the quantization's error. None (the default): the weights as the dtype holds.
+    quantization: str | None = None
     log_token_ids: bool = False        # log prompt/output token ids per request
     # Overlap scheduling: the host schedules and launches step N+1 while the device runs step N, whose tokens reach
     # step N+1's inputs on the device. A request with penalties or logprobs, or short of its min_tokens, needs its
@@ -86,6 +90,8 @@ class EngineConfig:
         if self.device_wait not in ("block", "spin"):
             raise ValueError(f"device_wait={self.device_wait!r}: use 'block' (the step loop sleeps on the device) or "
                              "'spin' (it polls, a core busy while the engine steps)")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={self.quantization!r}: use 'fp8' (FP8 weights, a scale per row) or None")
         if not isinstance(self.prefill_graphs, bool):
             raise ValueError(f"prefill_graphs={self.prefill_graphs!r}: use True or False")
         if not isinstance(self.overlap, bool):

@@ -23,6 +23,10 @@ took 4.5 ms of GPU against 3.9 for its weights). Where the kernel takes a layer'
 `norm_linear` computes the residual add and RMSNorm before it inside the product (each program recomputes the
 row's norm: it is a few KB, read from L2), rounding where add_rms_norm rounds: a launch fewer before each. SiLU * up
 inside the down product was slower than the two kernels apart (8B: 34.4 us against 26.5), so it stays apart.
+
+An FP8 weight (fp8.py) takes the same kernels: they read its bytes, sum in fp32 against the row in the model's
+dtype, and scale each output by its weight row's scale, so a batch-1 step reads half the bytes. Larger batches run
+fp8.linear.
 """
 from dataclasses import dataclass
 
@@ -30,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused
+from . import fp8, fused
 
 try:
     import triton
@@ -76,65 +80,88 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
             and (k >= 1024 or n >= VOCABULARY) and n <= MAX_GRID_Y * config_for(n, k).block_n)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with the kernel below where it applies."""
-    return gemv(x, weight) if applies(x, weight, bias) else F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with the kernel below where it applies; with `scale`, of an FP8 weight and its row scales."""
+    if applies(x, weight, bias):
+        return gemv(x, weight, scale=scale)
+    return F.linear(x, weight, bias) if scale is None else fp8.linear(x, weight, scale, bias)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                weight: torch.Tensor, bias: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(RMSNorm(residual + x), weight, bias), residual + x), or with no residual (the first layer) of x
     alone and x: fused.add_rms_norm and the product after it. A single row in one kernel where the kernel
     applies: each program sums the row's squares itself (the row is a few KB, read from L2), then streams its
     weight rows against the normed row, rounded where add_rms_norm rounds; the first program writes the sum. At
     batch 1 one kernel launch fewer before each of a layer's two input products."""
     if applies(x, weight, bias):
-        return norm_gemv(x, residual, norm_weight, eps, weight)
+        return norm_gemv(x, residual, norm_weight, eps, weight, scale=scale)
     if residual is None:
-        return F.linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
+        return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, scale), x
     h, total = fused.add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(h, weight, bias), total
+    return linear(h, weight, bias, scale), total
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-              weight: torch.Tensor, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_linear`'s kernel for one row x [1, K] on CUDA."""
+              weight: torch.Tensor, config: Config | None = None,
+              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_linear`'s kernel for one row x [1, K] on CUDA (`scale`: an FP8 weight's row scales)."""
     n, k = weight.shape
     config = config or config_for(n, k)
     out = x.new_empty(1, n)
     total = x if residual is None else torch.empty_like(x)
     _norm_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, x if residual is None else residual, total, norm_weight, weight, out, n, k, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        x, x if residual is None else residual, total, norm_weight, weight, weight if scale is None else scale,
+        out, n, k, eps, HAS_RESIDUAL=residual is not None, SCALED=scale is not None, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
         EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps)
     return out, total
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T on CUDA, one program per output row and `block_n` weight rows."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None,
+         scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T on CUDA, one program per output row and `block_n` weight rows (`scale`: an FP8
+    weight's row scales, each output times its row's)."""
     m = x.shape[0]
     n, k = weight.shape
     config = config or config_for(n, k)
     out = x.new_empty(m, n)
     _gemv_kernel[(m, triton.cdiv(n, config.block_n))](
-        x, weight, out, n, k, x.stride(0), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        x, weight, weight if scale is None else scale, out, n, k, x.stride(0), SCALED=scale is not None,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps)
     return out
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose single-row products take the kernel above (the same parameters and state dict)."""
+    """nn.Linear whose single-row products take the kernel above (the same parameters and state dict, and with
+    `to_fp8` an FP8 weight and its `weight_scale`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_parameter("weight_scale", None)
+
+    def to_fp8(self) -> None:
+        """Makes the weight an FP8 one with a scale per row, both uninitialised (on the model's meta device, before
+        the loader allocates and quantizes them)."""
+        n = self.weight.shape[0]
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=fp8.FP8, device=self.weight.device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(n, dtype=torch.float32, device=self.weight.device),
+                                         requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
 
 if triton is not None:
     from .fused import _round
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, out_ptr, n, k, x_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, n, k, x_stride, SCALED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * k
@@ -150,16 +177,19 @@ if triton is not None:
                             eviction_policy="evict_first")
                 v = tl.load(x_row + cols, mask=cols < k, other=0.0)
             acc += w.to(tl.float32) * v.to(tl.float32)[None, :]
-        total = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
+        total = tl.sum(acc, axis=1)
+        if SCALED:
+            total *= tl.load(scale_ptr + cols_n, mask=cols_n < n, other=0.0)
+        total = total.to(out_ptr.dtype.element_ty)
         if EVEN:
             tl.store(out_ptr + row * n + cols_n, total)
         else:
             tl.store(out_ptr + row * n + cols_n, total, mask=cols_n < n)
 
     @triton.jit
-    def _norm_gemv_kernel(x_ptr, residual_ptr, total_ptr, norm_ptr, w_ptr, out_ptr, n, k, eps,
-                          HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          EVEN: tl.constexpr):
+    def _norm_gemv_kernel(x_ptr, residual_ptr, total_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, n, k, eps,
+                          HAS_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
         """One row: out = weight @ RMSNorm(residual + x) (fused._rms_norm_kernel's rounding), total = residual + x
         written by the first program."""
         dtype = out_ptr.dtype.element_ty
@@ -190,7 +220,10 @@ if triton is not None:
             g = tl.load(norm_ptr + cols, mask=cols < k, other=0.0).to(tl.float32)
             v = _round(_round(h * scale, dtype) * g, dtype)
             acc += w.to(tl.float32) * v[None, :]
-        total = tl.sum(acc, axis=1).to(dtype)
+        total = tl.sum(acc, axis=1)
+        if SCALED:
+            total *= tl.load(scale_ptr + cols_n, mask=cols_n < n, other=0.0)
+        total = total.to(dtype)
         if EVEN:
             tl.store(out_ptr + cols_n, total)
         else:

@@ -15,7 +15,7 @@ from ember.runtime import startup
 from ember.snapshot import image, open_store
 from ember.snapshot.store import SnapshotStore
 
-from . import kernels
+from . import fp8, kernels
 from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, row_width
@@ -78,6 +78,8 @@ class ModelRunner:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = _DTYPES[config.dtype]
+        if config.quantization is not None and (why := fp8.unsupported(self.device, self.dtype)):
+            raise ValueError(why)
         self.store = open_store(config.snapshot_store) if config.snapshot_store else None
         if self.device.type == "cuda":
             kernels.install()
@@ -99,7 +101,8 @@ class ModelRunner:
             began = time.perf_counter()
             # weights_start: where the weights came from (snapshot or full boot), how long, how fast
             self.model, self.hf_config, self.weights_start = load_model(config.model, self.dtype, self.device,
-                                                                        config.snapshot_store, self.arena)
+                                                                        config.snapshot_store, self.arena,
+                                                                        config.quantization)
             self.start_phases["weights"] = time.perf_counter() - began
             began = time.perf_counter()
             self.attention = attention.result()
@@ -163,7 +166,7 @@ class ModelRunner:
         """The store and weight snapshot a GPU memory image sits beside; None where there is none (CPU, no store)."""
         if self.store is None or self.arena.driver is None:
             return None
-        return self.store, snapshot_key(self.config.model, self.dtype)
+        return self.store, snapshot_key(self.config.model, self.dtype, self.config.quantization)
 
     def _reserve_recorded_ranges(self) -> str:
         """The device address ranges the last replica of this snapshot held (its GPU memory image), reserved
@@ -259,7 +262,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.config.warm_kernels:
             began = time.perf_counter()
             try:
-                parts = warm_kernels(model_dir, self.dtype, self.device, backend, self.config.block_size)
+                parts = warm_kernels(model_dir, self.dtype, self.device, backend, self.config.block_size,
+                                     quantization=self.config.quantization)
                 self.start_phases.update({f"kernel_warm_{name}": seconds for name, seconds in parts.items()})
             except Exception as err:  # noqa: BLE001 - an optimisation: the first request then pays what it skipped
                 logger.warning("kernel warm-up skipped (the first request loads the kernels instead): %s", err)
@@ -522,7 +526,7 @@ def aligned_rows(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, attention, block_size: int,
-                 prompt_tokens: int = 24) -> dict[str, float]:
+                 prompt_tokens: int = 24, quantization: str | None = None) -> dict[str, float]:
     """One prefill and one greedy draw through a single decoder layer of the model's shape on throwaway weights,
     so a restored replica's first request does not pay what the first forward pays once per process: cuBLAS's
     handle and kernels for each product shape, the loading of torch's, Triton's and flashinfer's kernels. Runs on
@@ -550,7 +554,7 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
     config.vocab_size = min(config.vocab_size, 32768)
     cls = ARCHITECTURES[config.model_type]
     with torch.no_grad():
-        model = empty_model(cls, config, dtype, device)
+        model = empty_model(cls, config, dtype, device, quantization=quantization)
         blocks = -(-prompt_tokens // block_size) + 1
         kv = torch.empty((blocks, 2, block_size, config.num_key_value_heads, model.head_dim), dtype=dtype,
                          device=device)

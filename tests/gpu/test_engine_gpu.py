@@ -62,11 +62,11 @@ def family(request, tmp_path_factory):
 
 
 def engine(model_dir: str, backend: str = "flashinfer", enforce_eager: bool = False,
-           graph_capture: str = "start", prefill_graphs: bool = True) -> LLMEngine:
+           graph_capture: str = "start", prefill_graphs: bool = True, quantization: str | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=8192, max_num_seqs=128,
                                   max_num_batched_tokens=4096, max_model_len=1024, attention_backend=backend,
                                   enforce_eager=enforce_eager, graph_capture=graph_capture,
-                                  prefill_graphs=prefill_graphs))
+                                  prefill_graphs=prefill_graphs, quantization=quantization))
 
 
 def run(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[list[dict]]]:
@@ -330,16 +330,25 @@ def test_greedy_free_running_agreement_on_trained_weights(name, tmp_path):
     ours, _ = run(eng, batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     theirs = hf_generate(reference, batch, n)
     agreement, learned = positionwise(ours, theirs), positionwise(theirs, expected)
-    hits = eng.stats.prefix_cache_hits
+    hits, queries = eng.stats.prefix_cache_hits, eng.stats.prefix_cache_queries
+    del eng
+    # FP8 weights (EngineConfig.quantization): the same model quantized, against transformers' unquantized one
+    quantized, _ = run(engine(str(tmp_path), quantization="fp8"), batch,
+                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    fp8_agreement = positionwise(quantized, theirs)
+    print(f"[{name}] fp8 weights: free-running position-wise agreement with transformers' bf16 {fp8_agreement:.4f}, "
+          f"{sum(a == b for a, b in zip(quantized, theirs))}/256 continuations identical; the pattern followed "
+          f"{positionwise(quantized, expected):.4f}")
     identical = sum(a == b for a, b in zip(ours, theirs))
     print(f"[{name}] trained {training.steps} steps in {training.seconds:.1f} s, loss on determined tokens "
           f"{training.loss:.4f}; 256 prompts x {n} greedy tokens: free-running "
           f"position-wise agreement {agreement:.4f}, {identical}/256 continuations identical; the pattern "
           f"followed by transformers {learned:.4f}, by us {positionwise(ours, expected):.4f}; prefix hits "
-          f"{hits}/{eng.stats.prefix_cache_queries} prompt tokens")
-    del reference, eng
+          f"{hits}/{queries} prompt tokens")
+    del reference
     gc.collect()
     torch.cuda.empty_cache()
     assert learned >= 0.9, "the model did not learn the task, so agreement would not mean much: train longer"
     assert hits > 0
     assert agreement >= 0.95
+    assert fp8_agreement >= 0.9

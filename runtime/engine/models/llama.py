@@ -3,8 +3,9 @@
 Module names follow Hugging Face's so safetensors weights load by name, except two merged projections: q, k and v
 are one `qkv_proj` and gate and up one `gate_up_proj` (at batch 1 one product reads the weights faster than three
 small ones, and launches once). Products of a single row (batch-1 decode) take gemv.py's kernel where it beats
-cuBLAS. The loader copies each Hugging Face tensor into its rows (the parts are listed in
-ember.snapshot.writer.MERGED_PROJECTIONS, so that a snapshot built from a model directory has this layout too).
+cuBLAS. `quantize_fp8` makes every decoder product's weight FP8 (fp8.py), before the loader allocates them. The
+loader copies each Hugging Face tensor into its rows (the parts are listed in ember.snapshot.writer.MERGED_PROJECTIONS,
+so that a snapshot built from a model directory has this layout too).
 """
 import torch
 from torch import nn
@@ -129,7 +130,8 @@ class LlamaDecoderLayer(nn.Module):
         on CUDA, the norm is the input products' own: gemv.norm_linear)."""
         norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
         if gemv.applies(x, qkv_proj.weight, qkv_proj.bias):
-            qkv, residual = gemv.norm_linear(x, residual, norm.weight, norm.eps, qkv_proj.weight)
+            qkv, residual = gemv.norm_linear(x, residual, norm.weight, norm.eps, qkv_proj.weight,
+                                             scale=qkv_proj.weight_scale)
             h = self.self_attn.attend(qkv, cos, sin, attention, kv_cache)
         else:
             if residual is None:
@@ -139,7 +141,8 @@ class LlamaDecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, attention, kv_cache)
         norm, gate_up_proj = self.post_attention_layernorm, self.mlp.gate_up_proj
         if gemv.applies(h, gate_up_proj.weight, gate_up_proj.bias):
-            gate_up, residual = gemv.norm_linear(h, residual, norm.weight, norm.eps, gate_up_proj.weight)
+            gate_up, residual = gemv.norm_linear(h, residual, norm.weight, norm.eps, gate_up_proj.weight,
+                                                 scale=gate_up_proj.weight_scale)
             return self.mlp.down(gate_up), residual
         h, residual = norm.add(h, residual)
         return self.mlp(h), residual
@@ -175,6 +178,16 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, attention, kv_cache)
         return self.model.norm.add(x, residual)[0]
+
+    def quantize_fp8(self) -> None:
+        """FP8 weights, each with a scale per row, for the decoder's products; the embedding and head keep the
+        model's dtype, as does a product whose sizes FP8 tensor cores cannot take (not multiples of 16). On the meta
+        device, before the loader allocates the parameters."""
+        for layer in self.model.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                if linear.in_features % 16 == 0 and linear.out_features % 16 == 0:
+                    linear.to_fp8()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -32,6 +32,7 @@ from transformers import AutoConfig
 from ember.snapshot import WeightsStart, open_store, restore_or_boot
 from ember.snapshot.writer import MERGED_PROJECTIONS
 
+from .. import fp8
 from ..gpu_memory import Arena, tensor_bytes
 from .llama import LlamaForCausalLM, MergedLinear
 from .qwen3 import Qwen3ForCausalLM
@@ -47,9 +48,10 @@ last_start: WeightsStart | None = None  # this process's latest load; the worker
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapshot_store: str | None = None,
-               arena: Arena | None = None):
+               arena: Arena | None = None, quantization: str | None = None):
     """(model, hf_config, WeightsStart); with `snapshot_store`, restore from or write a snapshot. With `arena`,
-    the parameters live in its "weights" region (which a park can release and a wake restore)."""
+    the parameters live in its "weights" region (which a park can release and a wake restore). `quantization`
+    "fp8": the decoder's product weights quantized as they load (fp8.py); a snapshot holds them quantized."""
     global last_start
     path = Path(model_dir)
     if not (path / "config.json").is_file():
@@ -63,7 +65,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapsho
         raise ValueError(f"{model_dir!r} has no *.safetensors weights")
 
     def make_model():
-        return empty_model(cls, config, dtype, device, arena)
+        return empty_model(cls, config, dtype, device, arena, quantization)
 
     def load_weights(model):
         load_safetensors(model, files, model_dir, config.tie_word_embeddings)
@@ -74,7 +76,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapsho
         load_weights(model)
         start, snapshot = WeightsStart("full", time.perf_counter() - began), "none"
     else:
-        key = snapshot_key(path, dtype)
+        key = snapshot_key(path, dtype, quantization)
         model, start = restore_or_boot(make_model, load_weights, open_store(snapshot_store), key)
         snapshot = f"{key} in {snapshot_store}"
     log_start(path.name, model, start, snapshot)
@@ -82,23 +84,29 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, snapsho
     return model.eval(), config, start
 
 
-def empty_model(cls, config, dtype: torch.dtype, device: torch.device, arena: Arena | None = None):
+def empty_model(cls, config, dtype: torch.dtype, device: torch.device, arena: Arena | None = None,
+                quantization: str | None = None):
     """The model with its parameters allocated on `device` in `dtype` (in `arena`'s "weights" region when given,
-    replacing an earlier one), uninitialised."""
+    replacing an earlier one), uninitialised; with `quantization` "fp8", its products' weights FP8 and their scales
+    fp32."""
     with torch.device("meta"), SkipInit():
         model = cls(config)
+        if quantization == "fp8":
+            model.quantize_fp8()
     metas = list(dict.fromkeys(model.parameters()))  # a shared parameter (the tied head) is allocated once
+    scales = {p for name, p in model.named_parameters() if name.endswith(".weight_scale")}
+    dtypes = {meta: meta.dtype if meta.dtype == fp8.FP8 or meta in scales else dtype for meta in metas}
     if arena is None:
-        def allocate(shape):
-            return torch.empty(shape, dtype=dtype, device=device)
+        def allocate(meta):
+            return torch.empty(meta.shape, dtype=dtypes[meta], device=device)
     else:
         arena.free(WEIGHTS)
-        region = arena.region(WEIGHTS, tensor_bytes((m.shape, dtype) for m in metas), keep=True)
+        region = arena.region(WEIGHTS, tensor_bytes((m.shape, dtypes[m]) for m in metas), keep=True)
 
-        def allocate(shape):
-            return region.take(shape, dtype)
+        def allocate(meta):
+            return region.take(meta.shape, dtypes[meta])
     # Allocated here rather than by to_empty(), whose meta path imports torch.fx's symbolic shapes (0.3 s).
-    allocated = {meta: torch.nn.Parameter(allocate(meta.shape)) for meta in metas}
+    allocated = {meta: torch.nn.Parameter(allocate(meta), requires_grad=meta.requires_grad) for meta in metas}
     for module in model.modules():
         for name, meta in module.named_parameters(recurse=False):
             setattr(module, name, allocated[meta])
@@ -131,8 +139,13 @@ def load_safetensors(model, files: list[Path], model_dir: str, tied: bool) -> No
             for name in f.keys():
                 if name not in targets:
                     continue
-                param, rows = targets[name]
-                param.data[rows].copy_(f.get_tensor(name))
+                param, rows, scale = targets[name]
+                if scale is None:
+                    param.data[rows].copy_(f.get_tensor(name))
+                else:   # an FP8 weight: quantized on its device, a scale per row
+                    weight, row_scales = fp8.quantize_rows(f.get_tensor(name).to(param.device))
+                    param.data[rows].copy_(weight)
+                    scale.data[rows].copy_(row_scales)
                 missing.discard(name)
     if tied:
         missing.discard("lm_head.weight")
@@ -140,33 +153,39 @@ def load_safetensors(model, files: list[Path], model_dir: str, tied: bool) -> No
         raise ValueError(f"weights missing from {model_dir!r}: {sorted(missing)[:5]}")
 
 
-def weight_targets(model) -> dict[str, tuple[torch.nn.Parameter, slice]]:
-    """Each Hugging Face tensor name -> the parameter and rows it fills: a merged projection (MergedLinear) takes
-    its parts' tensors (q_proj, k_proj, v_proj into qkv_proj) in the rows of each."""
+def weight_targets(model) -> dict[str, tuple[torch.nn.Parameter, slice, torch.nn.Parameter | None]]:
+    """Each Hugging Face tensor name -> the parameter and rows it fills, and for an FP8 weight the scales of those
+    rows (filled as it is quantized): a merged projection (MergedLinear) takes its parts' tensors (q_proj, k_proj,
+    v_proj into qkv_proj) in the rows of each."""
     targets = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         module_name, _, leaf = name.rpartition(".")
+        if leaf == "weight_scale":
+            continue
         module = model.get_submodule(module_name)
+        scale = getattr(module, "weight_scale", None) if leaf == "weight" else None
         if not isinstance(module, MergedLinear):
-            targets[name] = (param, slice(None))
+            targets[name] = (param, slice(None), scale)
             continue
         parent, _, merged = module_name.rpartition(".")
         for index, part in enumerate(MERGED_PROJECTIONS[merged]):
-            targets[f"{parent}.{part}.{leaf}"] = (param, module.shard_rows(index))
+            targets[f"{parent}.{part}.{leaf}"] = (param, module.shard_rows(index), scale)
     return targets
 
 
-def snapshot_key(model_dir: str | Path, dtype: torch.dtype) -> str:
-    """`<model dir name>.<dtype>.<content digest>`: the snapshot name the engine restores from and writes.
+def snapshot_key(model_dir: str | Path, dtype: torch.dtype, quantization: str | None = None) -> str:
+    """`<model dir name>.<dtype>[-<quantization>].<content digest>`: the snapshot name the engine restores from and
+    writes (a quantized model's snapshot holds its quantized weights).
 
     `ember snapshot build MODEL_DIR --name <this>` prepares one ahead of the first start, when the
     safetensors already hold the engine's dtype.
     """
     model_dir = Path(model_dir).resolve()
-    digest = hashlib.sha256(f"layout={LAYOUT_VERSION} dtype={dtype}".encode())
+    quantized = f" quantization={quantization}" if quantization else ""
+    digest = hashlib.sha256(f"layout={LAYOUT_VERSION} dtype={dtype}{quantized}".encode())
     for file in sorted(model_dir.glob("*.safetensors")):
         digest.update(file_identity(file))
-    dtype_name = str(dtype).removeprefix("torch.")
+    dtype_name = str(dtype).removeprefix("torch.") + (f"-{quantization}" if quantization else "")
     name = re.sub(r"[^A-Za-z0-9._-]", "-", model_dir.name)[:64].lstrip(".-_") or "model"
     return f"{name}.{dtype_name}.{digest.hexdigest()[:32]}"
 

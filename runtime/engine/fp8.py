@@ -1,0 +1,100 @@
+"""FP8 weights (EngineConfig.quantization="fp8"): each decoder product's weight held as float8 e4m3 with a scale
+per output row, quantized from the checkpoint as it loads; each product's input quantized per token as it runs.
+
+A decode step of a large batch is as much matrix product as weight reading (the 8B shape at 256 sequences: the
+products ~6 ms against ~3.9 ms to read the weights), and a batch-1 step is nothing but weight reading. FP8 halves
+the bytes read and doubles the rate of Hopper's tensor cores. Batches of two rows or more run `torch._scaled_mm`
+(FP8 x FP8 summed in fp32, each output scaled by its row's and column's scales); a single row takes gemv.py's
+kernel, which reads the FP8 weight and keeps the input in the model's dtype. The embedding and the head stay in the
+model's dtype (vLLM's choice too: the head decides each token, and the tied head is the embedding).
+
+Scales are amax / 448 (e4m3's largest finite value) per weight row and per input row, never below MIN_SCALE, so a
+row of zeros quantizes to zeros. The CPU runs the same arithmetic on dequantized values (`_reference_linear`), which
+is what tests without a GPU check; CUDA needs compute capability 8.9 or newer (Ada, Hopper) and bf16.
+"""
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only installs: the reference paths run instead
+    triton = None
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1.0 / (FP8_MAX * 512)   # vLLM's floor for a dynamic scale: a zero row must not divide by zero
+
+
+def unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why FP8 weights cannot run on this device in this dtype, with the fix; None where they can."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"quantization='fp8' runs on CUDA or the CPU, not {device.type}: drop quantization"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (f"quantization='fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
+                f"{name} is {major}.{minor}: drop quantization")
+    if dtype != torch.bfloat16:
+        return f"quantization='fp8' on CUDA computes in bfloat16, not {dtype}: set dtype='bfloat16' or 'auto'"
+    return None
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight, fp32 scale per row) of a weight [N, K]: weight ~= fp8.float() * scale[:, None]."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 x, fp32 scale [M, 1]) of x [M, K], a scale per row; one kernel on CUDA."""
+    if triton is None or not x.is_cuda:
+        w, scale = quantize_rows(x)
+        return w, scale[:, None]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    _quantize_tokens_kernel[(m,)](x, out, scale, k, x.stride(0), BLOCK=min(triton.next_power_of_2(k), 4096),
+                                  num_warps=8)
+    return out, scale
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x [M, K] (the model's dtype) times an FP8 weight [N, K] with its row scales: [M, N] in x's dtype."""
+    if not x.is_cuda:
+        return _reference_linear(x, weight, scale, bias)
+    q, q_scale = quantize_tokens(x)
+    out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+def _reference_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear`'s arithmetic on dequantized values in fp32, rounded once to x's dtype."""
+    q, q_scale = quantize_tokens(x)
+    out = F.linear(q.float() * q_scale, weight.float() * scale[:, None])
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _quantize_tokens_kernel(x_ptr, out_ptr, scale_ptr, k, x_stride, BLOCK: tl.constexpr):
+        """One row: its amax, then the row over its scale rounded to e4m3 (the second pass reads from L2)."""
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * x_stride
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, k, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512))
+        tl.store(scale_ptr + row, scale)
+        for k0 in range(0, k, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            v = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32) / scale
+            v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+            tl.store(out_ptr + row * k + cols, v.to(tl.float8e4nv), mask=cols < k)

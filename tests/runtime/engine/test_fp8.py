@@ -1,0 +1,148 @@
+"""FP8 weights (runtime/engine/fp8.py): the quantization's arithmetic, and an engine with quantization="fp8" against
+transformers whose products run the same arithmetic (CPU, fp32; the GPU's kernels: tests/gpu/test_engine_gpu.py)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ember.runtime.engine import fp8
+from ember.runtime.engine.config import EngineConfig
+from ember.runtime.engine.engine import LLMEngine
+from ember.runtime.engine.models import loader
+from ember.runtime.engine.sampling import SamplingParams
+from ember.snapshot import LocalStore
+
+from .hf_models import FAMILIES, build, random_prompts
+
+E4M3_HALF_ULP = 2.0 ** -4   # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 1/16 of it
+
+
+def test_weight_rows_quantize_to_e4m3_within_half_an_ulp_each():
+    torch.manual_seed(0)
+    w = torch.randn(48, 300) * torch.logspace(-3, 1, 48)[:, None]   # rows of very different sizes
+    w[7] = 0.0
+    q, scale = fp8.quantize_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (48,)
+    assert torch.equal(scale[7], torch.tensor(fp8.MIN_SCALE)) and not q[7].float().any()
+    # each row's largest value lands on e4m3's largest, so the row uses the whole range
+    assert torch.equal(q.float().abs().amax(dim=1)[torch.arange(48) != 7], torch.full((47,), fp8.FP8_MAX))
+    back = q.float() * scale[:, None]
+    normal = w.abs() >= scale[:, None] * 2.0 ** -6   # e4m3's smallest normal, in each row's units
+    assert ((back - w).abs() <= E4M3_HALF_ULP * w.abs() + 1e-12)[normal].all()
+    assert ((back - w).abs() <= scale[:, None] * 2.0 ** -10)[~normal].all()   # subnormals: a fixed step
+
+
+def test_a_product_quantizes_each_input_row_by_its_own_scale():
+    torch.manual_seed(1)
+    w, x = torch.randn(40, 256) * 0.05, torch.randn(6, 256)
+    x[2] *= 1e5   # one loud row must not crush the others' precision (one scale for all would)
+    q, scale = fp8.quantize_rows(w)
+    out = fp8.linear(x, q, scale)
+    exact = x @ w.t()
+    relative = (out - exact).norm(dim=1) / exact.norm(dim=1)
+    assert relative.max() < 0.08, relative
+    # the arithmetic is exactly a product of the dequantized values
+    xq, xs = fp8.quantize_tokens(x)
+    assert torch.allclose(out, (xq.float() * xs) @ (q.float() * scale[:, None]).t(), rtol=1e-6, atol=1e-6)
+    bias = torch.randn(40)
+    assert torch.allclose(fp8.linear(x, q, scale, bias), out + bias, rtol=1e-6, atol=1e-6)
+
+
+def fake_quantized(model):
+    """A copy of the transformers model whose decoder products run fp8.linear's arithmetic: weights quantized per
+    row, inputs per token (the head and embedding as they are)."""
+    model = copy.deepcopy(model)
+
+    class Quantized(nn.Module):
+        def __init__(self, linear: nn.Linear):
+            super().__init__()
+            self.weight, self.scale = fp8.quantize_rows(linear.weight.detach())
+            self.bias = linear.bias
+
+        def forward(self, x):
+            rows = x.reshape(-1, x.shape[-1])
+            return fp8.linear(rows, self.weight, self.scale, self.bias).reshape(*x.shape[:-1], -1)
+
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                setattr(parent, name, Quantized(getattr(parent, name)))
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    model = build(request.param, directory)
+    return str(directory), model
+
+
+def engine(model_dir: str, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, **{"max_num_seqs": 8, "num_kv_blocks": 128, **overrides}))
+
+
+def test_an_fp8_engine_computes_what_transformers_computes_with_the_same_quantization(family):
+    model_dir, model = family
+    eng = engine(model_dir, quantization="fp8")
+    weights = {name: p for name, p in eng.runner.model.named_parameters()}
+    products = [name for name in weights if name.endswith("proj.weight")]
+    assert products and all(weights[name].dtype == torch.float8_e4m3fn for name in products)
+    assert all(weights[name.replace(".weight", ".weight_scale")].dtype == torch.float32 for name in products)
+    assert weights["model.embed_tokens.weight"].dtype == torch.float32   # the embedding (and head) as they were
+    quantized = fake_quantized(model)
+    prompts = random_prompts([5, 23, 40], seed=3)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5)
+    for prompt in prompts:
+        eng.add_request(str(len(prompt)), prompt, greedy)
+    outputs: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_logprobs or [])
+    same_token, to_quantized, to_unquantized = [], [], []
+    with torch.no_grad():
+        for prompt in prompts:
+            ours = outputs[str(len(prompt))]
+            tokens = [entry["token_id"] for entry in ours]
+            sequence = torch.tensor([prompt + tokens])
+            expected = torch.log_softmax(quantized(sequence).logits[0, len(prompt) - 1:-1], dim=-1)
+            unquantized = torch.log_softmax(model(sequence).logits[0, len(prompt) - 1:-1], dim=-1)
+            for i, entry in enumerate(ours):
+                same_token.append(entry["token_id"] == expected[i].argmax().item())
+                to_quantized.append(abs(entry["logprob"] - expected[i, entry["token_id"]].item()))
+                to_unquantized.append(abs(entry["logprob"] - unquantized[i, entry["token_id"]].item()))
+    # Most logprobs equal the reference's to fp32 rounding; where the two sides' hidden states differ in the last
+    # bit (their sums run in other orders), a value on an e4m3 rounding boundary can round the other way, which
+    # moves a logprob by a few hundredths: quantization magnifies last-bit differences.
+    assert sum(same_token) >= 0.9 * len(same_token)
+    assert torch.tensor(to_quantized).median() < 1e-5 and max(to_quantized) < 0.1
+    assert torch.tensor(to_unquantized).median() > 0.01, "the fp8 engine computes the unquantized model"
+
+
+def test_an_fp8_snapshot_holds_the_quantized_weights_and_never_serves_the_unquantized_model(family, tmp_path,
+                                                                                            monkeypatch):
+    model_dir, _ = family
+    monkeypatch.setenv("EMBER_HOME", str(tmp_path))
+    monkeypatch.delenv("EMBER_SNAPSHOT_STORE", raising=False)
+    prompts = random_prompts([9, 30], seed=4)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = engine(model_dir, snapshot_store="local")
+    first = engine(model_dir, snapshot_store="local", quantization="fp8")
+    assert first.runner.weights_start.source == "full"   # the bf16/fp32 snapshot is not its
+    assert "-fp8." in first.runner.weights_start.captured.names[0]
+    expected = first.generate(prompts, greedy)
+    restored = engine(model_dir, snapshot_store="local", quantization="fp8")
+    assert restored.runner.weights_start.source == "snapshot"
+    assert restored.generate(prompts, greedy) == expected
+    sizes = {name: ref.size for ref in LocalStore().ls() for name in ref.names}
+    fp8_key, plain_key = loader.snapshot_key(model_dir, torch.float32, "fp8"), loader.snapshot_key(model_dir,
+                                                                                                  torch.float32)
+    assert plain.runner.weights_start.source == "full" and set(sizes) == {fp8_key, plain_key}
+    assert sizes[fp8_key] < sizes[plain_key]   # one byte a product weight where fp32 takes four
+
+
+def test_quantization_settings_are_checked():
+    with pytest.raises(ValueError, match="use 'fp8'"):
+        EngineConfig(model="unused", quantization="int4")
+    assert fp8.unsupported(torch.device("cpu"), torch.float32) is None
