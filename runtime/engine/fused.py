@@ -47,6 +47,39 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return out, total
 
 
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x) quantized per row to e4m3, its scales [T, 1], residual + x) as add_rms_norm and then
+    fp8.quantize_tokens compute them, in one kernel on CUDA: the input of an FP8 product (fp8.py) without its own
+    quantizing kernel and the round trip through memory of the normed rows. Without a residual, of x alone."""
+    from . import fp8
+
+    if not enabled(x):
+        h, total = (rms_norm(x, weight, eps), x) if residual is None else add_rms_norm(x, residual, weight, eps)
+        return (*fp8.quantize_tokens(h), total)
+    out = torch.empty(x.shape, dtype=fp8.FP8, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    total = x if residual is None else torch.empty_like(x)
+    _rms_norm_kernel[(x.shape[0],)](x, x if residual is None else residual, out, total, weight, x.shape[-1], eps,
+                                    HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[-1]),
+                                    scale_ptr=scale, QUANT=True)
+    return out, scale, total
+
+
+def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_mul's rows quantized per row to e4m3 and their scales [T, 1], as silu_mul and then fp8.quantize_tokens
+    compute them; one kernel on CUDA (a program a row: the row's amax, then its values again from L2)."""
+    from . import fp8
+
+    if not enabled(gate_up):
+        return fp8.quantize_tokens(silu_mul(gate_up))
+    t, n = gate_up.shape[0], gate_up.shape[-1] // 2
+    out = torch.empty((t, n), dtype=fp8.FP8, device=gate_up.device)
+    scale = torch.empty((t, 1), dtype=torch.float32, device=gate_up.device)
+    _silu_mul_fp8_kernel[(t,)](gate_up, out, scale, n, BLOCK=min(triton.next_power_of_2(n), 4096), num_warps=8)
+    return out, scale
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of the merged projection's output [T, 2n] (gate in the first n columns): [T, n]."""
     n = gate_up.shape[-1] // 2
@@ -122,18 +155,27 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, residual_ptr, out_ptr, total_ptr, weight_ptr, n, eps, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, scale_ptr=None, QUANT: tl.constexpr = False):
+        """One row; with QUANT, the normed row (rounded to the model's dtype) quantized to e4m3 into out_ptr with
+        its scale (fp8.quantize_tokens' arithmetic)."""
         row = tl.program_id(0).to(tl.int64) * n
         cols = tl.arange(0, BLOCK)
         mask = cols < n
-        dtype = out_ptr.dtype.element_ty
+        dtype = total_ptr.dtype.element_ty
         h = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:   # the residual stream is kept in the model's dtype
             h = _round(h + tl.load(residual_ptr + row + cols, mask=mask, other=0.0).to(tl.float32), dtype)
             tl.store(total_ptr + row + cols, h.to(dtype), mask=mask)
         h = h * tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row + cols, (_round(h, dtype) * w).to(dtype), mask=mask)
+        if QUANT:
+            y = _round(_round(h, dtype) * w, dtype)
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1.0 / (448.0 * 512))
+            tl.store(scale_ptr + tl.program_id(0), scale)
+            y = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+            tl.store(out_ptr + row + cols, y.to(tl.float8e4nv), mask=mask)
+        else:
+            tl.store(out_ptr + row + cols, (_round(h, dtype) * w).to(dtype), mask=mask)
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -144,6 +186,27 @@ if triton is not None:
         u = tl.load(gate_up_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)
         silu = _round(g / (1.0 + tl.exp(-g)), out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * n + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        gate = gate_up_ptr + row * 2 * n
+        dtype = gate_up_ptr.dtype.element_ty
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, n, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            g = tl.load(gate + cols, mask=cols < n, other=0.0).to(tl.float32)
+            u = tl.load(gate + n + cols, mask=cols < n, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(_round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype)))
+        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512))
+        tl.store(scale_ptr + row, scale)
+        for c0 in range(0, n, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            g = tl.load(gate + cols, mask=cols < n, other=0.0).to(tl.float32)
+            u = tl.load(gate + n + cols, mask=cols < n, other=0.0).to(tl.float32)
+            y = _round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype) / scale
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            tl.store(out_ptr + row * n + cols, y.to(tl.float8e4nv), mask=cols < n)
 
     @triton.jit
     def _norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_ptr, blocks_ptr,

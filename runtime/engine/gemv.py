@@ -98,10 +98,22 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     batch 1 one kernel launch fewer before each of a layer's two input products."""
     if applies(x, weight, bias):
         return norm_gemv(x, residual, norm_weight, eps, weight, scale=scale)
+    if scale is not None:   # an FP8 product's input, quantized by the norm's kernel
+        q, q_scale, total = fused.rms_norm_fp8(x, residual, norm_weight, eps)
+        return fp8.quantized_linear(q, q_scale, weight, scale, bias, x.dtype), total
     if residual is None:
         return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, scale), x
     h, total = fused.add_rms_norm(x, residual, norm_weight, eps)
     return linear(h, weight, bias, scale), total
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(fused.silu_mul(gate_up), weight, bias, scale); an FP8 product's input of several rows quantized by
+    the SiLU-mul's kernel."""
+    if scale is None or gate_up.shape[0] == 1:
+        return linear(fused.silu_mul(gate_up), weight, bias, scale)
+    return fp8.quantized_linear(*fused.silu_mul_fp8(gate_up), weight, scale, bias, gate_up.dtype)
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -26,18 +26,22 @@ def dequantized_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     return (xq.float() * xs) @ (weight.float() * scale[:, None]).t()
 
 
+def same_quantization(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Equal scales, and e4m3 values equal but for the rare one on a rounding boundary, a step apart at most."""
+    (q, scale), (expected_q, expected_scale) = got, expected
+    assert torch.allclose(scale, expected_scale, rtol=1e-6, atol=0)
+    differ = q.float() != expected_q.float()
+    assert differ.float().mean() < 1e-3
+    step = (expected_q.float().abs() * 2.0 ** -3).clamp(min=2.0 ** -9)
+    assert ((q.float() - expected_q.float()).abs() <= step)[differ].all()
+
+
 def test_the_token_quantizer_kernel_rounds_as_torch_does():
     torch.manual_seed(0)
     x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, 300, device="cuda")[:, None]
     x[5] = 0
-    q, scale = fp8.quantize_tokens(x)
     expected_q, expected_scale = fp8.quantize_rows(x)
-    assert torch.allclose(scale[:, 0], expected_scale, rtol=1e-6, atol=0)
-    differ = q.float() != expected_q.float()
-    # a value exactly between two e4m3 neighbours may round either way; nothing else may differ
-    assert differ.float().mean() < 1e-3
-    step = (expected_q.float().abs() * 2.0 ** -3).clamp(min=2.0 ** -9)
-    assert ((q.float() - expected_q.float()).abs() <= step)[differ].all()
+    same_quantization(fp8.quantize_tokens(x), (expected_q, expected_scale[:, None]))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 100, 256])
@@ -62,3 +66,23 @@ def test_fp8_products_compute_the_dequantized_product(rows, n, k):
         unfused = h @ (weight.float() * scale[:, None]).t()
         assert torch.allclose(fused_out.float(), unfused, rtol=3e-2, atol=3e-2 * unfused.abs().mean().item())
         assert torch.equal(total, residual + x)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_the_norm_and_silu_kernels_quantize_as_their_unfused_kernels_then_the_quantizer(rows):
+    """An FP8 product's input straight from the RMSNorm (with and without the residual add) and SiLU-mul kernels:
+    what fused.add_rms_norm / rms_norm / silu_mul and then fp8.quantize_tokens give."""
+    from ember.runtime.engine import fused
+
+    torch.manual_seed(rows)
+    x, residual = (torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
+    norm = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    q, scale, total = fused.rms_norm_fp8(x, residual, norm, 1e-6)
+    h, expected_total = fused.add_rms_norm(x, residual, norm, 1e-6)
+    same_quantization((q, scale), fp8.quantize_tokens(h))
+    assert torch.equal(total, expected_total)
+    q, scale, total = fused.rms_norm_fp8(x, None, norm, 1e-6)
+    same_quantization((q, scale), fp8.quantize_tokens(fused.rms_norm(x, norm, 1e-6)))
+    assert total is x
+    gate_up = torch.randn(rows, 2 * 12288, device="cuda", dtype=torch.bfloat16) * 2
+    same_quantization(fused.silu_mul_fp8(gate_up), fp8.quantize_tokens(fused.silu_mul(gate_up)))

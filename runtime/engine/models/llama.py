@@ -81,9 +81,6 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(h, self.qkv_sizes, bias=qkv_bias)
         self.o_proj = gemv.Linear(self.num_heads * head_dim, h, bias=o_bias)
 
-    def forward(self, x, cos, sin, attention, kv_cache):
-        return self.attend(self.qkv_proj(x), cos, sin, attention, kv_cache)
-
     def attend(self, qkv, cos, sin, attention, kv_cache):
         """The layer's attention from its merged q/k/v product [T, q + 2 kv]."""
         t = qkv.shape[0]
@@ -108,12 +105,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = gemv.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x):
-        return self.down(self.gate_up_proj(x))
-
     def down(self, gate_up):
         """The down product of SiLU(gate) * up, from the merged gate/up product [T, 2 intermediate]."""
-        return self.down_proj(fused.silu_mul(gate_up))
+        down = self.down_proj
+        return gemv.silu_mul_linear(gate_up, down.weight, down.bias, down.weight_scale)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -126,26 +121,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, attention, kv_cache):
         """`x`: the previous layer's output, not yet added to `residual` (None before the first layer). Returns
-        this layer's output and the residual stream, whose sum the next norm takes in the same kernel (at batch 1
-        on CUDA, the norm is the input products' own: gemv.norm_linear)."""
+        this layer's output and the residual stream, whose sum the next norm takes in the same kernel; each norm
+        runs as part of its product's input (gemv.norm_linear: inside the product at batch 1 on CUDA, and with FP8
+        weights quantizing the normed rows)."""
         norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
-        if gemv.applies(x, qkv_proj.weight, qkv_proj.bias):
-            qkv, residual = gemv.norm_linear(x, residual, norm.weight, norm.eps, qkv_proj.weight,
-                                             scale=qkv_proj.weight_scale)
-            h = self.self_attn.attend(qkv, cos, sin, attention, kv_cache)
-        else:
-            if residual is None:
-                h, residual = norm(x), x
-            else:
-                h, residual = norm.add(x, residual)
-            h = self.self_attn(h, cos, sin, attention, kv_cache)
+        qkv, residual = gemv.norm_linear(x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias,
+                                         qkv_proj.weight_scale)
+        h = self.self_attn.attend(qkv, cos, sin, attention, kv_cache)
         norm, gate_up_proj = self.post_attention_layernorm, self.mlp.gate_up_proj
-        if gemv.applies(h, gate_up_proj.weight, gate_up_proj.bias):
-            gate_up, residual = gemv.norm_linear(h, residual, norm.weight, norm.eps, gate_up_proj.weight,
-                                                 scale=gate_up_proj.weight_scale)
-            return self.mlp.down(gate_up), residual
-        h, residual = norm.add(h, residual)
-        return self.mlp(h), residual
+        gate_up, residual = gemv.norm_linear(h, residual, norm.weight, norm.eps, gate_up_proj.weight,
+                                             gate_up_proj.bias, gate_up_proj.weight_scale)
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaModel(nn.Module):
