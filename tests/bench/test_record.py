@@ -231,7 +231,9 @@ def test_the_online_load_streams_a_level_from_client_processes(tmp_path):
     finally:
         server.kill()
         server.wait()
-    assert len(results) == 6 and all(chunks >= 7 for _, _, chunks in results)
+    # 8 tokens each; a server that falls a step behind (the 2-core CI machine, busy with other tests) sends two steps'
+    # tokens in one event, so a few may come together (a clean-clone CI run saw one stream under 7 events)
+    assert len(results) == 6 and all(chunks >= 5 for _, _, chunks in results)
     gaps = sorted(gap for _, request_gaps, _ in results for gap in request_gaps)
     assert gaps[len(gaps) // 2] > 0.010, gaps   # a step is 20 ms; bursts read at once would be ~0
     # three streams in flight throughout: their summed durations are three times the level's
