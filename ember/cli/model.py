@@ -34,7 +34,7 @@ class Model:
         import ember.runtime.engine.engine  # noqa: F401
         from ember.runtime.engine.config import EngineConfig
 
-        self.config = EngineConfig(model=MODEL)
+        self.config = EngineConfig(model=MODEL{engine_options})
         self.tokenizer = AutoTokenizer.from_pretrained(MODEL)
 
     @ember.enter(snap=False)
@@ -157,9 +157,13 @@ def app_name(served: str) -> str:
     return name
 
 
-def write_model_app(model_dir: str | Path, name: str | None, home: Home) -> ModelApp:
+def write_model_app(model_dir: str | Path, name: str | None, home: Home, quantization: str | None = None) -> ModelApp:
+    """The app file for `model_dir`; `quantization` (a causal LM's): EngineConfig.quantization, e.g. "fp8"."""
     model_dir = Path(model_dir).resolve()
     kind = model_kind(model_dir)
+    if quantization and kind != "chat":
+        raise ValueError(f"--quantization {quantization}: only a causal LM's weights are quantized; "
+                         f"{model_dir.name} is an encoder, served as it is: drop --quantization")
     served = name or model_dir.name
     app = app_name(served)
     template = CHAT_APP if kind == "chat" else EMBEDDINGS_APP
@@ -167,5 +171,7 @@ def write_model_app(model_dir: str | Path, name: str | None, home: Home) -> Mode
     path.parent.mkdir(parents=True, exist_ok=True)
     # An encoder takes a GPU only on a machine that has one (a whole GPU, as vllm serve would); else it runs on CPU.
     gpu = "H200" if kind == "embeddings" and detect_gpus() else None
-    path.write_text(template.format(model_dir=str(model_dir), served=served, app=app, env=OFFLINE, gpu=gpu))
+    engine_options = f", quantization={quantization!r}" if quantization else ""
+    path.write_text(template.format(model_dir=str(model_dir), served=served, app=app, env=OFFLINE, gpu=gpu,
+                                    engine_options=engine_options))
     return ModelApp(path, app, served, kind)

