@@ -1,5 +1,7 @@
 """FP8 weights (EngineConfig.quantization="fp8"): each decoder product's weight held as float8 e4m3 with a scale
-per output row, quantized from the checkpoint as it loads; each product's input quantized per token as it runs.
+per output row, quantized from the checkpoint as it loads; each product's input quantized per token as it runs,
+by the RMSNorm and SiLU-mul kernels that write it (fused.rms_norm_fp8, fused.silu_mul_fp8) or, for o_proj's, by
+`quantize_tokens`.
 
 A decode step of a large batch is as much matrix product as weight reading (the 8B shape at 256 sequences: the
 products ~6 ms against ~3.9 ms to read the weights), and a batch-1 step is nothing but weight reading. FP8 halves
@@ -74,7 +76,7 @@ def quantized_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tenso
     """An input already quantized (q [M, K] and its scales [M, 1]: quantize_tokens, or fused.py's kernels that
     quantize as they norm) times an FP8 weight [N, K] with its row scales: [M, N] in `dtype`. On CUDA with fast
     accumulation (Hopper's FP8 MMA accumulates a few products in its own precision before adding them in fp32,
-    as vLLM's and SGLang's FP8 products do): at 16 to 256 rows of the 8B shape's products 3-12% faster on an H100
+    as vLLM's and SGLang's FP8 products do): at 16 to 256 rows of the 8B shape's products 3-13% faster on an H100
     (bench/engine/kernel_bench.py --decode-ways fp8,fp8_fast)."""
     if not q.is_cuda:   # the same arithmetic on dequantized values in fp32, rounded once
         out = F.linear(q.float() * q_scale, weight.float() * scale[:, None])

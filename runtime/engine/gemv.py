@@ -26,7 +26,7 @@ inside the down product was slower than the two kernels apart (8B: 34.4 us again
 
 An FP8 weight (fp8.py) takes the same kernels: they read its bytes, sum in fp32 against the row in the model's
 dtype, and scale each output by its weight row's scale, so a batch-1 step reads half the bytes. Larger batches run
-fp8.linear.
+fp8.quantized_linear on inputs the norm and SiLU-mul kernels quantize as they write them (fused.py).
 """
 from dataclasses import dataclass
 
@@ -95,16 +95,17 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     alone and x: fused.add_rms_norm and the product after it. A single row in one kernel where the kernel
     applies: each program sums the row's squares itself (the row is a few KB, read from L2), then streams its
     weight rows against the normed row, rounded where add_rms_norm rounds; the first program writes the sum. At
-    batch 1 one kernel launch fewer before each of a layer's two input products."""
+    batch 1 one kernel launch fewer before each of a layer's two input products. With `scale` (an FP8 weight's) and
+    several rows, the norm's kernel quantizes the normed rows for the FP8 product (fused.rms_norm_fp8)."""
     if applies(x, weight, bias):
         return norm_gemv(x, residual, norm_weight, eps, weight, scale=scale)
     if scale is not None:   # an FP8 product's input, quantized by the norm's kernel
         q, q_scale, total = fused.rms_norm_fp8(x, residual, norm_weight, eps)
         return fp8.quantized_linear(q, q_scale, weight, scale, bias, x.dtype), total
     if residual is None:
-        return linear(fused.rms_norm(x, norm_weight, eps), weight, bias, scale), x
+        return linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
     h, total = fused.add_rms_norm(x, residual, norm_weight, eps)
-    return linear(h, weight, bias, scale), total
+    return linear(h, weight, bias), total
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
