@@ -9,7 +9,10 @@ fill the queue, but not keep others out of it.
 
 A call takes as many of a replica's `max_concurrency` slots as it runs sequences at once (an LLM request with n=8
 takes 8, one of a batch of 4 prompts 4; any other call one), and at most all of them: a call too large for any
-replica's free slots waits, and the autoscaler counts the slots the queue asks for, not its calls."""
+replica's free slots waits, and the autoscaler counts the slots the queue asks for, not its calls. While it waits
+at the head of the queue it keeps the replica nearest to fitting it (the least loaded) for itself, and the calls
+behind it may take the other replicas' free slots (backfill): the heavy call is not passed on the replica it will
+get, and the other replicas' slots do not sit idle behind it."""
 import asyncio
 import time
 from collections import OrderedDict
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 from ember.gateway.autoscaler.admission import Reject, admit
 from ember.gateway.errors import ApiError
-from ember.gateway.lifecycle import STARTING
+from ember.gateway.lifecycle import HOT, STARTING
 from ember.gateway.replica import GatewayReplica
 from ember.gateway.routing import Router
 
@@ -152,14 +155,43 @@ class FunctionQueue:
 
     def dispatch(self) -> None:
         """Hand free slots to the waiters, the oldest call of the caller whose turn it is first: after a release, or
-        when a replica became ready or woke."""
-        while self.waiters and (replica := self.router.pick((waiter := self._next()).key,
-                                                             slots=waiter.slots)) is not None:
-            self._remove(waiter)
-            if waiter.caller in self.turns:
-                self.turns.move_to_end(waiter.caller)  # served: the other callers' turns come first
-            self._take(replica, waiter.slots)
-            waiter.future.set_result(replica)
+        when a replica became ready or woke. A head call that fits nowhere yet keeps the least loaded replica for
+        itself, and later calls that fit on another replica go there (`_backfill`)."""
+        while self.waiters:
+            head = self._next()
+            replica = self.router.pick(head.key, slots=head.slots)
+            if replica is None:
+                self._backfill(head)
+                return
+            self._grant(head, replica)
+
+    def _backfill(self, head: Waiter) -> None:
+        """The calls behind `head`, in arrival order, each on a replica other than the one `head` keeps, where one
+        has their slots free."""
+        hot = [r for r in self.router.replicas.values() if r.state == HOT and not r.draining]
+        if not hot:
+            return
+        kept = min(hot, key=lambda r: (r.load, r.id))
+
+        def room() -> int:   # the most slots free on one replica other than the kept one
+            return max((self.router.max_concurrency - r.load for r in hot if r is not kept), default=0)
+
+        free = room()
+        for waiter in list(self.waiters):
+            if free <= 0:   # the common case, every replica full: no pass over the queue
+                return
+            if waiter is head or waiter.slots > free:
+                continue
+            if (replica := self.router.pick(waiter.key, frozenset({kept.id}), waiter.slots)) is not None:
+                self._grant(waiter, replica)
+                free = room()
+
+    def _grant(self, waiter: Waiter, replica: GatewayReplica) -> None:
+        self._remove(waiter)
+        if waiter.caller in self.turns:
+            self.turns.move_to_end(waiter.caller)  # served: the other callers' turns come first
+        self._take(replica, waiter.slots)
+        waiter.future.set_result(replica)
 
     def _make_room(self, caller: str | None) -> bool:
         """In a full queue, the newest call of the caller holding the most places gives its place up to `caller`,

@@ -135,7 +135,8 @@ def test_callers_take_turns_for_free_slots():
 def test_a_call_takes_a_slot_per_sequence_and_at_most_a_whole_replica():
     """An LLM request of n=8 takes 8 of a replica's max_concurrency slots; one asking for more than a replica has
     takes all of one; a call that fits nowhere waits, and the queue's demand (what the autoscaler counts) is the
-    slots its calls ask for."""
+    slots its calls ask for. While it waits it keeps the least loaded replica: later calls take the others' free
+    slots, not that one's."""
     async def scenario():
         queue = function_queue(8, 16)
         a, b = replica("a"), replica("b")
@@ -147,16 +148,50 @@ def test_a_call_takes_a_slot_per_sequence_and_at_most_a_whole_replica():
         assert big.slots == 6 and small.slots == 3 and {big.replica, small.replica} == {a, b}
         assert queue.router.load == 9 and queue.router.in_flight == 2
         huge = asyncio.create_task(queue.acquire(sequences=10_000))   # a whole replica: waits for an empty one
-        after = asyncio.create_task(queue.acquire(sequences=2))   # would fit, but waits its turn behind it
+        beside = asyncio.create_task(queue.acquire(sequences=2))   # fits beside big: backfilled there at once
         await settle()
-        assert not huge.done() and not after.done() and queue.depth == 2 and queue.demand == 8 + 2
+        assert not huge.done() and beside.done() and big.replica.load == 8
+        held = await beside
+        assert held.replica is big.replica
+        # small's replica (3 of 8 taken) is the one huge keeps: a call that would fit only there waits behind it
+        kept_out = asyncio.create_task(queue.acquire(sequences=1))
+        await settle()
+        assert not kept_out.done() and queue.depth == 2 and queue.demand == 8 + 1
         queue.release(small.replica, small.slots)
         lease = await huge
         assert lease.replica is small.replica and lease.slots == 8 and small.replica.load == 8
-        assert (await after).replica is big.replica and big.replica.load == 8 and queue.demand == 0
-        for held in (big, lease):
-            queue.release(held.replica, held.slots)
-        assert big.replica.load == 2 and small.replica.load == 0 and small.replica.idle_since is not None
+        assert not kept_out.done()   # both replicas full now
+        queue.release(held.replica, held.slots)
+        assert (await kept_out).replica is big.replica and big.replica.load == 7 and queue.demand == 0
+        for done in (big, lease):
+            queue.release(done.replica, done.slots)
+        assert big.replica.load == 1 and small.replica.load == 0 and small.replica.idle_since is not None
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_call_of_a_whole_replica_is_not_passed_by_lighter_calls_on_one_replica():
+    """Backfill never starves the head: with one replica, the calls behind a call that needs all of it wait for it,
+    though each would fit in the slots that free first."""
+    async def scenario():
+        queue = function_queue(4, 16)
+        only = replica("only")
+        queue.router.add(only)
+        only.ready()
+        first = await queue.acquire(sequences=2)
+        second = await queue.acquire(sequences=1)
+        whole = asyncio.create_task(queue.acquire(sequences=4))
+        light = [asyncio.create_task(queue.acquire()) for _ in range(3)]
+        await settle()
+        queue.release(first.replica, first.slots)   # 3 slots free: every light call would fit
+        await settle()
+        assert not whole.done() and not any(t.done() for t in light) and only.load == 1
+        queue.release(second.replica, second.slots)
+        lease = await whole
+        assert lease.slots == 4 and only.load == 4 and not any(t.done() for t in light)
+        queue.release(lease.replica, lease.slots)
+        await asyncio.gather(*light)
+        assert only.load == 3 and queue.depth == 0
 
     asyncio.run(scenario())
 
