@@ -151,6 +151,7 @@ class Scaler:
             return
         except Exception as exc:  # a replica that cannot park is stopped instead: its GPU memory must be freed
             log.warning("replica %s could not park (%s: %s); stopping it", replica.id, type(exc).__name__, exc)
+            unit.measured.append(ParkMeasured(0, failed=True))   # a second in a row and the function parks no more
             if replica.state == PARKED:
                 self._evict(unit, replica)
             return

@@ -21,6 +21,9 @@ WAKE_PAYS_BELOW = 0.5
 DELAY_WORTH_GPU_S = 10.0
 PARK_AFTER_FLOOR = 2.0  # never sooner: a request's own think time between turns is often a second or two
 LEARNING_WEIGHT = 0.3  # weight of the newest measurement once a few are in (earlier ones fade out)
+# parks in a row that failed (each replica stopped instead) before the function parks no more: one may be a fluke,
+# two say the backend cannot park it, and each failed park turned a wake into a start
+PARK_FAILURES_STOP = 2
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,13 @@ class StartMeasured:
 
 @dataclass(frozen=True)
 class ParkMeasured:
-    """One park: the bytes of GPU memory it released (0: the backend keeps the GPU while parked), or refused: the
-    replica could not park at all (its driver cannot checkpoint it) and served on."""
+    """One park: the bytes of GPU memory it released (0: the backend keeps the GPU while parked); or refused: the
+    replica could not park at all (its driver cannot checkpoint it) and served on; or failed: the park raised
+    otherwise, and the replica was stopped to free its GPU."""
 
     gpu_bytes_freed: int
     refused: bool = False
+    failed: bool = False
 
 
 Measured = StartMeasured | ParkMeasured
@@ -53,19 +58,28 @@ class CostModel:
     wakes: int = 0
     starts: int = 0
     park_refused: bool = False  # a replica answered that it cannot park: no setting makes parking possible
+    park_failures: int = 0  # parks in a row that failed, their replicas stopped; one that works resets it
 
     def observe(self, measured: Measured) -> CostModel:
         if isinstance(measured, ParkMeasured):
+            if measured.failed:   # says nothing of what a park frees
+                return replace(self, park_failures=self.park_failures + 1)
             return replace(self, park_frees_gpu=measured.gpu_bytes_freed > 0,
-                           park_refused=self.park_refused or measured.refused)
+                           park_refused=self.park_refused or measured.refused, park_failures=0)
         if measured.tier == WAKE:
             n = self.wakes + 1
             return replace(self, wake_s=blend(self.wake_s, measured.seconds, n), wakes=n)
         n = self.starts + 1
         return replace(self, start_s=blend(self.start_s, measured.seconds, n), starts=n)
 
+    @property
+    def parks_fail(self) -> bool:
+        """PARK_FAILURES_STOP parks in a row failed: the function parks no more (until the gateway restarts or the
+        function is deployed again, whose cost model starts afresh)."""
+        return self.park_failures >= PARK_FAILURES_STOP
+
     def park_pays(self) -> bool:
-        return self.park_frees_gpu and self.wake_s <= WAKE_PAYS_BELOW * self.start_s
+        return self.park_frees_gpu and not self.parks_fail and self.wake_s <= WAKE_PAYS_BELOW * self.start_s
 
     def wake_cost(self) -> float:
         """A park-and-wake round trip in GPU-seconds: the wake's own, and its delay to the request it serves."""
@@ -78,6 +92,9 @@ class CostModel:
     def why_not_park(self) -> str:
         if self.park_refused:
             return "its replicas cannot park here (the driver refused to checkpoint one)"
+        if self.parks_fail:
+            return (f"its last {self.park_failures} parks failed (each replica was stopped instead; the gateway's "
+                    "log says why)")
         if not self.park_frees_gpu:
             return "a park frees no GPU memory on this backend"
         return f"a wake ({self.wake_s:.1f}s) costs about as much as a start ({self.start_s:.1f}s)"

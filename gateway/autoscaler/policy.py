@@ -104,7 +104,7 @@ class ScalingSettings:
         `recent_rate` is the rate over the window's recent half (None: `rate`): where it has fallen, a lost p99
         sees it half a window sooner.
         """
-        if not self.park or costs.park_refused:   # a park its replicas refused: no setting makes one possible
+        if not self.park or costs.park_refused or costs.parks_fail:   # no setting makes a park possible
             return None
         if self.park_after is not None:
             return self.park_after

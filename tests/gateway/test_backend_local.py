@@ -124,6 +124,29 @@ def test_a_park_over_the_host_ram_budget_evicts_instead(serve):
     assert "> budget 1048576: oldest parked goes" in evict["reason"]
 
 
+def test_a_function_whose_parks_fail_twice_in_a_row_parks_no_more(serve):
+    """A park that fails other than by a refusal (here the app's park hook raises) stops the replica, to free its
+    GPU; each such park turned a wake into a start, so after two in a row the policy parks the function no more and
+    its replica stays hot while idle."""
+    served = serve(APPS / "parking.py")
+    unparkable = lambda: served.status()["apps"]["parking"]["functions"]["Unparkable"]  # noqa: E731
+    parks = lambda: sum(d["action"] == "park" for d in unparkable()["decisions"])  # noqa: E731
+    with served.client(served.key()) as http:
+        replicas = []
+        for attempt in (1, 2):
+            reply = http.post("/parking/Unparkable.predict", json={})
+            assert reply.status_code == 200 and reply.json()["result"]["parks"] == 0
+            replicas.append(reply.headers["x-ember-replica"])
+            wait_for(lambda n=attempt: parks() == n and unparkable()["replicas"] == [], 15,
+                     f"park {attempt} to fail and stop its replica")
+        third = http.post("/parking/Unparkable.predict", json={})
+        assert third.status_code == 200 and third.headers["x-ember-replica"] not in replicas
+        time.sleep(3)   # idle past park_after (0.5 s) six times over: no third park
+        assert parks() == 2
+        [replica] = unparkable()["replicas"]
+        assert replica["state"] == "hot" and replica["id"] == third.headers["x-ember-replica"]
+
+
 @pytest.mark.gpu
 def test_worker_park_releases_cuda_memory_and_wake_restores_the_weights():
     import asyncio

@@ -32,3 +32,12 @@ class Model(Counted):
 @app.cls(park_after=0.5, scaledown_window=6, park_with="cuda-checkpoint")
 class Opaque(Counted):
     """Parks through the driver's checkpoint, which a machine without a CUDA driver cannot do."""
+
+
+@app.cls(park_after=0.5, scaledown_window=6)
+class Unparkable(Counted):
+    """Its park hook fails: each park stops the replica instead."""
+
+    @ember.park()
+    def release(self):
+        raise RuntimeError("the park hook failed")

@@ -43,3 +43,16 @@ def test_a_refused_park_stops_parking_even_where_the_user_set_park_after():
     explicit = ScalingSettings(target_concurrency=1, max_concurrency=1, park_after=0.5)
     assert explicit.park_after_for(CostModel().observe(ParkMeasured(0)), rate=1.0) == 0.5   # the user's choice
     assert explicit.park_after_for(refused, rate=1.0) is None
+
+
+def test_two_failed_parks_in_a_row_stop_parking_and_a_park_that_works_between_them_resets_the_count():
+    from ember.gateway.autoscaler.policy import ScalingSettings
+
+    failed = ParkMeasured(0, failed=True)
+    once = CostModel().observe(failed)
+    assert once.park_pays() and once.park_frees_gpu   # one may be a fluke, and says nothing of what a park frees
+    assert not once.observe(ParkMeasured(16 << 30)).observe(failed).parks_fail   # not in a row
+    twice = once.observe(failed)
+    assert twice.parks_fail and not twice.park_pays() and "last 2 parks failed" in twice.why_not_park()
+    explicit = ScalingSettings(target_concurrency=1, max_concurrency=1, park_after=0.5)
+    assert explicit.park_after_for(once, rate=1.0) == 0.5 and explicit.park_after_for(twice, rate=1.0) is None
