@@ -99,24 +99,35 @@ def in_graph(calls, reps: int = 3) -> float:
     return timed(graph.replay, reps) / len(calls)
 
 
-def bench_gemv(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dict]:
-    from ember.runtime.engine import gemv
+def bench_gemv(bandwidth: float, shapes: tuple[str, ...] = ("8B",), fp8_weights: bool = False) -> list[dict]:
+    """gemv.py's kernel at each configuration against cuBLAS, per product; `fp8_weights`: the kernel reading FP8
+    weights with row scales (EngineConfig(quantization="fp8")), its floor the FP8 bytes, cuBLAS's bf16 product
+    beside it, and the configurations with twice the columns per iteration too (an iteration reads half the bytes)."""
+    from ember.runtime.engine import fp8, gemv
 
-    configs = [gemv.Config(n, k, w) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4, 8)]
+    widths = (256, 512, 1024, 2048) if fp8_weights else (256, 512, 1024)
+    configs = [gemv.Config(n, k, w) for n in (4, 8, 16, 32) for k in widths for w in (4, 8)]
     rows = []
     best_config = gemv.Config()
     for shape, (name, n, k) in [(s, product) for s in shapes for product in products(s)]:
-        weight_bytes = n * k * 2
+        weight_bytes = n * k * (1 if fp8_weights else 2)
         copies = max(2, math.ceil((512 << 20) / weight_bytes))   # far more than the L2 cache
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+        scales = [None] * copies
+        if fp8_weights:
+            bf16_weights = weights[:max(2, math.ceil((512 << 20) / (n * k * 2)))]
+            weights, scales = map(list, zip(*(fp8.quantize_rows(w) for w in weights)))
+        else:
+            bf16_weights = weights
         floor_us = weight_bytes / bandwidth * 1e6
         for m in (1, 2, 4):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            cublas = in_graph([functools.partial(F.linear, x, w) for w in weights]) * 1e6
+            cublas = in_graph([functools.partial(F.linear, x, w) for w in bf16_weights]) * 1e6
             tried = []
             for config in configs if m == 1 else [best_config]:
                 try:
-                    us = in_graph([functools.partial(gemv.gemv, x, w, config) for w in weights]) * 1e6
+                    us = in_graph([functools.partial(gemv.gemv, x, w, config, s)
+                                   for w, s in zip(weights, scales)]) * 1e6
                 except Exception as err:  # noqa: BLE001 - a configuration the GPU cannot run (registers, shared memory)
                     log(f"  {name} m={m} {config}: {type(err).__name__}: {str(err)[:120]}")
                     continue
@@ -125,13 +136,17 @@ def bench_gemv(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dict
             picked_us = next((t for t, c in tried if c == gemv.config_for(n, k)), None)
             if m == 1:
                 best_config = config
-            check = (gemv.gemv(x, weights[0], config).float() - F.linear(x, weights[0]).float()).abs().max()
+            if fp8_weights:   # against the product of the dequantized weight, in fp32
+                expected = x.float() @ (weights[0].float() * scales[0][:, None]).t()
+            else:
+                expected = F.linear(x, weights[0]).float()
+            check = (gemv.gemv(x, weights[0], config, scales[0]).float() - expected).abs().max()
             row = {"shape": shape, "product": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
                    "cublas_us": round(cublas, 2), "triton_us": round(us, 2), "config": vars(config),
                    "picked": vars(gemv.config_for(n, k)), "picked_us": picked_us and round(picked_us, 2),
                    "applies": m == 1 and gemv.applies(x, weights[0], None),
                    "triton_of_floor": round(floor_us / us, 3), "cublas_of_floor": round(floor_us / cublas, 3),
-                   "max_abs_diff": float(check)}
+                   "max_abs_diff": float(check), **({"fp8_weights": True} if fp8_weights else {})}
             rows.append(row)
             log(f"gemv {shape} {name:13s} m={m}: floor {floor_us:7.2f} us, "
                 f"cuBLAS {cublas:7.2f} ({floor_us / cublas:.0%}), Triton {us:7.2f} ({floor_us / us:.0%}) "
@@ -581,6 +596,9 @@ def main() -> None:
                         help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--gemv-shapes", nargs="+", default=["8B"], choices=list(SHAPES),
                         help="gemv: the products of these Qwen3 shapes")
+    parser.add_argument("--gemv-fp8", action="store_true",
+                        help="gemv: FP8 weights with row scales (EngineConfig(quantization='fp8')), recorded as "
+                             "gemv_fp8")
     parser.add_argument("--decode-rows", nargs="+", type=int, default=list(DECODE_ROWS),
                         help="decode: the row counts to time each product at")
     parser.add_argument("--decode-ways", default="cublas",
@@ -601,7 +619,7 @@ def main() -> None:
     result = {"machine": f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, {platform.machine()}; "
                          f"torch {torch.__version__}", "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1)}
     if "gemv" in parts:
-        result["gemv"] = bench_gemv(bandwidth, tuple(args.gemv_shapes))
+        result["gemv_fp8" if args.gemv_fp8 else "gemv"] = bench_gemv(bandwidth, tuple(args.gemv_shapes), args.gemv_fp8)
     if "fused" in parts:
         result["fused"] = bench_fused(bandwidth, tuple(args.gemv_shapes))
     if "attention" in parts:
