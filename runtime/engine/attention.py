@@ -1,6 +1,8 @@
 """Paged attention behind one interface: `plan(batch)` once per step, then `forward(q, k, v, kv_cache)` per layer.
 
-KV cache layout per layer: [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim] (flashinfer's NHD).
+KV cache layout per layer: [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim] (flashinfer's NHD), in the
+model's dtype or, with EngineConfig.kv_cache_dtype="fp8", float8 e4m3 (a scale of 1), which every backend reads back
+to q's dtype.
 Tokens of a step are flattened: sequence after sequence, each sequence's new tokens in order.
 """
 from dataclasses import dataclass
@@ -60,7 +62,7 @@ class SdpaBackend:
         start = 0
         for n, ctx, table, mask in zip(self.batch.query_lens.tolist(), self.batch.context_lens.tolist(), self.tables,
                                        self.masks):
-            kv = kv_cache[table].transpose(0, 1).reshape(2, -1, self.num_kv_heads, self.head_dim)[:, :ctx]
+            kv = kv_cache[table].transpose(0, 1).reshape(2, -1, self.num_kv_heads, self.head_dim)[:, :ctx].to(q.dtype)
             o = F.scaled_dot_product_attention(
                 q[start:start + n].transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1),
                 attn_mask=mask, scale=self.scale, enable_gqa=True)
@@ -85,11 +87,12 @@ class FlashInferBackend:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
                  dtype: torch.dtype, device: torch.device, triton_graph_max_batch: int = 8,
-                 streamed_min_batch: int | None = None):
+                 streamed_min_batch: int | None = None, kv_dtype: torch.dtype | None = None):
         import flashinfer
 
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.scale, self.dtype = block_size, scale, dtype
+        self.kv_dtype = kv_dtype or dtype
         self.device = device
         self.triton_graph_max_batch = triton_graph_max_batch
         self.streamed_min_batch = streamed_min_batch
@@ -144,7 +147,7 @@ class FlashInferBackend:
         a step. Reads no real KV."""
         if self.streamed_min_batch is None or self.max_blocks_per_seq is None:
             return
-        cache = torch.zeros(2, 2, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+        cache = torch.zeros(2, 2, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.kv_dtype,
                             device=self.device)
         qkv = torch.zeros(1, self.num_heads + 2 * self.num_kv_heads, self.head_dim, dtype=self.dtype,
                           device=self.device)
@@ -167,7 +170,7 @@ class FlashInferBackend:
         kv_indptr, kv_indices = torch.from_numpy(indptr), torch.from_numpy(indices)
         last_page_len = torch.from_numpy(((batch.context_lens - 1) % self.block_size + 1).astype(np.int32))
         common = dict(num_kv_heads=self.num_kv_heads, page_size=self.block_size, sm_scale=self.scale,
-                      q_data_type=self.dtype, kv_data_type=self.dtype)
+                      q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         if batch.is_decode_only:
             self.wrapper = self.graph_decode[graph_batch_size] if graph_batch_size else self.decode
             if graph_batch_size:

@@ -46,6 +46,10 @@ class EngineConfig:
     # product's input per token as it runs (fp8.py): half the weight bytes, Hopper's FP8 tensor cores, outputs that
     # differ from the checkpoint's by the quantization's error. None (the default): the weights as the dtype holds.
     quantization: str | None = None
+    # "fp8": the KV cache in float8 e4m3 (K and V rounded as they are stored, a scale of 1, values past e4m3's 448
+    # clamped; attention reads them back to the model's dtype): half the cache's bytes, so twice the blocks in the
+    # same memory and half the bytes each decode step's attention reads. "auto" (the default): the model's dtype.
+    kv_cache_dtype: str = "auto"
     log_token_ids: bool = False        # log prompt/output token ids per request
     # Overlap scheduling: the host schedules and launches step N+1 while the device runs step N, whose tokens reach
     # step N+1's inputs on the device. A request with penalties or logprobs, or short of its min_tokens, needs its
@@ -92,6 +96,9 @@ class EngineConfig:
                              "'spin' (it polls, a core busy while the engine steps)")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization={self.quantization!r}: use 'fp8' (FP8 weights, a scale per row) or None")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use 'fp8' (float8 e4m3) or 'auto' (the "
+                             "model's dtype)")
         if not isinstance(self.prefill_graphs, bool):
             raise ValueError(f"prefill_graphs={self.prefill_graphs!r}: use True or False")
         if not isinstance(self.overlap, bool):

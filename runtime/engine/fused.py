@@ -13,6 +13,8 @@ kernel directory that ships with the snapshots (EMBER_HOME/kernels/triton), so a
 import torch
 import torch.nn.functional as F
 
+from . import fp8
+
 try:
     import triton
     import triton.language as tl
@@ -52,7 +54,6 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """(RMSNorm(residual + x) quantized per row to e4m3, its scales [T, 1], residual + x) as add_rms_norm and then
     fp8.quantize_tokens compute them, in one kernel on CUDA: the input of an FP8 product (fp8.py) without its own
     quantizing kernel and the round trip through memory of the normed rows. Without a residual, of x alone."""
-    from . import fp8
 
     if not enabled(x):
         h, total = (rms_norm(x, weight, eps), x) if residual is None else add_rms_norm(x, residual, weight, eps)
@@ -69,7 +70,6 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_mul's rows quantized per row to e4m3 and their scales [T, 1], as silu_mul and then fp8.quantize_tokens
     compute them; one kernel on CUDA (a program a row: the row's amax, then its values again from L2)."""
-    from . import fp8
 
     if not enabled(gate_up):
         return fp8.quantize_tokens(silu_mul(gate_up))
@@ -96,15 +96,16 @@ def norm_rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
                      slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
     """In place on q [T, Hq, D] and k [T, Hk, D]: an RMSNorm per head when weights are given (Qwen3), then
     rotate-half RoPE with cos/sin [T, 1, D]; then K and V [T, Hk, D] (v read only) into kv_cache [blocks, 2,
-    block_size, Hk, D] at each token's block and offset. One kernel on CUDA, each K head stored to its slot as it
+    block_size, Hk, D] at each token's block and offset (an FP8 cache takes them as fp8.to_cache rounds them: K
+    after its RoPE in q's dtype). One kernel on CUDA, each K head stored to its slot as it
     is rotated: a layer launches one kernel where it launched two (norm/RoPE, then the KV write), one node fewer
     per layer in a decode graph, whose launch costs the host about a microsecond a node."""
     if not enabled(q, per_head=True):
         for x, weight in ((q, q_weight), (k, k_weight)):
             h = _rms_norm_reference(x, weight, eps) if weight is not None else x
             x.copy_(_rope_reference(h, cos, sin))
-        kv_cache[slot_blocks, 0, slot_offsets] = k
-        kv_cache[slot_blocks, 1, slot_offsets] = v
+        kv_cache[slot_blocks, 0, slot_offsets] = fp8.to_cache(k, kv_cache.dtype)
+        kv_cache[slot_blocks, 1, slot_offsets] = fp8.to_cache(v, kv_cache.dtype)
         return
     t, hq, d = q.shape
     hk = k.shape[1]
@@ -209,6 +210,14 @@ if triton is not None:
             tl.store(out_ptr + row * n + cols, y.to(tl.float8e4nv), mask=cols < n)
 
     @triton.jit
+    def _to_cache(x, cache_ptr):
+        """K or V values as the cache stores them: as they are, or for an FP8 cache clamped to e4m3's range and
+        rounded (fp8.to_cache)."""
+        if cache_ptr.dtype.element_ty == tl.float8e4nv:
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        return x.to(cache_ptr.dtype.element_ty)
+
+    @triton.jit
     def _norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_ptr, blocks_ptr,
                                 offsets_ptr, num_q_heads, num_kv_heads, q_stride, k_stride, v_stride, cs_stride,
                                 s_block, s_kv, s_slot, s_head, eps, HAS_NORM: tl.constexpr, D: tl.constexpr,
@@ -228,8 +237,8 @@ if triton is not None:
             mask = heads < num_kv_heads
             src = v_ptr + token * v_stride + heads * D
             dst = slot + s_kv + heads * s_head
-            tl.store(dst + half, tl.load(src + half, mask=mask), mask=mask)
-            tl.store(dst + D // 2 + half, tl.load(src + D // 2 + half, mask=mask), mask=mask)
+            tl.store(dst + half, _to_cache(tl.load(src + half, mask=mask), cache_ptr), mask=mask)
+            tl.store(dst + D // 2 + half, _to_cache(tl.load(src + D // 2 + half, mask=mask), cache_ptr), mask=mask)
         else:
             if group < q_groups:
                 heads = group * HEADS + rows
@@ -257,5 +266,5 @@ if triton is not None:
             tl.store(base + D // 2 + half, out2, mask=mask)
             if group >= q_groups:   # K heads: also to their slot
                 dst = slot + heads * s_head
-                tl.store(dst + half, out1, mask=mask)
-                tl.store(dst + D // 2 + half, out2, mask=mask)
+                tl.store(dst + half, _to_cache(out1, cache_ptr), mask=mask)
+                tl.store(dst + D // 2 + half, _to_cache(out2, cache_ptr), mask=mask)

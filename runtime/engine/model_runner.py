@@ -80,6 +80,9 @@ class ModelRunner:
             self.dtype = _DTYPES[config.dtype]
         if config.quantization is not None and (why := fp8.unsupported(self.device, self.dtype)):
             raise ValueError(why)
+        if config.kv_cache_dtype == "fp8" and (why := fp8.unsupported(self.device, self.dtype, "kv_cache_dtype")):
+            raise ValueError(why)
+        self.kv_dtype = fp8.kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.store = open_store(config.snapshot_store) if config.snapshot_store else None
         if self.device.type == "cuda":
             kernels.install()
@@ -131,9 +134,10 @@ class ModelRunner:
                              "max_model_len")
         kv_shape = (self.num_blocks, 2, self.block_size, self.num_kv_heads, head_dim)
         mapping = time.perf_counter()
-        kv_region = self.arena.region(KV_CACHE, tensor_bytes([(kv_shape, self.dtype)] * self.num_layers), keep=False)
+        kv_region = self.arena.region(KV_CACHE, tensor_bytes([(kv_shape, self.kv_dtype)] * self.num_layers),
+                                      keep=False)
         self.start_phases["kv_map"] = time.perf_counter() - mapping
-        self.kv_caches = [kv_region.take(kv_shape, self.dtype) for _ in range(self.num_layers)]
+        self.kv_caches = [kv_region.take(kv_shape, self.kv_dtype) for _ in range(self.num_layers)]
         self.start_phases["kv_cache"] = time.perf_counter() - began
         began = time.perf_counter()
         self._record_image()
@@ -155,8 +159,8 @@ class ModelRunner:
         # reusing their events spares each step creating and destroying two (four calls to the driver)
         self._timers = collections.deque(_GpuTimer(self.device.type == "cuda", self.config.device_wait == "block")
                                            for _ in range(3))
-        logger.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s, decode graphs %s; start %s",
-                    config.model, self.device, self.dtype, self.num_blocks, self.block_size,
+        logger.info("model %s on %s (%s), %d KV blocks of %d tokens (%s), attention %s, decode graphs %s; start %s",
+                    config.model, self.device, self.dtype, self.num_blocks, self.block_size, self.kv_dtype,
                     type(self.attention).__name__, self.graphs.batch_sizes if self.graphs else "off",
                     {k: round(v, 3) for k, v in self.start_phases.items()})
         # the worker reports weights itself; the rest joins the replica's start breakdown
@@ -226,7 +230,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def _block_bytes(self, head_dim: int) -> int:
-        return 2 * self.block_size * self.num_kv_heads * head_dim * self.dtype.itemsize * self.num_layers
+        return 2 * self.block_size * self.num_kv_heads * head_dim * self.kv_dtype.itemsize * self.num_layers
 
     def _derive_num_blocks(self, head_dim: int) -> int:
         if self.config.kv_cache_bytes is not None:
@@ -263,7 +267,8 @@ class ModelRunner:
             began = time.perf_counter()
             try:
                 parts = warm_kernels(model_dir, self.dtype, self.device, backend, self.config.block_size,
-                                     quantization=self.config.quantization)
+                                     quantization=self.config.quantization,
+                                     kv_dtype=self.kv_dtype)
                 self.start_phases.update({f"kernel_warm_{name}": seconds for name, seconds in parts.items()})
             except Exception as err:  # noqa: BLE001 - an optimisation: the first request then pays what it skipped
                 logger.warning("kernel warm-up skipped (the first request loads the kernels instead): %s", err)
@@ -284,7 +289,8 @@ class ModelRunner:
                                  "on CPU or in float32")
             kernels.prepare(self.store)  # compiled modules from this node or the store: no request compiles
             return FlashInferBackend(*args, dtype=self.dtype, device=self.device,
-                                     streamed_min_batch=self.config.streamed_decode_min_batch)
+                                     streamed_min_batch=self.config.streamed_decode_min_batch,
+                                     kv_dtype=self.kv_dtype)
         return SdpaBackend(*args)
 
     @torch.inference_mode()
@@ -526,7 +532,8 @@ def aligned_rows(tokens: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, attention, block_size: int,
-                 prompt_tokens: int = 24, quantization: str | None = None) -> dict[str, float]:
+                 prompt_tokens: int = 24, quantization: str | None = None, kv_dtype: torch.dtype | None = None
+                 ) -> dict[str, float]:
     """One prefill and one greedy draw through a single decoder layer of the model's shape on throwaway weights,
     so a restored replica's first request does not pay what the first forward pays once per process: cuBLAS's
     handle and kernels for each product shape, the loading of torch's, Triton's and flashinfer's kernels. Runs on
@@ -556,8 +563,8 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
     with torch.no_grad():
         model = empty_model(cls, config, dtype, device, quantization=quantization)
         blocks = -(-prompt_tokens // block_size) + 1
-        kv = torch.empty((blocks, 2, block_size, config.num_key_value_heads, model.head_dim), dtype=dtype,
-                         device=device)
+        kv = torch.empty((blocks, 2, block_size, config.num_key_value_heads, model.head_dim),
+                         dtype=kv_dtype or dtype, device=device)
         ids = torch.zeros(prompt_tokens, dtype=torch.long, device=device)
         positions = torch.arange(prompt_tokens, device=device)
         done("model")

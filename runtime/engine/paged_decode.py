@@ -112,7 +112,8 @@ class PagedDecode:
         return self.tables[:self.batch_size * width].view(self.batch_size, width)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, Hq, D] (any token and head strides) against kv_cache [blocks, 2, block_size, Hkv, D]."""
+        """q [B, Hq, D] (any token and head strides) against kv_cache [blocks, 2, block_size, Hkv, D] (q's dtype or
+        float8 e4m3)."""
         b, hq, d = q.shape
         group = hq // self.num_kv_heads
         _split_kernel[(b, self.num_kv_heads, self.num_splits)](
@@ -260,13 +261,15 @@ if triton is not None:
         """The query heads of one KV head against the BLOCK_T tokens from `start` (those before `end`), folded into
         the online softmax's running max `m`, sum `total` and output `acc`. STREAMED: scores in base 2 (`scale`
         includes log2(e)) and P rounded to the cache's dtype for its product with V, on the tensor cores; else
-        natural base and P·V in fp32."""
+        natural base and P·V in fp32. The cache may hold float8 e4m3 (EngineConfig.kv_cache_dtype): half the
+        bytes to read, each value exact in q's dtype."""
         tokens = start + tl.arange(0, BLOCK_T)
         valid = tokens < end
         dims = tl.arange(0, D)
         blocks = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
         slots = blocks * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
-        k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        # an FP8 cache's values (a scale of 1) widen to q's dtype, exactly
+        k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -277,7 +280,7 @@ if triton is not None:
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
         total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(cache_ptr + s_kv + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(cache_ptr + s_kv + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         if STREAMED:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         else:

@@ -88,7 +88,7 @@ class PrefillGraphs:
         self._host_inputs = self._pinned_inputs.numpy()
         # each layer's attention output, which the graph after it reads (one layer at a time uses it)
         heads, head_dim = attention.num_heads, attention.head_dim
-        self._out = torch.zeros(largest, heads, head_dim, dtype=kv_caches[0].dtype, device=device)
+        self._out = torch.zeros(largest, heads, head_dim, dtype=attention.dtype, device=device)
         # each layer's q, copied out of its q/k/v product at the end of the graph before its attention
         self._q = torch.zeros_like(self._out)
         # per size: the graphs in order, each layer's (q, cache) between them, and the final hidden states
