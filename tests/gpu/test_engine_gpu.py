@@ -62,11 +62,13 @@ def family(request, tmp_path_factory):
 
 
 def engine(model_dir: str, backend: str = "flashinfer", enforce_eager: bool = False,
-           graph_capture: str = "start", prefill_graphs: bool = True, quantization: str | None = None) -> LLMEngine:
+           graph_capture: str = "start", prefill_graphs: bool = True, quantization: str | None = None,
+           kv_cache_dtype: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=8192, max_num_seqs=128,
                                   max_num_batched_tokens=4096, max_model_len=1024, attention_backend=backend,
                                   enforce_eager=enforce_eager, graph_capture=graph_capture,
-                                  prefill_graphs=prefill_graphs, quantization=quantization))
+                                  prefill_graphs=prefill_graphs, quantization=quantization,
+                                  kv_cache_dtype=kv_cache_dtype))
 
 
 def run(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[list[dict]]]:
@@ -339,6 +341,16 @@ def test_greedy_free_running_agreement_on_trained_weights(name, tmp_path):
     print(f"[{name}] fp8 weights: free-running position-wise agreement with transformers' bf16 {fp8_agreement:.4f}, "
           f"{sum(a == b for a, b in zip(quantized, theirs))}/256 continuations identical; the pattern followed "
           f"{positionwise(quantized, expected):.4f}")
+    # The FP8 KV cache (EngineConfig.kv_cache_dtype), alone and with FP8 weights: every attention path reads it
+    # (the prefill's, the decode graphs' of each kind, as the batch drains from 128 sequences to one)
+    kv_agreement = {}
+    for label, options in (("fp8 KV cache", {}), ("fp8 weights and KV cache", {"quantization": "fp8"})):
+        answers, _ = run(engine(str(tmp_path), kv_cache_dtype="fp8", **options), batch,
+                         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        kv_agreement[label] = positionwise(answers, theirs)
+        print(f"[{name}] {label}: free-running position-wise agreement with transformers' bf16 "
+              f"{kv_agreement[label]:.4f}, {sum(a == b for a, b in zip(answers, theirs))}/256 continuations "
+              f"identical")
     identical = sum(a == b for a, b in zip(ours, theirs))
     print(f"[{name}] trained {training.steps} steps in {training.seconds:.1f} s, loss on determined tokens "
           f"{training.loss:.4f}; 256 prompts x {n} greedy tokens: free-running "
@@ -352,3 +364,4 @@ def test_greedy_free_running_agreement_on_trained_weights(name, tmp_path):
     assert hits > 0
     assert agreement >= 0.95
     assert fp8_agreement >= 0.9
+    assert min(kv_agreement.values()) >= 0.9, kv_agreement

@@ -1,5 +1,5 @@
-"""FP8 weights on a CUDA GPU (runtime/engine/fp8.py): the kernels against the arithmetic they stand for. Run on the
-GPU machine:
+"""FP8 weights and the FP8 KV cache on a CUDA GPU (runtime/engine/fp8.py): the kernels against the arithmetic they
+stand for. Run on the GPU machine:
     python -m pytest tests/gpu/test_fp8_gpu.py -m gpu -s
 
 An FP8 engine's answers are checked against transformers on trained weights
@@ -11,10 +11,23 @@ itself, and the random models' logits are flat enough that this swaps the top to
 45, 128 prompts x 32 tokens, teacher-forced): transformers with the same quantization picked the engine's token
 0.59-0.69 of the time, unquantized transformers 0.44-0.61, where trained weights agree at 1.0.
 """
+import numpy as np
 import pytest
 import torch
 
-from ember.runtime.engine import fp8, gemv
+from ember.runtime.engine import fp8, fused, gemv, paged_decode
+from ember.runtime.engine.attention import AttentionBatch, FlashInferBackend, SdpaBackend
+from tests.gpu.test_paged_decode_gpu import (
+    HEADS,
+    KV_HEADS,
+    MAX_BLOCKS,
+    PAGE,
+    STREAMED_CLOSE,
+    D,
+    padded,
+    paged,
+    scattered,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -86,3 +99,59 @@ def test_the_norm_and_silu_kernels_quantize_as_their_unfused_kernels_then_the_qu
     assert total is x
     gate_up = torch.randn(rows, 2 * 12288, device="cuda", dtype=torch.bfloat16) * 2
     same_quantization(fused.silu_mul_fp8(gate_up), fp8.quantize_tokens(fused.silu_mul(gate_up)))
+
+
+# The FP8 KV cache (EngineConfig.kv_cache_dtype="fp8"): every kernel that writes or reads it against the same
+# arithmetic on the dequantized values
+
+def test_the_kv_write_kernel_stores_what_fp8_to_cache_rounds():
+    torch.manual_seed(3)
+    t, hq, hk, d, page = 37, 32, 8, 128, 16
+    q = torch.randn(t, hq, d, device="cuda").bfloat16()
+    k = torch.randn(t, hk, d, device="cuda").bfloat16()          # goes through the qk-norm: stays small
+    v = (torch.randn(t, hk, d, device="cuda") * 300).bfloat16()  # many past e4m3's 448: clamped, never NaN
+    angles = torch.rand(t, 1, d // 2, device="cuda") * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+    norm = torch.rand(d, device="cuda").bfloat16() + 0.5
+    cache = torch.zeros(4, 2, page, hk, d, dtype=fp8.FP8, device="cuda")
+    slots = torch.randperm(4 * page, device="cuda")[:t]
+    fused.norm_rope_store_(q, k, v, cos, sin, norm, norm, 1e-6, cache, slots // page, slots % page)
+    # k now holds its normed and rotated values in bf16: the cache holds exactly those, rounded
+    stored = cache.float()[slots // page, :, slots % page]   # [t, 2, hk, d]
+    assert torch.equal(stored[:, 0], fp8.to_cache(k, fp8.FP8).float())
+    assert torch.equal(stored[:, 1], fp8.to_cache(v, fp8.FP8).float())
+    assert cache.float().abs().max() == fp8.FP8_MAX and not cache.float().isnan().any()
+
+
+@pytest.mark.parametrize("batch_size", [1, 16, 200])
+def test_the_decode_kernels_read_an_fp8_cache_as_its_dequantized_values(batch_size):
+    lengths, tables, cache, q = scattered(batch_size)
+    cache = fp8.to_cache(cache, fp8.FP8)
+    scale = D ** -0.5
+    expected = paged_decode.reference(q, cache.float(), tables, lengths, scale).float()
+    split = paged_decode.PagedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"))
+    split.prepare(tables, lengths)
+    torch.testing.assert_close(split.forward(q, cache, scale).float(), expected, atol=2 ** -7, rtol=2 ** -7)
+    streamed = paged_decode.StreamedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
+                                           pool=paged_decode.streamed_pool(batch_size, KV_HEADS, 132))
+    streamed.stage(padded(tables), np.array(lengths))
+    torch.testing.assert_close(streamed.forward(q, cache, scale).float(), expected, **STREAMED_CLOSE)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 17, 45, 200]])
+def test_flashinfer_reads_an_fp8_cache_as_its_dequantized_values(query_lens):
+    """The eager decode and the prefill wrappers (planned with kv_data_type float8 e4m3) against SDPA over the
+    cache dequantized to bf16."""
+    g = torch.Generator().manual_seed(len(query_lens) + sum(query_lens))
+    lengths, tables, cache, _ = paged([1, 17, 300, 1000], g)
+    cache = fp8.to_cache(cache, fp8.FP8)
+    q = torch.randn(sum(query_lens), HEADS, D, generator=g).bfloat16().cuda()
+    slots = torch.zeros(sum(query_lens), dtype=torch.long, device="cuda")   # no K/V written: attention only
+    batch = AttentionBatch(np.array(query_lens, dtype=np.int32), np.array(lengths, dtype=np.int32), padded(tables),
+                           np.array([len(t) for t in tables], dtype=np.int32), slots, slots)
+    backend = FlashInferBackend(HEADS, KV_HEADS, D, PAGE, D ** -0.5, dtype=torch.bfloat16,
+                                device=torch.device("cuda"), kv_dtype=fp8.FP8)
+    backend.plan(batch)
+    sdpa = SdpaBackend(HEADS, KV_HEADS, D, PAGE, D ** -0.5)
+    sdpa.plan(batch)
+    torch.testing.assert_close(backend.attend(q, cache).float(), sdpa.attend(q, cache).float(), **STREAMED_CLOSE)
