@@ -222,6 +222,49 @@ def bench_attention(bandwidth: float, fa2: bool = False) -> list[dict]:
     return rows
 
 
+def bench_attention_fp8(bandwidth: float) -> list[dict]:
+    """The decode graphs' attention over a bf16 KV cache against the same over its FP8 copy
+    (EngineConfig(kv_cache_dtype="fp8")): the Triton split kernel at batches the graphs give it, the streamed one
+    (the engine's configuration, then STREAM_CONFIGS swept on the FP8 cache) from STREAM_MIN_BATCH, each in a CUDA
+    graph, against the bandwidth floor of each cache's bytes."""
+    from ember.runtime.engine import fp8
+    from ember.runtime.engine.paged_decode import PagedDecode, StreamedDecode, streamed_config, streamed_pool
+
+    heads, kv_heads, dim = 32, 8, 128
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, ctx in ATTENTION_CASES:
+        per_seq = -(-ctx // 16)
+        order = torch.randperm(batch * per_seq, generator=g).to(torch.int32)
+        tables = order.view(batch, per_seq).tolist()
+        q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+        bf16 = torch.randn(batch * per_seq, 2, 16, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+        caches = {"bf16": bf16, "fp8": fp8.to_cache(bf16, fp8.FP8)}
+        kv_bytes = batch * ctx * kv_heads * dim * 2 * 2
+        row = {"batch": batch, "context": ctx, "floor_bf16_us": round(kv_bytes / bandwidth * 1e6, 2),
+               "floor_fp8_us": round(kv_bytes / 2 / bandwidth * 1e6, 2)}
+        outputs = {}
+        for name, kv in caches.items():
+            if batch < STREAM_MIN_BATCH:
+                decode = PagedDecode(batch, -(-4096 // 16), 16, heads, kv_heads, dim, q.device)
+            else:
+                decode = StreamedDecode(batch, -(-max(16384, ctx) // 16), 16, heads, kv_heads, dim, q.device,
+                                        pool=streamed_pool(batch, kv_heads, sms), **streamed_config(kv.dtype))
+            decode.prepare(tables, [ctx] * batch)
+            run = functools.partial(decode.forward, q, kv, dim ** -0.5)
+            row[f"{name}_us"] = round(in_graph([run] * 10) * 1e6, 2)
+            outputs[name] = run().float()
+        if batch >= STREAM_MIN_BATCH:
+            swept: dict = {}
+            row.update({f"fp8_{k}": v for k, v in sweep_streamed(q, caches["fp8"], tables, [ctx] * batch,
+                                                                 swept).items()})
+        row["max_abs_diff_fp8_bf16"] = round(float((outputs["fp8"] - outputs["bf16"]).abs().max()), 4)
+        rows.append(row)
+        log("attention_fp8 " + json.dumps(row))
+    return rows
+
+
 def bench_skewed_attention(bandwidth: float) -> list[dict]:
     """Long contexts among short ones (SKEWED_CASES), where a kernel that gives each sequence the same number of
     programs leaves the long one's programs running alone: flashinfer's decode (its plan splits the KV by length)
@@ -577,7 +620,7 @@ def record(path: Path, result: dict) -> None:
     path.write_text(json.dumps({**kept, **result}, indent=1) + "\n")
 
 
-PARTS = ("gemv", "fused", "attention", "decode", "rope", "gemm", "overlap")
+PARTS = ("gemv", "fused", "attention", "attention_fp8", "decode", "rope", "gemm", "overlap")
 
 
 def parts_arg(text: str) -> set[str]:
@@ -625,6 +668,8 @@ def main() -> None:
     if "attention" in parts:
         result["attention"] = bench_attention(bandwidth, args.fa2)
         result["attention_skewed"] = bench_skewed_attention(bandwidth)
+    if "attention_fp8" in parts:
+        result["attention_fp8"] = bench_attention_fp8(bandwidth)
     if "decode" in parts:
         ways = tuple(w.strip() for w in args.decode_ways.split(","))
         if unknown := set(ways) - set(DECODE_WAYS):

@@ -138,11 +138,13 @@ def matmul_rate(fp8: bool = False) -> float:
     return 2 * 8192 * 4096 * 12288 / best
 
 
-def _workload_costs(model_dir: Path, weight_bytes: int, prompt_lens: list[int], fp8: bool = False) -> dict:
+def _workload_costs(model_dir: Path, weight_bytes: int, prompt_lens: list[int], fp8: bool = False,
+                    fp8_kv: bool = False) -> dict:
     """What the offline workload's parts cost a model of this shape: the bytes its products read per step, the
     FLOPs per decoded token, the K/V bytes per token of context, and prefill's FLOPs (weights and causal attention;
     the head's product only for each prompt's last token, whose logits sample its first output). `fp8`: the
-    decoder's product weights one byte a parameter (EngineConfig(quantization="fp8")), the head's two."""
+    decoder's product weights one byte a parameter (EngineConfig(quantization="fp8")), the head's two. `fp8_kv`: K
+    and V one byte a value (EngineConfig(kv_cache_dtype="fp8"))."""
     shape = json.loads((model_dir / "config.json").read_text())
     layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
     head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
@@ -154,21 +156,22 @@ def _workload_costs(model_dir: Path, weight_bytes: int, prompt_lens: list[int], 
     if fp8:
         product_bytes -= (product_bytes - head_flops) // 2
     return {"product_bytes": product_bytes, "flops_per_token": flops_per_token,
-            "kv_per_token": layers * shape["num_key_value_heads"] * head_dim * 2 * 2,   # K and V, bf16
+            "kv_per_token": layers * shape["num_key_value_heads"] * head_dim * 2 * (1 if fp8_kv else 2),
             "prefill_flops": sum(prompt_lens) * (flops_per_token - head_flops) + len(prompt_lens) * head_flops
             + attention_flops}
 
 
 def offline_floor(model_dir: Path, weight_bytes: int, prompt_lens: list[int], output_lens: list[int],
-                  bandwidth: float, flops: float, fp8: bool = False) -> float:
+                  bandwidth: float, flops: float, fp8: bool = False, fp8_kv: bool = False) -> float:
     """Seconds an ideal engine of Ember's kind (and vLLM's and SGLang's: prefill and decode in their own steps, a
     step's attention after its products) needs for the offline workload at this run's measured copy bandwidth and
     matrix product rate: every prompt prefilled at the product rate, then each decode step of every sequence still
     running, taking the longer of reading the weights and computing the step's products, plus reading each
     sequence's K/V at the copy bandwidth. Nothing is wasted: no padding, no launch gaps, no host time, and prefill
     overlaps nothing. A lower bound on the run's time for such an engine; `offline_bound` is one for any. `fp8`:
-    with FP8 product weights (the head's bf16 product counted at `flops` too, which keeps it a lower bound)."""
-    c = _workload_costs(model_dir, weight_bytes, prompt_lens, fp8)
+    with FP8 product weights (the head's bf16 product counted at `flops` too, which keeps it a lower bound); `fp8_kv`:
+    with an FP8 KV cache."""
+    c = _workload_costs(model_dir, weight_bytes, prompt_lens, fp8, fp8_kv)
     seconds = c["prefill_flops"] / flops
     running = sorted(zip(output_lens, prompt_lens))
     for step in range(1, max(output_lens)):   # the token of step 0 came with the prefill
@@ -257,11 +260,11 @@ def hf_offline(model, prompts: list[list[int]], new_tokens: int) -> tuple[float,
 
 def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool = True,
                  streamed_decode: int | None = None, device_wait: str | None = None, max_model_len: int = 4096,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
     """The engine with batches of up to `max_num_seqs` sequences and 8192 tokens a step; with None, with
     EngineConfig's defaults (what a user gets). `streamed_decode`: EngineConfig.streamed_decode_min_batch when
     given, 0 for flashinfer's decode kernel at every batch size; `device_wait`: EngineConfig.device_wait when
-    given; `quantization`: EngineConfig.quantization."""
+    given; `quantization` and `kv_cache_dtype`: EngineConfig's."""
     from ember.runtime.engine.config import EngineConfig
     from ember.runtime.engine.engine import LLMEngine
 
@@ -271,7 +274,7 @@ def ember_engine(model_dir: Path, max_num_seqs: int | None = None, overlap: bool
     if device_wait is not None:
         tuned["device_wait"] = device_wait
     return LLMEngine(EngineConfig(model=str(model_dir), max_model_len=max_model_len, overlap=overlap,
-                                  quantization=quantization, **tuned))
+                                  quantization=quantization, kv_cache_dtype=kv_cache_dtype, **tuned))
 
 
 def ember_batch1(eng, prompt: list[int], new_tokens: int) -> float:
@@ -726,8 +729,9 @@ def measure(shape: str, args, bandwidth: float, workdir: Path) -> dict:
     if args.parts & {"b1", "offline", "b64", "offline-defaults"}:
         for overlap in OVERLAP_MODES[args.overlap]:
             ember_parts(row, shape, model_dir, args, b1_prompt, prompts, output_lens, overlap)
-    if "fp8" in args.parts:
-        ember_fp8(row, shape, model_dir, args, b1_prompt, prompts, output_lens, bandwidth)
+    for part in ("fp8", "fp8_kv"):
+        if part in args.parts:
+            ember_fp8(row, shape, model_dir, args, b1_prompt, prompts, output_lens, bandwidth, part == "fp8_kv")
     if "skewed" in args.parts:
         # Ember's decode attention (as configured) and, unless --streamed-decode chose one, flashinfer's beside it
         kernels = [("", args.streamed_decode)] + ([("flashinfer_", 0)] if args.streamed_decode is None else [])
@@ -810,26 +814,31 @@ def ember_parts(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[in
 
 
 def ember_fp8(row: dict, shape: str, model_dir: Path, args, b1_prompt: list[int], prompts: list[list[int]],
-              output_lens: list[int], bandwidth: float) -> None:
+              output_lens: list[int], bandwidth: float, kv: bool = False) -> None:
     """Batch 1 and offline with FP8 weights (EngineConfig(quantization="fp8"), the batch sizes of ember_parts),
-    into row["fp8"]: batch 1 against the roofline of the FP8 model's bytes, offline against the floor at the FP8
-    product rate measured in this run."""
-    eng = ember_engine(model_dir, max_num_seqs=256, device_wait=args.device_wait, quantization="fp8")
+    into row["fp8"], or with `kv` an FP8 KV cache besides (kv_cache_dtype="fp8"), into row["fp8_kv"]: batch 1
+    against the roofline of the FP8 model's bytes, offline against the floor at the FP8 product rate measured in
+    this run."""
+    name = "fp8_kv" if kv else "fp8"
+    eng = ember_engine(model_dir, max_num_seqs=256, device_wait=args.device_wait, quantization="fp8",
+                       kv_cache_dtype="fp8" if kv else "auto")
     weight_bytes = sum(p.nbytes for p in dict.fromkeys(eng.runner.model.parameters()))
     floor = offline_floor(model_dir, row["weight_bytes"], [len(p) for p in prompts], output_lens, bandwidth,
-                          args.fp8_flops, fp8=True)
-    fp8 = row["fp8"] = {"weight_bytes": weight_bytes, "roofline_b1_tok_s": round(bandwidth / weight_bytes, 1),
-                        "offline_floor_output_tok_s": round(sum(output_lens) / floor, 1),
-                        "ember_start_phases_s": {k: round(v, 3) for k, v in eng.runner.start_phases.items()}}
-    log(f"[{shape}] ember fp8 engine up: {weight_bytes / 1e9:.2f} GB of weights, roofline "
-        f"{fp8['roofline_b1_tok_s']} tok/s, offline floor {fp8['offline_floor_output_tok_s']} output tok/s")
+                          args.fp8_flops, fp8=True, fp8_kv=kv)
+    fp8 = row[name] = {"weight_bytes": weight_bytes, "roofline_b1_tok_s": round(bandwidth / weight_bytes, 1),
+                       "offline_floor_output_tok_s": round(sum(output_lens) / floor, 1),
+                       "kv_blocks": eng.runner.num_blocks,
+                       "ember_start_phases_s": {k: round(v, 3) for k, v in eng.runner.start_phases.items()}}
+    log(f"[{shape}] ember {name} engine up: {weight_bytes / 1e9:.2f} GB of weights, {eng.runner.num_blocks} KV "
+        f"blocks, roofline {fp8['roofline_b1_tok_s']} tok/s, offline floor {fp8['offline_floor_output_tok_s']} "
+        "output tok/s")
     fp8["ember_b1_tok_s"] = round(ember_batch1(eng, b1_prompt, 256), 1)
-    log(f"[{shape}] ember fp8 batch 1: {fp8['ember_b1_tok_s']} tok/s "
+    log(f"[{shape}] ember {name} batch 1: {fp8['ember_b1_tok_s']} tok/s "
         f"({fp8['ember_b1_tok_s'] / fp8['roofline_b1_tok_s']:.0%} of its roofline)")
     args.checkpoint(row)
     rate, fp8["offline_time_split"] = ember_offline(eng, prompts, output_lens)
     fp8["offline_output_tok_s"] = round(rate, 1)
-    log(f"[{shape}] ember fp8 offline: {fp8['offline_output_tok_s']} output tok/s "
+    log(f"[{shape}] ember {name} offline: {fp8['offline_output_tok_s']} output tok/s "
         f"({rate / fp8['offline_floor_output_tok_s']:.0%} of its floor); {fp8['offline_time_split']}")
     args.checkpoint(row)
     eng.close()
@@ -910,7 +919,7 @@ def main() -> None:
 
     bandwidth = copy_bandwidth()
     args.flops = matmul_rate()
-    args.fp8_flops = matmul_rate(fp8=True) if "fp8" in args.parts else None
+    args.fp8_flops = matmul_rate(fp8=True) if args.parts & {"fp8", "fp8_kv"} else None
     log(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 products {args.flops / 1e12:.0f} TFLOPS"
         + (f", FP8 products {args.fp8_flops / 1e12:.0f} TFLOPS" if args.fp8_flops else ""))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ember-speed-models-"))
@@ -940,8 +949,9 @@ def main() -> None:
 
 
 PARTIAL = "engine_speed.partial.json"   # --record's checkpoint of a run in progress (bench/results ignores it)
-PARTS = ("transformers", "b1", "offline", "b64", "offline-defaults", "online", "skewed", "fp8")
-# fp8: batch 1 and offline again with EngineConfig(quantization="fp8"), into the row's "fp8" field
+PARTS = ("transformers", "b1", "offline", "b64", "offline-defaults", "online", "skewed", "fp8", "fp8_kv")
+# fp8: batch 1 and offline again with EngineConfig(quantization="fp8"), into the row's "fp8" field; fp8_kv: the same
+# with kv_cache_dtype="fp8" besides, into "fp8_kv"
 # skewed: long prompts among short ones, decoded together (one program per sequence left a long context's KV to a
 # few programs, session 35); each request decodes SKEWED_TOKENS tokens
 SKEWED = {"one 16,384-token prompt among 63 of 512": [16384] + [512] * 63,
