@@ -164,16 +164,17 @@ class StreamedDecode(PagedDecode):
     and a step of even contexts of 33 sequences or more (none over the chunk, see streamed_pool) runs one program
     per sequence and KV head, which writes its output directly. A long sequence's pieces write their partial results;
     the last of them to finish (an atomic count per sequence and head) merges them by their log-sum-exp.
-    `block_t`, `warps` and `stages` are what bench/engine/kernel_bench.py sweeps."""
+    `block_t`, `warps` and `stages` are what bench/engine/kernel_bench.py sweeps; `kv_a` computes with K and V as the
+    products' left operands (`_attend_tile_kv_a`)."""
 
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, pool: int = 33, block_t: int = 64, warps: int = 4,
-                 stages: int = 3):
+                 stages: int = 3, kv_a: bool = False):
         if pool < 1:
             raise ValueError(f"pool must be at least 1, not {pool}")
         self.pool = pool
         super().__init__(batch_size, max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim, device)
-        self.block_t, self.warps, self.stages = block_t, warps, stages
+        self.block_t, self.warps, self.stages, self.kv_a = block_t, warps, stages, kv_a
         self.first_slots = self.staged[self._meta_at:self._meta_at + batch_size]
         self.extras = self.staged[self._meta_at + batch_size:self._meta_at + batch_size + 2 * pool]
         self.staged[1] = max_blocks_per_seq * block_size   # a chunk no context passes, until a step's plan
@@ -227,7 +228,7 @@ class StreamedDecode(PagedDecode):
             self.lse, self.arrived, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             kv_cache.stride(2), kv_cache.stride(3), self.staged, scale * _LOG2_E, self.pool, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, PAGE=self.block_size, BLOCK_T=self.block_t,
-            num_warps=self.warps, num_stages=self.stages)
+            KV_A=self.kv_a, num_warps=self.warps, num_stages=self.stages)
         return out
 
 
@@ -300,6 +301,28 @@ if triton is not None:
         return m_new, total, acc
 
     @triton.jit
+    def _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head, scale, m, total,
+                          acc_t, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr):
+        """_attend_tile's STREAMED arithmetic with K and V the products' left operands: q_t [D, GROUP_PAD] and the
+        output acc_t [D, GROUP_PAD] transposed, the scores [BLOCK_T, GROUP_PAD]. A left operand may stay in
+        registers on Hopper's tensor cores, so a tile widened from FP8 need not go back through shared memory."""
+        tokens = start + tl.arange(0, BLOCK_T)
+        valid = tokens < end
+        dims = tl.arange(0, D)
+        blocks = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
+        slots = blocks * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
+        k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(q_t.dtype)
+        scores = tl.dot(k, q_t) * scale
+        scores = tl.where(valid[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        p = tl.exp2(scores - m_new[None, :])
+        alpha = tl.exp2(m - m_new)
+        total = total * alpha + tl.sum(p, axis=0)
+        v_t = tl.load(cache_ptr + s_kv + slots[None, :] + dims[:, None], mask=valid[None, :], other=0.0).to(q_t.dtype)
+        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(v_t.dtype))
+        return m_new, total, acc_t
+
+    @triton.jit
     def _split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, partial_ptr, lse_ptr, q_stride_t, q_stride_h,
                       s_block, s_kv, s_slot, s_head, stride_ptr, scale, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
@@ -355,7 +378,7 @@ if triton is not None:
     def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, first_ptr, extras_ptr, out_ptr, partial_ptr, lse_ptr,
                        arrived_ptr, q_stride_t, q_stride_h, s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2,
                        pool, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                       PAGE: tl.constexpr, BLOCK_T: tl.constexpr):
+                       PAGE: tl.constexpr, BLOCK_T: tl.constexpr, KV_A: tl.constexpr):
         # _split_kernel's work over one piece of a sequence (StreamedDecode's plan), with a loop whose bounds are the
         # piece's own tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2,
         # and p rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor
@@ -385,9 +408,20 @@ if triton is not None:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for start in range(begin, end, BLOCK_T):
-            m, total, acc = _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head,
-                                         scale_log2, m, total, acc, D=D, PAGE=PAGE, BLOCK_T=BLOCK_T, STREAMED=True)
+        if KV_A:   # the same, K and V the left operands (StreamedDecode's kv_a)
+            q_t = tl.load(q_ptr + seq * q_stride_t + heads[None, :] * q_stride_h + dims[:, None],
+                          mask=head_ok[None, :], other=0.0)
+            acc_t = tl.zeros([D, GROUP_PAD], tl.float32)
+            for start in range(begin, end, BLOCK_T):
+                m, total, acc_t = _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot,
+                                                    s_head, scale_log2, m, total, acc_t, D=D, PAGE=PAGE,
+                                                    BLOCK_T=BLOCK_T)
+            acc = tl.trans(acc_t)
+        else:
+            for start in range(begin, end, BLOCK_T):
+                m, total, acc = _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head,
+                                             scale_log2, m, total, acc, D=D, PAGE=PAGE, BLOCK_T=BLOCK_T,
+                                             STREAMED=True)
         num_heads = GROUP * tl.num_programs(0)
         out_rows = (seq * num_heads + heads[:, None]) * D + dims[None, :]
         if context <= chunk:   # one piece, this one: the output directly (every sequence has a token)

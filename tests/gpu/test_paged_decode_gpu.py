@@ -59,15 +59,16 @@ def padded(tables: list[list[int]]) -> np.ndarray:
 STREAMED_CLOSE = dict(atol=2 ** -6, rtol=2 ** -6)
 
 
-@pytest.mark.parametrize("batch_size,pool,block_t,stages", [(40, 33, 64, 3), (200, 33, 32, 2), (40, 200, 128, 4),
-                                                              (3, 1, 64, 3), (16, 64, 64, 3)])
-def test_streamed_attention_matches_the_reference(batch_size, pool, block_t, stages):
+@pytest.mark.parametrize("batch_size,pool,block_t,stages,kv_a", [
+    (40, 33, 64, 3, False), (200, 33, 32, 2, False), (40, 200, 128, 4, False), (3, 1, 64, 3, False),
+    (16, 64, 64, 3, False), (40, 33, 64, 3, True), (200, 33, 128, 2, True), (40, 200, 128, 2, True)])
+def test_streamed_attention_matches_the_reference(batch_size, pool, block_t, stages, kv_a):
     """The large-batch kernel with pools that leave every sequence one piece (its output written directly) and that
     cut many into pieces (merged by the last to arrive), its tables staged from a padded array as the engine
-    stages a step."""
+    stages a step; with K and V as the products' left operands too (kv_a)."""
     lengths, tables, cache, q = scattered(batch_size)
     decode = paged_decode.StreamedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
-                                         pool=pool, block_t=block_t, stages=stages)
+                                         pool=pool, block_t=block_t, stages=stages, kv_a=kv_a)
     decode.stage(padded(tables), np.array(lengths))
     expected = paged_decode.reference(q, cache, tables, lengths, D ** -0.5)
     torch.testing.assert_close(decode.forward(q, cache, D ** -0.5).float(), expected.float(), **STREAMED_CLOSE)
