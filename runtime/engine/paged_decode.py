@@ -165,16 +165,17 @@ class StreamedDecode(PagedDecode):
     per sequence and KV head, which writes its output directly. A long sequence's pieces write their partial results;
     the last of them to finish (an atomic count per sequence and head) merges them by their log-sum-exp.
     `block_t`, `warps` and `stages` are what bench/engine/kernel_bench.py sweeps; `kv_a` computes with K and V as the
-    products' left operands (`_attend_tile_kv_a`)."""
+    products' left operands (`_attend_tile_kv_a`); `f16` computes the products in fp16 (q rounded to it, P too),
+    to which an FP8 cache widens exactly and more cheaply than to bf16 (q past fp16's 65,504 would overflow)."""
 
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, pool: int = 33, block_t: int = 64, warps: int = 4,
-                 stages: int = 3, kv_a: bool = False):
+                 stages: int = 3, kv_a: bool = False, f16: bool = False):
         if pool < 1:
             raise ValueError(f"pool must be at least 1, not {pool}")
         self.pool = pool
         super().__init__(batch_size, max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim, device)
-        self.block_t, self.warps, self.stages, self.kv_a = block_t, warps, stages, kv_a
+        self.block_t, self.warps, self.stages, self.kv_a, self.f16 = block_t, warps, stages, kv_a, f16
         self.first_slots = self.staged[self._meta_at:self._meta_at + batch_size]
         self.extras = self.staged[self._meta_at + batch_size:self._meta_at + batch_size + 2 * pool]
         self.staged[1] = max_blocks_per_seq * block_size   # a chunk no context passes, until a step's plan
@@ -228,7 +229,7 @@ class StreamedDecode(PagedDecode):
             self.lse, self.arrived, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             kv_cache.stride(2), kv_cache.stride(3), self.staged, scale * _LOG2_E, self.pool, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, PAGE=self.block_size, BLOCK_T=self.block_t,
-            KV_A=self.kv_a, num_warps=self.warps, num_stages=self.stages)
+            KV_A=self.kv_a, F16=self.f16, num_warps=self.warps, num_stages=self.stages)
         return out
 
 
@@ -378,7 +379,7 @@ if triton is not None:
     def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, first_ptr, extras_ptr, out_ptr, partial_ptr, lse_ptr,
                        arrived_ptr, q_stride_t, q_stride_h, s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2,
                        pool, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                       PAGE: tl.constexpr, BLOCK_T: tl.constexpr, KV_A: tl.constexpr):
+                       PAGE: tl.constexpr, BLOCK_T: tl.constexpr, KV_A: tl.constexpr, F16: tl.constexpr):
         # _split_kernel's work over one piece of a sequence (StreamedDecode's plan), with a loop whose bounds are the
         # piece's own tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2,
         # and p rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor
@@ -404,6 +405,8 @@ if triton is not None:
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=head_ok[:, None],
                     other=0.0)
+        if F16:   # StreamedDecode's f16: products in fp16, to which FP8 widens in one instruction per two values
+            q = q.to(tl.float16)
         table = tables_ptr + seq * table_stride
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
@@ -411,6 +414,8 @@ if triton is not None:
         if KV_A:   # the same, K and V the left operands (StreamedDecode's kv_a)
             q_t = tl.load(q_ptr + seq * q_stride_t + heads[None, :] * q_stride_h + dims[:, None],
                           mask=head_ok[None, :], other=0.0)
+            if F16:
+                q_t = q_t.to(tl.float16)
             acc_t = tl.zeros([D, GROUP_PAD], tl.float32)
             for start in range(begin, end, BLOCK_T):
                 m, total, acc_t = _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot,
