@@ -491,13 +491,16 @@ def test_a_later_callers_request_does_not_wait_for_all_of_an_earlier_batch(tmp_p
                                      timeout=300) as client:
             async def batch():
                 reply = await client.post("/v1/completions", json={
-                    "model": MODEL, "prompt": ["once upon a time"] * 48, "max_tokens": 24, "ignore_eos": True})
+                    "model": MODEL, "prompt": ["once upon a time"] * 48, "max_tokens": 96, "ignore_eos": True})
                 done.append(("batch", reply.status_code, len(reply.json()["choices"])))
 
             async def later():
-                await asyncio.sleep(0.3)   # the batch fills the engine by now
+                # the batch fills the engine by now and holds it for seconds (12 rounds of 96 steps; of 24 steps,
+                # a quiet machine had finished it, 0.34 s, before this request came). Admitted first come first
+                # served, after the batch's 48, this one's 120 steps would end after the batch's last round.
+                await asyncio.sleep(0.3)
                 reply = await client.post("/v1/completions", json={
-                    "model": MODEL, "prompt": "hello", "max_tokens": 24, "ignore_eos": True})
+                    "model": MODEL, "prompt": "hello", "max_tokens": 120, "ignore_eos": True})
                 done.append(("later", reply.status_code, len(reply.json()["choices"])))
 
             await asyncio.gather(batch(), later())
