@@ -270,6 +270,15 @@ if triton is not None:
         return seq, kv_head, split, context, heads, head_ok, q, tables_ptr + seq * table_stride
 
     @triton.jit
+    def _tile_slots(table, start, end, kv_head, s_block, s_slot, s_head, PAGE: tl.constexpr, BLOCK_T: tl.constexpr):
+        """The BLOCK_T tokens from `start`: which are before `end`, and where each one's K of `kv_head` starts in the
+        cache (its block from the sequence's `table`, its slot in the block)."""
+        tokens = start + tl.arange(0, BLOCK_T)
+        valid = tokens < end
+        blocks = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
+        return valid, blocks * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
+
+    @triton.jit
     def _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head, scale, m, total, acc,
                      D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, STREAMED: tl.constexpr):
         """The query heads of one KV head against the BLOCK_T tokens from `start` (those before `end`), folded into
@@ -277,11 +286,8 @@ if triton is not None:
         includes log2(e)) and P rounded to the cache's dtype for its product with V, on the tensor cores; else
         natural base and P·V in fp32. The cache may hold float8 e4m3 (EngineConfig.kv_cache_dtype): half the
         bytes to read, each value exact in q's dtype."""
-        tokens = start + tl.arange(0, BLOCK_T)
-        valid = tokens < end
+        valid, slots = _tile_slots(table, start, end, kv_head, s_block, s_slot, s_head, PAGE=PAGE, BLOCK_T=BLOCK_T)
         dims = tl.arange(0, D)
-        blocks = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
-        slots = blocks * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
         # an FP8 cache's values (a scale of 1) widen to q's dtype, exactly
         k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)) * scale
@@ -307,11 +313,8 @@ if triton is not None:
         """_attend_tile's STREAMED arithmetic with K and V the products' left operands: q_t [D, GROUP_PAD] and the
         output acc_t [D, GROUP_PAD] transposed, the scores [BLOCK_T, GROUP_PAD]. A left operand may stay in
         registers on Hopper's tensor cores, so a tile widened from FP8 need not go back through shared memory."""
-        tokens = start + tl.arange(0, BLOCK_T)
-        valid = tokens < end
+        valid, slots = _tile_slots(table, start, end, kv_head, s_block, s_slot, s_head, PAGE=PAGE, BLOCK_T=BLOCK_T)
         dims = tl.arange(0, D)
-        blocks = tl.load(table + tokens // PAGE, mask=valid, other=0).to(tl.int64)
-        slots = blocks * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
         k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(q_t.dtype)
         scores = tl.dot(k, q_t) * scale
         scores = tl.where(valid[:, None], scores, float("-inf"))

@@ -38,3 +38,21 @@ def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # Keep special ids (0..2) out of prompts so EOS only appears when the model emits it.
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def logprob_gaps(outputs: list[list[dict]], prompts: list[list[int]], reference, exact
+                 ) -> tuple[list[bool], list[float], list[float]]:
+    """For each token the engine drew after each prompt (`outputs[i]`, its logprob entries): whether `reference`'s
+    greedy choice at that position is the same token, and how far the engine's logprob of it is from the
+    `reference` model's and from the `exact` one's (both transformers models, fed the engine's own tokens)."""
+    same_token, to_reference, to_exact = [], [], []
+    with torch.no_grad():
+        for prompt, ours in zip(prompts, outputs):
+            sequence = torch.tensor([prompt + [entry["token_id"] for entry in ours]])
+            expected = torch.log_softmax(reference(sequence).logits[0, len(prompt) - 1:-1], dim=-1)
+            unrounded = torch.log_softmax(exact(sequence).logits[0, len(prompt) - 1:-1], dim=-1)
+            for j, entry in enumerate(ours):
+                same_token.append(entry["token_id"] == expected[j].argmax().item())
+                to_reference.append(abs(entry["logprob"] - expected[j, entry["token_id"]].item()))
+                to_exact.append(abs(entry["logprob"] - unrounded[j, entry["token_id"]].item()))
+    return same_token, to_reference, to_exact

@@ -13,7 +13,7 @@ from ember.runtime.engine.models import loader
 from ember.runtime.engine.sampling import SamplingParams
 from ember.snapshot import LocalStore
 
-from .hf_models import FAMILIES, build, random_prompts
+from .hf_models import FAMILIES, build, logprob_gaps, random_prompts
 
 E4M3_HALF_ULP = 2.0 ** -4   # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 1/16 of it
 
@@ -100,18 +100,8 @@ def test_an_fp8_engine_computes_what_transformers_computes_with_the_same_quantiz
     while eng.has_unfinished_requests():
         for out in eng.step():
             outputs.setdefault(out.request_id, []).extend(out.new_logprobs or [])
-    same_token, to_quantized, to_unquantized = [], [], []
-    with torch.no_grad():
-        for prompt in prompts:
-            ours = outputs[str(len(prompt))]
-            tokens = [entry["token_id"] for entry in ours]
-            sequence = torch.tensor([prompt + tokens])
-            expected = torch.log_softmax(quantized(sequence).logits[0, len(prompt) - 1:-1], dim=-1)
-            unquantized = torch.log_softmax(model(sequence).logits[0, len(prompt) - 1:-1], dim=-1)
-            for i, entry in enumerate(ours):
-                same_token.append(entry["token_id"] == expected[i].argmax().item())
-                to_quantized.append(abs(entry["logprob"] - expected[i, entry["token_id"]].item()))
-                to_unquantized.append(abs(entry["logprob"] - unquantized[i, entry["token_id"]].item()))
+    same_token, to_quantized, to_unquantized = logprob_gaps([outputs[str(len(p))] for p in prompts], prompts,
+                                                             quantized, model)
     # Most logprobs equal the reference's to fp32 rounding; where the two sides' hidden states differ in the last
     # bit (their sums run in other orders), a value on an e4m3 rounding boundary can round the other way, which
     # moves a logprob by a few hundredths: quantization magnifies last-bit differences.

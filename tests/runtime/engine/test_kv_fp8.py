@@ -14,7 +14,7 @@ from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.sampling import SamplingParams
 
-from .hf_models import FAMILIES, build, random_prompts
+from .hf_models import FAMILIES, build, logprob_gaps, random_prompts
 
 
 def test_the_cache_rounds_to_nearest_e4m3_and_clamps_past_its_range():
@@ -94,17 +94,8 @@ def test_an_fp8_cache_engine_computes_what_transformers_computes_over_rounded_ke
     rounded.set_attn_implementation("ember_fp8_kv")
     prompts = random_prompts([5, 23, 40], seed=3)
     outputs = logprobs_of(eng, prompts)
-    same_token, to_rounded, to_exact = [], [], []
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            ours = outputs[i]
-            sequence = torch.tensor([prompt + [entry["token_id"] for entry in ours]])
-            expected = torch.log_softmax(rounded(sequence).logits[0, len(prompt) - 1:-1], dim=-1)
-            exact = torch.log_softmax(model(sequence).logits[0, len(prompt) - 1:-1], dim=-1)
-            for j, entry in enumerate(ours):
-                same_token.append(entry["token_id"] == expected[j].argmax().item())
-                to_rounded.append(abs(entry["logprob"] - expected[j, entry["token_id"]].item()))
-                to_exact.append(abs(entry["logprob"] - exact[j, entry["token_id"]].item()))
+    same_token, to_rounded, to_exact = logprob_gaps([outputs[i] for i in range(len(prompts))], prompts, rounded,
+                                                     model)
     # As with FP8 weights (test_fp8.py): equal to fp32 rounding but where a last-bit difference moved a value across
     # an e4m3 rounding boundary
     assert sum(same_token) >= 0.9 * len(same_token)
