@@ -13,7 +13,7 @@ from ember.runtime.engine.models import loader
 from ember.runtime.engine.sampling import SamplingParams
 from ember.snapshot import LocalStore
 
-from .hf_models import FAMILIES, build, logprob_gaps, random_prompts
+from .hf_models import logprob_gaps, random_prompts
 
 E4M3_HALF_ULP = 2.0 ** -4   # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 1/16 of it
 
@@ -72,19 +72,12 @@ def fake_quantized(model):
     return model
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    model = build(request.param, directory)
-    return str(directory), model
-
-
 def engine(model_dir: str, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, **{"max_num_seqs": 8, "num_kv_blocks": 128, **overrides}))
 
 
-def test_an_fp8_engine_computes_what_transformers_computes_with_the_same_quantization(family):
-    model_dir, model = family
+def test_an_fp8_engine_computes_what_transformers_computes_with_the_same_quantization(model_family):
+    model_dir, model = model_family
     eng = engine(model_dir, quantization="fp8")
     weights = {name: p for name, p in eng.runner.model.named_parameters()}
     products = [name for name in weights if name.endswith("proj.weight")]
@@ -110,9 +103,9 @@ def test_an_fp8_engine_computes_what_transformers_computes_with_the_same_quantiz
     assert torch.tensor(to_unquantized).median() > 0.01, "the fp8 engine computes the unquantized model"
 
 
-def test_an_fp8_snapshot_holds_the_quantized_weights_and_never_serves_the_unquantized_model(family, tmp_path,
-                                                                                            monkeypatch):
-    model_dir, _ = family
+def test_an_fp8_snapshot_holds_the_quantized_weights_and_never_serves_the_unquantized_model(
+        model_family, tmp_path, monkeypatch):
+    model_dir, _ = model_family
     monkeypatch.setenv("EMBER_HOME", str(tmp_path))
     monkeypatch.delenv("EMBER_SNAPSHOT_STORE", raising=False)
     prompts = random_prompts([9, 30], seed=4)

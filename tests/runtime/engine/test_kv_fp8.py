@@ -14,7 +14,8 @@ from ember.runtime.engine.config import EngineConfig
 from ember.runtime.engine.engine import LLMEngine
 from ember.runtime.engine.sampling import SamplingParams
 
-from .hf_models import FAMILIES, build, logprob_gaps, random_prompts
+from .hf_models import logprob_gaps, random_prompts
+from .test_fp8 import engine
 
 
 def test_the_cache_rounds_to_nearest_e4m3_and_clamps_past_its_range():
@@ -62,17 +63,6 @@ def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
 AttentionInterface.register("ember_fp8_kv", _fp8_kv_attention)
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    model = build(request.param, directory)
-    return str(directory), model
-
-
-def engine(model_dir: str, **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, **{"max_num_seqs": 8, "num_kv_blocks": 128, **overrides}))
-
-
 def logprobs_of(eng: LLMEngine, prompts: list[list[int]]) -> dict[int, list[dict]]:
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5)
     for i, prompt in enumerate(prompts):
@@ -85,8 +75,8 @@ def logprobs_of(eng: LLMEngine, prompts: list[list[int]]) -> dict[int, list[dict
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_an_fp8_cache_engine_computes_what_transformers_computes_over_rounded_keys_and_values(family, chunked):
-    model_dir, model = family
+def test_an_fp8_cache_engine_computes_what_transformers_computes_over_rounded_keys_and_values(model_family, chunked):
+    model_dir, model = model_family
     # chunked: prompts prefilled over several steps, so later chunks read earlier chunks' K/V from the FP8 cache
     eng = engine(model_dir, kv_cache_dtype="fp8", **({"max_num_batched_tokens": 16} if chunked else {}))
     assert all(cache.dtype == torch.float8_e4m3fn for cache in eng.runner.kv_caches)
@@ -103,8 +93,8 @@ def test_an_fp8_cache_engine_computes_what_transformers_computes_over_rounded_ke
     assert torch.tensor(to_exact).median() > 1e-4, "the engine's cache did not round K and V"
 
 
-def test_fp8_weights_and_cache_together_and_more_blocks_in_the_same_bytes(family):
-    model_dir, _ = family
+def test_fp8_weights_and_cache_together_and_more_blocks_in_the_same_bytes(model_family):
+    model_dir, _ = model_family
     budget = 1 << 20
     plain = engine(model_dir, num_kv_blocks=None, kv_cache_bytes=budget)
     both = engine(model_dir, num_kv_blocks=None, kv_cache_bytes=budget, kv_cache_dtype="fp8", quantization="fp8")
