@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember.home import Home
-from ember.runtime.supervisor import detect_gpus
+from ember.runtime.supervisor import detect_gpus, gpu_architectures
 
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta-v2", "nomic_bert"}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -157,6 +157,16 @@ def app_name(served: str) -> str:
     return name
 
 
+def _pre_fp8_gpus() -> str | None:
+    """The compute capabilities under 8.9 (no FP8) of this machine's GPUs, from nvidia-smi; None where every GPU has
+    FP8, where there is none (the CPU runs FP8's arithmetic on rounded values) or where nvidia-smi says nothing."""
+    if not detect_gpus() or not (caps := gpu_architectures()):
+        return None
+    lacking = [cap for cap in caps.split()
+               if (version := re.match(r"(\d+)\.(\d+)", cap)) and tuple(map(int, version.groups())) < (8, 9)]
+    return " ".join(lacking) or None
+
+
 def write_model_app(model_dir: str | Path, name: str | None, home: Home, quantization: str | None = None,
                     kv_cache_dtype: str | None = None) -> ModelApp:
     """The app file for `model_dir`; `quantization` and `kv_cache_dtype` (a causal LM's): EngineConfig's, e.g.
@@ -169,6 +179,12 @@ def write_model_app(model_dir: str | Path, name: str | None, home: Home, quantiz
     if kv_cache_dtype and kind != "chat":
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: only a causal LM keeps a KV cache; "
                          f"{model_dir.name} is an encoder: drop --kv-cache-dtype")
+    fp8_flags = [flag for flag, value in (("--quantization", quantization), ("--kv-cache-dtype", kv_cache_dtype))
+                 if value == "fp8"]
+    if fp8_flags and (lacking := _pre_fp8_gpus()):
+        raise ValueError(f"{' and '.join(f'{flag} fp8' for flag in fp8_flags)} need{'s' * (len(fp8_flags) == 1)} FP8 "
+                         f"support (compute capability 8.9 or newer: Ada, Hopper); this machine's GPUs are {lacking}: "
+                         f"drop {' and '.join(fp8_flags)}")
     served = name or model_dir.name
     app = app_name(served)
     template = CHAT_APP if kind == "chat" else EMBEDDINGS_APP

