@@ -333,26 +333,30 @@ SKEWED_CASES = ([16384] + [512] * 63, [4096] * 4 + [256] * 124, [16384] * 2 + [5
 # tiles besides the sweep's, as an FP8 tile is half a bf16 one's bytes
 VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
 VARIANT_TILES = [(64, 4, 3), (128, 4, 2), (128, 8, 2), (256, 4, 2), (256, 8, 2)]
-# paged_decode.StreamedDecode's configurations: (tokens per tile, warps, stages); the first is the engine's
-STREAM_CONFIGS = [(64, 4, 3)] + [(block_t, warps, stages) for block_t in (32, 64, 128) for warps in (4, 8)
-                                 for stages in (2, 3) if (block_t, warps, stages) != (64, 4, 3)]
+# paged_decode.StreamedDecode's configurations swept: (tokens per tile, warps, stages); sweep_streamed times the
+# engine's (streamed_config) first. 256-token tiles fit only an FP8 cache's shared memory (the others are skipped).
+STREAM_CONFIGS = [(block_t, warps, stages) for block_t in (32, 64, 128, 256) for warps in (4, 8) for stages in (2, 3)]
 
 
 def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], contexts: list[int],
                    outputs: dict) -> dict:
-    """paged_decode.StreamedDecode over STREAM_CONFIGS, each in a graph with the engine's pool: the engine's
+    """paged_decode.StreamedDecode over STREAM_CONFIGS with the engine's variant for the cache's dtype
+    (streamed_config: kv_a and f16 on an FP8 cache), each in a graph with the engine's pool: the engine's
     configuration's time, the best time, its configuration and every configuration's time ("block_t/warps/stages":
     us); the best one's output joins `outputs`."""
-    from ember.runtime.engine.paged_decode import StreamedDecode, streamed_pool
+    from ember.runtime.engine.paged_decode import StreamedDecode, streamed_config, streamed_pool
 
     batch, heads, dim = q.shape
     pool = streamed_pool(batch, kv.shape[3], torch.cuda.get_device_properties(q.device).multi_processor_count)
+    config = streamed_config(kv.dtype)
+    variant = {k: v for k, v in config.items() if k in ("kv_a", "f16")}
+    engine_tile = (config["block_t"], config["warps"], config["stages"])
     times, best = {}, None
-    for block_t, warps, stages in STREAM_CONFIGS:
+    for block_t, warps, stages in [engine_tile] + [c for c in STREAM_CONFIGS if c != engine_tile]:
         name = f"{block_t}/{warps}/{stages}"
         try:
             decode = StreamedDecode(batch, -(-max(16384, *contexts) // 16), 16, heads, kv.shape[3], dim, q.device,
-                                    pool=pool, block_t=block_t, warps=warps, stages=stages)
+                                    pool=pool, block_t=block_t, warps=warps, stages=stages, **variant)
             decode.prepare(tables, contexts)
             run = functools.partial(decode.forward, q, kv, dim ** -0.5)
             times[name] = round(in_graph([run] * 10) * 1e6, 2)
@@ -364,7 +368,7 @@ def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], c
     if best is None:
         return {}
     outputs["triton_stream"] = best[1]().float()
-    engine = "/".join(map(str, STREAM_CONFIGS[0]))
+    engine = "/".join(map(str, engine_tile))
     return {"triton_stream_engine_us": times.get(engine), "triton_stream_us": times[best[0]],
             "triton_stream_config": best[0], "triton_stream_sweep": times}
 

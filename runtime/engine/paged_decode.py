@@ -144,12 +144,15 @@ def streamed_pool(batch_size: int, num_kv_heads: int, multiprocessors: int) -> i
 
 
 def streamed_config(cache_dtype: torch.dtype) -> dict[str, Any]:
-    """StreamedDecode's tile, warps and stages for a cache of `cache_dtype`, as bench/engine/kernel_bench.py's sweeps
-    picked them on an H100 (session 46, --parts attention_fp8): a bf16 cache keeps 64 tokens a tile, 4 warps, 3 stages
-    (within 2% of its bandwidth floor at 256 sequences of 1,024 tokens); an FP8 cache, whose tile is half the bytes,
-    takes 128 tokens and 2 stages: 250 against 277 us there (its floor 177), 23.1 against 24.7 at 16 sequences."""
+    """StreamedDecode's tile, warps, stages and variant for a cache of `cache_dtype`, as bench/engine/kernel_bench.py
+    picked them (--parts attention_fp8): a bf16 cache keeps 64 tokens a tile, 4 warps, 3 stages (at its bandwidth
+    floor at 256 sequences of 1,024 tokens: 248 us against 252 on the H200, session 47). An FP8 cache, whose tile is
+    half the bytes, takes 128 tokens and 2 stages, K and V as the products' left operands and the products in fp16
+    (kv_a, f16): 197 us there against 252 with bf16's tile and products (its floor 126), 378 against 490 at 2,048
+    tokens, 18.1 against 23.1 at 16 sequences. Widening e4m3 to bf16 before each product kept the FP8 kernel as slow
+    as bf16's; the fp16 products widen it in one instruction per two values."""
     if cache_dtype.itemsize == 1:
-        return {"block_t": 128, "warps": 4, "stages": 2}
+        return {"block_t": 128, "warps": 4, "stages": 2, "kv_a": True, "f16": True}
     return {"block_t": 64, "warps": 4, "stages": 3}
 
 
@@ -166,7 +169,8 @@ class StreamedDecode(PagedDecode):
     the last of them to finish (an atomic count per sequence and head) merges them by their log-sum-exp.
     `block_t`, `warps` and `stages` are what bench/engine/kernel_bench.py sweeps; `kv_a` computes with K and V as the
     products' left operands (`_attend_tile_kv_a`); `f16` computes the products in fp16 (q rounded to it, P too),
-    to which an FP8 cache widens exactly and more cheaply than to bf16 (q past fp16's 65,504 would overflow)."""
+    to which an FP8 cache widens exactly and more cheaply than to bf16 (q clamped to fp16's ±65,504, where bf16
+    reaches further; no model's queries come near it)."""
 
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, pool: int = 33, block_t: int = 64, warps: int = 4,
@@ -409,7 +413,7 @@ if triton is not None:
         q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=head_ok[:, None],
                     other=0.0)
         if F16:   # StreamedDecode's f16: products in fp16, to which FP8 widens in one instruction per two values
-            q = q.to(tl.float16)
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         table = tables_ptr + seq * table_stride
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
@@ -418,7 +422,7 @@ if triton is not None:
             q_t = tl.load(q_ptr + seq * q_stride_t + heads[None, :] * q_stride_h + dims[:, None],
                           mask=head_ok[None, :], other=0.0)
             if F16:
-                q_t = q_t.to(tl.float16)
+                q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
             acc_t = tl.zeros([D, GROUP_PAD], tl.float32)
             for start in range(begin, end, BLOCK_T):
                 m, total, acc_t = _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot,

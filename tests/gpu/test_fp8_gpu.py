@@ -143,6 +143,25 @@ def test_the_decode_kernels_read_an_fp8_cache_as_its_dequantized_values(batch_si
         torch.testing.assert_close(streamed.forward(q, cache, scale).float(), expected, **STREAMED_CLOSE)
 
 
+def test_fp16_products_clamp_a_query_past_fp16s_range_instead_of_overflowing():
+    """The engine's FP8-cache decode rounds q to fp16 (streamed_config's f16): a query value past fp16's 65,504,
+    which bf16 holds, is clamped to it, so the output stays finite and equals the reference's with q clamped."""
+    lengths, tables, cache, q = scattered(40)
+    cache = fp8.to_cache(cache, fp8.FP8)
+    q = q.clone()
+    q[3, 5, 7], q[9, 0, 0] = 2.0 ** 17, -(2.0 ** 17)
+    clamped = q.float().clamp(-65504, 65504)   # in fp32: bf16 would round 65,504 up to 65,536
+    scale = D ** -0.5 / 1024   # scores of a few hundred: the clamped heads' softmax is not one-hot noise
+    expected = paged_decode.reference(clamped, cache.float(), tables, lengths, scale).float()
+    streamed = paged_decode.StreamedDecode(40, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
+                                           pool=paged_decode.streamed_pool(40, KV_HEADS, 132),
+                                           **paged_decode.streamed_config(cache.dtype))
+    streamed.stage(padded(tables), np.array(lengths))
+    got = streamed.forward(q, cache, scale).float()
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, expected, **STREAMED_CLOSE)
+
+
 @pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 17, 45, 200]])
 def test_flashinfer_reads_an_fp8_cache_as_its_dequantized_values(query_lens):
     """The eager decode and the prefill wrappers (planned with kv_data_type float8 e4m3) against SDPA over the
