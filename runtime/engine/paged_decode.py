@@ -158,7 +158,8 @@ def streamed_config(cache_dtype: torch.dtype) -> dict[str, Any]:
 
 class StreamedDecode(PagedDecode):
     """The same attention for large batches: each program streams one piece of a sequence's pages for one KV head,
-    in a loop Triton pipelines (`stages` tiles in flight), with bf16 products on the tensor cores.
+    in a loop Triton pipelines (`stages` tiles in flight), with its products on the tensor cores (in bf16, or in
+    fp16 over an FP8 cache: streamed_config).
 
     A piece is at most `chunk` tokens, a whole number of `block_t` tiles that the host picks each step as the
     step's tokens over `pool`: every sequence's first piece has a program of its own, and the pieces after a long
