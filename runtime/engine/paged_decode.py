@@ -171,7 +171,7 @@ class StreamedDecode(PagedDecode):
     `block_t`, `warps` and `stages` are what bench/engine/kernel_bench.py sweeps; `kv_a` computes with K and V as the
     products' left operands (`_attend_tile_kv_a`); `f16` computes the products in fp16 (q rounded to it, P too),
     to which an FP8 cache widens exactly and more cheaply than to bf16 (q clamped to fp16's ±65,504, where bf16
-    reaches further; no model's queries come near it)."""
+    reaches further; trained models' queries stay far below it)."""
 
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, pool: int = 33, block_t: int = 64, warps: int = 4,

@@ -151,7 +151,7 @@ def test_fp16_products_clamp_a_query_past_fp16s_range_instead_of_overflowing():
     q = q.clone()
     q[3, 5, 7], q[9, 0, 0] = 2.0 ** 17, -(2.0 ** 17)
     clamped = q.float().clamp(-65504, 65504)   # in fp32: bf16 would round 65,504 up to 65,536
-    scale = D ** -0.5 / 1024   # scores of a few hundred: the clamped heads' softmax is not one-hot noise
+    scale = D ** -0.5 / 1024   # the clamped heads' scores stay within a few units: their softmax is not one-hot
     expected = paged_decode.reference(clamped, cache.float(), tables, lengths, scale).float()
     streamed = paged_decode.StreamedDecode(40, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
                                            pool=paged_decode.streamed_pool(40, KV_HEADS, 132),
