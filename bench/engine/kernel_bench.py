@@ -28,7 +28,6 @@ otherwise it only prints.
 """
 import argparse
 import functools
-import itertools
 import json
 import math
 import os
@@ -260,23 +259,22 @@ def bench_attention_fp8(bandwidth: float) -> list[dict]:
             swept: dict = {}
             row.update({f"fp8_{k}": v for k, v in sweep_streamed(q, caches["fp8"], tables, [ctx] * batch,
                                                                  swept).items()})
-            # K and V as the products' left operands (kv_a), products in fp16 (f16), each at a few tiles
-            for (name, kv), (kv_a, f16), (block_t, warps, stages) in itertools.product(
-                    caches.items(), VARIANTS, VARIANT_TILES):
-                if name == "bf16" and f16:
-                    continue   # a bf16 cache has no cheaper widening
-                key = f"{name}{'_kv_a' * kv_a}{'_f16' * f16}_{block_t}/{warps}/{stages}"
+            # the FP8 cache's kernel without kv_a and f16 (session 46's), and with several KV heads a program
+            # (`heads`), each at a few tiles
+            for variant, (block_t, warps, stages) in VARIANT_TILES:
+                key = "fp8" + "".join(f"_{k}" if v is True else f"_{k}{v}" for k, v in variant.items())
+                key += f"_{block_t}/{warps}/{stages}"
                 try:
                     decode = StreamedDecode(batch, -(-max(16384, ctx) // 16), 16, heads, kv_heads, dim, q.device,
                                             pool=streamed_pool(batch, kv_heads, sms), block_t=block_t, warps=warps,
-                                            stages=stages, kv_a=kv_a, f16=f16)
+                                            stages=stages, **variant)
                     decode.prepare(tables, [ctx] * batch)
                     run = functools.partial(decode.forward, q, kv, dim ** -0.5)
                     row[f"{key}_us"] = round(in_graph([run] * 10) * 1e6, 2)
                 except Exception as err:  # noqa: BLE001 - a tile the device cannot hold (shared memory) is skipped
                     log(f"  {key} b={batch} ctx={ctx}: {type(err).__name__}: {str(err)[:200]}")
                     continue
-                row[f"{key}_max_abs_diff"] = round(float((run().float() - outputs[name]).abs().max()), 4)
+                row[f"{key}_max_abs_diff"] = round(float((run().float() - outputs["fp8"]).abs().max()), 4)
         row["max_abs_diff_fp8_bf16"] = round(float((outputs["fp8"] - outputs["bf16"]).abs().max()), 4)
         rows.append(row)
         log("attention_fp8 " + json.dumps(row))
@@ -329,10 +327,14 @@ STREAM_MIN_BATCH = 16
 # skewed batches: one long context among short ones, several, and one long one in an offline-sized batch
 SKEWED_CASES = ([16384] + [512] * 63, [4096] * 4 + [256] * 124, [16384] * 2 + [512] * 62, [16384] + [256] * 15,
                 [32768] + [843] * 255)
-# StreamedDecode's variants bench_attention_fp8 times, (kv_a, f16), at these (block_t, warps, stages): 256-token
-# tiles besides the sweep's, as an FP8 tile is half a bf16 one's bytes
-VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
-VARIANT_TILES = [(64, 4, 3), (128, 4, 2), (128, 8, 2), (256, 4, 2), (256, 8, 2)]
+# StreamedDecode's variants bench_attention_fp8 times on the FP8 cache besides the engine's, (options, (block_t,
+# warps, stages)): session 46's kernel (no kv_a, no f16), and 2 or 4 KV heads a program (a token's row of 256 or 512
+# bytes), at tiles of up to 32 KB of K
+_FAST = {"kv_a": True, "f16": True}
+VARIANT_TILES = ([({}, (128, 4, 2))]
+                 + [(_FAST | {"heads": 2}, tile) for tile in [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2),
+                                                              (128, 8, 2), (128, 4, 3)]]
+                 + [(_FAST | {"heads": 4}, tile) for tile in [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2)]])
 # paged_decode.StreamedDecode's configurations swept: (tokens per tile, warps, stages); sweep_streamed times the
 # engine's (streamed_config) first. 256-token tiles fit only an FP8 cache's shared memory (the others are skipped).
 STREAM_CONFIGS = [(block_t, warps, stages) for block_t in (32, 64, 128, 256) for warps in (4, 8) for stages in (2, 3)]

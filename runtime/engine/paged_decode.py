@@ -171,16 +171,22 @@ class StreamedDecode(PagedDecode):
     `block_t`, `warps` and `stages` are what bench/engine/kernel_bench.py sweeps; `kv_a` computes with K and V as the
     products' left operands (`_attend_tile_kv_a`); `f16` computes the products in fp16 (q rounded to it, P too),
     to which an FP8 cache widens exactly and more cheaply than to bf16 (q clamped to fp16's ±65,504, where bf16
-    reaches further; trained models' queries stay far below it)."""
+    reaches further; trained models' queries stay far below it). `heads` (with kv_a): KV heads a program reads
+    together, so each token's row it loads is `heads` x the head's bytes (256 over an FP8 cache at 2, as a bf16
+    row of one head), its products taking the heads' query rows block-diagonally in the columns GROUP_PAD pads
+    anyway."""
 
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, pool: int = 33, block_t: int = 64, warps: int = 4,
-                 stages: int = 3, kv_a: bool = False, f16: bool = False):
+                 stages: int = 3, kv_a: bool = False, f16: bool = False, heads: int = 1):
         if pool < 1:
             raise ValueError(f"pool must be at least 1, not {pool}")
+        if heads != 1 and (not kv_a or heads < 1 or num_kv_heads % heads or heads & (heads - 1)):
+            raise ValueError(f"heads={heads} needs kv_a and a power of two dividing the {num_kv_heads} KV heads")
         self.pool = pool
         super().__init__(batch_size, max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim, device)
         self.block_t, self.warps, self.stages, self.kv_a, self.f16 = block_t, warps, stages, kv_a, f16
+        self.heads = heads
         self.first_slots = self.staged[self._meta_at:self._meta_at + batch_size]
         self.extras = self.staged[self._meta_at + batch_size:self._meta_at + batch_size + 2 * pool]
         self.staged[1] = max_blocks_per_seq * block_size   # a chunk no context passes, until a step's plan
@@ -229,12 +235,13 @@ class StreamedDecode(PagedDecode):
         group = hq // self.num_kv_heads
         out = q.new_empty(b, hq, d)
         # the pool's programs first, so a long context's pieces start with the step's first wave
-        _stream_kernel[(self.num_kv_heads, self.pool + b)](
+        _stream_kernel[(self.num_kv_heads // self.heads, self.pool + b)](
             q, kv_cache, self.tables, self.context_lens, self.first_slots, self.extras, out, self.partial,
             self.lse, self.arrived, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             kv_cache.stride(2), kv_cache.stride(3), self.staged, scale * _LOG2_E, self.pool, GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, PAGE=self.block_size, BLOCK_T=self.block_t,
-            KV_A=self.kv_a, F16=self.f16, num_warps=self.warps, num_stages=self.stages)
+            GROUP_PAD=max(16, triton.next_power_of_2(group * self.heads)), D=d, PAGE=self.block_size,
+            BLOCK_T=self.block_t, KV_A=self.kv_a, F16=self.f16, HEADS=self.heads, num_warps=self.warps,
+            num_stages=self.stages)
         return out
 
 
@@ -314,12 +321,18 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head, scale, m, total,
-                          acc_t, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr):
-        """_attend_tile's STREAMED arithmetic with K and V the products' left operands: q_t [D, GROUP_PAD] and the
-        output acc_t [D, GROUP_PAD] transposed, the scores [BLOCK_T, GROUP_PAD]. A left operand may stay in
-        registers on Hopper's tensor cores, so a tile widened from FP8 need not go back through shared memory."""
+                          acc_t, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr):
+        """_attend_tile's STREAMED arithmetic with K and V the products' left operands: q_t [HEADS x D, GROUP_PAD]
+        and the output acc_t [HEADS x D, GROUP_PAD] transposed, the scores [BLOCK_T, GROUP_PAD]; the HEADS KV heads
+        from `kv_head` side by side in each token's row (q_t block-diagonal: each column holds its head's q in its
+        KV head's rows). A left operand may stay in registers on Hopper's tensor cores, so a tile widened from FP8
+        need not go back through shared memory."""
         valid, slots = _tile_slots(table, start, end, kv_head, s_block, s_slot, s_head, PAGE=PAGE, BLOCK_T=BLOCK_T)
-        dims = tl.arange(0, D)
+        if HEADS == 1:
+            dims = tl.arange(0, D)
+        else:   # the heads' rows: contiguous in the cache's layout (s_head == D)
+            row = tl.arange(0, HEADS * D)
+            dims = (row // D) * s_head + row % D
         k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(q_t.dtype)
         scores = tl.dot(k, q_t) * scale
         scores = tl.where(valid[:, None], scores, float("-inf"))
@@ -387,13 +400,14 @@ if triton is not None:
     def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, first_ptr, extras_ptr, out_ptr, partial_ptr, lse_ptr,
                        arrived_ptr, q_stride_t, q_stride_h, s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2,
                        pool, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                       PAGE: tl.constexpr, BLOCK_T: tl.constexpr, KV_A: tl.constexpr, F16: tl.constexpr):
+                       PAGE: tl.constexpr, BLOCK_T: tl.constexpr, KV_A: tl.constexpr, F16: tl.constexpr,
+                       HEADS: tl.constexpr):
         # _split_kernel's work over one piece of a sequence (StreamedDecode's plan), with a loop whose bounds are the
         # piece's own tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2,
         # and p rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor
         # cores. Programs 0..pool-1 of axis 1 take the plan's later pieces of long sequences (those past its count
-        # run nothing); program pool + i takes sequence i's first piece.
-        kv_head = tl.program_id(0)
+        # run nothing); program pool + i takes sequence i's first piece. Axis 0: HEADS KV heads from kv_head.
+        kv_head = tl.program_id(0) * HEADS
         item = tl.program_id(1)
         if item < pool:
             if item >= tl.load(stride_ptr + 2):
@@ -409,7 +423,7 @@ if triton is not None:
         end = tl.minimum(begin + chunk, context)
         rows = tl.arange(0, GROUP_PAD)
         heads = kv_head * GROUP + rows
-        head_ok = rows < GROUP
+        head_ok = rows < GROUP * HEADS
         dims = tl.arange(0, D)
         q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :], mask=head_ok[:, None],
                     other=0.0)
@@ -420,22 +434,31 @@ if triton is not None:
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
         if KV_A:   # the same, K and V the left operands (StreamedDecode's kv_a)
-            q_t = tl.load(q_ptr + seq * q_stride_t + heads[None, :] * q_stride_h + dims[:, None],
-                          mask=head_ok[None, :], other=0.0)
+            if HEADS == 1:
+                q_t = tl.load(q_ptr + seq * q_stride_t + heads[None, :] * q_stride_h + dims[:, None],
+                              mask=head_ok[None, :], other=0.0)
+            else:   # block-diagonal: column c's q in the rows of its KV head, zeros in the others'
+                hd = tl.arange(0, HEADS * D)
+                q_t = tl.load(q_ptr + seq * q_stride_t + heads[None, :] * q_stride_h + (hd % D)[:, None],
+                              mask=head_ok[None, :] & ((hd // D)[:, None] == (rows // GROUP)[None, :]), other=0.0)
             if F16:
                 q_t = tl.minimum(tl.maximum(q_t.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-            acc_t = tl.zeros([D, GROUP_PAD], tl.float32)
+            acc_t = tl.zeros([HEADS * D, GROUP_PAD], tl.float32)
             for start in range(begin, end, BLOCK_T):
                 m, total, acc_t = _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot,
                                                     s_head, scale_log2, m, total, acc_t, D=D, PAGE=PAGE,
-                                                    BLOCK_T=BLOCK_T)
-            acc = tl.trans(acc_t)
+                                                    BLOCK_T=BLOCK_T, HEADS=HEADS)
+            if HEADS == 1:
+                acc = tl.trans(acc_t)
+            else:   # each column's own KV head's rows of the product with all the heads' V
+                own = tl.arange(0, HEADS)[:, None, None] == (rows // GROUP)[None, None, :]
+                acc = tl.trans(tl.sum(tl.where(own, tl.reshape(acc_t, (HEADS, D, GROUP_PAD)), 0.0), axis=0))
         else:
             for start in range(begin, end, BLOCK_T):
                 m, total, acc = _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head,
                                              scale_log2, m, total, acc, D=D, PAGE=PAGE, BLOCK_T=BLOCK_T,
                                              STREAMED=True)
-        num_heads = GROUP * tl.num_programs(0)
+        num_heads = GROUP * HEADS * tl.num_programs(0)
         out_rows = (seq * num_heads + heads[:, None]) * D + dims[None, :]
         if context <= chunk:   # one piece, this one: the output directly (every sequence has a token)
             tl.store(out_ptr + out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
@@ -448,7 +471,7 @@ if triton is not None:
             # The last piece to arrive merges. The barrier orders every thread's stores before the release of the
             # count; the merging program reads the others' through L2.
             tl.debug_barrier()
-            counter = arrived_ptr + first * tl.num_programs(0) + kv_head
+            counter = arrived_ptr + first * tl.num_programs(0) + tl.program_id(0)
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == pieces - 1:
                 tl.debug_barrier()
                 top = tl.full([GROUP_PAD], float("-inf"), tl.float32)

@@ -132,8 +132,10 @@ def test_the_decode_kernels_read_an_fp8_cache_as_its_dequantized_values(batch_si
     split = paged_decode.PagedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"))
     split.prepare(tables, lengths)
     torch.testing.assert_close(split.forward(q, cache, scale).float(), expected, atol=2 ** -7, rtol=2 ** -7)
-    # the engine's configuration for an FP8 cache; K and V as the products' left operands; products in fp16
-    variants = ({"kv_a": True}, {"f16": True}, {"kv_a": True, "f16": True})
+    # the engine's configuration for an FP8 cache; K and V as the products' left operands; products in fp16; two
+    # and four KV heads a program
+    variants = ({"kv_a": True}, {"f16": True}, {"kv_a": True, "f16": True}, {"kv_a": True, "f16": True, "heads": 2},
+                {"kv_a": True, "f16": True, "heads": 4, "block_t": 32})
     for options in (paged_decode.streamed_config(cache.dtype),
                     *({"block_t": 128, "stages": 2} | variant for variant in variants)):
         streamed = paged_decode.StreamedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D,

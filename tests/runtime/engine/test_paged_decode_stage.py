@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ember.runtime.engine.config import EngineConfig
-from ember.runtime.engine.paged_decode import PagedDecode
+from ember.runtime.engine.paged_decode import PagedDecode, StreamedDecode
 
 
 def test_stage_fills_the_same_buffers_as_prepare_with_the_steps_width_as_row_stride():
@@ -89,3 +89,11 @@ def test_the_streamed_plan_cuts_each_context_into_pieces_the_pool_can_hold(lengt
         assert extras == []   # nothing to merge
     if lengths[0] == 16384:
         assert len(pieces[0]) >= 8   # the long one is spread over the pool
+
+
+@pytest.mark.parametrize("options", [{"heads": 2}, {"heads": 3, "kv_a": True}, {"heads": 16, "kv_a": True},
+                                     {"heads": 0, "kv_a": True}])
+def test_streamed_decode_takes_several_kv_heads_a_program_only_with_kv_a_and_a_power_of_two_dividing_them(options):
+    with pytest.raises(ValueError, match="heads="):
+        StreamedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"), **options)
+    assert StreamedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"), kv_a=True, heads=4).heads == 4
