@@ -418,7 +418,11 @@ def bench_fused(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dic
 DECODE_ROWS = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
-DECODE_WAYS = ("cublas", "cublaslt", "transposed", "fp8", "fp8_fast", "fp8_mm")
+DECODE_WAYS = ("cublas", "cublaslt", "transposed", "fp8", "fp8_fast", "fp8_mm", "fp8_small")
+# fp8.small_linear's tiles the fp8_small way sweeps: (block_n, block_k, warps, stages, f16)
+SMALL_SWEEP = [(16, 256, 4, 3, True), (16, 512, 4, 3, True), (32, 256, 4, 3, True), (32, 512, 4, 2, True),
+               (64, 256, 4, 3, True), (64, 128, 4, 4, False), (64, 256, 4, 3, False), (128, 128, 4, 4, False),
+               (128, 256, 8, 3, False)]
 
 
 def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
@@ -431,7 +435,8 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
     preferred BLAS library set to cuBLASLt), transposed (x @ w with w stored K x N, the other layout cuBLAS reads),
     fp8 (the weight FP8 with row scales, as EngineConfig(quantization="fp8") runs it: gemv.py's kernel for a row,
     else the input quantized per row and torch._scaled_mm), fp8_fast (the same with _scaled_mm's fast accumulation),
-    fp8_mm (_scaled_mm alone, its input quantized before)."""
+    fp8_mm (_scaled_mm alone, its input quantized before), fp8_small (fp8.small_linear on an input quantized before,
+    the best of SMALL_SWEEP's tiles; every tile's time in the row's fp8_small_sweep)."""
     from ember.runtime.engine import fp8, gemv
     a = torch.randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(12288, 4096, dtype=torch.bfloat16, device="cuda")
@@ -441,6 +446,8 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
     rows = []
     for shape in shapes:
         for name, n, k in products(shape):
+            if name == "lm_head" and all(w.startswith("fp8") for w in ways):
+                continue   # the engine keeps the head in the model's dtype under FP8 weights
             copies = max(2, math.ceil((512 << 20) / (n * k * 2)))
             weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
             transposed = [w.t().contiguous() for w in weights] if "transposed" in ways else []
@@ -451,6 +458,9 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
                 floor_us = max(reads, flops) * 1e6
                 timings = {}
                 for way in ways:
+                    if way == "fp8_small":
+                        timings.update(_sweep_small(x, quantized))
+                        continue
                     if way == "transposed":
                         calls = [functools.partial(torch.matmul, x, t) for t in transposed]
                     elif way == "fp8":
@@ -472,10 +482,38 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
                              "of_floor": round(floor_us / first, 3)})
                 log(f"decode {shape} {name:13s} m={m:3d}: floor {floor_us:7.2f} us ({rows[-1]['bound']}), " +
                     ", ".join(f"{way} {timings[f'{way}_us']:7.2f} ({floor_us / timings[f'{way}_us']:.0%})"
-                              for way in ways))
+                              for way in ways if f"{way}_us" in timings)
+                    + (f" [small {timings['fp8_small_config']}]" if "fp8_small_config" in timings else ""))
             del weights, transposed, quantized
             torch.cuda.empty_cache()
     return rows
+
+
+def _sweep_small(x: torch.Tensor, quantized: list) -> dict:
+    """fp8.small_linear over SMALL_SWEEP on x quantized before: the best time, its tile, every tile's time, and the
+    best one's largest difference from _scaled_mm's output (fast accumulation, as the engine runs it)."""
+    from ember.runtime.engine import fp8
+    xq, xs = fp8.quantize_tokens(x)
+    times, best = {}, None
+    for tile in SMALL_SWEEP:
+        config = fp8.SmallConfig(*tile)
+        name = "/".join(str(int(v)) for v in tile)
+        if x.shape[1] % config.block_k:
+            continue
+        calls = [functools.partial(fp8.small_linear, xq, xs, w, s, torch.bfloat16, config) for w, s in quantized]
+        try:
+            times[name] = round(in_graph(calls) * 1e6, 2)
+        except Exception as err:  # noqa: BLE001 - a tile the device cannot hold (shared memory) is skipped
+            log(f"  fp8_small {name} m={x.shape[0]}: {type(err).__name__}: {str(err)[:200]}")
+            continue
+        if best is None or times[name] < times[best[0]]:
+            best = (name, calls[0])
+    if best is None:
+        return {}
+    w, s = quantized[0]
+    reference = _fp8_product(x, xq, xs, w, s, True).float()
+    return {"fp8_small_us": times[best[0]], "fp8_small_config": best[0], "fp8_small_sweep": times,
+            "fp8_small_max_abs_diff": round(float((best[1]().float() - reference).abs().max()), 4)}
 
 
 def _fp8_product(x, xq, xs, weight, scale, fast: bool):
@@ -702,7 +740,9 @@ def main() -> None:
         ways = tuple(w.strip() for w in args.decode_ways.split(","))
         if unknown := set(ways) - set(DECODE_WAYS):
             sys.exit(f"--decode-ways: unknown {', '.join(sorted(unknown))}; choose from {', '.join(DECODE_WAYS)}")
-        result["decode_products"] = bench_decode_products(bandwidth, tuple(args.gemv_shapes), tuple(args.decode_rows),
+        # FP8 ways alone are their own record (decode_products_fp8), beside the bf16 products'
+        key = "decode_products_fp8" if all(w.startswith("fp8") for w in ways) else "decode_products"
+        result[key] = bench_decode_products(bandwidth, tuple(args.gemv_shapes), tuple(args.decode_rows),
                                                           ways)
     if "rope" in parts:
         result["rope"] = bench_rope(bandwidth)

@@ -20,6 +20,8 @@ reads more K/V than weights: the 8B shape at 256 sequences of 1,000 tokens reads
 of weights. Halving those bytes halves attention's time and doubles the tokens the same memory caches. Values past
 448 are clamped; below 2^-6 e4m3 keeps fewer bits (subnormals), so K/V of very small magnitude lose precision.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -102,9 +104,58 @@ def quantized_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tenso
     if not q.is_cuda:   # the same arithmetic on dequantized values in fp32, rounded once
         out = F.linear(q.float() * q_scale, weight.float() * scale[:, None])
         return (out if bias is None else out + bias.float()).to(dtype)
-    out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=dtype,
-                           use_fast_accum=True)
+    config = small_config(q.shape[0], *weight.shape)
+    if config is not None:
+        out = small_linear(q, q_scale, weight, scale, dtype, config)
+    else:
+        out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=dtype,
+                               use_fast_accum=True)
     return out if bias is None else out + bias
+
+
+@dataclass(frozen=True)
+class SmallConfig:
+    """small_linear's tile: `block_n` weight rows a program (the products' first operand, so a few input rows
+    fill the MMA's narrow side), `block_k` columns a loop iteration, and `f16`: widen both FP8 operands to fp16
+    (exact) for the product, which takes blocks of 16 or 32 weight rows (more programs over the multiprocessors),
+    else FP8 products on Hopper's warpgroup MMA (64 rows or more)."""
+    block_n: int = 64
+    block_k: int = 256
+    warps: int = 4
+    stages: int = 3
+    f16: bool = False
+
+
+# the most input rows small_linear takes, and its tile; None: torch._scaled_mm for every product (until
+# bench/engine/kernel_bench.py --parts decode --decode-ways fp8_fast,fp8_small measures the kernel on a GPU)
+SMALL_MAX_ROWS = 0
+SMALL_CONFIG: SmallConfig | None = None
+
+
+def small_config(m: int, n: int, k: int) -> SmallConfig | None:
+    """small_linear's tile for an [m, k] input times an [n, k] weight, or None for torch._scaled_mm."""
+    if SMALL_CONFIG is None or not 2 <= m <= SMALL_MAX_ROWS or k % SMALL_CONFIG.block_k:
+        return None
+    return SMALL_CONFIG
+
+
+def small_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 dtype: torch.dtype, config: SmallConfig) -> torch.Tensor:
+    """quantized_linear's product for a few input rows (q [M, K] e4m3, q_scale [M, 1]) on CUDA, in one Triton
+    kernel: each program computes `block_n` outputs of every row as weight [block_n, K] x q^T, so the weight rows
+    take the MMA's wide side and M (padded to 16 or more) its narrow one, reads its weight rows once, sums in fp32
+    and scales by both scales as it writes. cuBLAS's FP8 products tile the input rows at 64 or more and cover the
+    8B shape's 4,096-wide outputs with few programs: at 16 rows ~2x the weights' read (session 45, H100)."""
+    m, k = q.shape
+    n = weight.shape[0]
+    if k % config.block_k:
+        raise ValueError(f"small_linear: K={k} is not a multiple of block_k={config.block_k}")
+    out = torch.empty(m, n, dtype=dtype, device=q.device)
+    _small_kernel[(triton.cdiv(n, config.block_n),)](
+        q, q_scale, weight, scale, out, m, n, k, q.stride(0), weight.stride(0), BLOCK_N=config.block_n,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=config.block_k, F16=config.f16,
+        num_warps=config.warps, num_stages=config.stages)
+    return out
 
 
 if triton is not None:
@@ -124,3 +175,29 @@ if triton is not None:
             v = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32) / scale
             v = tl.minimum(tl.maximum(v, -448.0), 448.0)
             tl.store(out_ptr + row * k + cols, v.to(tl.float8e4nv), mask=cols < k)
+
+    @triton.jit
+    def _small_kernel(q_ptr, q_scale_ptr, w_ptr, w_scale_ptr, out_ptr, m, n, k, q_stride, w_stride,
+                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, F16: tl.constexpr):
+        """small_linear: out[:, block] = (w[block] @ q^T)^T x q_scale x w_scale[block], the weight's rows the left
+        operand. K is a multiple of BLOCK_K (no mask along it)."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < n
+        m_ok = rm < m
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * w_stride + rk[None, :]
+        q_rows = q_ptr + rm.to(tl.int64)[:, None] * q_stride + rk[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
+            x = tl.load(q_rows + k0, mask=m_ok[:, None], other=0.0)
+            if F16:   # e4m3 widens to fp16 exactly, one instruction per two values
+                acc = tl.dot(w.to(tl.float16), tl.trans(x.to(tl.float16)), acc)
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+        w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
+        q_scale = tl.load(q_scale_ptr + rm, mask=m_ok, other=0.0)
+        acc = acc * w_scale[:, None] * q_scale[None, :]
+        tl.store(out_ptr + rm.to(tl.int64)[None, :] * n + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=n_ok[:, None] & m_ok[None, :])

@@ -81,6 +81,22 @@ def test_fp8_products_compute_the_dequantized_product(rows, n, k):
         assert torch.equal(total, residual + x)
 
 
+@pytest.mark.parametrize("rows", [2, 5, 16, 33, 64, 128])
+@pytest.mark.parametrize("tile", [(16, 256, 4, 3, True), (32, 512, 4, 2, True), (64, 256, 4, 3, False),
+                                  (128, 128, 4, 4, False)])
+def test_the_small_product_kernel_computes_the_dequantized_product(rows, tile):
+    """fp8.small_linear (the weight's rows the products' left operand, fp16 or FP8 MMA) at the row counts decode
+    graphs run, over an output width no tile divides: every output scaled by both scales, nothing past the rows."""
+    torch.manual_seed(rows)
+    weight, scale = fp8.quantize_rows(torch.randn(1040, 4096, device="cuda") * 0.02)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    xq, xs = fp8.quantize_tokens(x)
+    out = fp8.small_linear(xq, xs, weight, scale, torch.bfloat16, fp8.SmallConfig(*tile))
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 1040)
+    expected = dequantized_product(x, weight, scale)
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().mean().item())
+
+
 @pytest.mark.parametrize("rows", [1, 7, 256])
 def test_the_norm_and_silu_kernels_quantize_as_their_unfused_kernels_then_the_quantizer(rows):
     """An FP8 product's input straight from the RMSNorm (with and without the residual add) and SiLU-mul kernels:
