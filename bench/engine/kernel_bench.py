@@ -429,24 +429,34 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
                           rows_list: tuple[int, ...] = DECODE_ROWS, ways: tuple[str, ...] = ("cublas",)) -> list[dict]:
     """Each decode product of a shape at the batch sizes a decode graph runs (cuBLAS, as the graphs of 2 rows and
     more run them), inside a CUDA graph over enough copies of the weight that none is read from L2, against its
-    floor: the longer of the weight's read at the copy bandwidth and its FLOPs at the product rate measured here.
-    The offline run's decode steps take longer than the floor of their reads and products (speed.py); this says how
-    much of that the products leave. `ways`: cublas (F.linear, as the engine runs it), cublaslt (the same with torch's
-    preferred BLAS library set to cuBLASLt), transposed (x @ w with w stored K x N, the other layout cuBLAS reads),
+    floor: the longer of the weight's read at the copy bandwidth and its FLOPs at the product rate measured here
+    (with FP8 ways alone, the FP8 weight's bytes and _scaled_mm's rate). The offline run's decode steps take longer
+    than the floor of their reads and products (speed.py); this says how much of that the products leave. `ways`:
+    cublas (F.linear, as the engine runs it), cublaslt (the same with torch's preferred BLAS library set to
+    cuBLASLt), transposed (x @ w with w stored K x N, the other layout cuBLAS reads),
     fp8 (the weight FP8 with row scales, as EngineConfig(quantization="fp8") runs it: gemv.py's kernel for a row,
-    else the input quantized per row and torch._scaled_mm), fp8_fast (the same with _scaled_mm's fast accumulation),
+    fp8.small_linear up to fp8.SMALL_MAX_ROWS rows, else the input quantized per row and torch._scaled_mm with fast
+    accumulation), fp8_fast (quantizing and _scaled_mm with fast accumulation at every size),
     fp8_mm (_scaled_mm alone, its input quantized before), fp8_small (fp8.small_linear on an input quantized before,
     the best of SMALL_SWEEP's tiles; every tile's time in the row's fp8_small_sweep)."""
     from ember.runtime.engine import fp8, gemv
     a = torch.randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(12288, 4096, dtype=torch.bfloat16, device="cuda")
-    rate = 2 * 8192 * 4096 * 12288 / timed(functools.partial(F.linear, a, b), 10)
-    del a, b
-    log(f"product rate {rate / 1e12:.0f} TFLOPS")
+    fp8_only = all(w.startswith("fp8") for w in ways)   # then the floor is the FP8 weight's bytes and product rate
+    if fp8_only:
+        (aq, a_scale), (bq, b_scale) = fp8.quantize_rows(a), fp8.quantize_rows(b)
+        product = functools.partial(torch._scaled_mm, aq, bq.t(), scale_a=a_scale[:, None],
+                                    scale_b=b_scale[None, :], out_dtype=torch.bfloat16, use_fast_accum=True)
+    else:
+        product = functools.partial(F.linear, a, b)
+    rate = 2 * 8192 * 4096 * 12288 / timed(product, 10)
+    weight_bytes = 1 if fp8_only else 2
+    del a, b, product
+    log(f"product rate {rate / 1e12:.0f} TFLOPS{' (FP8)' * fp8_only}")
     rows = []
     for shape in shapes:
         for name, n, k in products(shape):
-            if name == "lm_head" and all(w.startswith("fp8") for w in ways):
+            if name == "lm_head" and fp8_only:
                 continue   # the engine keeps the head in the model's dtype under FP8 weights
             copies = max(2, math.ceil((512 << 20) / (n * k * 2)))
             weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
@@ -454,7 +464,7 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
             quantized = [fp8.quantize_rows(w) for w in weights] if any(w.startswith("fp8") for w in ways) else []
             for m in rows_list:
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-                reads, flops = n * k * 2 / bandwidth, 2 * m * n * k / rate
+                reads, flops = n * k * weight_bytes / bandwidth, 2 * m * n * k / rate
                 floor_us = max(reads, flops) * 1e6
                 timings = {}
                 for way in ways:

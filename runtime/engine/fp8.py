@@ -6,8 +6,9 @@ by the RMSNorm and SiLU-mul kernels that write it (fused.rms_norm_fp8, fused.sil
 A decode step of a large batch is as much matrix product as weight reading (the 8B shape at 256 sequences: the
 products ~6 ms against ~3.9 ms to read the weights), and a batch-1 step is nothing but weight reading. FP8 halves
 the bytes read and doubles the rate of Hopper's tensor cores. Batches of two rows or more run `torch._scaled_mm`
-(FP8 x FP8 summed in fp32, each output scaled by its row's and column's scales); a single row takes gemv.py's
-kernel, which reads the FP8 weight and keeps the input in the model's dtype. The embedding and the head stay in the
+(FP8 x FP8 summed in fp32, each output scaled by its row's and column's scales), up to SMALL_MAX_ROWS rows
+`small_linear`'s kernel instead (the same sums, faster at decode sizes); a single row takes gemv.py's kernel, which
+reads the FP8 weight and keeps the input in the model's dtype. The embedding and the head stay in the
 model's dtype (vLLM's choice too: the head decides each token, and the tied head is the embedding).
 
 Scales are amax / 448 (e4m3's largest finite value) per weight row and per input row, never below MIN_SCALE, so a
@@ -126,10 +127,14 @@ class SmallConfig:
     f16: bool = False
 
 
-# the most input rows small_linear takes, and its tile; None: torch._scaled_mm for every product (until
-# bench/engine/kernel_bench.py --parts decode --decode-ways fp8_fast,fp8_small measures the kernel on a GPU)
-SMALL_MAX_ROWS = 0
-SMALL_CONFIG: SmallConfig | None = None
+# the most input rows small_linear takes, and its tile (None: torch._scaled_mm for every product). Measured on the
+# H200 (bench/engine/kernel_bench.py --parts decode --decode-ways fp8_fast,fp8_small, session 48): with FP8 products
+# on 64 weight rows a program, 256 columns an iteration, 4 warps, 3 stages, the 8B shape's four products of a layer
+# take 70.8 us at 8 rows against _scaled_mm's 103.4, 80.6 against 102.5 at 64, 94.9 against 104.2 at 128 (its
+# outputs equal to _scaled_mm's with fast accumulation); 16-weight-row fp16 tiles win o_proj and down_proj at 8-16
+# rows by 0.3-2.6 us more, not worth a second tile.
+SMALL_MAX_ROWS = 128
+SMALL_CONFIG: SmallConfig | None = SmallConfig(block_n=64, block_k=256, warps=4, stages=3, f16=False)
 
 
 def small_config(m: int, n: int, k: int) -> SmallConfig | None:
@@ -145,7 +150,8 @@ def small_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, s
     kernel: each program computes `block_n` outputs of every row as weight [block_n, K] x q^T, so the weight rows
     take the MMA's wide side and M (padded to 16 or more) its narrow one, reads its weight rows once, sums in fp32
     and scales by both scales as it writes. cuBLAS's FP8 products tile the input rows at 64 or more and cover the
-    8B shape's 4,096-wide outputs with few programs: at 16 rows ~2x the weights' read (session 45, H100)."""
+    8B shape's 4,096-wide outputs with few programs: at 16 rows o_proj took 15.4 us where this takes 9.8 (H200,
+    session 48; SMALL_CONFIG). Hopper's FP8 MMA sums as _scaled_mm's fast accumulation does."""
     m, k = q.shape
     n = weight.shape[0]
     if k % config.block_k:

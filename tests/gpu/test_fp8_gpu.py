@@ -94,7 +94,13 @@ def test_the_small_product_kernel_computes_the_dequantized_product(rows, tile):
     out = fp8.small_linear(xq, xs, weight, scale, torch.bfloat16, fp8.SmallConfig(*tile))
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 1040)
     expected = dequantized_product(x, weight, scale)
-    torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().mean().item())
+    if tile[-1]:   # fp16 products of values exact in fp16, summed in fp32: bf16's rounding of the output
+        torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().mean().item())
+    else:   # FP8 MMA sums as _scaled_mm's fast accumulation: test_fp8_products_compute_the_dequantized_product's bound
+        assert torch.allclose(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().mean().item())
+    if fp8.small_config(rows, 1040, 4096) is not None:   # the engine's products of these rows take the kernel
+        assert torch.equal(gemv.linear(x, weight, scale=scale), fp8.small_linear(
+            xq, xs, weight, scale, torch.bfloat16, fp8.small_config(rows, 1040, 4096)))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 256])

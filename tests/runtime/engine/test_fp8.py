@@ -132,10 +132,9 @@ def test_quantization_settings_are_checked():
 
 
 def test_the_small_product_kernel_takes_only_the_rows_and_reductions_it_was_set_for(monkeypatch):
+    assert fp8.small_config(2, 4096, 4096) == fp8.small_config(fp8.SMALL_MAX_ROWS, 4096, 12288) == fp8.SMALL_CONFIG
+    # a single row is gemv.py's; more rows, or a reduction the tile does not divide, _scaled_mm's
+    assert fp8.small_config(1, 4096, 4096) is fp8.small_config(fp8.SMALL_MAX_ROWS + 1, 4096, 4096) is None
+    assert fp8.small_config(16, 4096, fp8.SMALL_CONFIG.block_k + 128) is None
+    monkeypatch.setattr(fp8, "SMALL_CONFIG", None)
     assert fp8.small_config(16, 4096, 4096) is None   # unset: torch._scaled_mm everywhere
-    monkeypatch.setattr(fp8, "SMALL_CONFIG", fp8.SmallConfig(block_k=512))
-    monkeypatch.setattr(fp8, "SMALL_MAX_ROWS", 64)
-    assert fp8.small_config(16, 4096, 4096) == fp8.SmallConfig(block_k=512)
-    assert fp8.small_config(64, 4096, 12288) is not None
-    # a single row is gemv.py's; more rows than set, or a reduction the tile does not divide, _scaled_mm's
-    assert [fp8.small_config(m, 4096, k) for m, k in [(1, 4096), (65, 4096), (16, 1280)]] == [None, None, None]
