@@ -106,7 +106,7 @@ def quantized_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tenso
         out = F.linear(q.float() * q_scale, weight.float() * scale[:, None])
         return (out if bias is None else out + bias.float()).to(dtype)
     config = small_config(q.shape[0], *weight.shape)
-    if config is not None:
+    if config is not None and q.stride(-1) == weight.stride(-1) == 1:   # the kernel reads rows whole
         out = small_linear(q, q_scale, weight, scale, dtype, config)
     else:
         out = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=scale.view(1, -1), out_dtype=dtype,
