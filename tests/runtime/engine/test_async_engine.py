@@ -51,6 +51,10 @@ def test_a_caller_that_falls_behind_gets_the_steps_it_missed_as_one_increment(ll
             if len(chunks) == 1:   # busy while the engine runs the rest of the request
                 while llm.engine.has_unfinished_requests():
                     await asyncio.sleep(0.01)
+                # The engine had finished before its loop thread delivered the last step; a request added now is
+                # answered after that delivery (the thread takes commands after delivering, and its posts to this
+                # loop run in order), so once it is answered every step waits in the inbox.
+                await collect(llm.generate(prompt(llm), SamplingParams(max_tokens=1)))
         return chunks
 
     chunks = asyncio.run(slow())
