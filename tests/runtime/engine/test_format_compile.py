@@ -4,6 +4,7 @@ worker killed, the same format again refused at once; a worker that dies mid-com
 replica's compile workers end with it; and none of it holds up the replica's other requests."""
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -143,9 +144,19 @@ def test_a_worker_that_dies_mid_compile_costs_its_request_alone(served):
             pass
         assert compiling, "no worker compiled the format"
         zygote = pool._zygote.process.pid
+        killed = []
         for pid in workers():   # the compiling one and any idle one (their zygote lives on)
+            try:
+                killed.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                continue
             os.kill(pid, signal.SIGKILL)
         slow.join()
+        # The pool drops an idle worker it finds dead; one killed an instant before (SIGKILL takes a moment to end
+        # a process) still looks alive. Here every kill has landed before the next format.
+        for fd in killed:
+            select.select([fd], [], [], 10)
+            os.close(fd)
     finally:
         grammars.seconds = pool.seconds = SECONDS
     assert answers["slow"].status_code == 400, answers["slow"].text
