@@ -243,7 +243,7 @@ def host_profile(eng, prompts: list[list[int]], steps: int, rows: int = 20) -> N
     stats.sort_stats("tottime").print_stats(rows)
 
 
-KINDS = [("products", ("nvjet", "gemm", "gemv", "cutlass", "splitkreduce", "sm90_xmma")),
+KINDS = [("products", ("nvjet", "gemm", "gemv", "cutlass", "splitkreduce", "sm90_xmma", "_small_kernel")),
          ("attention", ("decode", "_split_kernel", "_merge_kernel", "_stream_kernel", "mergestates", "attention")),
          ("sampling", ("argmax", "reduce_kernel", "softmax", "topk", "sort", "sampl"))]
 
@@ -268,7 +268,7 @@ def by_kind(table, steps: int, floor_ms: float) -> None:
     log(f"  {'total':10s} {total:8.3f} ms  ({floor_ms / total:.0%} of the floor's speed)")
 
 
-def prefill_profile(eng, tokens: int, context: int, weight_bytes: int, flops: float, steps: int = 4) -> None:
+def prefill_profile(eng, tokens: int, context: int, flops: float, steps: int = 4) -> None:
     """GPU time of prefill steps of `tokens` tokens (prompts of `context` tokens), by kind of kernel, against the
     floor of the step's products at the product rate measured here (2 FLOPs a weight a token, the embedding and
     lm_head left out: a prefill samples one row a sequence)."""
@@ -295,8 +295,10 @@ def prefill_profile(eng, tokens: int, context: int, weight_bytes: int, flops: fl
     table = prof.key_averages()
     log(f"--- GPU time over {steps} prefill steps of {per_step} prompts of {context} tokens, by kernel ---")
     log(table.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
-    embed = eng.runner.hf_config.vocab_size * eng.runner.hf_config.hidden_size * 2 * 2   # embedding + lm_head
-    floor_ms = 1000 * 2 * (weight_bytes - embed) / 2 * per_step * context / flops
+    # the decoder's product weights (by count: FP8 weights are a byte each), the embedding and lm_head left out
+    weights = sum(p.numel() for name, p in eng.runner.model.named_parameters()
+                  if p.ndim == 2 and "embed" not in name and "lm_head" not in name)
+    floor_ms = 1000 * 2 * weights * per_step * context / flops
     log(f"product rate {flops / 1e12:.0f} TFLOPS")
     by_kind(table, steps, floor_ms)
 
@@ -314,6 +316,9 @@ def main() -> None:
                              "0: flashinfer's decode kernel at every batch size")
     parser.add_argument("--prefill", type=int, metavar="TOKENS",
                         help="only the kernel profile of prefill steps: prompts of --context tokens, TOKENS a step")
+    parser.add_argument("--quantization", choices=["fp8"], default=None, help="EngineConfig(quantization=...)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="EngineConfig(kv_cache_dtype=...)")
     parser.add_argument("--host", action="store_true",
                         help="with --batch: also Python's profile of the host side of the steps, by function")
     args = parser.parse_args()
@@ -321,20 +326,21 @@ def main() -> None:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ember-profile-"))
     for shape in args.models:
         model_dir = speed.model_directory(workdir, shape)
-        eng = speed.ember_engine(model_dir, max_num_seqs=256, streamed_decode=args.streamed_decode)
+        eng = speed.ember_engine(model_dir, max_num_seqs=256, streamed_decode=args.streamed_decode,
+                                 quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
         weight_bytes = sum(p.nbytes for p in eng.runner.model.parameters())
         floor = 1000 * weight_bytes / bandwidth
         log(f"[{shape}] weights {weight_bytes / 1e9:.2f} GB; copy {bandwidth / 1e9:.0f} GB/s; "
             f"weight-read floor {floor:.3f} ms per step ({1000 / floor:.0f} tok/s)")
         if args.prefill:
-            prefill_profile(eng, args.prefill, args.context, weight_bytes, speed.matmul_rate())
+            prefill_profile(eng, args.prefill, args.context, speed.matmul_rate(fp8=args.quantization == "fp8"))
             del eng
             torch.cuda.empty_cache()
             continue
         if args.batch > 1:
             runner = eng.runner
             kv_bytes = (args.batch * (args.context + 4) * runner.num_layers * 2 * runner.num_kv_heads
-                        * runner.model.head_dim * runner.dtype.itemsize)
+                        * runner.model.head_dim * runner.kv_dtype.itemsize)
             steps = min(args.steps, 16)
             table = profile(eng, speed.random_prompts(args.batch, args.context, args.context, seed=5), steps)
             by_kind(table, steps, floor + 1000 * kv_bytes / bandwidth)

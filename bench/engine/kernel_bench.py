@@ -259,8 +259,8 @@ def bench_attention_fp8(bandwidth: float) -> list[dict]:
             swept: dict = {}
             row.update({f"fp8_{k}": v for k, v in sweep_streamed(q, caches["fp8"], tables, [ctx] * batch,
                                                                  swept).items()})
-            # the FP8 cache's kernel without kv_a and f16 (session 46's), and with several KV heads a program
-            # (`heads`), each at a few tiles
+            # the FP8 cache's kernel without kv_a and f16 (session 46's), and with the head dimension permuted
+            # (`perm`) at a few tiles
             for variant, (block_t, warps, stages) in VARIANT_TILES:
                 key = "fp8" + "".join(f"_{k}" if v is True else f"_{k}{v}" for k, v in variant.items())
                 key += f"_{block_t}/{warps}/{stages}"
@@ -328,13 +328,13 @@ STREAM_MIN_BATCH = 16
 SKEWED_CASES = ([16384] + [512] * 63, [4096] * 4 + [256] * 124, [16384] * 2 + [512] * 62, [16384] + [256] * 15,
                 [32768] + [843] * 255)
 # StreamedDecode's variants bench_attention_fp8 times on the FP8 cache besides the engine's, (options, (block_t,
-# warps, stages)): session 46's kernel (no kv_a, no f16), and 2 or 4 KV heads a program (a token's row of 256 or 512
-# bytes), at tiles of up to 32 KB of K
+# warps, stages)): session 46's kernel (no kv_a, no f16), and the products over the head dimension permuted so each
+# thread's values of a tile lie side by side in shared memory (`perm`). Session 48 timed 2 and 4 KV heads a program
+# (`heads`) here too; they lost (kernels.json's attention_fp8 note).
 _FAST = {"kv_a": True, "f16": True}
 VARIANT_TILES = ([({}, (128, 4, 2))]
-                 + [(_FAST | {"heads": 2}, tile) for tile in [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2),
-                                                              (128, 8, 2), (128, 4, 3)]]
-                 + [(_FAST | {"heads": 4}, tile) for tile in [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2)]])
+                 + [(_FAST | {"perm": True}, tile) for tile in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3),
+                                                                (256, 4, 2)]])
 # paged_decode.StreamedDecode's configurations swept: (tokens per tile, warps, stages); sweep_streamed times the
 # engine's (streamed_config) first. 256-token tiles fit only an FP8 cache's shared memory (the others are skipped).
 STREAM_CONFIGS = [(block_t, warps, stages) for block_t in (32, 64, 128, 256) for warps in (4, 8) for stages in (2, 3)]

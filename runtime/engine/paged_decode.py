@@ -174,19 +174,26 @@ class StreamedDecode(PagedDecode):
     reaches further; trained models' queries stay far below it). `heads` (with kv_a): KV heads a program reads
     together, so each token's row it loads is `heads` x the head's bytes (256 over an FP8 cache at 2, as a bf16
     row of one head), its products taking the heads' query rows block-diagonally in the columns GROUP_PAD pads
-    anyway."""
+    anyway. `perm` (with kv_a, one head a program, head_dim a multiple of 64): the products' rows and sums run over
+    the head dimension in a permuted order (_k_order, _v_order), so that the values each thread of Hopper's
+    4-warp MMA holds of a K or V tile lie side by side in shared memory: over an FP8 cache, a V tile's values were
+    read a byte an instruction (a thread's two tokens of one dimension are a token row apart) and K's two bytes an
+    instruction; permuted, 4 bytes (V) and 16 (K). Sums over a permuted order are the same sums; the output's
+    dimensions are put back as it is stored."""
 
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, pool: int = 33, block_t: int = 64, warps: int = 4,
-                 stages: int = 3, kv_a: bool = False, f16: bool = False, heads: int = 1):
+                 stages: int = 3, kv_a: bool = False, f16: bool = False, heads: int = 1, perm: bool = False):
         if pool < 1:
             raise ValueError(f"pool must be at least 1, not {pool}")
         if heads != 1 and (not kv_a or heads < 1 or num_kv_heads % heads or heads & (heads - 1)):
             raise ValueError(f"heads={heads} needs kv_a and a power of two dividing the {num_kv_heads} KV heads")
+        if perm and (not kv_a or heads != 1 or head_dim % 64):
+            raise ValueError(f"perm needs kv_a, heads=1 and a head_dim that is a multiple of 64 (not {head_dim})")
         self.pool = pool
         super().__init__(batch_size, max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim, device)
         self.block_t, self.warps, self.stages, self.kv_a, self.f16 = block_t, warps, stages, kv_a, f16
-        self.heads = heads
+        self.heads, self.perm = heads, perm
         self.first_slots = self.staged[self._meta_at:self._meta_at + batch_size]
         self.extras = self.staged[self._meta_at + batch_size:self._meta_at + batch_size + 2 * pool]
         self.staged[1] = max_blocks_per_seq * block_size   # a chunk no context passes, until a step's plan
@@ -240,8 +247,8 @@ class StreamedDecode(PagedDecode):
             self.lse, self.arrived, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             kv_cache.stride(2), kv_cache.stride(3), self.staged, scale * _LOG2_E, self.pool, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group * self.heads)), D=d, PAGE=self.block_size,
-            BLOCK_T=self.block_t, KV_A=self.kv_a, F16=self.f16, HEADS=self.heads, num_warps=self.warps,
-            num_stages=self.stages)
+            BLOCK_T=self.block_t, KV_A=self.kv_a, F16=self.f16, HEADS=self.heads, PERM=self.perm,
+            num_warps=self.warps, num_stages=self.stages)
         return out
 
 
@@ -320,27 +327,52 @@ if triton is not None:
         return m_new, total, acc
 
     @triton.jit
+    def _k_order(dims, D: tl.constexpr):
+        """StreamedDecode's perm: the cache dimension of each of a K tile's columns, as the product sums them. A thread
+        of Hopper's MMA holds, of each of its rows, the columns 2t, 2t+1, 2t+8, 2t+9 of every 16 (t its lane % 4):
+        column 16j + 8h + 2t + e reads dimension (D / 4) t + 4j + 2h + e, so a thread's D / 4 columns are one run
+        of the cache's row."""
+        return (D // 4) * ((dims // 2) % 4) + 4 * (dims // 16) + 2 * ((dims // 8) % 2) + dims % 2
+
+    @triton.jit
+    def _v_order(dims, D: tl.constexpr):
+        """StreamedDecode's perm: the cache dimension of each row of a V tile (the product's left operand with 4 warps,
+        64 rows an instruction, warp w the rows 16w..16w+15 of each, a thread the rows g and g + 8 of its warp's 16):
+        row 64i + 16w + 8b + g reads dimension (D / 4) w + (D / 32) g + (D / 64) b + i, so the D / 16 rows a thread
+        holds are side by side in each token's row."""
+        return ((D // 4) * ((dims // 16) % 4) + (D // 32) * (dims % 8) + (D // 64) * ((dims // 8) % 2)
+                + dims // 64)
+
+    @triton.jit
     def _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head, scale, m, total,
-                          acc_t, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr):
+                          acc_t, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr,
+                          PERM: tl.constexpr):
         """_attend_tile's STREAMED arithmetic with K and V the products' left operands: q_t [HEADS x D, GROUP_PAD]
         and the output acc_t [HEADS x D, GROUP_PAD] transposed, the scores [BLOCK_T, GROUP_PAD]; the HEADS KV heads
         from `kv_head` side by side in each token's row (q_t block-diagonal: each column holds its head's q in its
         KV head's rows). A left operand may stay in registers on Hopper's tensor cores, so a tile widened from FP8
-        need not go back through shared memory."""
+        need not go back through shared memory. PERM: K's columns in _k_order (q_t's rows in it too) and V's rows
+        in _v_order (acc_t's rows), each tile loaded in the cache's order and permuted as a view."""
         valid, slots = _tile_slots(table, start, end, kv_head, s_block, s_slot, s_head, PAGE=PAGE, BLOCK_T=BLOCK_T)
         if HEADS == 1:
             dims = tl.arange(0, D)
         else:   # the heads' rows: contiguous in the cache's layout (s_head == D)
             row = tl.arange(0, HEADS * D)
             dims = (row // D) * s_head + row % D
-        k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(q_t.dtype)
+        k = tl.load(cache_ptr + slots[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if PERM:   # dimension (D / 4) t + 4j + 2h + e to column 16j + 8h + 2t + e (_k_order)
+            k = tl.reshape(tl.permute(tl.reshape(k, (BLOCK_T, 4, D // 16, 2, 2)), (0, 2, 3, 1, 4)), (BLOCK_T, D))
+        k = k.to(q_t.dtype)
         scores = tl.dot(k, q_t) * scale
         scores = tl.where(valid[:, None], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         p = tl.exp2(scores - m_new[None, :])
         alpha = tl.exp2(m - m_new)
         total = total * alpha + tl.sum(p, axis=0)
-        v_t = tl.load(cache_ptr + s_kv + slots[None, :] + dims[:, None], mask=valid[None, :], other=0.0).to(q_t.dtype)
+        v_t = tl.load(cache_ptr + s_kv + slots[None, :] + dims[:, None], mask=valid[None, :], other=0.0)
+        if PERM:   # dimension (D / 4) w + (D / 32) g + (D / 64) b + i to row 64i + 16w + 8b + g (_v_order)
+            v_t = tl.reshape(tl.permute(tl.reshape(v_t, (4, 8, 2, D // 64, BLOCK_T)), (3, 0, 2, 1, 4)), (D, BLOCK_T))
+        v_t = v_t.to(q_t.dtype)
         acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(v_t.dtype))
         return m_new, total, acc_t
 
@@ -401,7 +433,7 @@ if triton is not None:
                        arrived_ptr, q_stride_t, q_stride_h, s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2,
                        pool, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_T: tl.constexpr, KV_A: tl.constexpr, F16: tl.constexpr,
-                       HEADS: tl.constexpr):
+                       HEADS: tl.constexpr, PERM: tl.constexpr):
         # _split_kernel's work over one piece of a sequence (StreamedDecode's plan), with a loop whose bounds are the
         # piece's own tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2,
         # and p rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor
@@ -435,7 +467,8 @@ if triton is not None:
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
         if KV_A:   # the same, K and V the left operands (StreamedDecode's kv_a)
             if HEADS == 1:
-                q_t = tl.load(q_ptr + seq * q_stride_t + heads[None, :] * q_stride_h + dims[:, None],
+                q_dims = _k_order(dims, D=D) if PERM else dims
+                q_t = tl.load(q_ptr + seq * q_stride_t + heads[None, :] * q_stride_h + q_dims[:, None],
                               mask=head_ok[None, :], other=0.0)
             else:   # block-diagonal: column c's q in the rows of its KV head, zeros in the others'
                 hd = tl.arange(0, HEADS * D)
@@ -447,7 +480,7 @@ if triton is not None:
             for start in range(begin, end, BLOCK_T):
                 m, total, acc_t = _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot,
                                                     s_head, scale_log2, m, total, acc_t, D=D, PAGE=PAGE,
-                                                    BLOCK_T=BLOCK_T, HEADS=HEADS)
+                                                    BLOCK_T=BLOCK_T, HEADS=HEADS, PERM=PERM)
             if HEADS == 1:
                 acc = tl.trans(acc_t)
             else:   # each column's own KV head's rows of the product with all the heads' V
@@ -459,6 +492,8 @@ if triton is not None:
                                              scale_log2, m, total, acc, D=D, PAGE=PAGE, BLOCK_T=BLOCK_T,
                                              STREAMED=True)
         num_heads = GROUP * HEADS * tl.num_programs(0)
+        if PERM:   # acc's columns back to the cache's dimensions, as they are stored (the merge reads those)
+            dims = _v_order(dims, D=D)
         out_rows = (seq * num_heads + heads[:, None]) * D + dims[None, :]
         if context <= chunk:   # one piece, this one: the output directly (every sequence has a token)
             tl.store(out_ptr + out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])

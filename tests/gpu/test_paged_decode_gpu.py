@@ -59,17 +59,20 @@ def padded(tables: list[list[int]]) -> np.ndarray:
 STREAMED_CLOSE = dict(atol=2 ** -6, rtol=2 ** -6)
 
 
-@pytest.mark.parametrize("batch_size,pool,block_t,stages,kv_a,heads", [
-    (40, 33, 64, 3, False, 1), (200, 33, 32, 2, False, 1), (40, 200, 128, 4, False, 1), (3, 1, 64, 3, False, 1),
-    (16, 64, 64, 3, False, 1), (40, 33, 64, 3, True, 1), (200, 33, 128, 2, True, 1), (40, 200, 128, 2, True, 1),
-    (40, 200, 64, 2, True, 2), (200, 33, 32, 2, True, 4)])
-def test_streamed_attention_matches_the_reference(batch_size, pool, block_t, stages, kv_a, heads):
+@pytest.mark.parametrize("batch_size,pool,block_t,stages,kv_a,heads,perm", [
+    (40, 33, 64, 3, False, 1, False), (200, 33, 32, 2, False, 1, False), (40, 200, 128, 4, False, 1, False),
+    (3, 1, 64, 3, False, 1, False), (16, 64, 64, 3, False, 1, False), (40, 33, 64, 3, True, 1, False),
+    (200, 33, 128, 2, True, 1, False), (40, 200, 128, 2, True, 1, False), (40, 200, 64, 2, True, 2, False),
+    (200, 33, 32, 2, True, 4, False), (200, 33, 64, 3, True, 1, True), (40, 200, 128, 2, True, 1, True)])
+def test_streamed_attention_matches_the_reference(batch_size, pool, block_t, stages, kv_a, heads, perm):
     """The large-batch kernel with pools that leave every sequence one piece (its output written directly) and that
     cut many into pieces (merged by the last to arrive), its tables staged from a padded array as the engine
-    stages a step; with K and V as the products' left operands too (kv_a), and several KV heads a program."""
+    stages a step; with K and V as the products' left operands too (kv_a), several KV heads a program, and the
+    head dimension permuted (perm)."""
     lengths, tables, cache, q = scattered(batch_size)
     decode = paged_decode.StreamedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
-                                         pool=pool, block_t=block_t, stages=stages, kv_a=kv_a, heads=heads)
+                                         pool=pool, block_t=block_t, stages=stages, kv_a=kv_a, heads=heads,
+                                         perm=perm)
     decode.stage(padded(tables), np.array(lengths))
     expected = paged_decode.reference(q, cache, tables, lengths, D ** -0.5)
     torch.testing.assert_close(decode.forward(q, cache, D ** -0.5).float(), expected.float(), **STREAMED_CLOSE)

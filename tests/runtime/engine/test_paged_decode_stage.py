@@ -97,3 +97,11 @@ def test_streamed_decode_takes_several_kv_heads_a_program_only_with_kv_a_and_a_p
     with pytest.raises(ValueError, match="heads="):
         StreamedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"), **options)
     assert StreamedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"), kv_a=True, heads=4).heads == 4
+
+
+@pytest.mark.parametrize("options,head_dim", [({"perm": True}, 128), ({"perm": True, "kv_a": True, "heads": 2}, 128),
+                                              ({"perm": True, "kv_a": True}, 96)])
+def test_streamed_decode_permutes_the_head_dimension_only_with_kv_a_one_head_and_a_multiple_of_64(options, head_dim):
+    with pytest.raises(ValueError, match="perm needs"):
+        StreamedDecode(4, 32, 16, 32, 8, head_dim, torch.device("cpu"), **options)
+    assert StreamedDecode(4, 32, 16, 32, 8, 64, torch.device("cpu"), kv_a=True, perm=True).perm
