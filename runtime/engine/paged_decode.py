@@ -179,11 +179,15 @@ class StreamedDecode(PagedDecode):
     4-warp MMA holds of a K or V tile lie side by side in shared memory: over an FP8 cache, a V tile's values were
     read a byte an instruction (a thread's two tokens of one dimension are a token row apart) and K's two bytes an
     instruction; permuted, 4 bytes (V) and 16 (K). Sums over a permuted order are the same sums; the output's
-    dimensions are put back as it is stored."""
+    dimensions are put back as it is stored. `maxnreg`: the registers a thread may take (Triton's option; None,
+    the compiler's choice), so that more programs share a multiprocessor, each with a tile in flight, at the cost
+    of spills (compiled for the H200, the FP8 kernel at 128-token tiles takes 178 without perm, 142 with it: two
+    and three programs of 4 warps; 128 fits four)."""
 
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, pool: int = 33, block_t: int = 64, warps: int = 4,
-                 stages: int = 3, kv_a: bool = False, f16: bool = False, heads: int = 1, perm: bool = False):
+                 stages: int = 3, kv_a: bool = False, f16: bool = False, heads: int = 1, perm: bool = False,
+                 maxnreg: int | None = None):
         if pool < 1:
             raise ValueError(f"pool must be at least 1, not {pool}")
         if heads != 1 and (not kv_a or heads < 1 or num_kv_heads % heads or heads & (heads - 1)):
@@ -194,6 +198,7 @@ class StreamedDecode(PagedDecode):
         super().__init__(batch_size, max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim, device)
         self.block_t, self.warps, self.stages, self.kv_a, self.f16 = block_t, warps, stages, kv_a, f16
         self.heads, self.perm = heads, perm
+        self.launch_options = {} if maxnreg is None else {"maxnreg": maxnreg}
         self.first_slots = self.staged[self._meta_at:self._meta_at + batch_size]
         self.extras = self.staged[self._meta_at + batch_size:self._meta_at + batch_size + 2 * pool]
         self.staged[1] = max_blocks_per_seq * block_size   # a chunk no context passes, until a step's plan
@@ -248,7 +253,7 @@ class StreamedDecode(PagedDecode):
             kv_cache.stride(2), kv_cache.stride(3), self.staged, scale * _LOG2_E, self.pool, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group * self.heads)), D=d, PAGE=self.block_size,
             BLOCK_T=self.block_t, KV_A=self.kv_a, F16=self.f16, HEADS=self.heads, PERM=self.perm,
-            num_warps=self.warps, num_stages=self.stages)
+            num_warps=self.warps, num_stages=self.stages, **self.launch_options)
         return out
 
 
