@@ -330,19 +330,20 @@ SKEWED_CASES = ([16384] + [512] * 63, [4096] * 4 + [256] * 124, [16384] * 2 + [5
 # StreamedDecode's variants bench_attention_fp8 times on the FP8 cache besides the engine's, (options, (block_t,
 # warps, stages)): session 46's kernel (no kv_a, no f16), and the products over the head dimension permuted so each
 # thread's values of a tile lie side by side in shared memory (`perm`), each also with fewer registers a thread
-# (`maxnreg`: 128 fits 4 programs of 4 warps a multiprocessor, 96 five) or the softmax sums added up once
-# (`defer_sum`). Session 48 timed 2 and 4 KV heads a program
+# (`maxnreg`: 128 fits 4 programs of 4 warps a multiprocessor, 96 five), the softmax sums added up once
+# (`defer_sum`), or each tile's blocks loaded an iteration ahead so stages - 1 tiles are in flight
+# (`prefetch_table`); kernel_sass.py prints what each compiles to. Session 48 timed 2 and 4 KV heads a program
 # (`heads`) here too; they lost (kernels.json's attention_fp8 note).
 _FAST = {"kv_a": True, "f16": True}
 _PERM = _FAST | {"perm": True}
-VARIANT_TILES = ([({}, (128, 4, 2))]
-                 + [(_PERM, tile) for tile in [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (256, 4, 2)]]
-                 + [(_FAST | {"maxnreg": 128}, (128, 4, 2))]
-                 + [(_PERM | {"maxnreg": n}, tile) for n, tile in [(128, (128, 4, 2)), (128, (128, 4, 3)),
-                                                                   (96, (128, 4, 2)), (96, (64, 4, 2)),
-                                                                   (96, (64, 4, 3))]]
+_AHEAD = _PERM | {"prefetch_table": True}
+VARIANT_TILES = ([({}, (128, 4, 2)), (_FAST | {"maxnreg": 128}, (128, 4, 2))]
+                 + [(_PERM, tile) for tile in [(64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2)]]
+                 + [(_PERM | {"maxnreg": 128}, (128, 4, 2)), (_PERM | {"maxnreg": 96}, (64, 4, 2))]
                  + [(_PERM | {"defer_sum": True}, (128, 4, 2)),
-                    (_PERM | {"defer_sum": True, "maxnreg": 128}, (128, 4, 2))])
+                    (_PERM | {"defer_sum": True, "maxnreg": 128}, (128, 4, 2))]
+                 + [(_AHEAD, tile) for tile in [(128, 4, 3), (64, 4, 3), (64, 4, 4)]]
+                 + [(_AHEAD | {"defer_sum": True}, (128, 4, 3))])
 # paged_decode.StreamedDecode's configurations swept: (tokens per tile, warps, stages); sweep_streamed times the
 # engine's (streamed_config) first. 256-token tiles fit only an FP8 cache's shared memory (the others are skipped).
 STREAM_CONFIGS = [(block_t, warps, stages) for block_t in (32, 64, 128, 256) for warps in (4, 8) for stages in (2, 3)]

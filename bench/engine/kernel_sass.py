@@ -52,7 +52,7 @@ def compile_variant(options: dict, arch: int = 90):
     constexprs = {"GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group * heads)), "D": 128, "PAGE": 16,
                   "BLOCK_T": config.get("block_t", 64), "KV_A": config.get("kv_a", False),
                   "F16": config.get("f16", False), "HEADS": heads, "PERM": config.get("perm", False),
-                  "DEFER": config.get("defer_sum", False)}
+                  "DEFER": config.get("defer_sum", False), "PREFETCH": config.get("prefetch_table", False)}
     pointers = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "out_ptr": "*bf16", "partial_ptr": "*fp32",
                 "lse_ptr": "*fp32", "scale_log2": "fp32"}
     fn = paged_decode._stream_kernel

@@ -184,24 +184,27 @@ class StreamedDecode(PagedDecode):
     of spills (compiled for the H200, the FP8 kernel at 128-token tiles takes 178 without perm, 142 with it: two
     and three programs of 4 warps; 128 fits four). `defer_sum` (with kv_a): each tile's softmax sums kept per token
     row and added up once, after the last tile: a tile's sum over its tokens spans the 4 warps (shuffles, a
-    shared-memory exchange and two barriers), where keeping them costs 16 registers a thread at 128-token tiles."""
+    shared-memory exchange and two barriers), where keeping them costs 16 registers a thread at 128-token tiles.
+    `prefetch_table` (with kv_a): each iteration loads the next tile's blocks from the table, so no load in the
+    iteration decides its own tile's addresses and Triton's pipeliner keeps stages - 1 tiles of K and V in flight
+    (with the table loaded in the iteration, one whatever `stages` is: the table's load takes the first stage)."""
 
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, pool: int = 33, block_t: int = 64, warps: int = 4,
                  stages: int = 3, kv_a: bool = False, f16: bool = False, heads: int = 1, perm: bool = False,
-                 maxnreg: int | None = None, defer_sum: bool = False):
+                 maxnreg: int | None = None, defer_sum: bool = False, prefetch_table: bool = False):
         if pool < 1:
             raise ValueError(f"pool must be at least 1, not {pool}")
         if heads != 1 and (not kv_a or heads < 1 or num_kv_heads % heads or heads & (heads - 1)):
             raise ValueError(f"heads={heads} needs kv_a and a power of two dividing the {num_kv_heads} KV heads")
-        if defer_sum and not kv_a:
-            raise ValueError("defer_sum needs kv_a")
+        if (defer_sum or prefetch_table) and not kv_a:
+            raise ValueError("defer_sum and prefetch_table need kv_a")
         if perm and (not kv_a or heads != 1 or head_dim % 64):
             raise ValueError(f"perm needs kv_a, heads=1 and a head_dim that is a multiple of 64 (not {head_dim})")
         self.pool = pool
         super().__init__(batch_size, max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim, device)
         self.block_t, self.warps, self.stages, self.kv_a, self.f16 = block_t, warps, stages, kv_a, f16
-        self.heads, self.perm, self.defer_sum = heads, perm, defer_sum
+        self.heads, self.perm, self.defer_sum, self.prefetch_table = heads, perm, defer_sum, prefetch_table
         self.launch_options = {} if maxnreg is None else {"maxnreg": maxnreg}
         self.first_slots = self.staged[self._meta_at:self._meta_at + batch_size]
         self.extras = self.staged[self._meta_at + batch_size:self._meta_at + batch_size + 2 * pool]
@@ -257,7 +260,8 @@ class StreamedDecode(PagedDecode):
             kv_cache.stride(2), kv_cache.stride(3), self.staged, scale * _LOG2_E, self.pool, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group * self.heads)), D=d, PAGE=self.block_size,
             BLOCK_T=self.block_t, KV_A=self.kv_a, F16=self.f16, HEADS=self.heads, PERM=self.perm,
-            DEFER=self.defer_sum, num_warps=self.warps, num_stages=self.stages, **self.launch_options)
+            DEFER=self.defer_sum, PREFETCH=self.prefetch_table, num_warps=self.warps, num_stages=self.stages,
+            **self.launch_options)
         return out
 
 
@@ -307,6 +311,13 @@ if triton is not None:
         return valid, blocks * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
 
     @triton.jit
+    def _table_tile(table, start, end, PAGE: tl.constexpr, BLOCK_T: tl.constexpr):
+        """The block of each of the BLOCK_T tokens from `start` (0 past `end`), for StreamedDecode's
+        prefetch_table."""
+        tokens = start + tl.arange(0, BLOCK_T)
+        return tl.load(table + tokens // PAGE, mask=tokens < end, other=0)
+
+    @triton.jit
     def _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head, scale, m, total, acc,
                      D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, STREAMED: tl.constexpr):
         """The query heads of one KV head against the BLOCK_T tokens from `start` (those before `end`), folded into
@@ -354,16 +365,23 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot, s_head, scale, m, total,
-                          acc_t, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, HEADS: tl.constexpr,
-                          PERM: tl.constexpr, DEFER: tl.constexpr):
+                          acc_t, blocks, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
+                          HEADS: tl.constexpr, PERM: tl.constexpr, DEFER: tl.constexpr, PREFETCH: tl.constexpr):
         """_attend_tile's STREAMED arithmetic with K and V the products' left operands: q_t [HEADS x D, GROUP_PAD]
         and the output acc_t [HEADS x D, GROUP_PAD] transposed, the scores [BLOCK_T, GROUP_PAD]; the HEADS KV heads
         from `kv_head` side by side in each token's row (q_t block-diagonal: each column holds its head's q in its
         KV head's rows). A left operand may stay in registers on Hopper's tensor cores, so a tile widened from FP8
         need not go back through shared memory. PERM: K's columns in _k_order (q_t's rows in it too) and V's rows
         in _v_order (acc_t's rows), each tile loaded in the cache's order and permuted as a view. DEFER: `total` is
-        [BLOCK_T, GROUP_PAD], each token row's sums, rescaled with the rest and summed by the caller."""
-        valid, slots = _tile_slots(table, start, end, kv_head, s_block, s_slot, s_head, PAGE=PAGE, BLOCK_T=BLOCK_T)
+        [BLOCK_T, GROUP_PAD], each token row's sums, rescaled with the rest and summed by the caller. PREFETCH:
+        `blocks` holds the tile's blocks, loaded an iteration before (_table_tile)."""
+        if PREFETCH:
+            tokens = start + tl.arange(0, BLOCK_T)
+            valid = tokens < end
+            slots = blocks.to(tl.int64) * s_block + (tokens % PAGE) * s_slot + kv_head * s_head
+        else:
+            valid, slots = _tile_slots(table, start, end, kv_head, s_block, s_slot, s_head, PAGE=PAGE,
+                                       BLOCK_T=BLOCK_T)
         if HEADS == 1:
             dims = tl.arange(0, D)
         else:   # the heads' rows: contiguous in the cache's layout (s_head == D)
@@ -446,7 +464,7 @@ if triton is not None:
                        arrived_ptr, q_stride_t, q_stride_h, s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2,
                        pool, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_T: tl.constexpr, KV_A: tl.constexpr, F16: tl.constexpr,
-                       HEADS: tl.constexpr, PERM: tl.constexpr, DEFER: tl.constexpr):
+                       HEADS: tl.constexpr, PERM: tl.constexpr, DEFER: tl.constexpr, PREFETCH: tl.constexpr):
         # _split_kernel's work over one piece of a sequence (StreamedDecode's plan), with a loop whose bounds are the
         # piece's own tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2,
         # and p rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor
@@ -492,16 +510,25 @@ if triton is not None:
             acc_t = tl.zeros([HEADS * D, GROUP_PAD], tl.float32)
             if DEFER:   # each token row's sums, added up after the last tile
                 sums = tl.zeros([BLOCK_T, GROUP_PAD], tl.float32)
-                for start in range(begin, end, BLOCK_T):
-                    m, sums, acc_t = _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv,
-                                                       s_slot, s_head, scale_log2, m, sums, acc_t, D=D, PAGE=PAGE,
-                                                       BLOCK_T=BLOCK_T, HEADS=HEADS, PERM=PERM, DEFER=True)
+            else:
+                sums = total
+            if PREFETCH:   # the first tile's blocks; each iteration loads the next one's
+                ahead = _table_tile(table, begin, end, PAGE=PAGE, BLOCK_T=BLOCK_T)
+                blocks = ahead
+            else:
+                blocks = 0
+            for start in range(begin, end, BLOCK_T):
+                if PREFETCH:
+                    blocks = ahead
+                    ahead = _table_tile(table, start + BLOCK_T, end, PAGE=PAGE, BLOCK_T=BLOCK_T)
+                m, sums, acc_t = _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot,
+                                                   s_head, scale_log2, m, sums, acc_t, blocks, D=D, PAGE=PAGE,
+                                                   BLOCK_T=BLOCK_T, HEADS=HEADS, PERM=PERM, DEFER=DEFER,
+                                                   PREFETCH=PREFETCH)
+            if DEFER:
                 total = tl.sum(sums, axis=0)
             else:
-                for start in range(begin, end, BLOCK_T):
-                    m, total, acc_t = _attend_tile_kv_a(q_t, cache_ptr, table, start, end, kv_head, s_block, s_kv,
-                                                        s_slot, s_head, scale_log2, m, total, acc_t, D=D, PAGE=PAGE,
-                                                        BLOCK_T=BLOCK_T, HEADS=HEADS, PERM=PERM, DEFER=False)
+                total = sums
             if HEADS == 1:
                 acc = tl.trans(acc_t)
             else:   # each column's own KV head's rows of the product with all the heads' V

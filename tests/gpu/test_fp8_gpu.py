@@ -156,14 +156,16 @@ def test_the_decode_kernels_read_an_fp8_cache_as_its_dequantized_values(batch_si
     torch.testing.assert_close(split.forward(q, cache, scale).float(), expected, atol=2 ** -7, rtol=2 ** -7)
     # the engine's configuration for an FP8 cache; K and V as the products' left operands; products in fp16; two
     # and four KV heads a program; the head dimension permuted (at tiles of 128, 64 and 256 tokens, and with
-    # fewer registers: spilled); the softmax sums added up after the last tile
+    # fewer registers: spilled); the softmax sums added up after the last tile; the table read a tile ahead
     variants = ({"kv_a": True}, {"f16": True}, {"kv_a": True, "f16": True}, {"kv_a": True, "f16": True, "heads": 2},
                 {"kv_a": True, "f16": True, "heads": 4, "block_t": 32}, {"kv_a": True, "f16": True, "perm": True},
                 {"kv_a": True, "f16": True, "perm": True, "block_t": 64, "stages": 3},
                 {"kv_a": True, "f16": True, "perm": True, "block_t": 256},
                 {"kv_a": True, "f16": True, "perm": True, "maxnreg": 96},
                 {"kv_a": True, "f16": True, "perm": True, "defer_sum": True},
-                {"kv_a": True, "f16": True, "heads": 2, "defer_sum": True})
+                {"kv_a": True, "f16": True, "heads": 2, "defer_sum": True},
+                {"kv_a": True, "f16": True, "perm": True, "prefetch_table": True, "stages": 3},
+                {"kv_a": True, "f16": True, "prefetch_table": True, "defer_sum": True, "block_t": 64, "stages": 4})
     for options in (paged_decode.streamed_config(cache.dtype),
                     *({"block_t": 128, "stages": 2} | variant for variant in variants)):
         streamed = paged_decode.StreamedDecode(batch_size, MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D,

@@ -107,7 +107,8 @@ def test_streamed_decode_permutes_the_head_dimension_only_with_kv_a_one_head_and
     assert StreamedDecode(4, 32, 16, 32, 8, 64, torch.device("cpu"), kv_a=True, perm=True).perm
 
 
-def test_streamed_decode_defers_the_softmax_sums_only_with_kv_a():
-    with pytest.raises(ValueError, match="defer_sum needs kv_a"):
-        StreamedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"), defer_sum=True)
-    assert StreamedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"), kv_a=True, defer_sum=True).defer_sum
+@pytest.mark.parametrize("option", ["defer_sum", "prefetch_table"])
+def test_streamed_decode_defers_the_sums_or_reads_the_table_ahead_only_with_kv_a(option):
+    with pytest.raises(ValueError, match="defer_sum and prefetch_table need kv_a"):
+        StreamedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"), **{option: True})
+    assert getattr(StreamedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"), kv_a=True, **{option: True}), option)
