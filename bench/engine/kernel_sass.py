@@ -2,9 +2,10 @@
 
     python bench/engine/kernel_sass.py [--variants engine perm perm,defer_sum perm,maxnreg=128] [--block-t 128]
 
-Each variant is StreamedDecode's options over an FP8 cache (the engine's streamed_config, with the options given
-on top: `perm`, `defer_sum`, `maxnreg=N`, `heads=N`, `block_t=N`, `warps=N`, `stages=N`), compiled by Triton for
-sm_90 (the H100 and H200) as the engine's JIT would compile it (pointer and stride arguments 16-divisible), then
+Each variant is StreamedDecode's options over an FP8 cache, or a bf16 one with --cache bf16 (the engine's
+streamed_config for it, with the options given on top: `perm`, `defer_sum`, `prefetch_table`, `maxnreg=N`,
+`heads=N`, `block_t=N`, `warps=N`, `stages=N`; `kv_a=0` turns one off), compiled by Triton for sm_90 (the H100
+and H200) as the engine's JIT would compile it (pointer and stride arguments 16-divisible), then
 read back with the cuobjdump Triton ships. For each it prints the registers a thread and the bytes spilled (so
 how many programs of its warps share a multiprocessor: 65,536 registers and 228 KB of shared memory each), the
 shared memory a program takes, and of its main loop (one tile an iteration) the instructions, shared-memory
@@ -34,8 +35,9 @@ def parse_variant(text: str) -> dict:
     return options
 
 
-def compile_variant(options: dict, arch: int = 90):
-    """The FP8 streamed kernel compiled for `arch` with the engine's configuration and `options` over it."""
+def compile_variant(options: dict, arch: int = 90, cache: str = "fp8"):
+    """The streamed kernel over a `cache` ("fp8" or "bf16") KV cache compiled for `arch`, with the engine's
+    configuration for that cache and `options` over it."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -43,8 +45,9 @@ def compile_variant(options: dict, arch: int = 90):
 
     from ember.runtime.engine import paged_decode
 
-    config = paged_decode.streamed_config(torch.float8_e4m3fn) | options
-    launch = {"num_warps": config.pop("warps", 4), "num_stages": config.pop("stages", 2)}
+    dtype = torch.float8_e4m3fn if cache == "fp8" else torch.bfloat16
+    config = paged_decode.streamed_config(dtype) | options
+    launch = {"num_warps": config.pop("warps", 4), "num_stages": config.pop("stages", 3)}
     if "maxnreg" in config:
         launch["maxnreg"] = config.pop("maxnreg")
     heads = config.get("heads", 1)
@@ -53,8 +56,8 @@ def compile_variant(options: dict, arch: int = 90):
                   "BLOCK_T": config.get("block_t", 64), "KV_A": config.get("kv_a", False),
                   "F16": config.get("f16", False), "HEADS": heads, "PERM": config.get("perm", False),
                   "DEFER": config.get("defer_sum", False), "PREFETCH": config.get("prefetch_table", False)}
-    pointers = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "out_ptr": "*bf16", "partial_ptr": "*fp32",
-                "lse_ptr": "*fp32", "scale_log2": "fp32"}
+    pointers = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if cache == "fp8" else "*bf16", "out_ptr": "*bf16",
+                "partial_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32"}
     fn = paged_decode._stream_kernel
     names = fn.arg_names
     unknown = set(constexprs) - set(names)
@@ -101,8 +104,8 @@ def loop_stats(sass: str) -> dict:
             "HGMMA": kinds.get("HGMMA", 0), "F2FP": kinds.get("F2FP", 0), "PRMT": kinds.get("PRMT", 0)}
 
 
-def describe(options: dict, tool: str) -> dict:
-    kernel, warps = compile_variant(options)
+def describe(options: dict, tool: str, cache: str = "fp8") -> dict:
+    kernel, warps = compile_variant(options, cache=cache)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -122,18 +125,20 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["engine", "perm", "perm,defer_sum", "perm,maxnreg=128"],
                         help="StreamedDecode options over the engine's FP8 configuration, comma-separated")
     parser.add_argument("--block-t", type=int, default=None, help="tokens a tile for every variant")
+    parser.add_argument("--cache", choices=["fp8", "bf16"], default="fp8",
+                        help="the KV cache's dtype (each variant starts from the engine's configuration for it)")
     args = parser.parse_args()
     try:
         import triton
     except ImportError:
         sys.exit("kernel_sass.py needs Triton: pip install triton (no GPU needed)")
     tool = cuobjdump()
-    print(f"Triton {triton.__version__}, sm_90, FP8 cache, 4 query heads a KV head, head_dim 128")
+    print(f"Triton {triton.__version__}, sm_90, {args.cache} cache, 4 query heads a KV head, head_dim 128")
     for text in args.variants:
         options = parse_variant(text)
         if args.block_t:
             options.setdefault("block_t", args.block_t)
-        row = describe(options, tool)
+        row = describe(options, tool, args.cache)
         print(f"{text:28s} " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
 
 
