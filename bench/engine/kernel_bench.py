@@ -327,23 +327,24 @@ STREAM_MIN_BATCH = 16
 # skewed batches: one long context among short ones, several, and one long one in an offline-sized batch
 SKEWED_CASES = ([16384] + [512] * 63, [4096] * 4 + [256] * 124, [16384] * 2 + [512] * 62, [16384] + [256] * 15,
                 [32768] + [843] * 255)
-# StreamedDecode's variants bench_attention_fp8 times on the FP8 cache besides the engine's, (options, (block_t,
-# warps, stages)): session 46's kernel (no kv_a, no f16), and the products over the head dimension permuted so each
-# thread's values of a tile lie side by side in shared memory (`perm`), each also with fewer registers a thread
-# (`maxnreg`: 128 fits 4 programs of 4 warps a multiprocessor, 96 five), the softmax sums added up once
-# (`defer_sum`), or each tile's blocks loaded an iteration ahead so stages - 1 tiles are in flight
-# (`prefetch_table`); kernel_sass.py prints what each compiles to. Session 48 timed 2 and 4 KV heads a program
-# (`heads`) here too; they lost (kernels.json's attention_fp8 note).
+# StreamedDecode's variants bench_attention_fp8 times on the FP8 cache besides the engine's (streamed_config),
+# (options, (block_t, warps, stages)): session 46's kernel (no kv_a, no f16) and session 48's (kv_a and f16 at 128
+# tokens a tile); then the engine's options, which session 50 picked here on the H100, with each left out in turn:
+# the products over the head dimension permuted so each thread's values of a tile lie side by side in shared
+# memory (`perm`), each tile's blocks loaded an iteration ahead so stages - 1 tiles are in flight
+# (`prefetch_table`), the softmax sums added up once (`defer_sum`); and at other tiles, stages and register caps
+# (`maxnreg`: 128 fits 4 programs of 4 warps a multiprocessor). kernel_sass.py prints what each compiles to.
+# Sessions 48 and 49 timed 2 and 4 KV heads a program (`heads`) and 32-token and 8-warp tiles; they lost
+# (kernels.json's attention_fp8 note).
 _FAST = {"kv_a": True, "f16": True}
 _PERM = _FAST | {"perm": True}
 _AHEAD = _PERM | {"prefetch_table": True}
-VARIANT_TILES = ([({}, (128, 4, 2)), (_FAST | {"maxnreg": 128}, (128, 4, 2))]
-                 + [(_PERM, tile) for tile in [(64, 4, 2), (128, 4, 2), (128, 4, 3), (256, 4, 2)]]
-                 + [(_PERM | {"maxnreg": 128}, (128, 4, 2)), (_PERM | {"maxnreg": 96}, (64, 4, 2))]
-                 + [(_PERM | {"defer_sum": True}, (128, 4, 2)),
-                    (_PERM | {"defer_sum": True, "maxnreg": 128}, (128, 4, 2))]
-                 + [(_AHEAD, tile) for tile in [(128, 4, 3), (64, 4, 3), (64, 4, 4)]]
-                 + [(_AHEAD | {"defer_sum": True}, (128, 4, 3))])
+_ENGINE = _AHEAD | {"defer_sum": True}
+VARIANT_TILES = ([({}, (128, 4, 2)), (_FAST, (128, 4, 2))]
+                 + [(_PERM | {"defer_sum": True}, (64, 4, 2)), (_AHEAD, (64, 4, 3)),
+                    (_FAST | {"prefetch_table": True, "defer_sum": True}, (64, 4, 3))]
+                 + [(_ENGINE, tile) for tile in [(64, 4, 4), (128, 4, 3), (128, 4, 4)]]
+                 + [(_ENGINE | {"maxnreg": 128}, (64, 4, 3))])
 # paged_decode.StreamedDecode's configurations swept: (tokens per tile, warps, stages); sweep_streamed times the
 # engine's (streamed_config) first. 256-token tiles fit only an FP8 cache's shared memory (the others are skipped).
 STREAM_CONFIGS = [(block_t, warps, stages) for block_t in (32, 64, 128, 256) for warps in (4, 8) for stages in (2, 3)]
@@ -352,7 +353,7 @@ STREAM_CONFIGS = [(block_t, warps, stages) for block_t in (32, 64, 128, 256) for
 def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], contexts: list[int],
                    outputs: dict) -> dict:
     """paged_decode.StreamedDecode over STREAM_CONFIGS with the engine's variant for the cache's dtype
-    (streamed_config: kv_a and f16 on an FP8 cache), each in a graph with the engine's pool: the engine's
+    (streamed_config's options besides its tile, warps and stages), each in a graph with the engine's pool: the engine's
     configuration's time, the best time, its configuration and every configuration's time ("block_t/warps/stages":
     us); the best one's output joins `outputs`."""
     from ember.runtime.engine.paged_decode import StreamedDecode, streamed_config, streamed_pool
@@ -360,7 +361,7 @@ def sweep_streamed(q: torch.Tensor, kv: torch.Tensor, tables: list[list[int]], c
     batch, heads, dim = q.shape
     pool = streamed_pool(batch, kv.shape[3], torch.cuda.get_device_properties(q.device).multi_processor_count)
     config = streamed_config(kv.dtype)
-    variant = {k: v for k, v in config.items() if k in ("kv_a", "f16")}
+    variant = {k: v for k, v in config.items() if k not in ("block_t", "warps", "stages")}
     engine_tile = (config["block_t"], config["warps"], config["stages"])
     times, best = {}, None
     for block_t, warps, stages in [engine_tile] + [c for c in STREAM_CONFIGS if c != engine_tile]:

@@ -1,10 +1,10 @@
 """What the streamed decode attention compiles to for Hopper, without a GPU: registers, spills and its loop's code.
 
-    python bench/engine/kernel_sass.py [--variants engine perm perm,defer_sum perm,maxnreg=128] [--block-t 128]
+    python bench/engine/kernel_sass.py [--variants engine perm=0 prefetch_table=0,stages=2 maxnreg=128] [--block-t 128]
 
 Each variant is StreamedDecode's options over an FP8 cache, or a bf16 one with --cache bf16 (the engine's
 streamed_config for it, with the options given on top: `perm`, `defer_sum`, `prefetch_table`, `maxnreg=N`,
-`heads=N`, `block_t=N`, `warps=N`, `stages=N`; `kv_a=0` turns one off), compiled by Triton for sm_90 (the H100
+`heads=N`, `block_t=N`, `warps=N`, `stages=N`; `perm=0` turns one off), compiled by Triton for sm_90 (the H100
 and H200) as the engine's JIT would compile it (pointer and stride arguments 16-divisible), then
 read back with the cuobjdump Triton ships. For each it prints the registers a thread and the bytes spilled (so
 how many programs of its warps share a multiprocessor: 65,536 registers and 228 KB of shared memory each), the
@@ -122,7 +122,8 @@ def describe(options: dict, tool: str, cache: str = "fp8") -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["engine", "perm", "perm,defer_sum", "perm,maxnreg=128"],
+    parser.add_argument("--variants", nargs="+",
+                        default=["engine", "perm=0", "defer_sum=0", "prefetch_table=0,stages=2", "maxnreg=128"],
                         help="StreamedDecode options over the engine's FP8 configuration, comma-separated")
     parser.add_argument("--block-t", type=int, default=None, help="tokens a tile for every variant")
     parser.add_argument("--cache", choices=["fp8", "bf16"], default="fp8",

@@ -147,12 +147,16 @@ def streamed_config(cache_dtype: torch.dtype) -> dict[str, Any]:
     """StreamedDecode's tile, warps, stages and variant for a cache of `cache_dtype`, as bench/engine/kernel_bench.py
     picked them (--parts attention_fp8): a bf16 cache keeps 64 tokens a tile, 4 warps, 3 stages (at its bandwidth
     floor at 256 sequences of 1,024 tokens: 248 us against 252 on the H200, session 47). An FP8 cache, whose tile is
-    half the bytes, takes 128 tokens and 2 stages, K and V as the products' left operands and the products in fp16
-    (kv_a, f16): 197 us there against 252 with bf16's tile and products (its floor 126), 378 against 490 at 2,048
-    tokens, 18.1 against 23.1 at 16 sequences. Widening e4m3 to bf16 before each product kept the FP8 kernel as slow
-    as bf16's; the fp16 products widen it in one instruction per two values."""
+    half the bytes, has K and V as the products' left operands and the products in fp16 (kv_a, f16; widening e4m3
+    to bf16 before each product kept the FP8 kernel as slow as bf16's, the fp16 products widen it in one
+    instruction per two values), the head dimension permuted so each thread's values lie side by side in shared
+    memory (perm), each tile's blocks loaded an iteration ahead so 2 of the 3 stages are in flight
+    (prefetch_table), and the softmax sums added up once (defer_sum), at 64 tokens a tile, 4 warps: on the H100,
+    200 us at 256 sequences of 1,024 tokens against 218 for session 48's kernel (128 tokens, 2 stages, kv_a and f16
+    only) and a 179 floor, 389 against 421 at 2,048 tokens, 55 against 69 at 64 sequences (session 50)."""
     if cache_dtype.itemsize == 1:
-        return {"block_t": 128, "warps": 4, "stages": 2, "kv_a": True, "f16": True}
+        return {"block_t": 64, "warps": 4, "stages": 3, "kv_a": True, "f16": True, "perm": True,
+                "prefetch_table": True, "defer_sum": True}
     return {"block_t": 64, "warps": 4, "stages": 3}
 
 
