@@ -1,6 +1,6 @@
 """The decode step's kernels against the library kernels they could replace, side by side on one GPU.
 
-    python bench/engine/kernel_bench.py [--parts gemv,fused,decode,attention,gemm,overlap] [--record]
+    python bench/engine/kernel_bench.py [--parts gemv,fused,decode,attention,silu,gemm,overlap] [--record]
 
   - gemv: runtime/engine/gemv.py's Triton product over a sweep of its configurations against F.linear (cuBLAS),
     for the Qwen3-8B shape's products (--gemv-shapes: also the 4B's and 0.6B's) at 1 row (and 2 and 4 with the best
@@ -19,6 +19,8 @@
   - decode: each product at 8 to 256 rows (the decode graphs' batch sizes) with cuBLAS, against the longer of its
     weight read and its FLOPs at the bandwidth and product rate measured in the same run (--decode-ways: also
     with torch's cuBLASLt backend, and with the weight stored transposed);
+  - silu: the FP8 engine's SiLU-mul kernel (fused.silu_mul_fp8) at 16 to 8,192 tokens, reading each row twice (the
+    engine's) and once (one_pass), against its bytes' read and write at the bandwidth;
   - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run);
   - overlap: a decode forward and a prefill forward of the 8B shape one after the other, as one step, on two
     streams and on green contexts that split the SMs (whether the offline floor's sum of reads and products can
@@ -580,6 +582,33 @@ def bench_rope(bandwidth: float) -> list[dict]:
     return rows
 
 
+def bench_silu(bandwidth: float) -> list[dict]:
+    """fused.silu_mul_fp8 (Qwen3-8B's 12,288-wide MLP) at decode and prefill token counts, in CUDA graphs: the row
+    read twice (two_pass, the engine's: its amax, then its values from L2) against read once and held in registers
+    (one_pass, at 8, 16 and 32 warps), against reading the gate and up rows and writing the e4m3 row and its scale
+    at the copy bandwidth. `_same`: whether a way's bytes and scales equal the engine's."""
+    from ember.runtime.engine import fused
+
+    n = 12288
+    ways = {"two_pass": {"one_pass": False}} | {f"one_pass_{w}": {"one_pass": True, "warps": w} for w in (8, 16, 32)}
+    rows = []
+    for t in (16, 64, 256, 1024, 8192):
+        gate_up = torch.randn(t, 2 * n, dtype=torch.bfloat16, device="cuda") * 3
+        floor_us = (2 * n * 2 + n + 4) * t / bandwidth * 1e6
+        row = {"tokens": t, "n": n, "floor_us": round(floor_us, 2)}
+        want = fused.silu_mul_fp8(gate_up)
+        for way, options in ways.items():
+            call = functools.partial(fused.silu_mul_fp8, gate_up, **options)
+            out, scale = call()
+            row[f"{way}_same"] = bool(torch.equal(out.view(torch.uint8), want[0].view(torch.uint8))
+                                      and torch.equal(scale, want[1]))
+            row[f"{way}_us"] = round(in_graph([call] * 20) * 1e6, 2)
+        rows.append(row)
+        log(f"silu t={t:5d}: floor {floor_us:7.2f} us " + " ".join(
+            f"{w}:{row[f'{w}_us']:.2f}{'' if row[f'{w}_same'] else ' (DIFFERS)'}" for w in ways))
+    return rows
+
+
 def bench_gemm() -> list[dict]:
     rows = []
     for m, k, n in ((8192, 4096, 12288), (8192, 4096, 4096), (8192, 12288, 4096), (4096, 4096, 24576)):
@@ -706,7 +735,7 @@ def record(path: Path, result: dict) -> None:
     path.write_text(json.dumps({**kept, **result}, indent=1) + "\n")
 
 
-PARTS = ("gemv", "fused", "attention", "attention_fp8", "decode", "rope", "gemm", "overlap")
+PARTS = ("gemv", "fused", "attention", "attention_fp8", "decode", "rope", "silu", "gemm", "overlap")
 
 
 def parts_arg(text: str) -> set[str]:
@@ -766,6 +795,8 @@ def main() -> None:
                                                           ways)
     if "rope" in parts:
         result["rope"] = bench_rope(bandwidth)
+    if "silu" in parts:
+        result["silu"] = bench_silu(bandwidth)
     if "gemm" in parts:
         result["gemm"] = bench_gemm()
     if "overlap" in parts:

@@ -67,16 +67,24 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out, scale, total
 
 
-def silu_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_mul_fp8(gate_up: torch.Tensor, one_pass: bool = False,
+                 warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_mul's rows quantized per row to e4m3 and their scales [T, 1], as silu_mul and then fp8.quantize_tokens
-    compute them; one kernel on CUDA (a program a row: the row's amax, then its values again from L2)."""
-
+    compute them; one kernel on CUDA, a program a row, which reads the row twice: its amax, then its values again
+    from L2. `one_pass` (rows of up to SILU_ONE_PASS_MAX values) reads it once and holds it in registers while its
+    amax is taken: the same bytes, from half the reads; off until the GPU times it (bench/engine/kernel_bench.py
+    --parts silu, which also sweeps `warps`, the warps a program)."""
+    t, n = gate_up.shape[0], gate_up.shape[-1] // 2
+    if one_pass and n > SILU_ONE_PASS_MAX:
+        raise ValueError(f"one_pass holds rows of at most {SILU_ONE_PASS_MAX} values in registers, not {n}")
     if not enabled(gate_up):
         return fp8.quantize_tokens(silu_mul(gate_up))
-    t, n = gate_up.shape[0], gate_up.shape[-1] // 2
     out = torch.empty((t, n), dtype=fp8.FP8, device=gate_up.device)
     scale = torch.empty((t, 1), dtype=torch.float32, device=gate_up.device)
-    _silu_mul_fp8_kernel[(t,)](gate_up, out, scale, n, BLOCK=min(triton.next_power_of_2(n), 4096), num_warps=8)
+    if warps is None:
+        warps = SILU_ONE_PASS_WARPS if one_pass else 8
+    block = triton.next_power_of_2(n) if one_pass else min(triton.next_power_of_2(n), 4096)
+    _silu_mul_fp8_kernel[(t,)](gate_up, out, scale, n, BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
     return out, scale
 
 
@@ -128,6 +136,8 @@ def rope_heads_per_program(tokens: int, kv_heads: int) -> int:
 
 
 ROPE_WIDE_FROM = 128   # tokens from which programs take 8 heads (fewer: 4, spread wider; measured 1 to 8192 tokens)
+SILU_ONE_PASS_MAX = 16384   # silu_mul_fp8(one_pass=True): the longest row it holds in registers
+SILU_ONE_PASS_WARPS = 16   # ... with this many warps a program (a row of 16,384 values: 32 a thread)
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -189,25 +199,35 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    def _silu_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         gate = gate_up_ptr + row * 2 * n
         dtype = gate_up_ptr.dtype.element_ty
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for c0 in range(0, n, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
+        if ONE_PASS:   # BLOCK >= n
+            cols = tl.arange(0, BLOCK)
             g = tl.load(gate + cols, mask=cols < n, other=0.0).to(tl.float32)
             u = tl.load(gate + n + cols, mask=cols < n, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(_round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype)))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512))
-        tl.store(scale_ptr + row, scale)
-        for c0 in range(0, n, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            g = tl.load(gate + cols, mask=cols < n, other=0.0).to(tl.float32)
-            u = tl.load(gate + n + cols, mask=cols < n, other=0.0).to(tl.float32)
-            y = _round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype) / scale
-            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            y = _round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype)
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1.0 / (448.0 * 512))
+            tl.store(scale_ptr + row, scale)
+            y = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
             tl.store(out_ptr + row * n + cols, y.to(tl.float8e4nv), mask=cols < n)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for c0 in range(0, n, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                g = tl.load(gate + cols, mask=cols < n, other=0.0).to(tl.float32)
+                u = tl.load(gate + n + cols, mask=cols < n, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(_round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype)))
+            scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512))
+            tl.store(scale_ptr + row, scale)
+            for c0 in range(0, n, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                g = tl.load(gate + cols, mask=cols < n, other=0.0).to(tl.float32)
+                u = tl.load(gate + n + cols, mask=cols < n, other=0.0).to(tl.float32)
+                y = _round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype) / scale
+                y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+                tl.store(out_ptr + row * n + cols, y.to(tl.float8e4nv), mask=cols < n)
 
     @triton.jit
     def _to_cache(x, cache_ptr):

@@ -123,6 +123,20 @@ def test_the_norm_and_silu_kernels_quantize_as_their_unfused_kernels_then_the_qu
     same_quantization(fused.silu_mul_fp8(gate_up), fp8.quantize_tokens(fused.silu_mul(gate_up)))
 
 
+@pytest.mark.parametrize("n", [12288, 1000])
+def test_the_silu_kernel_read_once_gives_the_bytes_of_reading_twice(n):
+    """fused.silu_mul_fp8(one_pass=True), at any warps, holds each row in registers and gives the e4m3 bytes and
+    scales that the two-pass kernel gives, which match the unfused kernels'."""
+    torch.manual_seed(n)
+    gate_up = torch.randn(33, 2 * n, device="cuda", dtype=torch.bfloat16) * 3
+    out, scale = fused.silu_mul_fp8(gate_up)
+    same_quantization((out, scale), fp8.quantize_tokens(fused.silu_mul(gate_up)))
+    for warps in (4, 16, 32):
+        other, other_scale = fused.silu_mul_fp8(gate_up, one_pass=True, warps=warps)
+        assert torch.equal(other.view(torch.uint8), out.view(torch.uint8)), warps
+        assert torch.equal(other_scale, scale), warps
+
+
 # The FP8 KV cache (EngineConfig.kv_cache_dtype="fp8"): every kernel that writes or reads it against the same
 # arithmetic on the dequantized values
 

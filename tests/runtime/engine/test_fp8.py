@@ -138,3 +138,19 @@ def test_the_small_product_kernel_takes_only_the_rows_and_reductions_it_was_set_
     assert fp8.small_config(16, 4096, fp8.SMALL_CONFIG.block_k + 128) is None
     monkeypatch.setattr(fp8, "SMALL_CONFIG", None)
     assert fp8.small_config(16, 4096, 4096) is None   # unset: torch._scaled_mm everywhere
+
+
+def test_the_silu_kernel_reads_a_row_once_only_where_its_registers_hold_it():
+    """fused.silu_mul_fp8's one_pass holds a row in registers: a longer row is refused by name, before any kernel;
+    on the CPU, either way gives the quantized SiLU-mul."""
+    from ember.runtime.engine import fused
+
+    gate_up = torch.randn(3, 2 * 40, dtype=torch.bfloat16)
+    want = fp8.quantize_tokens(fused.silu_mul(gate_up))
+    for one_pass in (False, True):
+        out, scale = fused.silu_mul_fp8(gate_up, one_pass=one_pass)
+        assert torch.equal(out.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1])
+    too_long = torch.zeros(1, 2 * (fused.SILU_ONE_PASS_MAX + 1), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"at most {fused.SILU_ONE_PASS_MAX} values"):
+        fused.silu_mul_fp8(too_long, one_pass=True)
+    assert fused.silu_mul_fp8(too_long)[0].shape == (1, fused.SILU_ONE_PASS_MAX + 1)
