@@ -11,7 +11,8 @@ how many programs of its warps share a multiprocessor: 65,536 registers and 228 
 shared memory a program takes, and of its main loop (one tile an iteration) the instructions, shared-memory
 loads, barriers and tensor-core instructions. These explain a kernel's time but do not measure it:
 kernel_bench.py --parts attention_fp8 times the same variants on the GPU. Needs Triton (pip install triton), no
-GPU; Triton's version decides the code, so name it beside any number taken from here.
+GPU; Triton's version decides the code, so name it beside any number taken from here (the GPU machine's is
+3.6.0: pip install triton==3.6.0 compiles what it runs).
 """
 import argparse
 import re
