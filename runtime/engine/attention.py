@@ -120,7 +120,8 @@ class FlashInferBackend:
         if self.streamed_min_batch is not None and batch_size >= self.streamed_min_batch:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.triton_graph_decode[batch_size] = StreamedDecode(
-                *shape, pool=streamed_pool(batch_size, self.num_kv_heads, sms), **streamed_config(self.kv_dtype))
+                *shape, pool=streamed_pool(batch_size, self.num_kv_heads, sms),
+                **streamed_config(self.kv_dtype, self.head_dim))
             return
 
         def buffer(n: int) -> torch.Tensor:
@@ -154,7 +155,7 @@ class FlashInferBackend:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         decode = StreamedDecode(1, self.max_blocks_per_seq, self.block_size, self.num_heads, self.num_kv_heads,
                                 self.head_dim, self.device, pool=streamed_pool(1, self.num_kv_heads, sms),
-                                **streamed_config(self.kv_dtype))
+                                **streamed_config(self.kv_dtype, self.head_dim))
         decode.stage(np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int32))
         decode.forward(qkv[:, :self.num_heads], cache, self.scale)
         torch.cuda.synchronize(self.device)

@@ -143,7 +143,7 @@ def streamed_pool(batch_size: int, num_kv_heads: int, multiprocessors: int) -> i
     return batch_size * min(4, -(-programs // batch_size))
 
 
-def streamed_config(cache_dtype: torch.dtype) -> dict[str, Any]:
+def streamed_config(cache_dtype: torch.dtype, head_dim: int = 128) -> dict[str, Any]:
     """StreamedDecode's tile, warps, stages and variant for a cache of `cache_dtype`, as bench/engine/kernel_bench.py
     picked them (--parts attention_fp8): a bf16 cache keeps 64 tokens a tile, 4 warps, 3 stages (at its bandwidth
     floor at 256 sequences of 1,024 tokens: 248 us against 252 on the H200, session 47). An FP8 cache, whose tile is
@@ -153,9 +153,10 @@ def streamed_config(cache_dtype: torch.dtype) -> dict[str, Any]:
     memory (perm), each tile's blocks loaded an iteration ahead so 2 of the 3 stages are in flight
     (prefetch_table), and the softmax sums added up once (defer_sum), at 64 tokens a tile, 4 warps: on the H100,
     200 us at 256 sequences of 1,024 tokens against 218 for session 48's kernel (128 tokens, 2 stages, kv_a and f16
-    only) and a 179 floor, 389 against 421 at 2,048 tokens, 55 against 69 at 64 sequences (session 50)."""
+    only) and a 179 floor, 389 against 421 at 2,048 tokens, 55 against 69 at 64 sequences (session 50). A
+    `head_dim` under 64 (the kernels take powers of two) keeps the head dimension in order: perm needs a multiple."""
     if cache_dtype.itemsize == 1:
-        return {"block_t": 64, "warps": 4, "stages": 3, "kv_a": True, "f16": True, "perm": True,
+        return {"block_t": 64, "warps": 4, "stages": 3, "kv_a": True, "f16": True, "perm": head_dim % 64 == 0,
                 "prefetch_table": True, "defer_sum": True}
     return {"block_t": 64, "warps": 4, "stages": 3}
 

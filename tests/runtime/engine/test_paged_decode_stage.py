@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ember.runtime.engine.config import EngineConfig
-from ember.runtime.engine.paged_decode import PagedDecode, StreamedDecode
+from ember.runtime.engine.paged_decode import PagedDecode, StreamedDecode, streamed_config
 
 
 def test_stage_fills_the_same_buffers_as_prepare_with_the_steps_width_as_row_stride():
@@ -112,3 +112,13 @@ def test_streamed_decode_defers_the_sums_or_reads_the_table_ahead_only_with_kv_a
     with pytest.raises(ValueError, match="defer_sum and prefetch_table need kv_a"):
         StreamedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"), **{option: True})
     assert getattr(StreamedDecode(4, 32, 16, 32, 8, 128, torch.device("cpu"), kv_a=True, **{option: True}), option)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+def test_the_engines_streamed_configuration_builds_for_every_head_dim_its_kernel_takes(head_dim):
+    """streamed_config permutes the head dimension of an FP8 cache only where perm can (a multiple of 64): a model
+    with 16- or 32-wide heads (a small test model's) gets the kernel, not a ValueError at its first large batch."""
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        config = streamed_config(dtype, head_dim)
+        decode = StreamedDecode(4, 32, 16, 32, 8, head_dim, torch.device("cpu"), **config)
+        assert decode.perm == (dtype.itemsize == 1 and head_dim % 64 == 0)
