@@ -503,6 +503,9 @@ class Supervisor:
         for server in servers:
             self._retire(server)
         await asyncio.gather(*(s.process.wait() for s in servers if s.process is not None))
+        if self._sockets is not None:  # each serve made one; left behind, they pile up in /tmp
+            shutil.rmtree(self._sockets, ignore_errors=True)
+            self._sockets = None
 
     async def wait(self, worker: WorkerProcess) -> int:
         """Until the worker exits; its exit code."""

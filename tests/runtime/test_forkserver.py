@@ -76,6 +76,9 @@ def test_a_replica_forked_after_torch_was_imported_does_not_import_it_again(pack
             assert worker.tier == "node-warm"
         assert "forkserver_wait_ms" in first.timings  # the first start waited for the fork server's imports
         assert "forkserver_wait_ms" not in second.timings
+        sockets = os.path.dirname(node.supervisor.forkservers["forking"].socket_path)
+        await node.close()
+        assert not os.path.exists(sockets)  # the fork servers' socket directory goes with them
 
     run(test, tmp_path)
 
