@@ -17,6 +17,8 @@ and a few KB of format can take minutes (measured on the tiny model's 1,024-toke
 grammar of 160 ambiguous rules, 6.8 KB, over 10 s; a regex of 800 alternatives 8 s; a schema's oneOf nested nine
 deep, 62 KB, 1.2 s on a 152k-token vocabulary). A compile still running after COMPILE_SECONDS is refused as the
 request's fault (400) and its worker killed; the format is remembered as refused, so sending it again costs nothing.
+A worker that ends mid-compile some other way (a crash, the kernel's OOM killer, a kill from outside) costs the format
+one more try on a fresh worker; ending a second one refuses it (400, remembered).
 One the worker compiled in time is compiled again here, where it is used (the compile is deterministic: it ends in
 about the same time, and uses the same memory, which the worker reports: over MAX_COMPILED_BYTES is refused). Reading
 it back would cost more: a typical schema's is ~5 MB of JSON on a 152k-token vocabulary (0.27 s to write, 0.1 s to
@@ -180,14 +182,23 @@ class Grammars:
         back: on a 152k-token vocabulary it is ~5 MB of JSON that took 0.27 s to write and 0.1 s to read, where a
         typical schema compiles in 0.1 s."""
         pool = self._ready()
-        try:
-            reply = pool.compile(text)
-        except CompileTimeout:
-            reply = {"error": f"it did not compile within {self.seconds:g} s (the cost grows fast with a format's "
-                              "alternatives: a grammar's ambiguous rules, a regex's many-way choices, a schema's long "
-                              f"enums and nested anyOf/oneOf): simplify it, or raise the replica's {SECONDS_VARIABLE}"}
-        except WorkerDied as e:   # not remembered: the worker may have been killed from outside
-            raise FormatError(f"the compiler failed on it ({e}): simplify it") from None
+        for attempt in (1, 2):
+            try:
+                reply = pool.compile(text)
+            except CompileTimeout:
+                reply = {"error": f"it did not compile within {self.seconds:g} s (the cost grows fast with a "
+                                  "format's alternatives: a grammar's ambiguous rules, a regex's many-way choices, a "
+                                  f"schema's long enums and nested anyOf/oneOf): simplify it, or raise the replica's "
+                                  f"{SECONDS_VARIABLE}"}
+            except WorkerDied as e:
+                # A worker can be killed from outside, even in the instant between the pool's check that an idle one
+                # lives and its handing it the format, so one death says nothing of the format: it compiles once more
+                # on a fresh worker. Dying twice on it is the format's doing, and remembered as any refusal.
+                if attempt == 1:
+                    logger.warning("a compile worker ended mid-compile (%s): compiling the format again", e)
+                    continue
+                reply = {"error": f"the compiler failed on it twice ({e}): simplify it"}
+            break
         if "error" not in reply and reply["bytes"] > MAX_COMPILED_BYTES:
             reply = {"error": f"it compiles to {reply['bytes'] / 2 ** 20:.0f} MiB, over {MAX_COMPILED_BYTES >> 20} "
                               "MiB (a typical schema takes under 2): simplify it"}
