@@ -431,7 +431,7 @@ def bench_fused(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dic
 DECODE_ROWS = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
-DECODE_WAYS = ("cublas", "cublaslt", "transposed", "fp8", "fp8_fast", "fp8_mm", "fp8_small")
+DECODE_WAYS = ("cublas", "cublaslt", "transposed", "fp8", "fp8_fast", "fp8_mm", "fp8_tensor", "fp8_small")
 # fp8.small_linear's tiles the fp8_small way sweeps: (block_n, block_k, warps, stages, f16)
 SMALL_SWEEP = [(16, 256, 4, 3, True), (16, 512, 4, 3, True), (32, 256, 4, 3, True), (32, 512, 4, 2, True),
                (64, 256, 4, 3, True), (64, 128, 4, 4, False), (64, 256, 4, 3, False), (128, 128, 4, 4, False),
@@ -450,8 +450,11 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
     fp8 (the weight FP8 with row scales, as EngineConfig(quantization="fp8") runs it: gemv.py's kernel for a row,
     fp8.small_linear up to fp8.SMALL_MAX_ROWS rows, else the input quantized per row and torch._scaled_mm with fast
     accumulation), fp8_fast (quantizing and _scaled_mm with fast accumulation at every size),
-    fp8_mm (_scaled_mm alone, its input quantized before), fp8_small (fp8.small_linear on an input quantized before,
-    the best of SMALL_SWEEP's tiles; every tile's time in the row's fp8_small_sweep)."""
+    fp8_mm (_scaled_mm alone, its input quantized before), fp8_tensor (_scaled_mm alone with one scale for the
+    input and one for the weight, which torch runs through cuBLASLt where row scales take its own CUTLASS kernel:
+    what the product would take if the engine's scales allowed it, not the engine's arithmetic), fp8_small
+    (fp8.small_linear on an input quantized before, the best of SMALL_SWEEP's tiles; every tile's time in the row's
+    fp8_small_sweep)."""
     from ember.runtime.engine import fp8, gemv
     a = torch.randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(12288, 4096, dtype=torch.bfloat16, device="cuda")
@@ -492,6 +495,12 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
                         xq, xs = fp8.quantize_tokens(x)
                         calls = [functools.partial(_fp8_product, x, xq, xs, w, s, way == "fp8_fast")
                                  for w, s in quantized]
+                    elif way == "fp8_tensor":
+                        xq, _ = fp8.quantize_tokens(x)
+                        one = torch.ones((), dtype=torch.float32, device="cuda")
+                        calls = [functools.partial(torch._scaled_mm, xq, w.t(), scale_a=one, scale_b=one,
+                                                   out_dtype=torch.bfloat16, use_fast_accum=True)
+                                 for w, _ in quantized]
                     else:
                         calls = [functools.partial(F.linear, x, w) for w in weights]
                     torch.backends.cuda.preferred_blas_library("cublaslt" if way == "cublaslt" else "cublas")

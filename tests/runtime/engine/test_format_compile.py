@@ -1,7 +1,8 @@
 """A format compiles first in a worker process, within a deadline (EMBER_FORMAT_COMPILE_SECONDS): one that would
 compile for minutes (a few KB of ambiguous grammar or many-way regex can) is a 400 naming it, its
 worker killed, the same format again refused at once; a worker that dies mid-compile costs its format a retry on a
-fresh worker, and a second death refuses that format alone; a replica's compile workers end with it; and none of it holds up the replica's other requests."""
+fresh worker, and a second death refuses that format alone; a replica's compile workers end with it; and none of
+it holds up the replica's other requests."""
 import contextlib
 import json
 import os
