@@ -119,12 +119,16 @@ class SmallConfig:
     """small_linear's tile: `block_n` weight rows a program (the products' first operand, so a few input rows
     fill the MMA's narrow side), `block_k` columns a loop iteration, and `f16`: widen both FP8 operands to fp16
     (exact) for the product, which takes blocks of 16 or 32 weight rows (more programs over the multiprocessors),
-    else FP8 products on Hopper's warpgroup MMA (64 rows or more)."""
+    else FP8 products on Hopper's warpgroup MMA (64 rows or more). `split_k`: programs that share a block of weight
+    rows, each summing its share of K, the last to finish adding the others' sums (from L2) and writing the outputs:
+    a product with few weight rows (the 8B shape's o_proj and down_proj have 4,096: 64 programs of 64 rows, on an
+    H200's 132 multiprocessors) then reads its weight with more programs at once."""
     block_n: int = 64
     block_k: int = 256
     warps: int = 4
     stages: int = 3
     f16: bool = False
+    split_k: int = 1
 
 
 # the most input rows small_linear takes, and its tile (None: torch._scaled_mm for every product). Measured on the
@@ -139,7 +143,7 @@ SMALL_CONFIG: SmallConfig | None = SmallConfig(block_n=64, block_k=256, warps=4,
 
 def small_config(m: int, n: int, k: int) -> SmallConfig | None:
     """small_linear's tile for an [m, k] input times an [n, k] weight, or None for torch._scaled_mm."""
-    if SMALL_CONFIG is None or not 2 <= m <= SMALL_MAX_ROWS or k % SMALL_CONFIG.block_k:
+    if SMALL_CONFIG is None or not 2 <= m <= SMALL_MAX_ROWS or k % (SMALL_CONFIG.block_k * SMALL_CONFIG.split_k):
         return None
     return SMALL_CONFIG
 
@@ -154,14 +158,38 @@ def small_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, s
     session 48; SMALL_CONFIG). Hopper's FP8 MMA sums as _scaled_mm's fast accumulation does."""
     m, k = q.shape
     n = weight.shape[0]
-    if k % config.block_k:
-        raise ValueError(f"small_linear: K={k} is not a multiple of block_k={config.block_k}")
+    splits = config.split_k
+    if k % (config.block_k * splits):
+        raise ValueError(f"small_linear: K={k} is not a multiple of block_k={config.block_k} x split_k={splits}")
     out = torch.empty(m, n, dtype=dtype, device=q.device)
-    _small_kernel[(triton.cdiv(n, config.block_n),)](
-        q, q_scale, weight, scale, out, m, n, k, q.stride(0), weight.stride(0), BLOCK_N=config.block_n,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=config.block_k, F16=config.f16,
+    blocks, block_m = triton.cdiv(n, config.block_n), max(16, triton.next_power_of_2(m))
+    if splits > 1:   # each program's fp32 sums, and a count a block of the programs that have written theirs
+        partial = torch.empty((splits, blocks * config.block_n, block_m), dtype=torch.float32, device=q.device)
+        arrived = _arrival_counts(q.device, blocks)
+    else:
+        partial = arrived = out   # not read
+    _small_kernel[(blocks, splits)](
+        q, q_scale, weight, scale, out, partial, arrived, m, n, k // splits, q.stride(0), weight.stride(0),
+        BLOCK_N=config.block_n, BLOCK_M=block_m, BLOCK_K=config.block_k, F16=config.f16, SPLIT=splits,
         num_warps=config.warps, num_stages=config.stages)
     return out
+
+
+_ARRIVED: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
+    """Zeroed int32 counts for a split small_linear's blocks, one buffer a device: the last program of a block sets
+    its count back to 0, so the next product finds them zeroed. Made outside any CUDA graph capture (a capture
+    records the zeroing but does not run it; the engine's and the benchmarks' eager warm-up runs come first), and
+    shared by the device's products, which run one at a time on its stream: two split products on two streams at
+    once would mix their counts."""
+    counts = _ARRIVED.get(device)
+    if counts is None or counts.numel() < blocks:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("small_linear with split_k > 1 needs an eager call before a CUDA graph captures it")
+        counts = _ARRIVED[device] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
+    return counts
 
 
 if triton is not None:
@@ -183,27 +211,47 @@ if triton is not None:
             tl.store(out_ptr + row * k + cols, v.to(tl.float8e4nv), mask=cols < k)
 
     @triton.jit
-    def _small_kernel(q_ptr, q_scale_ptr, w_ptr, w_scale_ptr, out_ptr, m, n, k, q_stride, w_stride,
-                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, F16: tl.constexpr):
+    def _small_kernel(q_ptr, q_scale_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, arrived_ptr, m, n, per_share,
+                      q_stride, w_stride, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      F16: tl.constexpr, SPLIT: tl.constexpr):
         """small_linear: out[:, block] = (w[block] @ q^T)^T x q_scale x w_scale[block], the weight's rows the left
-        operand. K is a multiple of BLOCK_K (no mask along it)."""
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        operand. Axis 1 takes the SPLIT shares of K, `per_share` columns each, a multiple of BLOCK_K (no mask along
+        it)."""
+        block = tl.program_id(0)
+        share = tl.program_id(1)
+        rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < n
         m_ok = rm < m
-        w_rows = w_ptr + rn.to(tl.int64)[:, None] * w_stride + rk[None, :]
-        q_rows = q_ptr + rm.to(tl.int64)[:, None] * q_stride + rk[None, :]
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * w_stride + (share * per_share + rk)[None, :]
+        q_rows = q_ptr + rm.to(tl.int64)[:, None] * q_stride + (share * per_share + rk)[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
+        for k0 in range(0, per_share, BLOCK_K):
             w = tl.load(w_rows + k0, mask=n_ok[:, None], other=0.0)
             x = tl.load(q_rows + k0, mask=m_ok[:, None], other=0.0)
             if F16:   # e4m3 widens to fp16 exactly, one instruction per two values
                 acc = tl.dot(w.to(tl.float16), tl.trans(x.to(tl.float16)), acc)
             else:
                 acc = tl.dot(w, tl.trans(x), acc)
-        w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
-        q_scale = tl.load(q_scale_ptr + rm, mask=m_ok, other=0.0)
-        acc = acc * w_scale[:, None] * q_scale[None, :]
-        tl.store(out_ptr + rm.to(tl.int64)[None, :] * n + rn[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=n_ok[:, None] & m_ok[None, :])
+        last = True
+        if SPLIT > 1:
+            # Every share's sums to L2; the barrier orders this program's stores before the count's release, and the
+            # last program of the block to count adds up all the shares' (through L2), in their order whichever
+            # came last, so a product's outputs are the same on every run, and writes them.
+            sums = partial_ptr + ((block * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * BLOCK_M + rm[None, :])
+            share_stride = tl.num_programs(0) * BLOCK_N * BLOCK_M
+            tl.store(sums + share * share_stride, acc)
+            tl.debug_barrier()
+            last = tl.atomic_add(arrived_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            if last:
+                acc = tl.load(sums, cache_modifier=".cg")
+                for other in tl.static_range(1, SPLIT):
+                    acc += tl.load(sums + other * share_stride, cache_modifier=".cg")
+                tl.atomic_xchg(arrived_ptr + block, 0, sem="relaxed", scope="gpu")   # for the next product
+        if last:
+            w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
+            q_scale = tl.load(q_scale_ptr + rm, mask=m_ok, other=0.0)
+            acc = acc * w_scale[:, None] * q_scale[None, :]
+            tl.store(out_ptr + rm.to(tl.int64)[None, :] * n + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=n_ok[:, None] & m_ok[None, :])

@@ -83,18 +83,23 @@ def test_fp8_products_compute_the_dequantized_product(rows, n, k):
 
 @pytest.mark.parametrize("rows", [2, 5, 16, 33, 64, 128])
 @pytest.mark.parametrize("tile", [(16, 256, 4, 3, True), (32, 512, 4, 2, True), (64, 256, 4, 3, False),
-                                  (128, 128, 4, 4, False)])
+                                  (128, 128, 4, 4, False), (64, 256, 4, 3, False, 2), (16, 256, 4, 3, True, 4)])
 def test_the_small_product_kernel_computes_the_dequantized_product(rows, tile):
-    """fp8.small_linear (the weight's rows the products' left operand, fp16 or FP8 MMA) at the row counts decode
-    graphs run, over an output width no tile divides: every output scaled by both scales, nothing past the rows."""
+    """fp8.small_linear (the weight's rows the products' left operand, fp16 or FP8 MMA, K in one program or split
+    among several) at the row counts decode graphs run, over an output width no tile divides: every output scaled by
+    both scales, nothing past the rows; a split product's counts are back at zero for the next one."""
     torch.manual_seed(rows)
     weight, scale = fp8.quantize_rows(torch.randn(1040, 4096, device="cuda") * 0.02)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     xq, xs = fp8.quantize_tokens(x)
-    out = fp8.small_linear(xq, xs, weight, scale, torch.bfloat16, fp8.SmallConfig(*tile))
+    config = fp8.SmallConfig(*tile)
+    out = fp8.small_linear(xq, xs, weight, scale, torch.bfloat16, config)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 1040)
+    if config.split_k > 1:
+        assert torch.equal(fp8.small_linear(xq, xs, weight, scale, torch.bfloat16, config), out)
+        assert not fp8._ARRIVED[out.device].any()
     expected = dequantized_product(x, weight, scale)
-    if tile[-1]:   # fp16 products of values exact in fp16, summed in fp32: bf16's rounding of the output
+    if config.f16:   # fp16 products of values exact in fp16, summed in fp32: bf16's rounding of the output
         torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().mean().item())
     else:   # FP8 MMA sums as _scaled_mm's fast accumulation: test_fp8_products_compute_the_dequantized_product's bound
         assert torch.allclose(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().mean().item())

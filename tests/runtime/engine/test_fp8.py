@@ -136,6 +136,12 @@ def test_the_small_product_kernel_takes_only_the_rows_and_reductions_it_was_set_
     # a single row is gemv.py's; more rows, or a reduction the tile does not divide, _scaled_mm's
     assert fp8.small_config(1, 4096, 4096) is fp8.small_config(fp8.SMALL_MAX_ROWS + 1, 4096, 4096) is None
     assert fp8.small_config(16, 4096, fp8.SMALL_CONFIG.block_k + 128) is None
+    split = fp8.SmallConfig(block_k=256, split_k=2)   # each of 2 programs sums half of K, whole tiles
+    monkeypatch.setattr(fp8, "SMALL_CONFIG", split)
+    assert fp8.small_config(16, 4096, 4096) is split and fp8.small_config(16, 4096, 768) is None
+    q, weight = torch.zeros(16, 768, dtype=fp8.FP8), torch.zeros(64, 768, dtype=fp8.FP8)
+    with pytest.raises(ValueError, match="K=768 is not a multiple of block_k=256 x split_k=2"):
+        fp8.small_linear(q, torch.ones(16, 1), weight, torch.ones(64), torch.bfloat16, split)
     monkeypatch.setattr(fp8, "SMALL_CONFIG", None)
     assert fp8.small_config(16, 4096, 4096) is None   # unset: torch._scaled_mm everywhere
 
