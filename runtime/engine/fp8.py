@@ -176,6 +176,7 @@ def small_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, s
 
 
 _ARRIVED: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []   # counts a larger buffer replaced: graphs captured with them still use them
 
 
 def _arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
@@ -183,11 +184,13 @@ def _arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
     its count back to 0, so the next product finds them zeroed. Made outside any CUDA graph capture (a capture
     records the zeroing but does not run it; the engine's and the benchmarks' eager warm-up runs come first), and
     shared by the device's products, which run one at a time on its stream: two split products on two streams at
-    once would mix their counts."""
+    once would mix their counts. A buffer a larger one replaces is kept: a graph holds its address."""
     counts = _ARRIVED.get(device)
     if counts is None or counts.numel() < blocks:
-        if torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("small_linear with split_k > 1 needs an eager call before a CUDA graph captures it")
+        if counts is not None:
+            _OUTGROWN.append(counts)
         counts = _ARRIVED[device] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
     return counts
 

@@ -160,3 +160,16 @@ def test_the_silu_kernel_reads_a_row_once_only_where_its_registers_hold_it():
     with pytest.raises(ValueError, match=f"at most {fused.SILU_ONE_PASS_MAX} values"):
         fused.silu_mul_fp8(too_long, one_pass=True)
     assert fused.silu_mul_fp8(too_long)[0].shape == (1, fused.SILU_ONE_PASS_MAX + 1)
+
+
+def test_split_products_share_zeroed_counts_and_keep_the_ones_a_graph_may_hold(monkeypatch):
+    """small_linear's split_k counts: one zeroed buffer a device, grown for a product with more blocks; the buffer it
+    outgrew stays alive, since a CUDA graph captured with it still writes there."""
+    monkeypatch.setattr(fp8, "_ARRIVED", {})
+    monkeypatch.setattr(fp8, "_OUTGROWN", [])
+    cpu = torch.device("cpu")
+    first = fp8._arrival_counts(cpu, 64)
+    assert first.dtype == torch.int32 and first.numel() >= 64 and not first.any()
+    assert fp8._arrival_counts(cpu, first.numel()) is first
+    grown = fp8._arrival_counts(cpu, first.numel() + 1)
+    assert grown.numel() > first.numel() and not grown.any() and fp8._OUTGROWN == [first]
