@@ -432,11 +432,12 @@ DECODE_ROWS = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
 DECODE_WAYS = ("cublas", "cublaslt", "transposed", "fp8", "fp8_fast", "fp8_mm", "fp8_tensor", "fp8_small")
-# fp8.small_linear's tiles the fp8_small way sweeps: (block_n, block_k, warps, stages, f16[, split_k])
+# fp8.small_linear's tiles the fp8_small way sweeps: (block_n, block_k, warps, stages, f16[, split_k[, block_m]])
 SMALL_SWEEP = [(16, 256, 4, 3, True), (16, 512, 4, 3, True), (32, 256, 4, 3, True), (32, 512, 4, 2, True),
                (64, 256, 4, 3, True), (64, 128, 4, 4, False), (64, 256, 4, 3, False), (128, 128, 4, 4, False),
                (128, 256, 8, 3, False), (64, 256, 4, 3, False, 2), (64, 256, 4, 3, False, 4),
-               (64, 128, 4, 4, False, 2), (32, 256, 4, 3, True, 2)]
+               (64, 128, 4, 4, False, 2), (32, 256, 4, 3, True, 2), (64, 128, 4, 4, False, 1, 64),
+               (128, 128, 4, 4, False, 1, 64), (128, 128, 8, 4, False, 1, 128), (64, 256, 4, 3, False, 1, 128)]
 
 
 def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),

@@ -122,13 +122,16 @@ class SmallConfig:
     else FP8 products on Hopper's warpgroup MMA (64 rows or more). `split_k`: programs that share a block of weight
     rows, each summing its share of K, the last to finish adding the others' sums (from L2) and writing the outputs:
     a product with few weight rows (the 8B shape's o_proj and down_proj have 4,096: 64 programs of 64 rows, on an
-    H200's 132 multiprocessors) then reads its weight with more programs at once."""
+    H200's 132 multiprocessors) then reads its weight with more programs at once. `block_m`: input rows a program
+    (a power of 2, 16 or more), the programs of a block of weight rows launched side by side so that they read it
+    from L2 once it is read; None takes every row in one program (padded to a power of 2)."""
     block_n: int = 64
     block_k: int = 256
     warps: int = 4
     stages: int = 3
     f16: bool = False
     split_k: int = 1
+    block_m: int | None = None
 
 
 # the most input rows small_linear takes, and its tile (None: torch._scaled_mm for every product). Measured on the
@@ -161,14 +164,18 @@ def small_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, s
     splits = config.split_k
     if k % (config.block_k * splits):
         raise ValueError(f"small_linear: K={k} is not a multiple of block_k={config.block_k} x split_k={splits}")
+    block_m = config.block_m or max(16, triton.next_power_of_2(m))
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"small_linear: block_m={block_m} is not a power of 2 of 16 or more")
     out = torch.empty(m, n, dtype=dtype, device=q.device)
-    blocks, block_m = triton.cdiv(n, config.block_n), max(16, triton.next_power_of_2(m))
-    if splits > 1:   # each program's fp32 sums, and a count a block of the programs that have written theirs
-        partial = torch.empty((splits, blocks * config.block_n, block_m), dtype=torch.float32, device=q.device)
-        arrived = _arrival_counts(q.device, blocks)
+    blocks, row_blocks = triton.cdiv(n, config.block_n), triton.cdiv(m, block_m)
+    if splits > 1:   # each program's fp32 sums, and a count a tile of the programs that have written theirs
+        partial = torch.empty((splits, blocks * config.block_n, row_blocks * block_m), dtype=torch.float32,
+                              device=q.device)
+        arrived = _arrival_counts(q.device, blocks * row_blocks)
     else:
         partial = arrived = out   # not read
-    _small_kernel[(blocks, splits)](
+    _small_kernel[(row_blocks, blocks, splits)](
         q, q_scale, weight, scale, out, partial, arrived, m, n, k // splits, q.stride(0), weight.stride(0),
         BLOCK_N=config.block_n, BLOCK_M=block_m, BLOCK_K=config.block_k, F16=config.f16, SPLIT=splits,
         num_warps=config.warps, num_stages=config.stages)
@@ -217,13 +224,15 @@ if triton is not None:
     def _small_kernel(q_ptr, q_scale_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, arrived_ptr, m, n, per_share,
                       q_stride, w_stride, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                       F16: tl.constexpr, SPLIT: tl.constexpr):
-        """small_linear: out[:, block] = (w[block] @ q^T)^T x q_scale x w_scale[block], the weight's rows the left
-        operand. Axis 1 takes the SPLIT shares of K, `per_share` columns each, a multiple of BLOCK_K (no mask along
-        it)."""
-        block = tl.program_id(0)
-        share = tl.program_id(1)
+        """small_linear: out[rows, block] = (w[block] @ q[rows]^T)^T x q_scale x w_scale[block], the weight's rows
+        the left operand. Axis 0 takes the blocks of BLOCK_M input rows (launched side by side, so a block of weight
+        rows is read from HBM about once), axis 1 the blocks of weight rows, axis 2 the SPLIT shares of K,
+        `per_share` columns each, a multiple of BLOCK_K (no mask along it)."""
+        row_block = tl.program_id(0)
+        block = tl.program_id(1)
+        share = tl.program_id(2)
         rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
+        rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < n
         m_ok = rm < m
@@ -242,16 +251,18 @@ if triton is not None:
             # Every share's sums to L2; the barrier orders this program's stores before the count's release, and the
             # last program of the block to count adds up all the shares' (through L2), in their order whichever
             # came last, so a product's outputs are the same on every run, and writes them.
-            sums = partial_ptr + ((block * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * BLOCK_M + rm[None, :])
-            share_stride = tl.num_programs(0) * BLOCK_N * BLOCK_M
+            width = tl.num_programs(0) * BLOCK_M
+            sums = partial_ptr + (rn[:, None] * width + rm[None, :])
+            share_stride = tl.num_programs(1) * BLOCK_N * width
+            tile = block * tl.num_programs(0) + row_block
             tl.store(sums + share * share_stride, acc)
             tl.debug_barrier()
-            last = tl.atomic_add(arrived_ptr + block, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            last = tl.atomic_add(arrived_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
             if last:
                 acc = tl.load(sums, cache_modifier=".cg")
                 for other in tl.static_range(1, SPLIT):
                     acc += tl.load(sums + other * share_stride, cache_modifier=".cg")
-                tl.atomic_xchg(arrived_ptr + block, 0, sem="relaxed", scope="gpu")   # for the next product
+                tl.atomic_xchg(arrived_ptr + tile, 0, sem="relaxed", scope="gpu")   # for the next product
         if last:
             w_scale = tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
             q_scale = tl.load(q_scale_ptr + rm, mask=m_ok, other=0.0)

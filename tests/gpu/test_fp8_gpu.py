@@ -81,13 +81,17 @@ def test_fp8_products_compute_the_dequantized_product(rows, n, k):
         assert torch.equal(total, residual + x)
 
 
-@pytest.mark.parametrize("rows", [2, 5, 16, 33, 64, 128])
+@pytest.mark.parametrize("rows", [2, 5, 16, 33, 64, 128, 200])
 @pytest.mark.parametrize("tile", [(16, 256, 4, 3, True), (32, 512, 4, 2, True), (64, 256, 4, 3, False),
-                                  (128, 128, 4, 4, False), (64, 256, 4, 3, False, 2), (16, 256, 4, 3, True, 4)])
+                                  (128, 128, 4, 4, False), (64, 256, 4, 3, False, 2), (16, 256, 4, 3, True, 4),
+                                  (64, 128, 4, 4, False, 1, 32), (64, 256, 4, 3, False, 2, 16)])
 def test_the_small_product_kernel_computes_the_dequantized_product(rows, tile):
     """fp8.small_linear (the weight's rows the products' left operand, fp16 or FP8 MMA, K in one program or split
-    among several) at the row counts decode graphs run, over an output width no tile divides: every output scaled by
-    both scales, nothing past the rows; a split product's counts are back at zero for the next one."""
+    among several, the input rows in one program or in blocks) at the row counts decode graphs run, over an output
+    width no tile divides: every output scaled by both scales, nothing past the rows; a split product's counts are
+    back at zero for the next one."""
+    if rows > fp8.SMALL_MAX_ROWS and len(tile) < 7:
+        pytest.skip("past SMALL_MAX_ROWS rows only tiles of a few input rows a program are swept")
     torch.manual_seed(rows)
     weight, scale = fp8.quantize_rows(torch.randn(1040, 4096, device="cuda") * 0.02)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)

@@ -142,6 +142,10 @@ def test_the_small_product_kernel_takes_only_the_rows_and_reductions_it_was_set_
     q, weight = torch.zeros(16, 768, dtype=fp8.FP8), torch.zeros(64, 768, dtype=fp8.FP8)
     with pytest.raises(ValueError, match="K=768 is not a multiple of block_k=256 x split_k=2"):
         fp8.small_linear(q, torch.ones(16, 1), weight, torch.ones(64), torch.bfloat16, split)
+    for block_m in (8, 48):   # blocks of input rows take the MMA's narrow side: a power of 2, 16 or more
+        with pytest.raises(ValueError, match=f"block_m={block_m} is not a power of 2 of 16 or more"):
+            fp8.small_linear(q, torch.ones(16, 1), weight, torch.ones(64), torch.bfloat16,
+                             fp8.SmallConfig(block_k=256, block_m=block_m))
     monkeypatch.setattr(fp8, "SMALL_CONFIG", None)
     assert fp8.small_config(16, 4096, 4096) is None   # unset: torch._scaled_mm everywhere
 
