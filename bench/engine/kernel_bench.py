@@ -450,8 +450,8 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
     cublas (F.linear, as the engine runs it), cublaslt (the same with torch's preferred BLAS library set to
     cuBLASLt), transposed (x @ w with w stored K x N, the other layout cuBLAS reads),
     fp8 (the weight FP8 with row scales, as EngineConfig(quantization="fp8") runs it: gemv.py's kernel for a row,
-    fp8.small_linear up to fp8.SMALL_MAX_ROWS rows, else the input quantized per row and torch._scaled_mm with fast
-    accumulation), fp8_fast (quantizing and _scaled_mm with fast accumulation at every size),
+    fp8.small_linear where fp8.small_config gives a tile, else the input quantized per row and torch._scaled_mm with
+    fast accumulation), fp8_fast (quantizing and _scaled_mm with fast accumulation at every size),
     fp8_mm (_scaled_mm alone, its input quantized before), fp8_tensor (_scaled_mm alone with one scale for the
     input and one for the weight, which torch runs through cuBLASLt where row scales take its own CUTLASS kernel:
     what the product would take if the engine's scales allowed it, not the engine's arithmetic), fp8_small

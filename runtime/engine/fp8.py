@@ -142,13 +142,21 @@ class SmallConfig:
 # rows by 0.3-2.6 us more, not worth a second tile.
 SMALL_MAX_ROWS = 128
 SMALL_CONFIG: SmallConfig | None = SmallConfig(block_n=64, block_k=256, warps=4, stages=3, f16=False)
+# past SMALL_MAX_ROWS and up to BLOCKED_MAX_ROWS input rows, small_linear's tile over blocks of them (block_m), or
+# None for torch._scaled_mm: none until the GPU has timed the blocked tiles against it (kernel_bench's fp8_small)
+BLOCKED_MAX_ROWS = 256
+BLOCKED_CONFIG: SmallConfig | None = None
 
 
 def small_config(m: int, n: int, k: int) -> SmallConfig | None:
     """small_linear's tile for an [m, k] input times an [n, k] weight, or None for torch._scaled_mm."""
-    if SMALL_CONFIG is None or not 2 <= m <= SMALL_MAX_ROWS or k % (SMALL_CONFIG.block_k * SMALL_CONFIG.split_k):
+    if 2 <= m <= SMALL_MAX_ROWS:
+        config = SMALL_CONFIG
+    else:
+        config = BLOCKED_CONFIG if SMALL_MAX_ROWS < m <= BLOCKED_MAX_ROWS else None
+    if config is None or k % (config.block_k * config.split_k):
         return None
-    return SMALL_CONFIG
+    return config
 
 
 def small_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

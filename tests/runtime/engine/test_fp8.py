@@ -146,8 +146,14 @@ def test_the_small_product_kernel_takes_only_the_rows_and_reductions_it_was_set_
         with pytest.raises(ValueError, match=f"block_m={block_m} is not a power of 2 of 16 or more"):
             fp8.small_linear(q, torch.ones(16, 1), weight, torch.ones(64), torch.bfloat16,
                              fp8.SmallConfig(block_k=256, block_m=block_m))
+    blocked = fp8.SmallConfig(block_n=128, block_k=128, block_m=64)   # past SMALL_MAX_ROWS, blocks of input rows
+    monkeypatch.setattr(fp8, "BLOCKED_CONFIG", blocked)
+    assert fp8.small_config(fp8.SMALL_MAX_ROWS + 1, 4096, 4096) is fp8.small_config(fp8.BLOCKED_MAX_ROWS, 4096, 4096)
+    assert fp8.small_config(fp8.SMALL_MAX_ROWS + 1, 4096, 4096) is blocked
+    assert fp8.small_config(fp8.BLOCKED_MAX_ROWS + 1, 4096, 4096) is None
     monkeypatch.setattr(fp8, "SMALL_CONFIG", None)
-    assert fp8.small_config(16, 4096, 4096) is None   # unset: torch._scaled_mm everywhere
+    assert fp8.small_config(16, 4096, 4096) is None   # unset: torch._scaled_mm for those rows
+    assert fp8.small_config(fp8.SMALL_MAX_ROWS + 1, 4096, 4096) is blocked
 
 
 def test_the_silu_kernel_reads_a_row_once_only_where_its_registers_hold_it():
