@@ -26,6 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import pdl
+from .pdl import start as _pdl_start
+
 try:
     import triton
     import triton.language as tl
@@ -85,7 +88,7 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty((m, k), dtype=FP8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     _quantize_tokens_kernel[(m,)](x, out, scale, k, x.stride(0), BLOCK=min(triton.next_power_of_2(k), 4096),
-                                  num_warps=8)
+                                  num_warps=8, **pdl.args(x.device))
     return out, scale
 
 
@@ -186,7 +189,7 @@ def small_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, s
     _small_kernel[(row_blocks, blocks, splits)](
         q, q_scale, weight, scale, out, partial, arrived, m, n, k // splits, q.stride(0), weight.stride(0),
         BLOCK_N=config.block_n, BLOCK_M=block_m, BLOCK_K=config.block_k, F16=config.f16, SPLIT=splits,
-        num_warps=config.warps, num_stages=config.stages)
+        num_warps=config.warps, num_stages=config.stages, **pdl.args(q.device))
     return out
 
 
@@ -212,8 +215,10 @@ def _arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _quantize_tokens_kernel(x_ptr, out_ptr, scale_ptr, k, x_stride, BLOCK: tl.constexpr):
+    def _quantize_tokens_kernel(x_ptr, out_ptr, scale_ptr, k, x_stride, BLOCK: tl.constexpr,
+                                PDL: tl.constexpr = False):
         """One row: its amax, then the row over its scale rounded to e4m3 (the second pass reads from L2)."""
+        _pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_stride
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -231,11 +236,12 @@ if triton is not None:
     @triton.jit
     def _small_kernel(q_ptr, q_scale_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, arrived_ptr, m, n, per_share,
                       q_stride, w_stride, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      F16: tl.constexpr, SPLIT: tl.constexpr):
+                      F16: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
         """small_linear: out[rows, block] = (w[block] @ q[rows]^T)^T x q_scale x w_scale[block], the weight's rows
         the left operand. Axis 0 takes the blocks of BLOCK_M input rows (launched side by side, so a block of weight
         rows is read from HBM about once), axis 1 the blocks of weight rows, axis 2 the SPLIT shares of K,
         `per_share` columns each, a multiple of BLOCK_K (no mask along it)."""
+        _pdl_start(PDL)
         row_block = tl.program_id(0)
         block = tl.program_id(1)
         share = tl.program_id(2)

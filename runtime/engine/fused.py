@@ -13,7 +13,8 @@ kernel directory that ships with the snapshots (EMBER_HOME/kernels/triton), so a
 import torch
 import torch.nn.functional as F
 
-from . import fp8
+from . import fp8, pdl
+from .pdl import start as _pdl_start
 
 try:
     import triton
@@ -33,7 +34,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     rows = x.reshape(-1, x.shape[-1])
     _rms_norm_kernel[(rows.shape[0],)](rows, rows, out, out, weight, rows.shape[-1], eps, HAS_RESIDUAL=False,
-                                       BLOCK=triton.next_power_of_2(rows.shape[-1]))
+                                       BLOCK=triton.next_power_of_2(rows.shape[-1]), **pdl.args(x.device))
     return out
 
 
@@ -45,7 +46,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         return _rms_norm_reference(total, weight, eps), total
     out, total = torch.empty_like(x), torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, residual, out, total, weight, x.shape[-1], eps, HAS_RESIDUAL=True,
-                                    BLOCK=triton.next_power_of_2(x.shape[-1]))
+                                    BLOCK=triton.next_power_of_2(x.shape[-1]), **pdl.args(x.device))
     return out, total
 
 
@@ -63,7 +64,7 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     total = x if residual is None else torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, x if residual is None else residual, out, total, weight, x.shape[-1], eps,
                                     HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[-1]),
-                                    scale_ptr=scale, QUANT=True)
+                                    scale_ptr=scale, QUANT=True, **pdl.args(x.device))
     return out, scale, total
 
 
@@ -84,7 +85,8 @@ def silu_mul_fp8(gate_up: torch.Tensor, one_pass: bool = False,
     if warps is None:
         warps = SILU_ONE_PASS_WARPS if one_pass else 8
     block = triton.next_power_of_2(n) if one_pass else min(triton.next_power_of_2(n), 4096)
-    _silu_mul_fp8_kernel[(t,)](gate_up, out, scale, n, BLOCK=block, ONE_PASS=one_pass, num_warps=warps)
+    _silu_mul_fp8_kernel[(t,)](gate_up, out, scale, n, BLOCK=block, ONE_PASS=one_pass, num_warps=warps,
+                               **pdl.args(gate_up.device))
     return out, scale
 
 
@@ -95,7 +97,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate_up[..., :n]) * gate_up[..., n:]
     out = gate_up.new_empty(gate_up.shape[:-1] + (n,))
     block = 1024
-    _silu_mul_kernel[(out.shape[0], triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+    _silu_mul_kernel[(out.shape[0], triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, **pdl.args(out.device))
     return out
 
 
@@ -123,7 +125,8 @@ def norm_rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     _norm_rope_store_kernel[(t, groups)](
         q, k, v, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k, kv_cache, slot_blocks,
         slot_offsets, hq, hk, q.stride(0), k.stride(0), v.stride(0), cos.stride(0), kv_cache.stride(0),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), eps, HAS_NORM=has_norm, D=d, HEADS=heads)
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), eps, HAS_NORM=has_norm, D=d, HEADS=heads,
+        **pdl.args(q.device))
 
 
 def rope_heads_per_program(tokens: int, kv_heads: int) -> int:
@@ -166,9 +169,10 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, residual_ptr, out_ptr, total_ptr, weight_ptr, n, eps, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr, scale_ptr=None, QUANT: tl.constexpr = False):
+                         BLOCK: tl.constexpr, scale_ptr=None, QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
         """One row; with QUANT, the normed row (rounded to the model's dtype) quantized to e4m3 into out_ptr with
         its scale (fp8.quantize_tokens' arithmetic)."""
+        _pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64) * n
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -189,7 +193,8 @@ if triton is not None:
             tl.store(out_ptr + row + cols, (_round(h, dtype) * w).to(dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -199,7 +204,9 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    def _silu_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        _pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         gate = gate_up_ptr + row * 2 * n
         dtype = gate_up_ptr.dtype.element_ty
@@ -241,9 +248,10 @@ if triton is not None:
     def _norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_ptr, blocks_ptr,
                                 offsets_ptr, num_q_heads, num_kv_heads, q_stride, k_stride, v_stride, cs_stride,
                                 s_block, s_kv, s_slot, s_head, eps, HAS_NORM: tl.constexpr, D: tl.constexpr,
-                                HEADS: tl.constexpr):
+                                HEADS: tl.constexpr, PDL: tl.constexpr = False):
         """Programs (token, group of HEADS heads) over the q heads, then the k heads, then the v heads; heads are
         D apart."""
+        _pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
         q_groups = tl.cdiv(num_q_heads, HEADS)

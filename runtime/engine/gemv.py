@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8, fused
+from . import fp8, fused, pdl
 
 try:
     import triton
@@ -129,7 +129,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         x, x if residual is None else residual, total, norm_weight, weight, weight if scale is None else scale,
         out, n, k, eps, HAS_RESIDUAL=residual is not None, SCALED=scale is not None, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps)
+        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps, **pdl.args(x.device))
     return out, total
 
 
@@ -144,7 +144,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None,
     _gemv_kernel[(m, triton.cdiv(n, config.block_n))](
         x, weight, weight if scale is None else scale, out, n, k, x.stride(0), SCALED=scale is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps)
+        EVEN=n % config.block_n == 0 and k % config.block_k == 0, num_warps=config.num_warps, **pdl.args(x.device))
     return out
 
 
@@ -171,10 +171,12 @@ class Linear(nn.Linear):
 
 if triton is not None:
     from .fused import _round
+    from .pdl import start as _pdl_start
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, n, k, x_stride, SCALED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * k
@@ -202,9 +204,10 @@ if triton is not None:
     @triton.jit
     def _norm_gemv_kernel(x_ptr, residual_ptr, total_ptr, norm_ptr, w_ptr, scale_ptr, out_ptr, n, k, eps,
                           HAS_RESIDUAL: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                          BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
         """One row: out = weight @ RMSNorm(residual + x) (fused._rms_norm_kernel's rounding), total = residual + x
         written by the first program."""
+        _pdl_start(PDL)
         dtype = out_ptr.dtype.element_ty
         block = tl.program_id(0)
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)

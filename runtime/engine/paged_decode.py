@@ -19,6 +19,9 @@ try:
 except ImportError:   # CPU-only installs never capture graphs
     triton = None
 
+from . import pdl
+from .pdl import start as _pdl_start
+
 BLOCK_TOKENS = 64   # tokens gathered per loop iteration
 MERGE_CHUNK = 32    # splits the merge reads per loop iteration
 
@@ -123,11 +126,11 @@ class PagedDecode:
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
             kv_cache.stride(3), self.staged, scale, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), D=d, PAGE=self.block_size, SPLIT=self.split_tokens,
-            BLOCK_T=BLOCK_TOKENS)
+            BLOCK_T=BLOCK_TOKENS, **pdl.args(q.device))
         out = q.new_empty(b, hq, d)
         # the compiled kernel, kept for its register and spill counts (tests)
         self.merge_kernel = _merge_kernel[(b, hq)](self.partial, self.lse, out, self.num_splits, D=d,
-                                                   CHUNK=MERGE_CHUNK)
+                                                   CHUNK=MERGE_CHUNK, **pdl.args(q.device))
         return out
 
 
@@ -266,7 +269,7 @@ class StreamedDecode(PagedDecode):
             GROUP_PAD=max(16, triton.next_power_of_2(group * self.heads)), D=d, PAGE=self.block_size,
             BLOCK_T=self.block_t, KV_A=self.kv_a, F16=self.f16, HEADS=self.heads, PERM=self.perm,
             DEFER=self.defer_sum, PREFETCH=self.prefetch_table, num_warps=self.warps, num_stages=self.stages,
-            **self.launch_options)
+            **self.launch_options, **pdl.args(q.device))
         return out
 
 
@@ -416,7 +419,8 @@ if triton is not None:
     def _split_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, partial_ptr, lse_ptr, q_stride_t, q_stride_h,
                       s_block, s_kv, s_slot, s_head, stride_ptr, scale, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK_T: tl.constexpr):
+                      BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_start(PDL)
         seq, kv_head, split, context, heads, head_ok, q, table = _program_start(
             q_ptr, tables_ptr, lens_ptr, q_stride_t, q_stride_h, stride_ptr, GROUP=GROUP, GROUP_PAD=GROUP_PAD, D=D)
         begin = split * SPLIT
@@ -440,7 +444,9 @@ if triton is not None:
         tl.store(lse_ptr + out_row, tl.where(seen, m + tl.log(total), float("-inf")), mask=head_ok)
 
     @triton.jit
-    def _merge_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, CHUNK: tl.constexpr):
+    def _merge_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, CHUNK: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        _pdl_start(PDL)
         # The splits in chunks of CHUNK rows: a [num_splits, D] tile in one piece (1024 x 128 fp32 at a 40k
         # context) cannot sit in registers, and spills take local memory, which a CUDA context keeps for good.
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)   # (sequence, head)
@@ -469,12 +475,14 @@ if triton is not None:
                        arrived_ptr, q_stride_t, q_stride_h, s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2,
                        pool, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_T: tl.constexpr, KV_A: tl.constexpr, F16: tl.constexpr,
-                       HEADS: tl.constexpr, PERM: tl.constexpr, DEFER: tl.constexpr, PREFETCH: tl.constexpr):
+                       HEADS: tl.constexpr, PERM: tl.constexpr, DEFER: tl.constexpr, PREFETCH: tl.constexpr,
+                       PDL: tl.constexpr = False):
         # _split_kernel's work over one piece of a sequence (StreamedDecode's plan), with a loop whose bounds are the
         # piece's own tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2,
         # and p rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor
         # cores. Programs 0..pool-1 of axis 1 take the plan's later pieces of long sequences (those past its count
         # run nothing); program pool + i takes sequence i's first piece. Axis 0: HEADS KV heads from kv_head.
+        _pdl_start(PDL)
         kv_head = tl.program_id(0) * HEADS
         item = tl.program_id(1)
         if item < pool:

@@ -187,6 +187,30 @@ def test_prefill_graphs_and_eager_prefills_agree(family):
     assert any(n < size for size, n in replays), "some step was padded"
 
 
+def test_dependent_launches_change_no_output(family, monkeypatch):
+    """pdl.ENABLED: every Triton kernel of a step launched as a dependent of the kernel before it (decode graphs,
+    prefill graphs and eager steps; FP8 weights and KV cache, so the products, the quantizing norms and SiLU-mul,
+    RoPE's store and the streamed attention are all Triton's): the same tokens and logprobs, bit for bit, as
+    launched one after another, for a batch and for a lone sequence (the single-row kernels). A kernel that read
+    before waiting for the one before it would read half-written rows."""
+    from ember.runtime.engine import pdl
+
+    if family[0] != "qwen3":
+        pytest.skip("one family covers the kernels: qwen3's also norms q and k")
+    batches = (prompts(48, seed=11), prompts(1, seed=12))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    answers = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        eng = engine(family[1], quantization="fp8", kv_cache_dtype="fp8")
+        assert pdl.on(torch.device("cuda")) is enabled
+        answers[enabled] = [run(eng, batch, params) for batch in batches]
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert answers[True] == answers[False]
+
+
 def test_eager_prefill_launches_no_fill_a_layer(family):
     """An eager prefill step gives flashinfer's prefill its output buffer: given none, it allocates one zeroed, a fill
     kernel a layer (~20 us of the step's host time each) for rows its attention writes whole."""
