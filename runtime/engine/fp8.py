@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from . import pdl
+from .pdl import prefetch as _prefetch
 from .pdl import start as _pdl_start
 
 try:
@@ -127,7 +128,10 @@ class SmallConfig:
     a product with few weight rows (the 8B shape's o_proj and down_proj have 4,096: 64 programs of 64 rows, on an
     H200's 132 multiprocessors) then reads its weight with more programs at once. `block_m`: input rows a program
     (a power of 2, 16 or more), the programs of a block of weight rows launched side by side so that they read it
-    from L2 once it is read; None takes every row in one program (padded to a power of 2)."""
+    from L2 once it is read; None takes every row in one program (padded to a power of 2). `prefetch`: bytes of
+    each of a program's weight rows (from its share's start; a power of 2, 128 or more) asked into L2 before the
+    program waits for the kernel before it, where kernels launch as dependents (pdl.py): the weight depends on no
+    kernel, so its first reads overlap the end of the one before. 0, or PDL off: none."""
     block_n: int = 64
     block_k: int = 256
     warps: int = 4
@@ -135,6 +139,7 @@ class SmallConfig:
     f16: bool = False
     split_k: int = 1
     block_m: int | None = None
+    prefetch: int = 0
 
 
 # the most input rows small_linear takes, and its tile (None: torch._scaled_mm for every product). Measured on the
@@ -175,6 +180,10 @@ def small_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, s
     splits = config.split_k
     if k % (config.block_k * splits):
         raise ValueError(f"small_linear: K={k} is not a multiple of block_k={config.block_k} x split_k={splits}")
+    lines = config.prefetch // 128
+    if config.prefetch and (lines < 1 or lines & (lines - 1) or config.prefetch % 128 or config.prefetch > k // splits):
+        raise ValueError(f"small_linear: prefetch={config.prefetch} is not a power of 2 of 128 or more bytes within "
+                         f"a program's share of K ({k // splits})")
     block_m = config.block_m or max(16, triton.next_power_of_2(m))
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"small_linear: block_m={block_m} is not a power of 2 of 16 or more")
@@ -189,7 +198,7 @@ def small_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, s
     _small_kernel[(row_blocks, blocks, splits)](
         q, q_scale, weight, scale, out, partial, arrived, m, n, k // splits, q.stride(0), weight.stride(0),
         BLOCK_N=config.block_n, BLOCK_M=block_m, BLOCK_K=config.block_k, F16=config.f16, SPLIT=splits,
-        num_warps=config.warps, num_stages=config.stages, **pdl.args(q.device))
+        PREFETCH=lines, num_warps=config.warps, num_stages=config.stages, **pdl.args(q.device))
     return out
 
 
@@ -236,16 +245,20 @@ if triton is not None:
     @triton.jit
     def _small_kernel(q_ptr, q_scale_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, arrived_ptr, m, n, per_share,
                       q_stride, w_stride, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      F16: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+                      F16: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr = 0, PDL: tl.constexpr = False):
         """small_linear: out[rows, block] = (w[block] @ q[rows]^T)^T x q_scale x w_scale[block], the weight's rows
         the left operand. Axis 0 takes the blocks of BLOCK_M input rows (launched side by side, so a block of weight
         rows is read from HBM about once), axis 1 the blocks of weight rows, axis 2 the SPLIT shares of K,
-        `per_share` columns each, a multiple of BLOCK_K (no mask along it)."""
-        _pdl_start(PDL)
+        `per_share` columns each, a multiple of BLOCK_K (no mask along it). With PDL, PREFETCH 128-byte lines of
+        each weight row are asked into L2 before the wait."""
         row_block = tl.program_id(0)
         block = tl.program_id(1)
         share = tl.program_id(2)
         rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PDL and PREFETCH > 0:   # rows past n read as the last one: every address is the weight's
+            _prefetch(w_ptr + tl.minimum(rn, n - 1).to(tl.int64)[:, None] * w_stride + share * per_share
+                      + tl.arange(0, PREFETCH)[None, :] * 128)
+        _pdl_start(PDL)
         rm = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < n

@@ -56,6 +56,15 @@ try:   # Triton 3.4 and later
 except ImportError:
     gdc_wait = gdc_launch_dependents = None
 
+if triton is not None:
+    @triton.jit
+    def prefetch(pointers):
+        """Asks L2 for the 128-byte lines at `pointers` (any shape) and waits for none of them: a dependent kernel's
+        reads of what no kernel before it writes (a product's weight), issued before `start` waits, so that they
+        overlap the end of the kernel before."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [pointers], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
 if triton is not None and gdc_wait is not None:
     @triton.jit
     def start(PDL: tl.constexpr):
@@ -70,4 +79,4 @@ elif triton is not None:
         """A Triton without PDL's instructions: `on` is never true, so nothing to wait for."""
         pass
 else:
-    start = None
+    start = prefetch = None

@@ -146,6 +146,10 @@ def test_the_small_product_kernel_takes_only_the_rows_and_reductions_it_was_set_
         with pytest.raises(ValueError, match=f"block_m={block_m} is not a power of 2 of 16 or more"):
             fp8.small_linear(q, torch.ones(16, 1), weight, torch.ones(64), torch.bfloat16,
                              fp8.SmallConfig(block_k=256, block_m=block_m))
+    for prefetch in (100, 384, 1024):   # 128-byte lines, a power of 2 of them, within the program's 768 columns
+        with pytest.raises(ValueError, match=f"prefetch={prefetch} is not a power of 2 of 128 or more bytes"):
+            fp8.small_linear(q, torch.ones(16, 1), weight, torch.ones(64), torch.bfloat16,
+                             fp8.SmallConfig(block_k=256, prefetch=prefetch))
     blocked = fp8.SmallConfig(block_n=128, block_k=128, block_m=64)   # past SMALL_MAX_ROWS, blocks of input rows
     monkeypatch.setattr(fp8, "BLOCKED_CONFIG", blocked)
     assert fp8.small_config(fp8.SMALL_MAX_ROWS + 1, 4096, 4096) is fp8.small_config(fp8.BLOCKED_MAX_ROWS, 4096, 4096)
