@@ -15,7 +15,8 @@ dependents; `args(device)` gives a launch both the constexpr and the launch flag
 libraries (cuBLAS, torch's own) launch as before, and plain stream order holds around them: a dependent after one of
 them is scheduled only once it ends.
 
-Off (`ENABLED = False`) until the GPU machine has timed it (bench/engine/speed.py with and without).
+`EMBER_PDL=1` in the environment turns it on (`0` off); off by default until the GPU machine has timed it
+(bench/engine/speed.py with and without).
 """
 import os
 
@@ -27,7 +28,7 @@ try:
 except ImportError:   # CPU-only installs launch no Triton kernel
     triton = None
 
-ENABLED = False
+ENABLED = os.environ.get("EMBER_PDL", "0") == "1"
 _CAPABLE: dict[int, bool] = {}
 
 
