@@ -21,6 +21,8 @@ reads more K/V than weights: the 8B shape at 256 sequences of 1,000 tokens reads
 of weights. Halving those bytes halves attention's time and doubles the tokens the same memory caches. Values past
 448 are clamped; below 2^-6 e4m3 keeps fewer bits (subnormals), so K/V of very small magnitude lose precision.
 """
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -109,7 +111,8 @@ def quantized_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tenso
     if not q.is_cuda:   # the same arithmetic on dequantized values in fp32, rounded once
         out = F.linear(q.float() * q_scale, weight.float() * scale[:, None])
         return (out if bias is None else out + bias.float()).to(dtype)
-    config = small_config(q.shape[0], *weight.shape)
+    n, k = weight.shape
+    config = small_config(q.shape[0], n, k, multiprocessors(q.device))
     if config is not None and q.stride(-1) == weight.stride(-1) == 1:   # the kernel reads rows whole
         out = small_linear(q, q_scale, weight, scale, dtype, config)
     else:
@@ -150,21 +153,44 @@ class SmallConfig:
 # rows by 0.3-2.6 us more, not worth a second tile.
 SMALL_MAX_ROWS = 128
 SMALL_CONFIG: SmallConfig | None = SmallConfig(block_n=64, block_k=256, warps=4, stages=3, f16=False)
+# A product whose blocks of weight rows are fewer than SPLIT_SHARE of the GPU's multiprocessors splits K among
+# split_k programs a block, by the most input rows: (16, 4), then (64, 2), none past. The 8B shape's o_proj and
+# down_proj (4,096 weight rows: 64 blocks) on the H100 (kernel_bench.py --parts decode --decode-ways fp8_small,
+# session 52): at 16 rows 9.2 and 21.4 us split in 4 against 10.4 and 26.5 whole, at 64 rows 10.5 and 24.7 split in 2
+# against 10.9 and 29.6; qkv_proj (96 blocks) lost split at 64 rows (14.0 against 12.8), gate_up_proj (384) at both.
+SMALL_SPLITS = ((16, 4), (64, 2))
+SPLIT_SHARE = 0.6
 # past SMALL_MAX_ROWS and up to BLOCKED_MAX_ROWS input rows, small_linear's tile over blocks of them (block_m), or
-# None for torch._scaled_mm: none until the GPU has timed the blocked tiles against it (kernel_bench's fp8_small)
+# None for torch._scaled_mm. None: on the H100 (session 52) the best blocked tiles took 121.8 and 126.0 us for a layer's
+# four products at 192 and 256 rows, against _scaled_mm's 126.0 and 124.1 with its input's quantizing counted.
 BLOCKED_MAX_ROWS = 256
 BLOCKED_CONFIG: SmallConfig | None = None
 
 
-def small_config(m: int, n: int, k: int) -> SmallConfig | None:
-    """small_linear's tile for an [m, k] input times an [n, k] weight, or None for torch._scaled_mm."""
+def small_config(m: int, n: int, k: int, multiprocessors: int | None = None) -> SmallConfig | None:
+    """small_linear's tile for an [m, k] input times an [n, k] weight, or None for torch._scaled_mm. Given the GPU's
+    `multiprocessors`, a product of few blocks of weight rows splits K (SMALL_SPLITS) where K divides evenly."""
     if 2 <= m <= SMALL_MAX_ROWS:
         config = SMALL_CONFIG
     else:
         config = BLOCKED_CONFIG if SMALL_MAX_ROWS < m <= BLOCKED_MAX_ROWS else None
     if config is None or k % (config.block_k * config.split_k):
         return None
+    if multiprocessors and config.split_k == 1 and -(-n // config.block_n) < SPLIT_SHARE * multiprocessors:
+        splits = next((splits for rows, splits in SMALL_SPLITS if m <= rows), 1)
+        if splits > 1 and k % (config.block_k * splits) == 0:
+            return _split(config, splits)
     return config
+
+
+@functools.cache
+def _split(config: SmallConfig, splits: int) -> SmallConfig:
+    return dataclasses.replace(config, split_k=splits)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def small_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

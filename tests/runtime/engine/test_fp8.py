@@ -1,6 +1,7 @@
 """FP8 weights (runtime/engine/fp8.py): the quantization's arithmetic, and an engine with quantization="fp8" against
 transformers whose products run the same arithmetic (CPU, fp32; the GPU's kernels: tests/gpu/test_engine_gpu.py)."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -136,6 +137,15 @@ def test_the_small_product_kernel_takes_only_the_rows_and_reductions_it_was_set_
     # a single row is gemv.py's; more rows, or a reduction the tile does not divide, _scaled_mm's
     assert fp8.small_config(1, 4096, 4096) is fp8.small_config(fp8.SMALL_MAX_ROWS + 1, 4096, 4096) is None
     assert fp8.small_config(16, 4096, fp8.SMALL_CONFIG.block_k + 128) is None
+    # given the multiprocessors, a product of few blocks of weight rows (o_proj's and down_proj's 64 on an H100's 132)
+    # splits K: in 4 up to 16 rows, in 2 up to 64; never one of many blocks, nor where K does not divide
+    base = fp8.SMALL_CONFIG
+    assert fp8.small_config(16, 4096, 12288, 132) == dataclasses.replace(base, split_k=4)
+    assert fp8.small_config(64, 4096, 4096, 132) == dataclasses.replace(base, split_k=2)
+    assert fp8.small_config(65, 4096, 4096, 132) is fp8.small_config(16, 24576, 4096, 132) is base
+    assert fp8.small_config(16, 4096, 768, 132) is base   # 768 is no multiple of 4 x 256
+    assert fp8.small_config(16, 4096, 4096, 110) == dataclasses.replace(base, split_k=4)
+    assert fp8.small_config(16, 4096, 4096, 100) is base   # 64 blocks fill most of 100 multiprocessors
     split = fp8.SmallConfig(block_k=256, split_k=2)   # each of 2 programs sums half of K, whole tiles
     monkeypatch.setattr(fp8, "SMALL_CONFIG", split)
     assert fp8.small_config(16, 4096, 4096) is split and fp8.small_config(16, 4096, 768) is None
