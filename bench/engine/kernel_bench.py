@@ -431,7 +431,7 @@ def bench_fused(bandwidth: float, shapes: tuple[str, ...] = ("8B",)) -> list[dic
 DECODE_ROWS = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
-DECODE_WAYS = ("cublas", "cublaslt", "transposed", "fp8", "fp8_fast", "fp8_mm", "fp8_tensor", "fp8_small")
+DECODE_WAYS = ("cublas", "cublaslt", "transposed", "fp8", "fp8_fast", "fp8_mm", "fp8_rows", "fp8_tensor", "fp8_small")
 # fp8.small_linear's tiles the fp8_small way sweeps: (block_n, block_k, warps, stages, f16[, split_k[, block_m]])
 SMALL_SWEEP = [(16, 256, 4, 3, True), (16, 512, 4, 3, True), (32, 256, 4, 3, True), (32, 512, 4, 2, True),
                (64, 256, 4, 3, True), (64, 128, 4, 4, False), (64, 256, 4, 3, False), (128, 128, 4, 4, False),
@@ -452,9 +452,11 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
     fp8 (the weight FP8 with row scales, as EngineConfig(quantization="fp8") runs it: gemv.py's kernel for a row,
     fp8.small_linear where fp8.small_config gives a tile, else the input quantized per row and torch._scaled_mm with
     fast accumulation), fp8_fast (quantizing and _scaled_mm with fast accumulation at every size),
-    fp8_mm (_scaled_mm alone, its input quantized before), fp8_tensor (_scaled_mm alone with one scale for the
-    input and one for the weight, which torch runs through cuBLASLt where row scales take its own CUTLASS kernel:
-    what the product would take if the engine's scales allowed it, not the engine's arithmetic), fp8_small
+    fp8_mm (_scaled_mm alone, its input quantized before), fp8_rows (the same with fast accumulation: the
+    engine's product past fp8.small_config's rows, whose input its RMSNorm or SiLU-mul kernel quantizes),
+    fp8_tensor (_scaled_mm alone with one scale for the input and one for the weight, which torch runs through
+    cuBLASLt where row scales take its own CUTLASS kernel: what the product would take if the engine's scales
+    allowed it, not the engine's arithmetic), fp8_small
     (fp8.small_linear on an input quantized before, the best of SMALL_SWEEP's tiles; every tile's time in the row's
     fp8_small_sweep)."""
     from ember.runtime.engine import fp8, gemv
@@ -493,10 +495,10 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
                         calls = [functools.partial(torch.matmul, x, t) for t in transposed]
                     elif way == "fp8":
                         calls = [functools.partial(gemv.linear, x, w, scale=s) for w, s in quantized]
-                    elif way in ("fp8_fast", "fp8_mm"):
+                    elif way in ("fp8_fast", "fp8_mm", "fp8_rows"):
                         xq, xs = fp8.quantize_tokens(x)
-                        calls = [functools.partial(_fp8_product, x, xq, xs, w, s, way == "fp8_fast")
-                                 for w, s in quantized]
+                        calls = [functools.partial(_fp8_product, x, xq, xs, w, s, way == "fp8_fast",
+                                                   fast_accum=way != "fp8_mm") for w, s in quantized]
                     elif way == "fp8_tensor":
                         xq, _ = fp8.quantize_tokens(x)
                         one = torch.ones((), dtype=torch.float32, device="cuda")
@@ -550,13 +552,14 @@ def _sweep_small(x: torch.Tensor, quantized: list) -> dict:
             "fp8_small_max_abs_diff": round(float((best[1]().float() - reference).abs().max()), 4)}
 
 
-def _fp8_product(x, xq, xs, weight, scale, fast: bool):
-    """fp8.linear with fast accumulation (`fast`), or _scaled_mm alone on an input quantized before."""
+def _fp8_product(x, xq, xs, weight, scale, quantize: bool, fast_accum: bool | None = None):
+    """fp8.linear with fast accumulation (`quantize`: x quantized here), or _scaled_mm alone on the input quantized
+    before, with fast accumulation where `fast_accum` (default: as `quantize`)."""
     from ember.runtime.engine import fp8
-    if fast:
+    if quantize:
         xq, xs = fp8.quantize_tokens(x)
     return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16,
-                            use_fast_accum=fast)
+                            use_fast_accum=quantize if fast_accum is None else fast_accum)
 
 
 def bench_rope(bandwidth: float) -> list[dict]:
