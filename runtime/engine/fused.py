@@ -38,24 +38,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+def add_rms_norm(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(residual + x), residual + x): the sum is the next residual."""
+    """(RMSNorm(residual + x), residual + x): the sum is the next residual. x may be an FP8 product's Unscaled
+    output, whose scales the kernel applies as it loads it."""
+    x, scales = _scales_of(x)
     if not enabled(x):
         total = residual + x
         return _rms_norm_reference(total, weight, eps), total
     out, total = torch.empty_like(x), torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, residual, out, total, weight, x.shape[-1], eps, HAS_RESIDUAL=True,
-                                    BLOCK=triton.next_power_of_2(x.shape[-1]), **pdl.args(x.device))
+                                    BLOCK=triton.next_power_of_2(x.shape[-1]), **_scale_args(scales),
+                                    **pdl.args(x.device))
     return out, total
 
 
-def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+def _scales_of(x: "torch.Tensor | fp8.Unscaled") -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(the tensor a kernel loads, the (row, column) scales it applies as it loads it, or None). An Unscaled output
+    that no kernel here will take (on the CPU) is scaled first."""
+    if not isinstance(x, fp8.Unscaled):
+        return x, None
+    if not enabled(x.raw):
+        return x.materialize(), None
+    return x.raw, (x.row_scale, x.col_scale)
+
+
+def _scale_args(scales: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
+    return {} if scales is None else {"row_scale_ptr": scales[0], "col_scale_ptr": scales[1], "SCALED": True}
+
+
+def rms_norm_fp8(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(RMSNorm(residual + x) quantized per row to e4m3, its scales [T, 1], residual + x) as add_rms_norm and then
     fp8.quantize_tokens compute them, in one kernel on CUDA: the input of an FP8 product (fp8.py) without its own
-    quantizing kernel and the round trip through memory of the normed rows. Without a residual, of x alone."""
-
+    quantizing kernel and the round trip through memory of the normed rows. Without a residual, of x alone. x may
+    be an FP8 product's Unscaled output (with a residual, which the scaled values are added to)."""
+    if residual is None and isinstance(x, fp8.Unscaled):
+        x = x.materialize()   # the sum returned is x itself
+    x, scales = _scales_of(x)
     if not enabled(x):
         h, total = (rms_norm(x, weight, eps), x) if residual is None else add_rms_norm(x, residual, weight, eps)
         return (*fp8.quantize_tokens(h), total)
@@ -64,17 +84,19 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     total = x if residual is None else torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, x if residual is None else residual, out, total, weight, x.shape[-1], eps,
                                     HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[-1]),
-                                    scale_ptr=scale, QUANT=True, **pdl.args(x.device))
+                                    scale_ptr=scale, QUANT=True, **_scale_args(scales), **pdl.args(x.device))
     return out, scale, total
 
 
-def silu_mul_fp8(gate_up: torch.Tensor, one_pass: bool = False,
+def silu_mul_fp8(gate_up: "torch.Tensor | fp8.Unscaled", one_pass: bool = False,
                  warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_mul's rows quantized per row to e4m3 and their scales [T, 1], as silu_mul and then fp8.quantize_tokens
     compute them; one kernel on CUDA, a program a row, which reads the row twice: its amax, then its values again
     from L2. `one_pass` (rows of up to SILU_ONE_PASS_MAX values) reads it once and holds it in registers while its
     amax is taken: the same bytes, from half the reads; off until the GPU times it (bench/engine/kernel_bench.py
-    --parts silu, which also sweeps `warps`, the warps a program)."""
+    --parts silu, which also sweeps `warps`, the warps a program). gate_up may be an FP8 product's Unscaled
+    output, whose scales the kernel applies as it loads it."""
+    gate_up, scales = _scales_of(gate_up)
     t, n = gate_up.shape[0], gate_up.shape[-1] // 2
     if one_pass and n > SILU_ONE_PASS_MAX:
         raise ValueError(f"one_pass holds rows of at most {SILU_ONE_PASS_MAX} values in registers, not {n}")
@@ -86,7 +108,7 @@ def silu_mul_fp8(gate_up: torch.Tensor, one_pass: bool = False,
         warps = SILU_ONE_PASS_WARPS if one_pass else 8
     block = triton.next_power_of_2(n) if one_pass else min(triton.next_power_of_2(n), 4096)
     _silu_mul_fp8_kernel[(t,)](gate_up, out, scale, n, BLOCK=block, ONE_PASS=one_pass, num_warps=warps,
-                               **pdl.args(gate_up.device))
+                               **_scale_args(scales), **pdl.args(gate_up.device))
     return out, scale
 
 
@@ -168,16 +190,26 @@ if triton is not None:
             return x.to(dtype).to(tl.float32)
 
     @triton.jit
+    def _unscale(x, row_scale_ptr, col_scale_ptr, row, cols, mask, dtype: tl.constexpr):
+        """Values of an fp8.Unscaled product output as the product would have written them: times their row's and
+        column's scales, rounded to the model's dtype."""
+        scale = tl.load(row_scale_ptr + row) * tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+        return _round(x * scale, dtype)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, residual_ptr, out_ptr, total_ptr, weight_ptr, n, eps, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr, scale_ptr=None, QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+                         BLOCK: tl.constexpr, scale_ptr=None, QUANT: tl.constexpr = False, row_scale_ptr=None,
+                         col_scale_ptr=None, SCALED: tl.constexpr = False, PDL: tl.constexpr = False):
         """One row; with QUANT, the normed row (rounded to the model's dtype) quantized to e4m3 into out_ptr with
-        its scale (fp8.quantize_tokens' arithmetic)."""
+        its scale (fp8.quantize_tokens' arithmetic); with SCALED, x is an fp8.Unscaled output's raw values."""
         _pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64) * n
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         dtype = total_ptr.dtype.element_ty
         h = tl.load(x_ptr + row + cols, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            h = _unscale(h, row_scale_ptr, col_scale_ptr, tl.program_id(0), cols, mask, dtype)
         if HAS_RESIDUAL:   # the residual stream is kept in the model's dtype
             h = _round(h + tl.load(residual_ptr + row + cols, mask=mask, other=0.0).to(tl.float32), dtype)
             tl.store(total_ptr + row + cols, h.to(dtype), mask=mask)
@@ -205,15 +237,16 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                             row_scale_ptr=None, col_scale_ptr=None, SCALED: tl.constexpr = False,
                              PDL: tl.constexpr = False):
+        """With SCALED, gate_up is an fp8.Unscaled output's raw values."""
         _pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         gate = gate_up_ptr + row * 2 * n
         dtype = gate_up_ptr.dtype.element_ty
         if ONE_PASS:   # BLOCK >= n
             cols = tl.arange(0, BLOCK)
-            g = tl.load(gate + cols, mask=cols < n, other=0.0).to(tl.float32)
-            u = tl.load(gate + n + cols, mask=cols < n, other=0.0).to(tl.float32)
+            g, u = _gate_up(gate, n, cols, row_scale_ptr, col_scale_ptr, row, SCALED, dtype)
             y = _round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype)
             scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1.0 / (448.0 * 512))
             tl.store(scale_ptr + row, scale)
@@ -223,18 +256,27 @@ if triton is not None:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for c0 in range(0, n, BLOCK):
                 cols = c0 + tl.arange(0, BLOCK)
-                g = tl.load(gate + cols, mask=cols < n, other=0.0).to(tl.float32)
-                u = tl.load(gate + n + cols, mask=cols < n, other=0.0).to(tl.float32)
+                g, u = _gate_up(gate, n, cols, row_scale_ptr, col_scale_ptr, row, SCALED, dtype)
                 amax = tl.maximum(amax, tl.abs(_round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype)))
             scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512))
             tl.store(scale_ptr + row, scale)
             for c0 in range(0, n, BLOCK):
                 cols = c0 + tl.arange(0, BLOCK)
-                g = tl.load(gate + cols, mask=cols < n, other=0.0).to(tl.float32)
-                u = tl.load(gate + n + cols, mask=cols < n, other=0.0).to(tl.float32)
+                g, u = _gate_up(gate, n, cols, row_scale_ptr, col_scale_ptr, row, SCALED, dtype)
                 y = _round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype) / scale
                 y = tl.minimum(tl.maximum(y, -448.0), 448.0)
                 tl.store(out_ptr + row * n + cols, y.to(tl.float8e4nv), mask=cols < n)
+
+    @triton.jit
+    def _gate_up(gate, n, cols, row_scale_ptr, col_scale_ptr, row, SCALED: tl.constexpr, dtype: tl.constexpr):
+        """A row's gate and up values at `cols` (fp32), scaled where they are an fp8.Unscaled output's."""
+        mask = cols < n
+        g = tl.load(gate + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gate + n + cols, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            g = _unscale(g, row_scale_ptr, col_scale_ptr, row, cols, mask, dtype)
+            u = _unscale(u, row_scale_ptr, col_scale_ptr + n, row, cols, mask, dtype)
+        return g, u
 
     @triton.jit
     def _to_cache(x, cache_ptr):

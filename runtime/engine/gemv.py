@@ -88,33 +88,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias) if scale is None else fp8.linear(x, weight, scale, bias)
 
 
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None = None,
-                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_linear(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                defer: bool = False) -> tuple["torch.Tensor | fp8.Unscaled", torch.Tensor]:
     """(F.linear(RMSNorm(residual + x), weight, bias), residual + x), or with no residual (the first layer) of x
     alone and x: fused.add_rms_norm and the product after it. A single row in one kernel where the kernel
     applies: each program sums the row's squares itself (the row is a few KB, read from L2), then streams its
     weight rows against the normed row, rounded where add_rms_norm rounds; the first program writes the sum. At
     batch 1 one kernel launch fewer before each of a layer's two input products. With `scale` (an FP8 weight's) and
-    several rows, the norm's kernel quantizes the normed rows for the FP8 product (fused.rms_norm_fp8)."""
+    several rows, the norm's kernel quantizes the normed rows for the FP8 product (fused.rms_norm_fp8), which also
+    takes an x that is an FP8 product's Unscaled output. `defer`: the caller's next kernel takes an Unscaled output
+    (fp8.deferred_linear)."""
+    product = fp8.deferred_linear if defer else fp8.quantized_linear
+    if isinstance(x, fp8.Unscaled):
+        if scale is not None and residual is not None:   # the norm's kernel scales x as it loads it
+            q, q_scale, total = fused.rms_norm_fp8(x, residual, norm_weight, eps)
+            return product(q, q_scale, weight, scale, bias, total.dtype), total
+        x = x.materialize()
     if applies(x, weight, bias):
         return norm_gemv(x, residual, norm_weight, eps, weight, scale=scale)
     if scale is not None:   # an FP8 product's input, quantized by the norm's kernel
         q, q_scale, total = fused.rms_norm_fp8(x, residual, norm_weight, eps)
-        return fp8.quantized_linear(q, q_scale, weight, scale, bias, x.dtype), total
+        return product(q, q_scale, weight, scale, bias, x.dtype), total
     if residual is None:
         return linear(fused.rms_norm(x, norm_weight, eps), weight, bias), x
     h, total = fused.add_rms_norm(x, residual, norm_weight, eps)
     return linear(h, weight, bias), total
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    scale: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul_linear(gate_up: "torch.Tensor | fp8.Unscaled", weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None, defer: bool = False) -> "torch.Tensor | fp8.Unscaled":
     """linear(fused.silu_mul(gate_up), weight, bias, scale); an FP8 product's input of several rows quantized by
-    the SiLU-mul's kernel."""
+    the SiLU-mul's kernel, which also takes a gate_up that is an FP8 product's Unscaled output. `defer`: the
+    caller's next kernel takes an Unscaled output (fp8.deferred_linear)."""
     if scale is None or gate_up.shape[0] == 1:
+        if isinstance(gate_up, fp8.Unscaled):
+            gate_up = gate_up.materialize()
         return linear(fused.silu_mul(gate_up), weight, bias, scale)
-    return fp8.quantized_linear(*fused.silu_mul_fp8(gate_up), weight, scale, bias, gate_up.dtype)
+    product = fp8.deferred_linear if defer else fp8.quantized_linear
+    return product(*fused.silu_mul_fp8(gate_up), weight, scale, bias, gate_up.dtype)
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -167,6 +179,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.weight_scale)
+
+    def deferred(self, x: torch.Tensor) -> "torch.Tensor | fp8.Unscaled":
+        """The product, for a caller whose next kernel takes an fp8.Unscaled output (fp8.deferred_linear)."""
+        if self.weight_scale is None or applies(x, self.weight, self.bias):
+            return self(x)
+        return fp8.deferred_linear(*fp8.quantize_tokens(x), self.weight, self.weight_scale, self.bias, x.dtype)
 
 
 if triton is not None:

@@ -63,8 +63,8 @@ def family(request, tmp_path_factory):
 
 def engine(model_dir: str, backend: str = "flashinfer", enforce_eager: bool = False,
            graph_capture: str = "start", prefill_graphs: bool = True, quantization: str | None = None,
-           kv_cache_dtype: str = "auto") -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=8192, max_num_seqs=128,
+           kv_cache_dtype: str = "auto", max_num_seqs: int = 128) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=8192, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=4096, max_model_len=1024, attention_backend=backend,
                                   enforce_eager=enforce_eager, graph_capture=graph_capture,
                                   prefill_graphs=prefill_graphs, quantization=quantization,
@@ -209,6 +209,47 @@ def test_dependent_launches_change_no_output(family, monkeypatch):
         gc.collect()
         torch.cuda.empty_cache()
     assert answers[True] == answers[False]
+
+
+def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_scaled_ones(family, monkeypatch):
+    """FP8 weights at decode batches past small_linear's rows (200 sequences, graphs of up to 256), whose o, gate/up
+    and down products leave their scales to the norm and SiLU-mul kernels that read them (fp8.deferred_linear),
+    against the same engine with fp8.DEFERRED off: first-token logprobs close, continuations equal up to a
+    near-tie. A kernel that dropped or doubled a scale moves every logprob."""
+    from ember.runtime.engine import fp8
+
+    if family[0] != "qwen3":
+        pytest.skip("one family covers the products")
+    batch, n = prompts(200, seed=14), 16
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    product, unscaled = fp8.deferred_linear, []
+
+    def counted(*args):
+        out = product(*args)
+        unscaled.append(isinstance(out, fp8.Unscaled))
+        return out
+
+    monkeypatch.setattr(fp8, "deferred_linear", counted)
+    answers = {}
+    for deferred in (True, False):
+        monkeypatch.setattr(fp8, "DEFERRED", deferred)
+        eng = engine(family[1], quantization="fp8", max_num_seqs=256)
+        answers[deferred] = run(eng, batch, params)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert any(unscaled) is deferred   # graphs of 129-256 rows captured the deferred products, or none
+        unscaled.clear()
+    (ours, our_lp), (theirs, their_lp) = answers[True], answers[False]
+    worst = max(abs(a[0]["logprob"] - b[0]["logprob"]) for a, b in zip(our_lp, their_lp)
+                if a[0]["token_id"] == b[0]["token_id"])
+    for mine, other, lp in zip(ours, theirs, our_lp):
+        i = next((i for i, (x, y) in enumerate(zip(mine, other)) if x != y), None)
+        if i is not None:
+            assert lp[i]["logprob"] - dict(lp[i]["top"]).get(other[i], float("-inf")) < NEAR_TIE
+    print(f"\n[{family[0]}] deferred FP8 scales: first-token logprob max |diff| {worst:.4f}; position-wise "
+          f"agreement {positionwise(ours, theirs):.4f}")
+    assert worst < 0.1
 
 
 def test_eager_prefill_launches_no_fill_a_layer(family):

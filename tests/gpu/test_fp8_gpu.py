@@ -113,6 +113,35 @@ def test_the_small_product_kernel_computes_the_dequantized_product(rows, tile):
                            fp8.small_linear(xq, xs, weight, scale, torch.bfloat16, engine_config))
 
 
+@pytest.mark.parametrize("rows", [64, 129, 200, 256, 300])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 4096), (4096, 12288)])
+def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scale_it(rows, n, k, monkeypatch):
+    """fp8.deferred_linear: past small_linear's rows and up to DEFERRED_MAX_ROWS, the FP8 sums with their scales
+    left to the next kernel (torch._scaled_mm with one scale a tensor); scaled, quantized_linear's output to bf16's
+    rounding, and the norm and SiLU-mul kernels scale it as they load it, bit for bit as they read it scaled. Other
+    rows: quantized_linear's output itself."""
+    monkeypatch.setattr(fp8, "DEFERRED", True)
+    torch.manual_seed(rows + n + k)
+    weight, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    q, q_scale = fp8.quantize_tokens(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+    out = fp8.quantized_linear(q, q_scale, weight, scale, None, torch.bfloat16)
+    deferred = fp8.deferred_linear(q, q_scale, weight, scale, None, torch.bfloat16)
+    if not fp8.SMALL_MAX_ROWS < rows <= fp8.DEFERRED_MAX_ROWS:
+        assert isinstance(deferred, torch.Tensor) and torch.equal(deferred, out)
+        return
+    assert isinstance(deferred, fp8.Unscaled) and deferred.shape == out.shape
+    scaled = deferred.materialize()
+    torch.testing.assert_close(scaled.float(), out.float(), rtol=2 ** -6, atol=2 ** -6 * out.abs().mean().item())
+    residual = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    norm = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+    for kernel in (fused.add_rms_norm, fused.rms_norm_fp8):
+        got, want = kernel(deferred, residual, norm, 1e-6), kernel(scaled, residual, norm, 1e-6)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for one_pass in (False, True):
+        got, want = fused.silu_mul_fp8(deferred, one_pass), fused.silu_mul_fp8(scaled, one_pass)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("rows", [1, 7, 256])
 def test_the_norm_and_silu_kernels_quantize_as_their_unfused_kernels_then_the_quantizer(rows):
     """An FP8 product's input straight from the RMSNorm (with and without the residual add) and SiLU-mul kernels:

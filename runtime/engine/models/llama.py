@@ -93,7 +93,7 @@ class LlamaAttention(nn.Module):
         batch = attention.batch
         fused.norm_rope_store_(q, k, v, cos, sin, *norms, self.eps, kv_cache, batch.slot_blocks, batch.slot_offsets)
         out = attention.attend(q, kv_cache)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj.deferred(out.reshape(t, self.num_heads * self.head_dim))   # the next norm scales it
 
 
 class LlamaMLP(nn.Module):
@@ -108,7 +108,7 @@ class LlamaMLP(nn.Module):
     def down(self, gate_up):
         """The down product of SiLU(gate) * up, from the merged gate/up product [T, 2 intermediate]."""
         down = self.down_proj
-        return gemv.silu_mul_linear(gate_up, down.weight, down.bias, down.weight_scale)
+        return gemv.silu_mul_linear(gate_up, down.weight, down.bias, down.weight_scale, defer=True)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -123,14 +123,15 @@ class LlamaDecoderLayer(nn.Module):
         """`x`: the previous layer's output, not yet added to `residual` (None before the first layer). Returns
         this layer's output and the residual stream, whose sum the next norm takes in the same kernel; each norm
         runs as part of its product's input (gemv.norm_linear: inside the product at batch 1 on CUDA, and with FP8
-        weights quantizing the normed rows)."""
+        weights quantizing the normed rows). With FP8 weights the o, gate/up and down products may leave their
+        scales to the kernel that reads their output (fp8.Unscaled): the norms' and the SiLU-mul's."""
         norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
         qkv, residual = gemv.norm_linear(x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias,
                                          qkv_proj.weight_scale)
         h = self.self_attn.attend(qkv, cos, sin, attention, kv_cache)
         norm, gate_up_proj = self.post_attention_layernorm, self.mlp.gate_up_proj
         gate_up, residual = gemv.norm_linear(h, residual, norm.weight, norm.eps, gate_up_proj.weight,
-                                             gate_up_proj.bias, gate_up_proj.weight_scale)
+                                             gate_up_proj.bias, gate_up_proj.weight_scale, defer=True)
         return self.mlp.down(gate_up), residual
 
 

@@ -197,3 +197,44 @@ def test_split_products_share_zeroed_counts_and_keep_the_ones_a_graph_may_hold(m
     assert fp8._arrival_counts(cpu, first.numel()) is first
     grown = fp8._arrival_counts(cpu, first.numel() + 1)
     assert grown.numel() > first.numel() and not grown.any() and fp8._OUTGROWN == [first]
+
+
+def test_an_unscaled_product_output_reads_as_its_scaled_values_everywhere_it_is_passed():
+    """fp8.Unscaled (deferred_linear's output, whose scales the next kernel applies as it loads it): the norms, the
+    SiLU-mul and the products after them give on it what they give on its scaled values; on the CPU, where no
+    kernel takes it, deferred_linear returns quantized_linear's output itself."""
+    from ember.runtime.engine import fused, gemv
+
+    torch.manual_seed(4)
+    rows, n = 5, 64
+    raw = (torch.randn(rows, n) * 300).to(torch.bfloat16)
+    row_scale, col_scale = torch.rand(rows, 1) * 1e-3 + 1e-4, torch.rand(n) * 1e-3 + 1e-4
+    unscaled = fp8.Unscaled(raw, row_scale, col_scale)
+    scaled = unscaled.materialize()
+    assert unscaled.shape == raw.shape and unscaled.dtype == torch.bfloat16 and scaled.dtype == torch.bfloat16
+    torch.testing.assert_close(scaled.float(), raw.float() * row_scale * col_scale, rtol=2 ** -8, atol=0)
+    residual, norm = torch.randn(rows, n).to(torch.bfloat16), (torch.rand(n) + 0.5).to(torch.bfloat16)
+
+    def same(got, want):
+        assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+    same(fused.add_rms_norm(unscaled, residual, norm, 1e-6), fused.add_rms_norm(scaled, residual, norm, 1e-6))
+    same(fused.rms_norm_fp8(unscaled, residual, norm, 1e-6), fused.rms_norm_fp8(scaled, residual, norm, 1e-6))
+    same(fused.rms_norm_fp8(unscaled, None, norm, 1e-6), fused.rms_norm_fp8(scaled, None, norm, 1e-6))
+    gate_up = fp8.Unscaled(raw.repeat(1, 2), row_scale, col_scale.repeat(2) * 3)
+    same(fused.silu_mul_fp8(gate_up), fused.silu_mul_fp8(gate_up.materialize()))
+    weight, scale = fp8.quantize_rows(torch.randn(48, n) * 0.05)
+    down, down_scale = fp8.quantize_rows(torch.randn(48, n) * 0.05)
+    for residual_or_none in (residual, None):
+        for defer in (False, True):
+            same(gemv.norm_linear(unscaled, residual_or_none, norm, 1e-6, weight, scale=scale, defer=defer),
+                 gemv.norm_linear(scaled, residual_or_none, norm, 1e-6, weight, scale=scale))
+    plain, plain_down = weight.to(torch.bfloat16), down.to(torch.bfloat16)   # no FP8 product after it
+    same(gemv.norm_linear(unscaled, residual, norm, 1e-6, plain),
+         gemv.norm_linear(scaled, residual, norm, 1e-6, plain))
+    same([gemv.silu_mul_linear(gate_up, down, scale=down_scale, defer=True)],
+         [gemv.silu_mul_linear(gate_up.materialize(), down, scale=down_scale)])
+    same([gemv.silu_mul_linear(gate_up, plain_down)], [gemv.silu_mul_linear(gate_up.materialize(), plain_down)])
+    q, q_scale = fp8.quantize_tokens(torch.randn(200, n))
+    same([fp8.deferred_linear(q, q_scale, weight, scale, None, torch.float32)],
+         [fp8.quantized_linear(q, q_scale, weight, scale, None, torch.float32)])
