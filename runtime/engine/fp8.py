@@ -7,7 +7,9 @@ A decode step of a large batch is as much matrix product as weight reading (the 
 products ~6 ms against ~3.9 ms to read the weights), and a batch-1 step is nothing but weight reading. FP8 halves
 the bytes read and doubles the rate of Hopper's tensor cores. Batches of two rows or more run `torch._scaled_mm`
 (FP8 x FP8 summed in fp32, each output scaled by its row's and column's scales), up to SMALL_MAX_ROWS rows
-`small_linear`'s kernel instead (the same sums, faster at decode sizes); a single row takes gemv.py's kernel, which
+`small_linear`'s kernel instead (the same sums, faster at decode sizes); past those rows and up to DEFERRED_MAX_ROWS
+a product whose output a norm or SiLU-mul kernel reads next leaves both scales to that kernel (`deferred_linear`,
+`Unscaled`) and takes _scaled_mm's faster path with one scale a tensor; a single row takes gemv.py's kernel, which
 reads the FP8 weight and keeps the input in the model's dtype. The embedding and the head stay in the
 model's dtype (vLLM's choice too: the head decides each token, and the tied head is the embedding).
 
@@ -161,9 +163,11 @@ def deferred_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor
 
 
 # deferred_linear returns an Unscaled up to this many input rows (past small_linear's): measured to 256 (the Unscaled
-# docstring); at a prefill's thousands of rows the row-scaled product is near the FP8 rate already. DEFERRED: off
-# until bench/engine/speed.py has timed it end to end.
-DEFERRED = False
+# docstring); at a prefill's thousands of rows the row-scaled product is near the FP8 rate already. DEFERRED on
+# against off, 8B shape with FP8 weights and KV cache on the H200 (bench/engine/speed.py --parts fp8_kv, two pairs,
+# session 53): offline 14,051.8 and 14,085.7 output tok/s against 13,611.1 and 13,609.3, the decode graphs' GPU
+# time 7.75 and 7.74 s against 8.08 and 8.09; batch 1 unchanged (298.3 against 298.0).
+DEFERRED = True
 DEFERRED_MAX_ROWS = 256
 
 

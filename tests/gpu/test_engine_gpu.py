@@ -214,8 +214,12 @@ def test_dependent_launches_change_no_output(family, monkeypatch):
 def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_scaled_ones(family, monkeypatch):
     """FP8 weights at decode batches past small_linear's rows (200 sequences, graphs of up to 256), whose o, gate/up
     and down products leave their scales to the norm and SiLU-mul kernels that read them (fp8.deferred_linear),
-    against the same engine with fp8.DEFERRED off: first-token logprobs close, continuations equal up to a
-    near-tie. A kernel that dropped or doubled a scale moves every logprob."""
+    against the same engine with fp8.DEFERRED off. The two differ by bf16 rounding (test_fp8_gpu.py checks the
+    kernels bit for bit), which FP8 rounding magnifies on random weights until near-tied tokens swap (this module's
+    logits are flat: top logprobs near -4.5), so continuations part at a few percent of the sequences a position
+    (H200, session 53: 4 of 200 at the first decoded token, 8 at the second, 10 at the third, gaps up to 0.53
+    nats). A kernel that dropped or doubled a scale moves every hidden state: nearly every sequence parts at the
+    first step that defers."""
     from ember.runtime.engine import fp8
 
     if family[0] != "qwen3":
@@ -243,13 +247,13 @@ def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_
     (ours, our_lp), (theirs, their_lp) = answers[True], answers[False]
     worst = max(abs(a[0]["logprob"] - b[0]["logprob"]) for a, b in zip(our_lp, their_lp)
                 if a[0]["token_id"] == b[0]["token_id"])
-    for mine, other, lp in zip(ours, theirs, our_lp):
-        i = next((i for i, (x, y) in enumerate(zip(mine, other)) if x != y), None)
-        if i is not None:
-            assert lp[i]["logprob"] - dict(lp[i]["top"]).get(other[i], float("-inf")) < NEAR_TIE
-    print(f"\n[{family[0]}] deferred FP8 scales: first-token logprob max |diff| {worst:.4f}; position-wise "
-          f"agreement {positionwise(ours, theirs):.4f}")
+    parted = [next((i for i, (x, y) in enumerate(zip(mine, other)) if x != y), n) for mine, other in zip(ours, theirs)]
+    together = [sum(p >= i for p in parted) for i in range(n)]
+    shares = [sum(p == i for p in parted) / together[i] for i in range(1, n) if together[i] >= 20]
+    print(f"\n[{family[0]}] deferred FP8 scales: first-token logprob max |diff| {worst:.4f}; sequences parting at "
+          f"each position: {[sum(p == i for p in parted) for i in range(n)]}")
     assert worst < 0.1
+    assert shares and max(shares) < 0.25
 
 
 def test_eager_prefill_launches_no_fill_a_layer(family):
