@@ -403,18 +403,20 @@ def test_greedy_free_running_agreement_on_trained_weights(name, tmp_path):
     agreement, learned = positionwise(ours, theirs), positionwise(theirs, expected)
     hits, queries = eng.stats.prefix_cache_hits, eng.stats.prefix_cache_queries
     del eng
-    # FP8 weights (EngineConfig.quantization): the same model quantized, against transformers' unquantized one
-    quantized, _ = run(engine(str(tmp_path), quantization="fp8"), batch,
+    # FP8 weights (EngineConfig.quantization): the same model quantized, against transformers' unquantized one; up to
+    # 256 sequences a step, so decode products past small_linear's rows leave their scales to the next kernel
+    # (fp8.deferred_linear) while the batch is over 128 and take small_linear's kernel as it drains
+    quantized, _ = run(engine(str(tmp_path), quantization="fp8", max_num_seqs=256), batch,
                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     fp8_agreement = positionwise(quantized, theirs)
     print(f"[{name}] fp8 weights: free-running position-wise agreement with transformers' bf16 {fp8_agreement:.4f}, "
           f"{sum(a == b for a, b in zip(quantized, theirs))}/256 continuations identical; the pattern followed "
           f"{positionwise(quantized, expected):.4f}")
     # The FP8 KV cache (EngineConfig.kv_cache_dtype), alone and with FP8 weights: every attention path reads it
-    # (the prefill's, the decode graphs' of each kind, as the batch drains from 128 sequences to one)
+    # (the prefill's, the decode graphs' of each kind, as the batch drains from 256 sequences to one)
     kv_agreement = {}
     for label, options in (("fp8 KV cache", {}), ("fp8 weights and KV cache", {"quantization": "fp8"})):
-        answers, _ = run(engine(str(tmp_path), kv_cache_dtype="fp8", **options), batch,
+        answers, _ = run(engine(str(tmp_path), kv_cache_dtype="fp8", max_num_seqs=256, **options), batch,
                          SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         kv_agreement[label] = positionwise(answers, theirs)
         print(f"[{name}] {label}: free-running position-wise agreement with transformers' bf16 "
