@@ -151,24 +151,14 @@ def quantized_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tenso
 
 def deferred_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None, dtype: torch.dtype) -> "torch.Tensor | Unscaled":
-    """quantized_linear for a caller whose next kernel applies the scales: on CUDA, without a bias, from past
-    small_linear's rows up to DEFERRED_MAX_ROWS, an Unscaled output; else quantized_linear's."""
-    m, (n, k) = q.shape[0], weight.shape
-    if (DEFERRED and q.is_cuda and bias is None and 2 <= m <= DEFERRED_MAX_ROWS
-            and small_config(m, n, k, multiprocessors(q.device)) is None):
+    """quantized_linear for a caller whose next kernel applies the scales: on CUDA, without a bias, from
+    DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS input rows an Unscaled output (before small_linear's tile, where their
+    rows overlap); else quantized_linear's."""
+    if DEFERRED and q.is_cuda and bias is None and DEFERRED_MIN_ROWS <= q.shape[0] <= DEFERRED_MAX_ROWS:
         one = _one(q.device)
         raw = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=True)
         return Unscaled(raw, q_scale, scale)
     return quantized_linear(q, q_scale, weight, scale, bias, dtype)
-
-
-# deferred_linear returns an Unscaled up to this many input rows (past small_linear's): measured to 256 (the Unscaled
-# docstring); at a prefill's thousands of rows the row-scaled product is near the FP8 rate already. DEFERRED on
-# against off, 8B shape with FP8 weights and KV cache on the H200 (bench/engine/speed.py --parts fp8_kv, two pairs,
-# session 53): offline 14,051.8 and 14,085.7 output tok/s against 13,611.1 and 13,609.3, the decode graphs' GPU
-# time 7.75 and 7.74 s against 8.08 and 8.09; batch 1 unchanged (298.3 against 298.0).
-DEFERRED = True
-DEFERRED_MAX_ROWS = 256
 
 
 @functools.cache
@@ -209,6 +199,15 @@ class SmallConfig:
 # rows by 0.3-2.6 us more, not worth a second tile.
 SMALL_MAX_ROWS = 128
 SMALL_CONFIG: SmallConfig | None = SmallConfig(block_n=64, block_k=256, warps=4, stages=3, f16=False)
+# deferred_linear returns an Unscaled from DEFERRED_MIN_ROWS (past small_linear's rows) to DEFERRED_MAX_ROWS input
+# rows: measured from 160 to 256 (the Unscaled docstring; under 129 rows not yet timed against small_linear's kernel,
+# nor past 256 against the row-scaled product at a prefill's thousands of rows). DEFERRED on against off, 8B shape
+# with FP8 weights and KV cache on the H200 (bench/engine/speed.py --parts fp8_kv, two pairs, session 53): offline
+# 14,051.8 and 14,085.7 output tok/s against 13,611.1 and 13,609.3, the decode graphs' GPU time 7.75 and 7.74 s
+# against 8.08 and 8.09; batch 1 unchanged (298.3 against 298.0).
+DEFERRED = True
+DEFERRED_MIN_ROWS = SMALL_MAX_ROWS + 1
+DEFERRED_MAX_ROWS = 256
 # A product whose blocks of weight rows are fewer than SPLIT_SHARE of the GPU's multiprocessors splits K among
 # split_k programs a block, by the most input rows: (16, 4), then (64, 2), none past. The 8B shape's o_proj and
 # down_proj (4,096 weight rows: 64 blocks) on the H100 (kernel_bench.py --parts decode --decode-ways fp8_small,

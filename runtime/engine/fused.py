@@ -88,16 +88,19 @@ def rms_norm_fp8(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor | None
     return out, scale, total
 
 
-def silu_mul_fp8(gate_up: "torch.Tensor | fp8.Unscaled", one_pass: bool = False,
+def silu_mul_fp8(gate_up: "torch.Tensor | fp8.Unscaled", one_pass: bool | None = None,
                  warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_mul's rows quantized per row to e4m3 and their scales [T, 1], as silu_mul and then fp8.quantize_tokens
     compute them; one kernel on CUDA, a program a row, which reads the row twice: its amax, then its values again
     from L2. `one_pass` (rows of up to SILU_ONE_PASS_MAX values) reads it once and holds it in registers while its
-    amax is taken: the same bytes, from half the reads; off until the GPU times it (bench/engine/kernel_bench.py
-    --parts silu, which also sweeps `warps`, the warps a program). gate_up may be an FP8 product's Unscaled
-    output, whose scales the kernel applies as it loads it."""
+    amax is taken: the same bytes, from half the reads (None: SILU_ONE_PASS, where the row fits; off until the GPU
+    times it, bench/engine/kernel_bench.py --parts silu, which also sweeps `warps`, the warps a program, and
+    bench/engine/ab.py end to end). gate_up may be an FP8 product's Unscaled output, whose scales the kernel
+    applies as it loads it."""
     gate_up, scales = _scales_of(gate_up)
     t, n = gate_up.shape[0], gate_up.shape[-1] // 2
+    if one_pass is None:
+        one_pass = SILU_ONE_PASS and n <= SILU_ONE_PASS_MAX
     if one_pass and n > SILU_ONE_PASS_MAX:
         raise ValueError(f"one_pass holds rows of at most {SILU_ONE_PASS_MAX} values in registers, not {n}")
     if not enabled(gate_up):
@@ -161,6 +164,7 @@ def rope_heads_per_program(tokens: int, kv_heads: int) -> int:
 
 
 ROPE_WIDE_FROM = 128   # tokens from which programs take 8 heads (fewer: 4, spread wider; measured 1 to 8192 tokens)
+SILU_ONE_PASS = False   # silu_mul_fp8's default where a row fits SILU_ONE_PASS_MAX
 SILU_ONE_PASS_MAX = 16384   # silu_mul_fp8(one_pass=True): the longest row it holds in registers
 SILU_ONE_PASS_WARPS = 16   # ... with this many warps a program (a row of 16,384 values: 32 a thread)
 

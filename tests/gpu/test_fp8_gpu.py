@@ -116,7 +116,7 @@ def test_the_small_product_kernel_computes_the_dequantized_product(rows, tile):
 @pytest.mark.parametrize("rows", [64, 129, 200, 256, 300])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 4096), (4096, 12288)])
 def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scale_it(rows, n, k, monkeypatch):
-    """fp8.deferred_linear: past small_linear's rows and up to DEFERRED_MAX_ROWS, the FP8 sums with their scales
+    """fp8.deferred_linear: from DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS rows, the FP8 sums with their scales
     left to the next kernel (torch._scaled_mm with one scale a tensor); scaled, quantized_linear's output to bf16's
     rounding, and the norm and SiLU-mul kernels scale it as they load it, bit for bit as they read it scaled. Other
     rows: quantized_linear's output itself."""
@@ -126,7 +126,7 @@ def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scal
     q, q_scale = fp8.quantize_tokens(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
     out = fp8.quantized_linear(q, q_scale, weight, scale, None, torch.bfloat16)
     deferred = fp8.deferred_linear(q, q_scale, weight, scale, None, torch.bfloat16)
-    if not fp8.SMALL_MAX_ROWS < rows <= fp8.DEFERRED_MAX_ROWS:
+    if not fp8.DEFERRED_MIN_ROWS <= rows <= fp8.DEFERRED_MAX_ROWS:
         assert isinstance(deferred, torch.Tensor) and torch.equal(deferred, out)
         return
     assert isinstance(deferred, fp8.Unscaled) and deferred.shape == out.shape

@@ -170,9 +170,10 @@ def test_the_small_product_kernel_takes_only_the_rows_and_reductions_it_was_set_
     assert fp8.small_config(fp8.SMALL_MAX_ROWS + 1, 4096, 4096) is blocked
 
 
-def test_the_silu_kernel_reads_a_row_once_only_where_its_registers_hold_it():
-    """fused.silu_mul_fp8's one_pass holds a row in registers: a longer row is refused by name, before any kernel;
-    on the CPU, either way gives the quantized SiLU-mul."""
+def test_the_silu_kernel_reads_a_row_once_only_where_its_registers_hold_it(monkeypatch):
+    """fused.silu_mul_fp8's one_pass holds a row in registers: a longer row is refused by name, before any kernel,
+    and the module's default (SILU_ONE_PASS) reads it twice instead; on the CPU, either way gives the quantized
+    SiLU-mul."""
     from ember.runtime.engine import fused
 
     gate_up = torch.randn(3, 2 * 40, dtype=torch.bfloat16)
@@ -184,6 +185,10 @@ def test_the_silu_kernel_reads_a_row_once_only_where_its_registers_hold_it():
     with pytest.raises(ValueError, match=f"at most {fused.SILU_ONE_PASS_MAX} values"):
         fused.silu_mul_fp8(too_long, one_pass=True)
     assert fused.silu_mul_fp8(too_long)[0].shape == (1, fused.SILU_ONE_PASS_MAX + 1)
+    monkeypatch.setattr(fused, "SILU_ONE_PASS", True)
+    assert fused.silu_mul_fp8(too_long)[0].shape == (1, fused.SILU_ONE_PASS_MAX + 1)
+    out, scale = fused.silu_mul_fp8(gate_up)
+    assert torch.equal(out.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1])
 
 
 def test_split_products_share_zeroed_counts_and_keep_the_ones_a_graph_may_hold(monkeypatch):
