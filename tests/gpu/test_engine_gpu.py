@@ -216,10 +216,11 @@ def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_
     and down products leave their scales to the norm and SiLU-mul kernels that read them (fp8.deferred_linear),
     against the same engine with fp8.DEFERRED off. The two differ by bf16 rounding (test_fp8_gpu.py checks the
     kernels bit for bit), which FP8 rounding magnifies on random weights until near-tied tokens swap (this module's
-    logits are flat: top logprobs near -4.5), so continuations part at a few percent of the sequences a position
-    (H200, session 53: 4 of 200 at the first decoded token, 8 at the second, 10 at the third, gaps up to 0.53
-    nats). A kernel that dropped or doubled a scale moves every hidden state: nearly every sequence parts at the
-    first step that defers."""
+    logits are flat: top logprobs near -4.5; two FP8 implementations agree on 59-69% of teacher-forced tokens,
+    test_fp8_gpu.py's docstring), so continuations part at a share of the sequences a position (H200, session 53:
+    4 of 200 at the first decoded token, 8 at the second, 10 at the third, 176 of 200 within 16 tokens, about 17% a
+    position later on). A kernel that dropped or doubled a scale moves every hidden state: nearly every sequence
+    parts at the first step that defers."""
     from ember.runtime.engine import fp8
 
     if family[0] != "qwen3":
@@ -253,7 +254,7 @@ def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_
     print(f"\n[{family[0]}] deferred FP8 scales: first-token logprob max |diff| {worst:.4f}; sequences parting at "
           f"each position: {[sum(p == i for p in parted) for i in range(n)]}")
     assert worst < 0.1
-    assert shares and max(shares) < 0.25
+    assert shares and max(shares) < 0.5
 
 
 def test_eager_prefill_launches_no_fill_a_layer(family):
