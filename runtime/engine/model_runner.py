@@ -577,6 +577,19 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
         logits = model.compute_logits(hidden[-1:])
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         draw(logits.float(), [SamplingRow(greedy, [0] * prompt_tokens, [], None, [])])
+        if quantization == "fp8" and fp8.DEFERRED and device.type == "cuda":
+            # A step of fp8.DEFERRED_MIN_ROWS tokens: its products leave their scales to the norm and SiLU-mul
+            # kernels (fp8.Unscaled), whose variants that take them compile here, not on the first step of that
+            # many sequences
+            rows = fp8.DEFERRED_MIN_ROWS
+            blocks = -(-rows // block_size) + 1
+            kv = torch.empty((blocks, 2, block_size, config.num_key_value_heads, model.head_dim),
+                             dtype=kv_dtype or dtype, device=device)
+            table, slots, lens = np.arange(blocks, dtype=np.int32)[None], torch.arange(rows), np.array([rows], np.int32)
+            attention.plan(AttentionBatch(lens, lens, table, np.array([blocks], dtype=np.int32),
+                                          (slots // block_size).to(device), (slots % block_size).to(device)))
+            hidden = model(torch.zeros(rows, dtype=torch.long, device=device), torch.arange(rows, device=device),
+                           attention, [kv])
         # No decode step: the batch-1 graph's single-row products (gemv.py) load with the first decode step, which
         # captures that graph anyway, rather than on this branch, which on the 4B shape is T2's critical one
         done("prefill")

@@ -257,6 +257,34 @@ def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_
     assert shares and max(shares) < 0.5
 
 
+def test_the_kernel_warm_up_runs_the_deferred_fp8_products(family, monkeypatch):
+    """An FP8 engine's start-up warm-up (model_runner.warm_kernels) runs a step of fp8.DEFERRED_MIN_ROWS tokens, so
+    the norm and SiLU-mul kernels' variants that take an Unscaled output compile there, not on the first step of
+    that many sequences; with DEFERRED off it runs none. Lazy graphs and no prefill graphs: nothing else steps."""
+    from ember.runtime.engine import fp8
+
+    if family[0] != "qwen3":
+        pytest.skip("one family covers the warm-up")
+    product, unscaled = fp8.deferred_linear, []
+
+    def counted(*args):
+        out = product(*args)
+        unscaled.append((args[0].shape[0], isinstance(out, fp8.Unscaled)))
+        return out
+
+    monkeypatch.setattr(fp8, "deferred_linear", counted)
+    for deferred in (True, False):
+        monkeypatch.setattr(fp8, "DEFERRED", deferred)
+        eng = engine(family[1], quantization="fp8", graph_capture="lazy", prefill_graphs=False)
+        assert eng.runner.start_phases.get("kernel_warm_prefill", 0) > 0
+        assert ((fp8.DEFERRED_MIN_ROWS, True) in unscaled) is deferred, unscaled
+        assert not any(u for _, u in unscaled) or deferred, unscaled
+        unscaled.clear()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def test_eager_prefill_launches_no_fill_a_layer(family):
     """An eager prefill step gives flashinfer's prefill its output buffer: given none, it allocates one zeroed, a fill
     kernel a layer (~20 us of the step's host time each) for rows its attention writes whole."""
