@@ -125,7 +125,7 @@ class Unscaled:
         return self.raw.dtype
 
     def materialize(self) -> torch.Tensor:
-        """The output itself, in raw's dtype (what quantized_linear returns without `defer`, to rounding)."""
+        """The output itself, in raw's dtype (quantized_linear's output, to rounding)."""
         return (self.raw.float() * (self.row_scale * self.col_scale)).to(self.raw.dtype)
 
 
