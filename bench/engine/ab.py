@@ -9,9 +9,9 @@ A setting is a module of the ember package, an attribute it already has and a Py
 .DEFERRED=False); a side with none runs the defaults. Round 1 runs A then B, round 2 B then A, and so on, so neither
 side always runs first after the model's build. The arguments after `--` go to speed.py (a --workdir is added where
 they have none, so the model is built once); each process records into a folder of its own, from which this reads,
-for each model and part (the row itself, fp8, fp8_kv), batch-1 and offline output tok/s and the offline decode
-graphs' GPU seconds, and prints every run and the medians with B over A. With --record the comparison is appended to
-bench/results/engine_ab.json with the machine. Absolute numbers hold only on the GPU machine. The settings reach
+for each model and part (the row itself, fp8, fp8_kv), batch-1 and offline output tok/s, the offline run's seconds
+and its GPU seconds in decode graphs and in eager (prefill) steps, and prints every run and the medians with B over
+A. With --record the comparison is appended to bench/results/engine_ab.json with the machine. Absolute numbers hold only on the GPU machine. The settings reach
 speed.py's own process, where its b1, offline, fp8 and fp8_kv parts run their engines, not the processes it starts
 (the b64 part's engines, the online part's `ember serve`).
 """
@@ -31,7 +31,8 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results" / "engine_ab.json"
 PARTS = ("", "fp8", "fp8_kv")   # the row's own fields, then its FP8 parts' (speed.py's ember_fp8)
 METRICS = {"b1_tok_s": ("ember_b1_tok_s",), "offline_tok_s": ("offline_output_tok_s",),
-           "graph_gpu_s": ("offline_time_split", "graph_gpu_s")}
+           "offline_s": ("offline_time_split", "seconds"), "graph_gpu_s": ("offline_time_split", "graph_gpu_s"),
+           "eager_gpu_s": ("offline_time_split", "eager_gpu_s")}
 
 
 def parse_setting(text: str) -> tuple[str, str, object]:

@@ -152,8 +152,8 @@ def quantized_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tenso
 def deferred_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None, dtype: torch.dtype) -> "torch.Tensor | Unscaled":
     """quantized_linear for a caller whose next kernel applies the scales: on CUDA, without a bias, from
-    DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS input rows an Unscaled output (before small_linear's tile, where their
-    rows overlap); else quantized_linear's."""
+    DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS input rows an Unscaled output (in place of small_linear's kernel where
+    their rows overlap); else quantized_linear's."""
     if DEFERRED and q.is_cuda and bias is None and DEFERRED_MIN_ROWS <= q.shape[0] <= DEFERRED_MAX_ROWS:
         one = _one(q.device)
         raw = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=True)
@@ -199,14 +199,20 @@ class SmallConfig:
 # rows by 0.3-2.6 us more, not worth a second tile.
 SMALL_MAX_ROWS = 128
 SMALL_CONFIG: SmallConfig | None = SmallConfig(block_n=64, block_k=256, warps=4, stages=3, f16=False)
-# deferred_linear returns an Unscaled from DEFERRED_MIN_ROWS (past small_linear's rows) to DEFERRED_MAX_ROWS input
-# rows: measured from 160 to 256 (the Unscaled docstring; under 129 rows not yet timed against small_linear's kernel,
-# nor past 256 against the row-scaled product at a prefill's thousands of rows). DEFERRED on against off, 8B shape
-# with FP8 weights and KV cache on the H200 (bench/engine/speed.py --parts fp8_kv, two pairs, session 53): offline
-# 14,051.8 and 14,085.7 output tok/s against 13,611.1 and 13,609.3, the decode graphs' GPU time 7.75 and 7.74 s
-# against 8.08 and 8.09; batch 1 unchanged (298.3 against 298.0).
+# deferred_linear returns an Unscaled from DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS input rows, where it takes the place
+# of small_linear's kernel (up to 128 rows) and of the row-scaled product (129 on). At 160-256 rows: the Unscaled
+# docstring. DEFERRED on against off, 8B shape with FP8 weights and KV cache on the H200 (bench/engine/speed.py --parts
+# fp8_kv, two pairs, session 53): offline 14,051.8 and 14,085.7 output tok/s against 13,611.1 and 13,609.3, the decode
+# graphs' GPU time 7.75 and 7.74 s against 8.08 and 8.09; batch 1 unchanged (298.3 against 298.0). From 65 rows, on an
+# H100 (kernel_bench.py --parts decode --decode-ways fp8_tensor,fp8_small, session 54), one scale a tensor against
+# small_linear's best tile: o_proj 9.52 against 10.45 us at 64 rows, 8.93 against 11.64 at 128; gate_up 40.65 against
+# 40.69 at 64, 42.92 against 45.64 at 128; down 21.85 against 24.56 at 64, 22.28 against 26.39 at 128 (at 32 rows
+# gate_up and down lost or tied); end to end (bench/engine/ab.py --b runtime.engine.fp8.DEFERRED_MIN_ROWS=65, two
+# rounds) offline 12,626.6 against 12,698.4 output tok/s, decode graphs 8.86 against 8.80 s. Not past 256 rows: at a
+# prefill's thousands the row-scaled product wins (8,192 rows: gate_up 1,156.5 against 1,198.1 us, qkv 276.7
+# against 331.7, down 563.8 against 613.5; at 512 and 2,048 rows within a few percent either way).
 DEFERRED = True
-DEFERRED_MIN_ROWS = SMALL_MAX_ROWS + 1
+DEFERRED_MIN_ROWS = 65
 DEFERRED_MAX_ROWS = 256
 # A product whose blocks of weight rows are fewer than SPLIT_SHARE of the GPU's multiprocessors splits K among
 # split_k programs a block, by the most input rows: (16, 4), then (64, 2), none past. The 8B shape's o_proj and

@@ -93,10 +93,9 @@ def silu_mul_fp8(gate_up: "torch.Tensor | fp8.Unscaled", one_pass: bool | None =
     """silu_mul's rows quantized per row to e4m3 and their scales [T, 1], as silu_mul and then fp8.quantize_tokens
     compute them; one kernel on CUDA, a program a row, which reads the row twice: its amax, then its values again
     from L2. `one_pass` (rows of up to SILU_ONE_PASS_MAX values) reads it once and holds it in registers while its
-    amax is taken: the same bytes, from half the reads (None: SILU_ONE_PASS, where the row fits; off until the GPU
-    times it, bench/engine/kernel_bench.py --parts silu, which also sweeps `warps`, the warps a program, and
-    bench/engine/ab.py end to end). gate_up may be an FP8 product's Unscaled output, whose scales the kernel
-    applies as it loads it."""
+    amax is taken: the same bytes, from half the reads (None: SILU_ONE_PASS, where the row fits; `warps`, the warps
+    a program: bench/engine/kernel_bench.py --parts silu sweeps them). gate_up may be an FP8 product's Unscaled
+    output, whose scales the kernel applies as it loads it."""
     gate_up, scales = _scales_of(gate_up)
     t, n = gate_up.shape[0], gate_up.shape[-1] // 2
     if one_pass is None:
@@ -164,7 +163,12 @@ def rope_heads_per_program(tokens: int, kv_heads: int) -> int:
 
 
 ROPE_WIDE_FROM = 128   # tokens from which programs take 8 heads (fewer: 4, spread wider; measured 1 to 8192 tokens)
-SILU_ONE_PASS = False   # silu_mul_fp8's default where a row fits SILU_ONE_PASS_MAX
+# silu_mul_fp8's default where a row fits SILU_ONE_PASS_MAX. The 8B shape's 12,288-wide rows on an H100 (kernel_bench.py
+# --parts silu, session 54), twice against once at 16 warps: 256 tokens 10.1 against 7.8 us, 8,192 tokens 243.8
+# against 197.3 (floor 166.8); end to end (bench/engine/ab.py --b runtime.engine.fused.SILU_ONE_PASS=True -- --models
+# 8B --parts fp8_kv, two rounds in one call) offline 12,385.9 against 12,789.1 output tok/s, the decode graphs' GPU
+# time 8.86 against 8.77 s.
+SILU_ONE_PASS = True
 SILU_ONE_PASS_MAX = 16384   # silu_mul_fp8(one_pass=True): the longest row it holds in registers
 SILU_ONE_PASS_WARPS = 16   # ... with this many warps a program (a row of 16,384 values: 32 a thread)
 

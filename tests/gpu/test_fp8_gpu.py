@@ -113,7 +113,7 @@ def test_the_small_product_kernel_computes_the_dequantized_product(rows, tile):
                            fp8.small_linear(xq, xs, weight, scale, torch.bfloat16, engine_config))
 
 
-@pytest.mark.parametrize("rows", [64, 129, 200, 256, 300])
+@pytest.mark.parametrize("rows", [64, 65, 96, 129, 200, 256, 300])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 4096), (4096, 12288)])
 def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scale_it(rows, n, k, monkeypatch):
     """fp8.deferred_linear: from DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS rows, the FP8 sums with their scales
