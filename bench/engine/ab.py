@@ -11,9 +11,9 @@ side always runs first after the model's build. The arguments after `--` go to s
 they have none, so the model is built once); each process records into a folder of its own, from which this reads,
 for each model and part (the row itself, fp8, fp8_kv), batch-1 and offline output tok/s, the offline run's seconds
 and its GPU seconds in decode graphs and in eager (prefill) steps, and prints every run and the medians with B over
-A. With --record the comparison is appended to bench/results/engine_ab.json with the machine. Absolute numbers hold only on the GPU machine. The settings reach
-speed.py's own process, where its b1, offline, fp8 and fp8_kv parts run their engines, not the processes it starts
-(the b64 part's engines, the online part's `ember serve`).
+A. With --record the comparison is appended to bench/results/engine_ab.json with the machine. Absolute numbers hold
+only on the GPU machine. The settings reach speed.py's own process, where its b1, offline, fp8 and fp8_kv parts run
+their engines, not the processes it starts (the b64 part's engines, the online part's `ember serve`).
 """
 import argparse
 import ast
