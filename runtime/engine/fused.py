@@ -167,7 +167,7 @@ ROPE_WIDE_FROM = 128   # tokens from which programs take 8 heads (fewer: 4, spre
 # --parts silu, session 54), twice against once at 16 warps: 256 tokens 10.1 against 7.8 us, 8,192 tokens 243.8
 # against 197.3 (floor 166.8); end to end (bench/engine/ab.py --b runtime.engine.fused.SILU_ONE_PASS=True -- --models
 # 8B --parts fp8_kv, two rounds in one call) offline 12,385.9 against 12,789.1 output tok/s, the decode graphs' GPU
-# time 8.86 against 8.77 s.
+# time 8.86 against 8.77 s; with DEFERRED_MIN_ROWS 65, both against neither in one later call 12,642.2 against 12,897.4.
 SILU_ONE_PASS = True
 SILU_ONE_PASS_MAX = 16384   # silu_mul_fp8(one_pass=True): the longest row it holds in registers
 SILU_ONE_PASS_WARPS = 16   # ... with this many warps a program (a row of 16,384 values: 32 a thread)
