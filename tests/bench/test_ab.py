@@ -27,7 +27,8 @@ with args.log.open("a") as log:
     log.write(f"{fp8.DEFERRED} {splits} {args.workdir}\\n")
 rate = (200.0 if fp8.DEFERRED else 100.0) + 10 * sum(1 for _ in args.log.open())
 row = {"name": args.models[0], "ember_b1_tok_s": 5.0, "offline_output_tok_s": 1.0,
-       "fp8_kv": {"offline_output_tok_s": rate, "offline_time_split": {"graph_gpu_s": 1000 / rate}}}
+       "fp8_kv": {"offline_output_tok_s": rate, "offline_time_split": {"graph_gpu_s": 1000 / rate, "eager_gpu_s": 3.0,
+                                                                "seconds": 2000 / rate}}}
 args.results.mkdir(parents=True, exist_ok=True)
 (args.results / "engine_speed.json").write_text(json.dumps({"machine": "stand-in", "models": [row]}))
 '''
@@ -57,6 +58,8 @@ def test_the_sides_run_alternately_with_their_settings_and_are_compared(tmp_path
     assert offline["a_median"] == 240.0 and offline["b_median"] == 130.0 and offline["b_over_a"] == round(130 / 240, 4)
     assert entry["metrics"]["8B/bf16/b1_tok_s"]["b_over_a"] == 1.0
     assert "8B/fp8_kv/graph_gpu_s" in entry["metrics"] and "8B/fp8/offline_tok_s" not in entry["metrics"]
+    assert entry["metrics"]["8B/fp8_kv/offline_s"]["a"] == [2000 / 210, 2000 / 240, 2000 / 250]
+    assert entry["metrics"]["8B/fp8_kv/eager_gpu_s"]["b_over_a"] == 1.0
     assert "8B/fp8_kv/offline_tok_s" in out.stdout
 
 
