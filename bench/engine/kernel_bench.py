@@ -19,8 +19,9 @@
   - decode: each product at 8 to 256 rows (the decode graphs' batch sizes) with cuBLAS, against the longer of its
     weight read and its FLOPs at the bandwidth and product rate measured in the same run (--decode-ways: also
     with torch's cuBLASLt backend, and with the weight stored transposed);
-  - silu: the FP8 engine's SiLU-mul kernel (fused.silu_mul_fp8) at 16 to 8,192 tokens, reading each row twice (the
-    engine's) and once (one_pass), against its bytes' read and write at the bandwidth;
+  - silu: the FP8 engine's SiLU-mul kernel (fused.silu_mul_fp8) at 16 to 8,192 tokens, reading each row twice and
+    once (one_pass, the engine's), also on a deferred product's fp8.Unscaled output at the rows that take one,
+    against its bytes' read and write at the bandwidth;
   - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run);
   - overlap: a decode forward and a prefill forward of the 8B shape one after the other, as one step, on two
     streams and on green contexts that split the SMs (whether the offline floor's sum of reads and products can
@@ -600,28 +601,38 @@ def bench_rope(bandwidth: float) -> list[dict]:
 
 def bench_silu(bandwidth: float) -> list[dict]:
     """fused.silu_mul_fp8 (Qwen3-8B's 12,288-wide MLP) at decode and prefill token counts, in CUDA graphs: the row
-    read twice (two_pass, the engine's: its amax, then its values from L2) against read once and held in registers
-    (one_pass, at 8, 16 and 32 warps), against reading the gate and up rows and writing the e4m3 row and its scale
-    at the copy bandwidth. `_same`: whether a way's bytes and scales equal the engine's."""
-    from ember.runtime.engine import fused
+    read twice (two_pass: its amax, then its values from L2) against read once and held in registers (one_pass, at
+    8, 16 and 32 warps; the engine's at fused.SILU_ONE_PASS_WARPS since session 54), against reading the gate and
+    up rows and writing the e4m3 row and its scale at the copy bandwidth. `_same`: whether a way's bytes and scales
+    equal two_pass's. At the token counts whose
+    gate/up product leaves its scales to this kernel (fp8.DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS), the same ways
+    again on an fp8.Unscaled input (`scaled_`), which also reads a row scale and the 2 x 12,288 column scales a
+    row."""
+    from ember.runtime.engine import fp8, fused
 
     n = 12288
     ways = {"two_pass": {"one_pass": False}} | {f"one_pass_{w}": {"one_pass": True, "warps": w} for w in (8, 16, 32)}
     rows = []
-    for t in (16, 64, 256, 1024, 8192):
+    for t in (16, 64, 128, 256, 1024, 8192):
         gate_up = torch.randn(t, 2 * n, dtype=torch.bfloat16, device="cuda") * 3
         floor_us = (2 * n * 2 + n + 4) * t / bandwidth * 1e6
         row = {"tokens": t, "n": n, "floor_us": round(floor_us, 2)}
-        want = fused.silu_mul_fp8(gate_up)
-        for way, options in ways.items():
-            call = functools.partial(fused.silu_mul_fp8, gate_up, **options)
-            out, scale = call()
-            row[f"{way}_same"] = bool(torch.equal(out.view(torch.uint8), want[0].view(torch.uint8))
-                                      and torch.equal(scale, want[1]))
-            row[f"{way}_us"] = round(in_graph([call] * 20) * 1e6, 2)
+        inputs = {"": gate_up}
+        if fp8.DEFERRED_MIN_ROWS <= t <= fp8.DEFERRED_MAX_ROWS:
+            inputs["scaled_"] = fp8.Unscaled(gate_up, torch.rand(t, 1, device="cuda") + 0.5,
+                                             torch.rand(2 * n, device="cuda") + 0.5)
+        for prefix, source in inputs.items():
+            want = fused.silu_mul_fp8(source, one_pass=False)
+            for way, options in ways.items():
+                call = functools.partial(fused.silu_mul_fp8, source, **options)
+                out, scale = call()
+                row[f"{prefix}{way}_same"] = bool(torch.equal(out.view(torch.uint8), want[0].view(torch.uint8))
+                                                  and torch.equal(scale, want[1]))
+                row[f"{prefix}{way}_us"] = round(in_graph([call] * 20) * 1e6, 2)
         rows.append(row)
         log(f"silu t={t:5d}: floor {floor_us:7.2f} us " + " ".join(
-            f"{w}:{row[f'{w}_us']:.2f}{'' if row[f'{w}_same'] else ' (DIFFERS)'}" for w in ways))
+            f"{p}{w}:{row[f'{p}{w}_us']:.2f}{'' if row[f'{p}{w}_same'] else ' (DIFFERS)'}"
+            for p in inputs for w in ways))
     return rows
 
 
