@@ -211,21 +211,25 @@ def test_dependent_launches_change_no_output(family, monkeypatch):
     assert answers[True] == answers[False]
 
 
-def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_scaled_ones(family, monkeypatch):
-    """FP8 weights at decode batches past small_linear's rows (200 sequences, graphs of up to 256), whose o, gate/up
-    and down products leave their scales to the norm and SiLU-mul kernels that read them (fp8.deferred_linear),
-    against the same engine with fp8.DEFERRED off. The two differ by bf16 rounding (test_fp8_gpu.py checks the
-    kernels bit for bit), which FP8 rounding magnifies on random weights until near-tied tokens swap (this module's
-    logits are flat: top logprobs near -4.5; two FP8 implementations agree on 59-69% of teacher-forced tokens,
-    test_fp8_gpu.py's docstring), so continuations part at a share of the sequences a position (H200, session 53:
-    4 of 200 at the first decoded token, 8 at the second, 10 at the third, 176 of 200 within 16 tokens, about 17% a
-    position later on). A kernel that dropped or doubled a scale moves every hidden state: nearly every sequence
-    parts at the first step that defers."""
+@pytest.mark.parametrize("sequences", [100, 200])
+def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_scaled_ones(family, sequences,
+                                                                                             monkeypatch):
+    """FP8 weights at decode batches of fp8.DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS sequences (100, where the scaled
+    product would be small_linear's kernel, and 200, where it would be _scaled_mm's row-scaled one), whose o,
+    gate/up and down products leave their scales to the norm and SiLU-mul kernels that read them
+    (fp8.deferred_linear), against the same engine with fp8.DEFERRED off. The two differ by bf16 rounding
+    (test_fp8_gpu.py checks the kernels bit for bit), which FP8 rounding magnifies on random weights until
+    near-tied tokens swap (this module's logits are flat: top logprobs near -4.5; two FP8 implementations agree on
+    59-69% of teacher-forced tokens, test_fp8_gpu.py's docstring), so continuations part at a share of the sequences
+    a position (200 sequences on the H200, session 53: 4 at the first decoded token, 8 at the second, 10 at the
+    third, 176 within 16 tokens, about 17% a position later on; the same on an H100, session 54). A kernel that
+    dropped or doubled a scale moves every hidden state: nearly every sequence parts at the first step that
+    defers."""
     from ember.runtime.engine import fp8
 
     if family[0] != "qwen3":
         pytest.skip("one family covers the products")
-    batch, n = prompts(200, seed=14), 16
+    batch, n = prompts(sequences, seed=14), 16
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
     product, unscaled = fp8.deferred_linear, []
 
@@ -243,7 +247,7 @@ def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-        assert any(unscaled) is deferred   # graphs of 129-256 rows captured the deferred products, or none
+        assert any(unscaled) is deferred   # the batch's graph captured the deferred products, or none did
         unscaled.clear()
     (ours, our_lp), (theirs, their_lp) = answers[True], answers[False]
     worst = max(abs(a[0]["logprob"] - b[0]["logprob"]) for a, b in zip(our_lp, their_lp)
@@ -251,8 +255,8 @@ def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_
     parted = [next((i for i, (x, y) in enumerate(zip(mine, other)) if x != y), n) for mine, other in zip(ours, theirs)]
     together = [sum(p >= i for p in parted) for i in range(n)]
     shares = [sum(p == i for p in parted) / together[i] for i in range(1, n) if together[i] >= 20]
-    print(f"\n[{family[0]}] deferred FP8 scales: first-token logprob max |diff| {worst:.4f}; sequences parting at "
-          f"each position: {[sum(p == i for p in parted) for i in range(n)]}")
+    print(f"\n[{family[0]}] deferred FP8 scales, {sequences} sequences: first-token logprob max |diff| "
+          f"{worst:.4f}; sequences parting at each position: {[sum(p == i for p in parted) for i in range(n)]}")
     assert worst < 0.1
     assert shares and max(shares) < 0.5
 
