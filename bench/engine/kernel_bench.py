@@ -1,6 +1,6 @@
 """The decode step's kernels against the library kernels they could replace, side by side on one GPU.
 
-    python bench/engine/kernel_bench.py [--parts gemv,fused,decode,attention,silu,gemm,overlap] [--record]
+    python bench/engine/kernel_bench.py [--parts gemv,fused,decode,attention,silu,norm,gemm,overlap] [--record]
 
   - gemv: runtime/engine/gemv.py's Triton product over a sweep of its configurations against F.linear (cuBLAS),
     for the Qwen3-8B shape's products (--gemv-shapes: also the 4B's and 0.6B's) at 1 row (and 2 and 4 with the best
@@ -22,6 +22,8 @@
   - silu: the FP8 engine's SiLU-mul kernel (fused.silu_mul_fp8) at 16 to 8,192 tokens, reading each row twice and
     once (one_pass, the engine's), also on a deferred product's fp8.Unscaled output at the rows that take one,
     against its bytes' read and write at the bandwidth;
+  - norm: the FP8 engine's residual-add RMSNorm with its e4m3 quantizing (fused.rms_norm_fp8) at 1 to 8,192
+    tokens, at 4, 8 and 16 warps a row, also on a deferred product's fp8.Unscaled output, against its bytes;
   - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run);
   - overlap: a decode forward and a prefill forward of the 8B shape one after the other, as one step, on two
     streams and on green contexts that split the SMs (whether the offline floor's sum of reads and products can
@@ -636,6 +638,48 @@ def bench_silu(bandwidth: float) -> list[dict]:
     return rows
 
 
+def bench_norm(bandwidth: float) -> list[dict]:
+    """fused.rms_norm_fp8 with a residual (the 8B shape's 4,096-wide rows: the add, the RMSNorm and the e4m3
+    quantizing of an FP8 product's input) at 1 to 8,192 tokens, in CUDA graphs, with fused.NORM_WARPS at Triton's
+    default (4) and at 8 and 16, against reading x and the residual and writing the sum, the e4m3 row and its scale
+    at the copy bandwidth; where a deferred product passes one (fp8.DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS rows),
+    also on an fp8.Unscaled x (`scaled_`), which reads a row scale and 4,096 column scales a row. `_same`: whether
+    a way's bytes, scales and sum equal the default's."""
+    from ember.runtime.engine import fp8, fused
+
+    h = 4096
+    ways = {"warps_4": None, "warps_8": 8, "warps_16": 16}
+    rows, before = [], fused.NORM_WARPS
+    try:
+        for t in (1, 16, 64, 128, 256, 1024, 8192):
+            x = torch.randn(t, h, dtype=torch.bfloat16, device="cuda")
+            residual, weight = torch.randn_like(x), torch.rand(h, dtype=torch.bfloat16, device="cuda") + 0.5
+            floor_us = (h * (2 + 2 + 2 + 1) + 4) * t / bandwidth * 1e6
+            row = {"tokens": t, "hidden": h, "floor_us": round(floor_us, 2)}
+            inputs = {"": x}
+            if fp8.DEFERRED_MIN_ROWS <= t <= fp8.DEFERRED_MAX_ROWS:
+                inputs["scaled_"] = fp8.Unscaled(x, torch.rand(t, 1, device="cuda") + 0.5,
+                                                 torch.rand(h, device="cuda") + 0.5)
+            for prefix, source in inputs.items():
+                call = functools.partial(fused.rms_norm_fp8, source, residual, weight, 1e-6)
+                fused.NORM_WARPS = None
+                want = call()
+                for way, warps in ways.items():
+                    fused.NORM_WARPS = warps
+                    got = call()
+                    row[f"{prefix}{way}_same"] = bool(
+                        torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+                        and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2]))
+                    row[f"{prefix}{way}_us"] = round(in_graph([call] * 20) * 1e6, 2)
+            rows.append(row)
+            log(f"norm t={t:5d}: floor {floor_us:7.2f} us " + " ".join(
+                f"{p}{w}:{row[f'{p}{w}_us']:.2f}{'' if row[f'{p}{w}_same'] else ' (DIFFERS)'}"
+                for p in inputs for w in ways))
+    finally:
+        fused.NORM_WARPS = before
+    return rows
+
+
 def bench_gemm() -> list[dict]:
     rows = []
     for m, k, n in ((8192, 4096, 12288), (8192, 4096, 4096), (8192, 12288, 4096), (4096, 4096, 24576)):
@@ -762,7 +806,7 @@ def record(path: Path, result: dict) -> None:
     path.write_text(json.dumps({**kept, **result}, indent=1) + "\n")
 
 
-PARTS = ("gemv", "fused", "attention", "attention_fp8", "decode", "rope", "silu", "gemm", "overlap")
+PARTS = ("gemv", "fused", "attention", "attention_fp8", "decode", "rope", "silu", "norm", "gemm", "overlap")
 
 
 def parts_arg(text: str) -> set[str]:
@@ -824,6 +868,8 @@ def main() -> None:
         result["rope"] = bench_rope(bandwidth)
     if "silu" in parts:
         result["silu"] = bench_silu(bandwidth)
+    if "norm" in parts:
+        result["norm"] = bench_norm(bandwidth)
     if "gemm" in parts:
         result["gemm"] = bench_gemm()
     if "overlap" in parts:

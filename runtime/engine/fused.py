@@ -34,7 +34,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     rows = x.reshape(-1, x.shape[-1])
     _rms_norm_kernel[(rows.shape[0],)](rows, rows, out, out, weight, rows.shape[-1], eps, HAS_RESIDUAL=False,
-                                       BLOCK=triton.next_power_of_2(rows.shape[-1]), **pdl.args(x.device))
+                                       BLOCK=triton.next_power_of_2(rows.shape[-1]), **_norm_warps(),
+                                       **pdl.args(x.device))
     return out
 
 
@@ -49,7 +50,7 @@ def add_rms_norm(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor, weigh
     out, total = torch.empty_like(x), torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, residual, out, total, weight, x.shape[-1], eps, HAS_RESIDUAL=True,
                                     BLOCK=triton.next_power_of_2(x.shape[-1]), **_scale_args(scales),
-                                    **pdl.args(x.device))
+                                    **_norm_warps(), **pdl.args(x.device))
     return out, total
 
 
@@ -65,6 +66,10 @@ def _scales_of(x: "torch.Tensor | fp8.Unscaled") -> tuple[torch.Tensor, tuple[to
 
 def _scale_args(scales: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
     return {} if scales is None else {"row_scale_ptr": scales[0], "col_scale_ptr": scales[1], "SCALED": True}
+
+
+def _norm_warps() -> dict:
+    return {} if NORM_WARPS is None else {"num_warps": NORM_WARPS}
 
 
 def rms_norm_fp8(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor | None, weight: torch.Tensor,
@@ -84,7 +89,8 @@ def rms_norm_fp8(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor | None
     total = x if residual is None else torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, x if residual is None else residual, out, total, weight, x.shape[-1], eps,
                                     HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[-1]),
-                                    scale_ptr=scale, QUANT=True, **_scale_args(scales), **pdl.args(x.device))
+                                    scale_ptr=scale, QUANT=True, **_scale_args(scales), **_norm_warps(),
+                                    **pdl.args(x.device))
     return out, scale, total
 
 
@@ -162,6 +168,10 @@ def rope_heads_per_program(tokens: int, kv_heads: int) -> int:
     return min(8 if tokens >= ROPE_WIDE_FROM else 4, triton.next_power_of_2(kv_heads))
 
 
+# The RMSNorm kernels' warps a program (a row), None for Triton's default (4). In an FP8 decode step of 256 sequences
+# on an H100 they took 5.3 us a call (decode_profile.py, session 54), ~2.4 us of bytes: kernel_bench.py --parts norm
+# sweeps warps, bench/engine/ab.py --b runtime.engine.fused.NORM_WARPS=8 times it end to end.
+NORM_WARPS: int | None = None
 ROPE_WIDE_FROM = 128   # tokens from which programs take 8 heads (fewer: 4, spread wider; measured 1 to 8192 tokens)
 # silu_mul_fp8's default where a row fits SILU_ONE_PASS_MAX. The 8B shape's 12,288-wide rows on an H100 (kernel_bench.py
 # --parts silu, session 54), twice against once at 16 warps: 256 tokens 10.1 against 7.8 us, 8,192 tokens 243.8
