@@ -97,11 +97,11 @@ def rms_norm_fp8(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor | None
 def silu_mul_fp8(gate_up: "torch.Tensor | fp8.Unscaled", one_pass: bool | None = None,
                  warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_mul's rows quantized per row to e4m3 and their scales [T, 1], as silu_mul and then fp8.quantize_tokens
-    compute them; one kernel on CUDA, a program a row, which reads the row twice: its amax, then its values again
-    from L2. `one_pass` (rows of up to SILU_ONE_PASS_MAX values) reads it once and holds it in registers while its
-    amax is taken: the same bytes, from half the reads (None: SILU_ONE_PASS, where the row fits; `warps`, the warps
-    a program: bench/engine/kernel_bench.py --parts silu sweeps them). gate_up may be an FP8 product's Unscaled
-    output, whose scales the kernel applies as it loads it."""
+    compute them; one kernel on CUDA, a program a row. `one_pass` (rows of up to SILU_ONE_PASS_MAX values) reads
+    the row once and holds it in registers while its amax is taken; otherwise the kernel reads it twice, its
+    amax and then its values again from L2: the same bytes either way (None: SILU_ONE_PASS where the row fits;
+    `warps`, the warps a program: bench/engine/kernel_bench.py --parts silu sweeps them). gate_up may be an FP8
+    product's Unscaled output, whose scales the kernel applies as it loads it."""
     gate_up, scales = _scales_of(gate_up)
     t, n = gate_up.shape[0], gate_up.shape[-1] // 2
     if one_pass is None:
