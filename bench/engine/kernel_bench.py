@@ -640,15 +640,16 @@ def bench_silu(bandwidth: float) -> list[dict]:
 
 def bench_norm(bandwidth: float) -> list[dict]:
     """fused.rms_norm_fp8 with a residual (the 8B shape's 4,096-wide rows: the add, the RMSNorm and the e4m3
-    quantizing of an FP8 product's input) at 1 to 8,192 tokens, in CUDA graphs, with fused.NORM_WARPS at Triton's
-    default (4) and at 8 and 16, against reading x and the residual and writing the sum, the e4m3 row and its scale
-    at the copy bandwidth; where a deferred product passes one (fp8.DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS rows),
-    also on an fp8.Unscaled x (`scaled_`), which reads a row scale and 4,096 column scales a row. `_same`: whether
-    a way's bytes, scales and sum equal the default's."""
+    quantizing of an FP8 product's input) at 1 to 8,192 tokens, in CUDA graphs, at 4 (Triton's default), 8 and 16
+    warps (fused.NORM_WARPS; the engine's rule, fused._norm_warps, takes 16 up to 256 rows), against reading x and
+    the residual and writing the sum, the e4m3 row and its scale at the copy bandwidth; where a deferred product
+    passes one (fp8.DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS rows), also on an fp8.Unscaled x (`scaled_`), which reads
+    a row scale and 4,096 column scales a row. `_same`: whether a way's bytes, scales and sum equal 4 warps' (the
+    sum of squares adds in another order at other warps, which can move a last bit)."""
     from ember.runtime.engine import fp8, fused
 
     h = 4096
-    ways = {"warps_4": None, "warps_8": 8, "warps_16": 16}
+    ways = {"warps_4": 4, "warps_8": 8, "warps_16": 16}
     rows, before = [], fused.NORM_WARPS
     try:
         for t in (1, 16, 64, 128, 256, 1024, 8192):
@@ -662,7 +663,7 @@ def bench_norm(bandwidth: float) -> list[dict]:
                                                  torch.rand(h, device="cuda") + 0.5)
             for prefix, source in inputs.items():
                 call = functools.partial(fused.rms_norm_fp8, source, residual, weight, 1e-6)
-                fused.NORM_WARPS = None
+                fused.NORM_WARPS = 4
                 want = call()
                 for way, warps in ways.items():
                     fused.NORM_WARPS = warps

@@ -68,8 +68,15 @@ def _scale_args(scales: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
     return {} if scales is None else {"row_scale_ptr": scales[0], "col_scale_ptr": scales[1], "SCALED": True}
 
 
-def _norm_warps() -> dict:
-    return {} if NORM_WARPS is None else {"num_warps": NORM_WARPS}
+def _norm_warps(fp8_rows: int | None = None) -> dict:
+    """The RMSNorm kernel's warps: NORM_WARPS where set; else, for a kernel of the FP8 engine (it quantizes its
+    output, or scales an fp8.Unscaled input) of `fp8_rows` rows, NORM_FP8_DECODE_WARPS up to NORM_FP8_DECODE_ROWS;
+    else Triton's default (4)."""
+    if NORM_WARPS is not None:
+        return {"num_warps": NORM_WARPS}
+    if fp8_rows is not None and fp8_rows <= NORM_FP8_DECODE_ROWS:
+        return {"num_warps": NORM_FP8_DECODE_WARPS}
+    return {}
 
 
 def rms_norm_fp8(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor | None, weight: torch.Tensor,
@@ -89,7 +96,7 @@ def rms_norm_fp8(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor | None
     total = x if residual is None else torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, x if residual is None else residual, out, total, weight, x.shape[-1], eps,
                                     HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[-1]),
-                                    scale_ptr=scale, QUANT=True, **_scale_args(scales), **_norm_warps(),
+                                    scale_ptr=scale, QUANT=True, **_scale_args(scales), **_norm_warps(x.shape[0]),
                                     **pdl.args(x.device))
     return out, scale, total
 
@@ -168,10 +175,16 @@ def rope_heads_per_program(tokens: int, kv_heads: int) -> int:
     return min(8 if tokens >= ROPE_WIDE_FROM else 4, triton.next_power_of_2(kv_heads))
 
 
-# The RMSNorm kernels' warps a program (a row), None for Triton's default (4). In an FP8 decode step of 256 sequences
-# on an H100 they took 5.3 us a call (decode_profile.py, session 54), ~2.4 us of bytes: kernel_bench.py --parts norm
-# sweeps warps, bench/engine/ab.py --b runtime.engine.fused.NORM_WARPS=8 times it end to end.
+# The RMSNorm kernels' warps a program (a row): NORM_WARPS for every call where set (None: the rule of _norm_warps).
+# The FP8 engine's calls of up to 256 rows take 16, the rest Triton's default (4). On an H100 (kernel_bench.py --parts
+# norm, session 55; us at 4 against 16 warps) the FP8 kernel took 2.49/2.42 at 1 row, 2.76/2.60 at 64, 3.64/3.54 at
+# 256, on an Unscaled input 3.70/3.05 at 128 and 4.63/4.03 at 256; at 1,024 rows 8.41/9.15 (so 4 past 256 rows), at
+# 8,192 81.0/81.2. The bf16 engine's calls keep Triton's default (not timed at 16). With SILU_ONE_PASS_WARPS 32, both
+# against neither end to end (ab.py --a runtime.engine.fused.SILU_ONE_PASS_WARPS=16 runtime.engine.fused.NORM_WARPS=4,
+# two rounds, bench/results/engine_ab.json): offline 13,178.5 against 13,266.2 output tok/s, graphs 8.45 against 8.37 s.
 NORM_WARPS: int | None = None
+NORM_FP8_DECODE_WARPS = 16
+NORM_FP8_DECODE_ROWS = 256
 ROPE_WIDE_FROM = 128   # tokens from which programs take 8 heads (fewer: 4, spread wider; measured 1 to 8192 tokens)
 # silu_mul_fp8's default where a row fits SILU_ONE_PASS_MAX. The 8B shape's 12,288-wide rows on an H100 (kernel_bench.py
 # --parts silu, session 54), twice against once at 16 warps: 256 tokens 10.1 against 7.8 us, 8,192 tokens 243.8
@@ -180,7 +193,11 @@ ROPE_WIDE_FROM = 128   # tokens from which programs take 8 heads (fewer: 4, spre
 # time 8.86 against 8.77 s; with DEFERRED_MIN_ROWS 65, both against neither in one later call 12,642.2 against 12,897.4.
 SILU_ONE_PASS = True
 SILU_ONE_PASS_MAX = 16384   # silu_mul_fp8(one_pass=True): the longest row it holds in registers
-SILU_ONE_PASS_WARPS = 16   # ... with this many warps a program (a row of 16,384 values: 32 a thread)
+# ... with this many warps a program (a row of 16,384 values: 16 a thread). On an H100 (kernel_bench.py --parts silu,
+# session 55; us at 16 against 32 warps) 7.78/7.41 at 256 tokens, 12.96/11.88 on an Unscaled input, 29.65/27.06 at
+# 1,024, 196.1/186.2 at 8,192; end to end (ab.py --b runtime.engine.fused.SILU_ONE_PASS_WARPS=32 -- --models 8B
+# --parts fp8_kv, two rounds) offline 13,259.2 against 13,288.3 output tok/s, decode graphs 8.425 against 8.40 s.
+SILU_ONE_PASS_WARPS = 32
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

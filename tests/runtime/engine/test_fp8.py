@@ -191,6 +191,21 @@ def test_the_silu_kernel_reads_a_row_once_only_where_its_registers_hold_it(monke
     assert torch.equal(out.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale, want[1])
 
 
+def test_the_fp8_engines_norms_take_more_warps_up_to_decode_rows_only(monkeypatch):
+    """fused._norm_warps: the FP8 engine's RMSNorm calls of up to NORM_FP8_DECODE_ROWS rows take
+    NORM_FP8_DECODE_WARPS, longer ones and the bf16 engine's (no row count) Triton's default; NORM_WARPS, where set,
+    overrides every call (bench/engine/ab.py sets it to time the rule)."""
+    from ember.runtime.engine import fused
+
+    wide = {"num_warps": fused.NORM_FP8_DECODE_WARPS}
+    assert fused.NORM_WARPS is None and fused.NORM_FP8_DECODE_WARPS > 4
+    assert fused._norm_warps() == {}
+    assert fused._norm_warps(1) == wide == fused._norm_warps(fused.NORM_FP8_DECODE_ROWS)
+    assert fused._norm_warps(fused.NORM_FP8_DECODE_ROWS + 1) == {}
+    monkeypatch.setattr(fused, "NORM_WARPS", 4)
+    assert fused._norm_warps(1) == fused._norm_warps() == fused._norm_warps(8192) == {"num_warps": 4}
+
+
 def test_split_products_share_zeroed_counts_and_keep_the_ones_a_graph_may_hold(monkeypatch):
     """small_linear's split_k counts: one zeroed buffer a device, grown for a product with more blocks; the buffer it
     outgrew stays alive, since a CUDA graph captured with it still writes there."""
