@@ -138,7 +138,7 @@ def bench_gemv(bandwidth: float, shapes: tuple[str, ...] = ("8B",), fp8_weights:
                     continue
                 tried.append((us, config))
             us, config = min(tried, key=lambda t: t[0])
-            picked_us = next((t for t, c in tried if c == gemv.config_for(n, k)), None)
+            picked_us = next((t for t, c in tried if c == gemv.config_for(n, k, fp8_weights)), None)
             if m == 1:
                 best_config = config
             if fp8_weights:   # against the product of the dequantized weight, in fp32
@@ -148,7 +148,7 @@ def bench_gemv(bandwidth: float, shapes: tuple[str, ...] = ("8B",), fp8_weights:
             check = (gemv.gemv(x, weights[0], config, scales[0]).float() - expected).abs().max()
             row = {"shape": shape, "product": name, "n": n, "k": k, "rows": m, "floor_us": round(floor_us, 2),
                    "cublas_us": round(cublas, 2), "triton_us": round(us, 2), "config": vars(config),
-                   "picked": vars(gemv.config_for(n, k)), "picked_us": picked_us and round(picked_us, 2),
+                   "picked": vars(gemv.config_for(n, k, fp8_weights)), "picked_us": picked_us and round(picked_us, 2),
                    "applies": m == 1 and gemv.applies(x, weights[0], None),
                    "triton_of_floor": round(floor_us / us, 3), "cublas_of_floor": round(floor_us / cublas, 3),
                    "max_abs_diff": float(check), **({"fp8_weights": True} if fp8_weights else {})}

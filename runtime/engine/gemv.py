@@ -57,10 +57,19 @@ class Config:
     num_warps: int = 8
 
 
-def config_for(n: int, k: int) -> Config:
+# An FP8 weight's products of 2561-4096 outputs and 4096 columns or more at one row (the 8B shape's o and down): the
+# best of kernel_bench.py --parts gemv --gemv-fp8 on an H100 (session 55, bench/results/h100/kernels.json), 8.06 us
+# against 8.64 for bf16's configuration (o_proj, floor 5.53) and 19.38 against 20.42 (down_proj, floor 16.60), where
+# an iteration's FP8 columns are half the bytes of bf16's; None gives them bf16's configuration.
+FP8_THIN: "Config | None" = Config(8, 1024, 4)
+
+
+def config_for(n: int, k: int, fp8_weight: bool = False) -> Config:
     """The best of bench/engine/kernel_bench.py's sweep for each kind of product of the Qwen3 8B, 4B and 0.6B
     shapes: outputs of 2560 rows or fewer take thin programs (more of them to spread over the SMs), reductions
-    shorter than 4096 shorter iterations."""
+    shorter than 4096 shorter iterations; an FP8 weight's (`fp8_weight`) 8B-sized o and down products FP8_THIN."""
+    if fp8_weight and FP8_THIN is not None and 2560 < n <= 4096 and k >= 4096:
+        return FP8_THIN
     if n >= VOCABULARY:    # many programs already, short iterations
         return Config(8, 256 if k >= 4096 else 512, 4)
     if n >= 16384:         # the merged gate/up product
@@ -134,7 +143,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
               scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm_linear`'s kernel for one row x [1, K] on CUDA (`scale`: an FP8 weight's row scales)."""
     n, k = weight.shape
-    config = config or config_for(n, k)
+    config = config or config_for(n, k, scale is not None)
     out = x.new_empty(1, n)
     total = x if residual is None else torch.empty_like(x)
     _norm_gemv_kernel[(triton.cdiv(n, config.block_n),)](
@@ -151,7 +160,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None,
     weight's row scales, each output times its row's)."""
     m = x.shape[0]
     n, k = weight.shape
-    config = config or config_for(n, k)
+    config = config or config_for(n, k, scale is not None)
     out = x.new_empty(m, n)
     _gemv_kernel[(m, triton.cdiv(n, config.block_n))](
         x, weight, weight if scale is None else scale, out, n, k, x.stride(0), SCALED=scale is not None,

@@ -206,6 +206,19 @@ def test_the_fp8_engines_norms_take_more_warps_up_to_decode_rows_only(monkeypatc
     assert fused._norm_warps(1) == fused._norm_warps() == fused._norm_warps(8192) == {"num_warps": 4}
 
 
+def test_a_single_rows_fp8_o_and_down_products_take_thinner_programs(monkeypatch):
+    """gemv.config_for: an FP8 weight's products of the 8B shape's o and down sizes take FP8_THIN (an iteration's
+    FP8 columns are half bf16's bytes); bf16 weights, other sizes and FP8_THIN None keep bf16's configurations."""
+    from ember.runtime.engine import gemv
+
+    for n, k in ((4096, 4096), (4096, 12288)):
+        assert gemv.config_for(n, k, fp8_weight=True) == gemv.FP8_THIN != gemv.config_for(n, k)
+    for n, k in ((6144, 4096), (24576, 4096), (2560, 4096), (4096, 2048), (151936, 4096)):
+        assert gemv.config_for(n, k, fp8_weight=True) == gemv.config_for(n, k)
+    monkeypatch.setattr(gemv, "FP8_THIN", None)
+    assert gemv.config_for(4096, 4096, fp8_weight=True) == gemv.config_for(4096, 4096)
+
+
 def test_split_products_share_zeroed_counts_and_keep_the_ones_a_graph_may_hold(monkeypatch):
     """small_linear's split_k counts: one zeroed buffer a device, grown for a product with more blocks; the buffer it
     outgrew stays alive, since a CUDA graph captured with it still writes there."""
