@@ -140,13 +140,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def norm_rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor,
-                     slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+                     slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+                     scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """In place on q [T, Hq, D] and k [T, Hk, D]: an RMSNorm per head when weights are given (Qwen3), then
     rotate-half RoPE with cos/sin [T, 1, D]; then K and V [T, Hk, D] (v read only) into kv_cache [blocks, 2,
     block_size, Hk, D] at each token's block and offset (an FP8 cache takes them as fp8.to_cache rounds them: K
     after its RoPE in q's dtype). One kernel on CUDA, each K head stored to its slot as it
     is rotated: a layer launches one kernel where it launched two (norm/RoPE, then the KV write), one node fewer
-    per layer in a decode graph, whose launch costs the host about a microsecond a node."""
+    per layer in a decode graph, whose launch costs the host about a microsecond a node. `scales`: q, k and v are
+    views of an fp8.Unscaled product's raw output (merged q/k/v columns), whose (row [T, 1], column [Hq D + 2 Hk D])
+    scales the kernel applies as it loads them, rounded as the product would have rounded them."""
+    if scales is not None and not enabled(q, per_head=True):   # the values the product would have written
+        row_scale, col_scale = scales
+        start = 0
+        for x in (q, k, v):
+            n = x.shape[1] * x.shape[2]
+            x.copy_((x.float() * (row_scale[:, :, None] * col_scale[start:start + n].view(1, *x.shape[1:])))
+                    .to(x.dtype))
+            start += n
     if not enabled(q, per_head=True):
         for x, weight in ((q, q_weight), (k, k_weight)):
             h = _rms_norm_reference(x, weight, eps) if weight is not None else x
@@ -163,7 +174,7 @@ def norm_rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
         q, k, v, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k, kv_cache, slot_blocks,
         slot_offsets, hq, hk, q.stride(0), k.stride(0), v.stride(0), cos.stride(0), kv_cache.stride(0),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), eps, HAS_NORM=has_norm, D=d, HEADS=heads,
-        **pdl.args(q.device))
+        **_scale_args(scales), **pdl.args(q.device))
 
 
 def rope_heads_per_program(tokens: int, kv_heads: int) -> int:
@@ -325,9 +336,10 @@ if triton is not None:
     def _norm_rope_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, cache_ptr, blocks_ptr,
                                 offsets_ptr, num_q_heads, num_kv_heads, q_stride, k_stride, v_stride, cs_stride,
                                 s_block, s_kv, s_slot, s_head, eps, HAS_NORM: tl.constexpr, D: tl.constexpr,
-                                HEADS: tl.constexpr, PDL: tl.constexpr = False):
+                                HEADS: tl.constexpr, row_scale_ptr=None, col_scale_ptr=None,
+                                SCALED: tl.constexpr = False, PDL: tl.constexpr = False):
         """Programs (token, group of HEADS heads) over the q heads, then the k heads, then the v heads; heads are
-        D apart."""
+        D apart. With SCALED, q, k and v hold an fp8.Unscaled output's raw values, their columns q's, k's, v's."""
         _pdl_start(PDL)
         token = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
@@ -342,21 +354,33 @@ if triton is not None:
             mask = heads < num_kv_heads
             src = v_ptr + token * v_stride + heads * D
             dst = slot + s_kv + heads * s_head
-            tl.store(dst + half, _to_cache(tl.load(src + half, mask=mask), cache_ptr), mask=mask)
-            tl.store(dst + D // 2 + half, _to_cache(tl.load(src + D // 2 + half, mask=mask), cache_ptr), mask=mask)
+            v1 = tl.load(src + half, mask=mask)
+            v2 = tl.load(src + D // 2 + half, mask=mask)
+            if SCALED:
+                cols = (num_q_heads + num_kv_heads + heads) * D + half
+                v1 = _unscale(v1.to(tl.float32), row_scale_ptr, col_scale_ptr, token, cols, mask, dtype).to(dtype)
+                v2 = _unscale(v2.to(tl.float32), row_scale_ptr, col_scale_ptr, token, cols + D // 2, mask,
+                              dtype).to(dtype)
+            tl.store(dst + half, _to_cache(v1, cache_ptr), mask=mask)
+            tl.store(dst + D // 2 + half, _to_cache(v2, cache_ptr), mask=mask)
         else:
             if group < q_groups:
                 heads = group * HEADS + rows
                 mask = heads < num_q_heads
                 base = q_ptr + token * q_stride + heads * D
                 w_ptr = qw_ptr
+                cols = heads * D + half
             else:
                 heads = (group - q_groups) * HEADS + rows
                 mask = heads < num_kv_heads
                 base = k_ptr + token * k_stride + heads * D
                 w_ptr = kw_ptr
+                cols = (num_q_heads + heads) * D + half
             x1 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
             x2 = tl.load(base + D // 2 + half, mask=mask, other=0.0).to(tl.float32)
+            if SCALED:
+                x1 = _unscale(x1, row_scale_ptr, col_scale_ptr, token, cols, mask, dtype)
+                x2 = _unscale(x2, row_scale_ptr, col_scale_ptr, token, cols + D // 2, mask, dtype)
             if HAS_NORM:
                 r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
                 w1 = tl.load(w_ptr + half).to(tl.float32)

@@ -211,8 +211,8 @@ def test_dependent_launches_change_no_output(family, monkeypatch):
     assert answers[True] == answers[False]
 
 
-@pytest.mark.parametrize("sequences", [100, 200])
-def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_scaled_ones(family, sequences,
+@pytest.mark.parametrize("sequences,qkv", [(100, False), (200, False), (200, True)])
+def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_scaled_ones(family, sequences, qkv,
                                                                                              monkeypatch):
     """FP8 weights at decode batches of fp8.DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS sequences (100, where the scaled
     product would be small_linear's kernel, and 200, where it would be _scaled_mm's row-scaled one), whose o,
@@ -224,11 +224,12 @@ def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_
     a position (200 sequences on the H200, session 53: 4 at the first decoded token, 8 at the second, 10 at the
     third, 176 within 16 tokens, about 17% a position later on; the same on an H100, session 54). A kernel that
     dropped or doubled a scale moves every hidden state: nearly every sequence parts at the first step that
-    defers."""
+    defers. `qkv`: the q/k/v product also defers, to the RoPE kernel (fp8.DEFERRED_QKV)."""
     from ember.runtime.engine import fp8
 
     if family[0] != "qwen3":
         pytest.skip("one family covers the products")
+    monkeypatch.setattr(fp8, "DEFERRED_QKV", qkv)
     batch, n = prompts(sequences, seed=14), 16
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
     product, unscaled = fp8.deferred_linear, []
@@ -255,7 +256,8 @@ def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_
     parted = [next((i for i, (x, y) in enumerate(zip(mine, other)) if x != y), n) for mine, other in zip(ours, theirs)]
     together = [sum(p >= i for p in parted) for i in range(n)]
     shares = [sum(p == i for p in parted) / together[i] for i in range(1, n) if together[i] >= 20]
-    print(f"\n[{family[0]}] deferred FP8 scales, {sequences} sequences: first-token logprob max |diff| "
+    print(f"\n[{family[0]}] deferred FP8 scales{' with q/k/v' if qkv else ''}, {sequences} sequences: "
+          f"first-token logprob max |diff| "
           f"{worst:.4f}; sequences parting at each position: {[sum(p == i for p in parted) for i in range(n)]}")
     assert worst < 0.1
     assert shares and max(shares) < 0.5

@@ -142,6 +142,35 @@ def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scal
         assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+@pytest.mark.parametrize("rows", [65, 128, 256])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, fp8.FP8])
+def test_a_deferred_qkv_product_reads_as_the_scaled_one_in_the_rope_kernel(rows, kv_dtype, monkeypatch):
+    """fp8.DEFERRED_QKV: the merged q/k/v product of the 8B shape left unscaled, and fused.norm_rope_store_ (q/k
+    norms, RoPE, the K/V write) applying its scales as it loads it: q and k rotated in place and the cache's K and V
+    bit for bit as from the product's output scaled (materialize, the values quantized_linear rounds to)."""
+    monkeypatch.setattr(fp8, "DEFERRED", True)
+    torch.manual_seed(rows)
+    hq, hk, d = 32, 8, 128
+    weight, scale = fp8.quantize_rows(torch.randn((hq + 2 * hk) * d, 4096, device="cuda") * 0.02)
+    q_in, q_scale = fp8.quantize_tokens(torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16))
+    deferred = fp8.deferred_linear(q_in, q_scale, weight, scale, None, torch.bfloat16)
+    assert isinstance(deferred, fp8.Unscaled)
+    scaled = deferred.materialize()
+    cos, sin = (torch.rand(rows, 1, d, device="cuda").bfloat16() for _ in range(2))
+    norms = tuple(torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    slots = torch.randperm(rows, device="cuda")   # a slot a token
+    blocks, offsets = slots // 16, slots % 16
+    results = []
+    for qkv, scales in ((deferred.raw, (deferred.row_scale, deferred.col_scale)), (scaled, None)):
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k, v = q.view(rows, hq, d), k.view(rows, hk, d), v.view(rows, hk, d)
+        cache = torch.zeros(-(-rows // 16), 2, 16, hk, d, device="cuda", dtype=kv_dtype)
+        fused.norm_rope_store_(q, k, v, cos, sin, *norms, 1e-6, cache, blocks, offsets, scales)
+        results.append((q.clone(), k.clone(), cache.view(torch.uint8)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 256])
 def test_the_norm_and_silu_kernels_quantize_as_their_unfused_kernels_then_the_quantizer(rows):
     """An FP8 product's input straight from the RMSNorm (with and without the residual add) and SiLU-mul kernels:

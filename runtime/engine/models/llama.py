@@ -10,7 +10,7 @@ so that a snapshot built from a model directory has this layout too).
 import torch
 from torch import nn
 
-from .. import fused, gemv
+from .. import fp8, fused, gemv
 
 
 class RMSNorm(nn.Module):
@@ -84,6 +84,9 @@ class LlamaAttention(nn.Module):
     def attend(self, qkv, cos, sin, attention, kv_cache):
         """The layer's attention from its merged q/k/v product [T, q + 2 kv]."""
         t = qkv.shape[0]
+        scales = None
+        if isinstance(qkv, fp8.Unscaled):   # the RoPE kernel scales q, k and v as it loads them
+            qkv, scales = qkv.raw, (qkv.row_scale, qkv.col_scale)
         # Views into the one product's rows: RoPE rewrites q and k in place, attention reads them strided.
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -91,7 +94,8 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         batch = attention.batch
-        fused.norm_rope_store_(q, k, v, cos, sin, *norms, self.eps, kv_cache, batch.slot_blocks, batch.slot_offsets)
+        fused.norm_rope_store_(q, k, v, cos, sin, *norms, self.eps, kv_cache, batch.slot_blocks, batch.slot_offsets,
+                               scales)
         out = attention.attend(q, kv_cache)
         return self.o_proj.deferred(out.reshape(t, self.num_heads * self.head_dim))   # the next norm scales it
 
@@ -123,11 +127,12 @@ class LlamaDecoderLayer(nn.Module):
         """`x`: the previous layer's output, not yet added to `residual` (None before the first layer). Returns
         this layer's output and the residual stream, whose sum the next norm takes in the same kernel; each norm
         runs as part of its product's input (gemv.norm_linear: inside the product at batch 1 on CUDA, and with FP8
-        weights quantizing the normed rows). With FP8 weights the o, gate/up and down products may leave their
-        scales to the kernel that reads their output (fp8.Unscaled): the norms' and the SiLU-mul's."""
+        weights quantizing the normed rows). With FP8 weights the o, gate/up and down products (with
+        fp8.DEFERRED_QKV also q/k/v) may leave their scales to the kernel that reads their output (fp8.Unscaled):
+        the norms', the SiLU-mul's (and the RoPE kernel's)."""
         norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
         qkv, residual = gemv.norm_linear(x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias,
-                                         qkv_proj.weight_scale)
+                                         qkv_proj.weight_scale, defer=fp8.DEFERRED_QKV)
         h = self.self_attn.attend(qkv, cos, sin, attention, kv_cache)
         norm, gate_up_proj = self.post_attention_layernorm, self.mlp.gate_up_proj
         gate_up, residual = gemv.norm_linear(h, residual, norm.weight, norm.eps, gate_up_proj.weight,

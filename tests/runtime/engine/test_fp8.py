@@ -271,3 +271,33 @@ def test_an_unscaled_product_output_reads_as_its_scaled_values_everywhere_it_is_
     q, q_scale = fp8.quantize_tokens(torch.randn(200, n))
     same([fp8.deferred_linear(q, q_scale, weight, scale, None, torch.float32)],
          [fp8.quantized_linear(q, q_scale, weight, scale, None, torch.float32)])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, fp8.FP8])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_the_rope_kernel_reads_an_unscaled_qkv_product_as_its_scaled_values(kv_dtype, qk_norm):
+    """fused.norm_rope_store_ with `scales` (fp8.DEFERRED_QKV: the merged q/k/v product's Unscaled output, whose
+    raw columns are q's, k's and v's): q and k rotated in place and the cache's K and V as from the scaled
+    product."""
+    from ember.runtime.engine import fused
+
+    torch.manual_seed(5)
+    t, hq, hk, d = 3, 4, 2, 8
+    width = (hq + 2 * hk) * d
+    raw = (torch.randn(t, width) * 300).to(torch.bfloat16)
+    unscaled = fp8.Unscaled(raw.clone(), torch.rand(t, 1) * 1e-3 + 1e-4, torch.rand(width) * 1e-3 + 1e-4)
+    scaled = unscaled.materialize()
+    cos, sin = torch.rand(t, 1, d).to(torch.bfloat16), torch.rand(t, 1, d).to(torch.bfloat16)
+    norms = ((torch.rand(d) + 0.5).to(torch.bfloat16), (torch.rand(d) + 0.5).to(torch.bfloat16)) if qk_norm \
+        else (None, None)
+    blocks, offsets = torch.tensor([0, 1, 1]), torch.tensor([3, 0, 2])
+    caches = []
+    for qkv, scales in ((unscaled.raw, (unscaled.row_scale, unscaled.col_scale)), (scaled, None)):
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+        cache = torch.zeros(2, 2, 4, hk, d, dtype=kv_dtype)
+        fused.norm_rope_store_(q, k, v, cos, sin, *norms, 1e-6, cache, blocks, offsets, scales)
+        caches.append((q.clone(), k.clone(), cache.view(torch.uint8) if kv_dtype == fp8.FP8 else cache))
+    for got, want in zip(*caches):
+        assert torch.equal(got, want)
+    assert caches[1][2].any()
