@@ -34,8 +34,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     rows = x.reshape(-1, x.shape[-1])
     _rms_norm_kernel[(rows.shape[0],)](rows, rows, out, out, weight, rows.shape[-1], eps, HAS_RESIDUAL=False,
-                                       BLOCK=triton.next_power_of_2(rows.shape[-1]), **_norm_warps(),
-                                       **pdl.args(x.device))
+                                       BLOCK=triton.next_power_of_2(rows.shape[-1]),
+                                       **_norm_warps(rows.shape[0], False), **pdl.args(x.device))
     return out
 
 
@@ -50,7 +50,7 @@ def add_rms_norm(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor, weigh
     out, total = torch.empty_like(x), torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, residual, out, total, weight, x.shape[-1], eps, HAS_RESIDUAL=True,
                                     BLOCK=triton.next_power_of_2(x.shape[-1]), **_scale_args(scales),
-                                    **_norm_warps(), **pdl.args(x.device))
+                                    **_norm_warps(x.shape[0], False), **pdl.args(x.device))
     return out, total
 
 
@@ -68,15 +68,14 @@ def _scale_args(scales: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
     return {} if scales is None else {"row_scale_ptr": scales[0], "col_scale_ptr": scales[1], "SCALED": True}
 
 
-def _norm_warps(fp8_rows: int | None = None) -> dict:
-    """The RMSNorm kernel's warps: NORM_WARPS where set; else, for a kernel of the FP8 engine (it quantizes its
-    output, or scales an fp8.Unscaled input) of `fp8_rows` rows, NORM_FP8_DECODE_WARPS up to NORM_FP8_DECODE_ROWS;
-    else Triton's default (4)."""
+def _norm_warps(rows: int, quantizes: bool) -> dict:
+    """The RMSNorm kernel's warps for a call of `rows` rows: NORM_WARPS where set; else up to NORM_DECODE_ROWS rows
+    NORM_FP8_DECODE_WARPS where it quantizes its output (the FP8 engine's), NORM_DECODE_WARPS where not (None:
+    Triton's default); past them Triton's default (4)."""
     if NORM_WARPS is not None:
         return {"num_warps": NORM_WARPS}
-    if fp8_rows is not None and fp8_rows <= NORM_FP8_DECODE_ROWS:
-        return {"num_warps": NORM_FP8_DECODE_WARPS}
-    return {}
+    warps = NORM_FP8_DECODE_WARPS if quantizes else NORM_DECODE_WARPS
+    return {"num_warps": warps} if warps is not None and rows <= NORM_DECODE_ROWS else {}
 
 
 def rms_norm_fp8(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor | None, weight: torch.Tensor,
@@ -96,7 +95,7 @@ def rms_norm_fp8(x: "torch.Tensor | fp8.Unscaled", residual: torch.Tensor | None
     total = x if residual is None else torch.empty_like(x)
     _rms_norm_kernel[(x.shape[0],)](x, x if residual is None else residual, out, total, weight, x.shape[-1], eps,
                                     HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[-1]),
-                                    scale_ptr=scale, QUANT=True, **_scale_args(scales), **_norm_warps(x.shape[0]),
+                                    scale_ptr=scale, QUANT=True, **_scale_args(scales), **_norm_warps(x.shape[0], True),
                                     **pdl.args(x.device))
     return out, scale, total
 
@@ -190,12 +189,15 @@ def rope_heads_per_program(tokens: int, kv_heads: int) -> int:
 # The FP8 engine's calls of up to 256 rows take 16, the rest Triton's default (4). On an H100 (kernel_bench.py --parts
 # norm, session 55; us at 4 against 16 warps) the FP8 kernel took 2.49/2.42 at 1 row, 2.76/2.60 at 64, 3.64/3.54 at
 # 256, on an Unscaled input 3.70/3.05 at 128 and 4.63/4.03 at 256; at 1,024 rows 8.41/9.15 (so 4 past 256 rows), at
-# 8,192 81.0/81.2. The bf16 engine's calls keep Triton's default (not timed at 16). With SILU_ONE_PASS_WARPS 32, both
+# 8,192 81.0/81.2. The norms that do not quantize (the bf16 engine's; the FP8 engine's last, before the head) keep
+# Triton's default until timed (NORM_DECODE_WARPS; ab.py --b runtime.engine.fused.NORM_DECODE_WARPS=16 -- --models 8B
+# --parts b1,offline). With SILU_ONE_PASS_WARPS 32, both
 # against neither end to end (ab.py --a runtime.engine.fused.SILU_ONE_PASS_WARPS=16 runtime.engine.fused.NORM_WARPS=4,
 # two rounds, bench/results/engine_ab.json): offline 13,178.5 against 13,266.2 output tok/s, graphs 8.45 against 8.37 s.
 NORM_WARPS: int | None = None
 NORM_FP8_DECODE_WARPS = 16
-NORM_FP8_DECODE_ROWS = 256
+NORM_DECODE_WARPS: int | None = None
+NORM_DECODE_ROWS = 256
 ROPE_WIDE_FROM = 128   # tokens from which programs take 8 heads (fewer: 4, spread wider; measured 1 to 8192 tokens)
 # silu_mul_fp8's default where a row fits SILU_ONE_PASS_MAX. The 8B shape's 12,288-wide rows on an H100 (kernel_bench.py
 # --parts silu, session 54), twice against once at 16 warps: 256 tokens 10.1 against 7.8 us, 8,192 tokens 243.8

@@ -192,18 +192,22 @@ def test_the_silu_kernel_reads_a_row_once_only_where_its_registers_hold_it(monke
 
 
 def test_the_fp8_engines_norms_take_more_warps_up_to_decode_rows_only(monkeypatch):
-    """fused._norm_warps: the FP8 engine's RMSNorm calls of up to NORM_FP8_DECODE_ROWS rows take
-    NORM_FP8_DECODE_WARPS, longer ones and the bf16 engine's (no row count) Triton's default; NORM_WARPS, where set,
-    overrides every call (bench/engine/ab.py sets it to time the rule)."""
+    """fused._norm_warps: the RMSNorm calls that quantize (the FP8 engine's) of up to NORM_DECODE_ROWS rows take
+    NORM_FP8_DECODE_WARPS, longer ones Triton's default; the ones that do not quantize NORM_DECODE_WARPS where set;
+    NORM_WARPS, where set, overrides every call (bench/engine/ab.py sets it to time the rule)."""
     from ember.runtime.engine import fused
 
     wide = {"num_warps": fused.NORM_FP8_DECODE_WARPS}
-    assert fused.NORM_WARPS is None and fused.NORM_FP8_DECODE_WARPS > 4
-    assert fused._norm_warps() == {}
-    assert fused._norm_warps(1) == wide == fused._norm_warps(fused.NORM_FP8_DECODE_ROWS)
-    assert fused._norm_warps(fused.NORM_FP8_DECODE_ROWS + 1) == {}
+    assert fused.NORM_WARPS is None and fused.NORM_DECODE_WARPS is None and fused.NORM_FP8_DECODE_WARPS > 4
+    assert fused._norm_warps(1, True) == wide == fused._norm_warps(fused.NORM_DECODE_ROWS, True)
+    assert fused._norm_warps(fused.NORM_DECODE_ROWS + 1, True) == {}
+    assert fused._norm_warps(1, False) == {} == fused._norm_warps(8192, False)
+    monkeypatch.setattr(fused, "NORM_DECODE_WARPS", 8)
+    assert fused._norm_warps(fused.NORM_DECODE_ROWS, False) == {"num_warps": 8}
+    assert fused._norm_warps(fused.NORM_DECODE_ROWS + 1, False) == {}
     monkeypatch.setattr(fused, "NORM_WARPS", 4)
-    assert fused._norm_warps(1) == fused._norm_warps() == fused._norm_warps(8192) == {"num_warps": 4}
+    assert fused._norm_warps(1, True) == fused._norm_warps(1, False) == {"num_warps": 4}
+    assert fused._norm_warps(8192, True) == {"num_warps": 4}
 
 
 def test_a_single_rows_fp8_o_and_down_products_take_thinner_programs(monkeypatch):
