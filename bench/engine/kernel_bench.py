@@ -1,6 +1,6 @@
 """The decode step's kernels against the library kernels they could replace, side by side on one GPU.
 
-    python bench/engine/kernel_bench.py [--parts gemv,fused,decode,attention,silu,norm,gemm,overlap] [--record]
+    python bench/engine/kernel_bench.py [--parts gemv,fused,decode,attention,silu,norm,gemm,...] [--record]
 
   - gemv: runtime/engine/gemv.py's Triton product over a sweep of its configurations against F.linear (cuBLAS),
     for the Qwen3-8B shape's products (--gemv-shapes: also the 4B's and 0.6B's) at 1 row (and 2 and 4 with the best
@@ -24,6 +24,9 @@
     against its bytes' read and write at the bandwidth;
   - norm: the FP8 engine's residual-add RMSNorm with its e4m3 quantizing (fused.rms_norm_fp8) at 1 to 8,192
     tokens, at 4, 8 and 16 warps a row, also on a deferred product's fp8.Unscaled output, against its bytes;
+  - prefill_attention: a prefill step's attention (prompts of 128 to 4,096 tokens, ~8,192 a step) with
+    flashinfer's paged prefill over a bf16 and an FP8 cache, and its ragged prefill over the step's bf16 K and V,
+    against the causal products' FLOPs at the bf16 product rate;
   - gemm: the bf16 matrix product's best rate at prefill sizes (the compute floor of an offline run);
   - overlap: a decode forward and a prefill forward of the 8B shape one after the other, as one step, on two
     streams and on green contexts that split the SMs (whether the offline floor's sum of reads and products can
@@ -681,6 +684,65 @@ def bench_norm(bandwidth: float) -> list[dict]:
     return rows
 
 
+def bench_prefill_attention(rate: float) -> list[dict]:
+    """A prefill step's attention for one layer of the 8B shape (32 query heads, 8 KV heads, head_dim 128), prompts
+    with no cached prefix, causal, timed eagerly (as the engine runs prefill steps past its prefill graphs):
+    flashinfer's paged prefill over the cache as the engine runs it, bf16 (fa3 on Hopper) and FP8
+    (EngineConfig(kv_cache_dtype="fp8"): flashinfer's fa3 takes an FP8 cache only with an FP8 query, so fa2), and
+    its ragged prefill over the step's own bf16 K and V (fa3), which an FP8 engine could run where no prompt has
+    context in the cache; against the causal products' FLOPs at the bf16 product rate measured in this run.
+    `max_abs_diff`: each way against the paged bf16 one."""
+    import flashinfer
+
+    from ember.runtime.engine import fp8
+
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = []
+    for sequences, length in ((14, 585), (8, 1024), (64, 128), (2, 4096)):
+        t = sequences * length
+        q = torch.randn(t, heads, dim, dtype=torch.bfloat16, device="cuda")
+        k, v = (torch.randn(t, kv_heads, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        per_seq = -(-length // page)
+        order = torch.randperm(sequences * per_seq).to(torch.int32)   # pages in no order, as a cache hands them out
+        cache = torch.zeros(sequences * per_seq, 2, page, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+        tokens = torch.arange(t, device="cuda")
+        pages = order.cuda().view(sequences, per_seq)[tokens // length, (tokens % length) // page]
+        cache[pages, 0, tokens % page], cache[pages, 1, tokens % page] = k, v
+        caches = {"bf16": cache, "fp8": fp8.to_cache(cache, fp8.FP8)}
+        qo_indptr = torch.arange(sequences + 1, dtype=torch.int32) * length
+        kv_indptr = torch.arange(sequences + 1, dtype=torch.int32) * per_seq
+        last = torch.full((sequences,), (length - 1) % page + 1, dtype=torch.int32)
+        flops = 4 * heads * dim * sequences * length * (length + 1) / 2
+        row = {"sequences": sequences, "length": length, "tokens": t,
+               "floor_us": round(flops / rate * 1e6, 2)}
+        outputs = {}
+        for name in ("paged_bf16", "paged_fp8", "ragged_bf16"):
+            try:
+                if name.startswith("paged"):
+                    kv = caches[name.split("_")[1]]
+                    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+                    wrapper.plan(qo_indptr, kv_indptr, order, last, heads, kv_heads, dim, page, causal=True,
+                                 sm_scale=dim ** -0.5, q_data_type=torch.bfloat16, kv_data_type=kv.dtype)
+                    call = functools.partial(wrapper.run, q, kv)
+                else:
+                    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+                    wrapper.plan(qo_indptr, qo_indptr, heads, kv_heads, dim, causal=True, sm_scale=dim ** -0.5,
+                                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                    call = functools.partial(wrapper.run, q, k, v)
+                outputs[name] = call().float()
+                row[f"{name}_us"] = round(timed(call, 10) * 1e6, 2)
+                row[f"{name}_backend"] = getattr(wrapper, "_backend", None)
+            except Exception as err:  # noqa: BLE001 - the row says which kernel could not run
+                log(f"  {name} {sequences}x{length}: {type(err).__name__}: {str(err)[:200]}")
+        reference = outputs.get("paged_bf16")
+        row["max_abs_diff"] = {k: float((v - reference).abs().max()) for k, v in outputs.items()
+                               if reference is not None}
+        rows.append(row)
+        log("prefill_attention " + json.dumps(row))
+    return rows
+
+
 def bench_gemm() -> list[dict]:
     rows = []
     for m, k, n in ((8192, 4096, 12288), (8192, 4096, 4096), (8192, 12288, 4096), (4096, 4096, 24576)):
@@ -807,7 +869,8 @@ def record(path: Path, result: dict) -> None:
     path.write_text(json.dumps({**kept, **result}, indent=1) + "\n")
 
 
-PARTS = ("gemv", "fused", "attention", "attention_fp8", "decode", "rope", "silu", "norm", "gemm", "overlap")
+PARTS = ("gemv", "fused", "attention", "attention_fp8", "decode", "rope", "silu", "norm", "prefill_attention", "gemm",
+         "overlap")
 
 
 def parts_arg(text: str) -> set[str]:
@@ -871,8 +934,12 @@ def main() -> None:
         result["silu"] = bench_silu(bandwidth)
     if "norm" in parts:
         result["norm"] = bench_norm(bandwidth)
-    if "gemm" in parts:
-        result["gemm"] = bench_gemm()
+    if "gemm" in parts or "prefill_attention" in parts:
+        gemm = bench_gemm()
+        if "gemm" in parts:
+            result["gemm"] = gemm
+        if "prefill_attention" in parts:
+            result["prefill_attention"] = bench_prefill_attention(max(r["tflops"] for r in gemm) * 1e12)
     if "overlap" in parts:
         result["overlap"] = bench_overlap()
     log(f"done in {time.perf_counter() - began:.0f} s")
