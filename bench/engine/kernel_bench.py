@@ -164,6 +164,12 @@ def bench_gemv(bandwidth: float, shapes: tuple[str, ...] = ("8B",), fp8_weights:
     return rows
 
 
+def max_diffs(outputs: dict[str, torch.Tensor], reference: str) -> dict[str, float]:
+    """Each way's output's largest difference from the `reference` way's ({} where that one did not run)."""
+    want = outputs.get(reference)
+    return {} if want is None else {k: float((v - want).abs().max()) for k, v in outputs.items()}
+
+
 def bench_attention(bandwidth: float, fa2: bool = False) -> list[dict]:
     """Each kernel replayed from a CUDA graph (as the decode graphs run it), so small cases time the kernel rather
     than its launch from Python. `fa2`: also flashinfer's tensor-core decode on its fa2 prefill kernel (what SGLang
@@ -222,9 +228,7 @@ def bench_attention(bandwidth: float, fa2: bool = False) -> list[dict]:
             log(f"  triton_split b={batch} ctx={ctx}: {type(err).__name__}: {str(err)[:200]}")
         if batch >= STREAM_MIN_BATCH:
             row.update(sweep_streamed(q, kv, order.view(batch, per_seq).tolist(), [ctx] * batch, outputs))
-        reference = outputs.get("flashinfer_decode")
-        row["max_abs_diff"] = {k: float((v - reference).abs().max()) for k, v in outputs.items()
-                               if reference is not None}
+        row["max_abs_diff"] = max_diffs(outputs, "flashinfer_decode")
         rows.append(row)
         log("attention " + json.dumps(row))
     return rows
@@ -735,9 +739,7 @@ def bench_prefill_attention(rate: float) -> list[dict]:
                 row[f"{name}_backend"] = getattr(wrapper, "_backend", None)
             except Exception as err:  # noqa: BLE001 - the row says which kernel could not run
                 log(f"  {name} {sequences}x{length}: {type(err).__name__}: {str(err)[:200]}")
-        reference = outputs.get("paged_bf16")
-        row["max_abs_diff"] = {k: float((v - reference).abs().max()) for k, v in outputs.items()
-                               if reference is not None}
+        row["max_abs_diff"] = max_diffs(outputs, "paged_bf16")
         rows.append(row)
         log("prefill_attention " + json.dumps(row))
     return rows
