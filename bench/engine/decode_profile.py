@@ -6,7 +6,8 @@
 
 On a random-weight model of a Qwen3 shape (bench/engine/speed.py builds it; a model already in --workdir is
 reused) this prints, side by side:
-  - the floor: weight bytes over the device copy bandwidth measured here;
+  - the floor: the weight bytes a step reads (all but an untied embedding, of which it gathers its tokens' rows)
+    over the device copy bandwidth measured here;
   - the engine's step (wall) split into schedule / prepare (inputs + attention plan) / GPU wait / postprocess,
     and the GPU time of one decode graph replayed back to back (no host in between);
   - each weight shape's product at batch 1 (x[1, in] @ W.T, replayed in a CUDA graph) in GB/s, also for the
@@ -328,10 +329,13 @@ def main() -> None:
         model_dir = speed.model_directory(workdir, shape)
         eng = speed.ember_engine(model_dir, max_num_seqs=256, streamed_decode=args.streamed_decode,
                                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
-        weight_bytes = sum(p.nbytes for p in eng.runner.model.parameters())
-        floor = 1000 * weight_bytes / bandwidth
-        log(f"[{shape}] weights {weight_bytes / 1e9:.2f} GB; copy {bandwidth / 1e9:.0f} GB/s; "
-            f"weight-read floor {floor:.3f} ms per step ({1000 / floor:.0f} tok/s)")
+        model = eng.runner.model
+        weight_bytes = sum(p.nbytes for p in model.parameters())
+        embedding = model.model.embed_tokens.weight   # a step gathers its tokens' rows of an untied one
+        read_bytes = weight_bytes - (0 if embedding is model.lm_head.weight else embedding.nbytes)
+        floor = 1000 * read_bytes / bandwidth
+        log(f"[{shape}] weights {weight_bytes / 1e9:.2f} GB, {read_bytes / 1e9:.2f} GB read a step; copy "
+            f"{bandwidth / 1e9:.0f} GB/s; weight-read floor {floor:.3f} ms per step ({1000 / floor:.0f} tok/s)")
         if args.prefill:
             prefill_profile(eng, args.prefill, args.context, speed.matmul_rate(fp8=args.quantization == "fp8"))
             del eng
