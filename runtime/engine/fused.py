@@ -191,9 +191,9 @@ def rope_heads_per_program(tokens: int, kv_heads: int) -> int:
 # 256, on an Unscaled input 3.70/3.05 at 128 and 4.63/4.03 at 256; at 1,024 rows 8.41/9.15 (so 4 past 256 rows), at
 # 8,192 81.0/81.2. The norms that do not quantize (the bf16 engine's; the FP8 engine's last, before the head) keep
 # Triton's default until timed (NORM_DECODE_WARPS; ab.py --b runtime.engine.fused.NORM_DECODE_WARPS=16 -- --models 8B
-# --parts b1,offline). With SILU_ONE_PASS_WARPS 32, both
-# against neither end to end (ab.py --a runtime.engine.fused.SILU_ONE_PASS_WARPS=16 runtime.engine.fused.NORM_WARPS=4,
-# two rounds, bench/results/engine_ab.json): offline 13,178.5 against 13,266.2 output tok/s, graphs 8.45 against 8.37 s.
+# --parts b1,offline). With SILU_ONE_PASS_WARPS 32, both against neither end to end (ab.py --a
+# runtime.engine.fused.SILU_ONE_PASS_WARPS=16 runtime.engine.fused.NORM_WARPS=4, two rounds,
+# bench/results/engine_ab.json): offline 13,178.5 against 13,266.2 output tok/s, graphs 8.45 against 8.37 s.
 NORM_WARPS: int | None = None
 NORM_FP8_DECODE_WARPS = 16
 NORM_DECODE_WARPS: int | None = None
