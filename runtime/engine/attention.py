@@ -1,4 +1,4 @@
-"""Paged attention behind one interface: `plan(batch)` once per step, then `forward(q, k, v, kv_cache)` per layer.
+"""Paged attention behind one interface: `plan(batch)` once per step, then `attend(q, kv_cache, k, v)` per layer.
 
 KV cache layout per layer: [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim] (flashinfer's NHD), in the
 model's dtype or, with EngineConfig.kv_cache_dtype="fp8", float8 e4m3 (a scale of 1), which every backend reads back
@@ -40,6 +40,30 @@ class AttentionBatch:
         return indptr, self.block_tables[np.arange(width) < self.num_blocks[:, None]].astype(np.int32, copy=False)
 
 
+# Eager prefill steps on flashinfer attend over the step's own K and V in the model's dtype (its ragged prefill: fa3
+# on Hopper), merged with a paged attention over each prompt's cached prefix where one has some, instead of over the
+# cache alone: with an FP8 cache and a bf16 query flashinfer's paged prefill runs fa2 (its fa3 takes an FP8 cache only
+# with an FP8 query). Prefill graphs' steps keep the cache's. Off until timed: bench/engine/kernel_bench.py --parts
+# prefill_attention, then bench/engine/ab.py --b runtime.engine.attention.RAGGED_PREFILL=True; its ragged and merge
+# modules are not yet built by the kernel warm-up.
+RAGGED_PREFILL = False
+
+
+def prefix_tables(batch: AttentionBatch, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The paged attention over each sequence's cached prefix (its context before this step's tokens), as flashinfer
+    takes it: (indptr [B + 1], indices, last page lengths [B], int32; rows [T] bool: the step's tokens whose
+    sequence has a prefix). A sequence with none gets its first block's first token, whose attention the merge
+    leaves out (flashinfer's paged kernels take no empty context)."""
+    prefix = batch.context_lens - batch.query_lens
+    pages = np.maximum(-(-prefix // block_size), 1).astype(np.int32)
+    indptr = np.zeros(len(pages) + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    width = batch.block_tables.shape[1]
+    indices = batch.block_tables[np.arange(width) < pages[:, None]].astype(np.int32, copy=False)
+    last = np.where(prefix > 0, (prefix - 1) % block_size + 1, 1).astype(np.int32)
+    return indptr, indices, last, np.repeat(prefix > 0, batch.query_lens)
+
+
 class SdpaBackend:
     """Gathers each sequence's K/V from its blocks and runs torch SDPA with a causal mask offset by the prefix."""
 
@@ -56,8 +80,10 @@ class SdpaBackend:
             query_pos = torch.arange(ctx - n, ctx, device=device)
             self.masks.append(torch.arange(ctx, device=device)[None, :] <= query_pos[:, None])
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """q's attention over the cache, which holds the step's K and V already (fused.norm_rope_store_)."""
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None) -> torch.Tensor:
+        """q's attention over the cache, which holds the step's K and V already (fused.norm_rope_store_); k and v,
+        the step's own, are not read here."""
         out = torch.empty_like(q)
         start = 0
         for n, ctx, table, mask in zip(self.batch.query_lens.tolist(), self.batch.context_lens.tolist(), self.tables,
@@ -105,6 +131,12 @@ class FlashInferBackend:
         self.max_blocks_per_seq: int | None = None   # the graphs' table width, once one was added
         self._pinned_indices: torch.Tensor | None = None   # _device_indices' host and device buffers
         self._staged_indices: torch.Tensor | None = None
+        self.ragged: Any = None   # with RAGGED_PREFILL: the step's own K/V, the prefix's paged attention, its rows
+        self.prefix: Any = None
+        self.prefix_rows: torch.Tensor | None = None
+        self.fresh = False   # the prefill step last planned may attend over its own K and V
+        self._pinned_rows: torch.Tensor | None = None
+        self._staged_rows: torch.Tensor | None = None
 
     def add_graph_batch_size(self, batch_size: int, max_blocks_per_seq: int) -> None:
         """The decode attention of graphs of `batch_size` sequences; only one graph runs at a time, so the
@@ -164,6 +196,7 @@ class FlashInferBackend:
         """`graph_batch_size`: plan the graph's attention of that size (the batch is padded to it)."""
         self.batch = batch
         self.graph = None
+        self.fresh = False
         if graph_batch_size and graph_batch_size in self.triton_graph_decode:
             self.graph = self.triton_graph_decode[graph_batch_size]
             self.graph.stage(batch.block_tables, batch.context_lens)
@@ -184,6 +217,39 @@ class FlashInferBackend:
             qo_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(batch.query_lens)]).astype(np.int32))
             self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads=self.num_heads,
                               head_dim_qk=self.head_dim, causal=True, **common)
+            if RAGGED_PREFILL:
+                self._plan_fresh(batch, qo_indptr, common)
+
+    def _plan_fresh(self, batch: AttentionBatch, qo_indptr: torch.Tensor, common: dict) -> None:
+        """RAGGED_PREFILL's plans: the step's tokens over their own K and V (causal), and where a sequence has a
+        cached prefix, over the prefix's pages (every token sees all of it)."""
+        import flashinfer
+
+        if self.ragged is None:
+            self.ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+            self.prefix = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.ragged.plan(qo_indptr, qo_indptr, num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                         head_dim_qk=self.head_dim, causal=True, sm_scale=self.scale, q_data_type=self.dtype,
+                         kv_data_type=self.dtype)
+        self.prefix_rows = None
+        if (batch.context_lens > batch.query_lens).any():
+            indptr, indices, last, rows = prefix_tables(batch, self.block_size)
+            self.prefix.plan(qo_indptr, torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+                             num_qo_heads=self.num_heads, head_dim_qk=self.head_dim, causal=False, **common)
+            self.prefix_rows = self._device_rows(rows)
+        self.fresh = True
+
+    def _device_rows(self, rows: np.ndarray) -> torch.Tensor:
+        """The prefix rows' mask on the device, queued from a pinned buffer (as _device_indices)."""
+        n = len(rows)
+        if self._pinned_rows is None or self._pinned_rows.numel() < n:
+            size = max(n, 2 * (0 if self._pinned_rows is None else self._pinned_rows.numel()), 1 << 14)
+            self._pinned_rows = torch.empty(size, dtype=torch.bool, pin_memory=self.device.type == "cuda")
+            self._staged_rows = torch.empty(size, dtype=torch.bool, device=self.device)
+        assert self._staged_rows is not None
+        self._pinned_rows[:n].numpy()[:] = rows
+        self._staged_rows[:n].copy_(self._pinned_rows[:n], non_blocking=True)
+        return self._staged_rows[:n]
 
     def _device_indices(self, indices: np.ndarray) -> torch.Tensor:
         """The page indices on the device, queued from a pinned buffer. A graph wrapper copies page indices given on
@@ -200,10 +266,22 @@ class FlashInferBackend:
         self._staged_indices[:n].copy_(self._pinned_indices[:n], non_blocking=True)
         return self._staged_indices[:n]
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """q's attention over the cache, which holds the step's K and V already (fused.norm_rope_store_)."""
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None) -> torch.Tensor:
+        """q's attention over the cache, which holds the step's K and V already (fused.norm_rope_store_). With
+        RAGGED_PREFILL, a prefill step given its own K and V [T, Hk, D] (in q's dtype) attends over them, and over
+        the cache only for the prefixes."""
         if self.graph is not None:
             return self.graph.forward(q, kv_cache, self.scale)
+        if self.wrapper is self.prefill and self.fresh and k is not None and v is not None:
+            if self.prefix_rows is None:
+                return self.ragged.run(q, k, v)
+            import flashinfer
+
+            out, lse = self.ragged.run(q, k, v, return_lse=True)
+            prefix_out, prefix_lse = self.prefix.run(q, kv_cache, return_lse=True)
+            flashinfer.merge_state_in_place(out, lse, prefix_out, prefix_lse, mask=self.prefix_rows)
+            return out
         if self.wrapper is self.prefill:
             # given no output, flashinfer's prefill allocates it zeroed: a fill kernel a layer (~20 us of an eager
             # step's host time each) for rows its attention writes whole

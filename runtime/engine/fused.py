@@ -148,7 +148,8 @@ def norm_rope_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: tor
     is rotated: a layer launches one kernel where it launched two (norm/RoPE, then the KV write), one node fewer
     per layer in a decode graph, whose launch costs the host about a microsecond a node. `scales`: q, k and v are
     views of an fp8.Unscaled product's raw output (merged q/k/v columns), whose (row [T, 1], column [Hq D + 2 Hk D])
-    scales the kernel applies as it loads them, rounded as the product would have rounded them."""
+    scales the kernel applies as it loads them, rounded as the product would have rounded them; v too is left
+    scaled in place."""
     if scales is not None and not enabled(q, per_head=True):   # the values the product would have written
         row_scale, col_scale = scales
         start = 0
@@ -363,6 +364,8 @@ if triton is not None:
                 v1 = _unscale(v1.to(tl.float32), row_scale_ptr, col_scale_ptr, token, cols, mask, dtype).to(dtype)
                 v2 = _unscale(v2.to(tl.float32), row_scale_ptr, col_scale_ptr, token, cols + D // 2, mask,
                               dtype).to(dtype)
+                tl.store(src + half, v1, mask=mask)   # v too is left scaled, for a reader of the step's own V
+                tl.store(src + D // 2 + half, v2, mask=mask)
             tl.store(dst + half, _to_cache(v1, cache_ptr), mask=mask)
             tl.store(dst + D // 2 + half, _to_cache(v2, cache_ptr), mask=mask)
         else:

@@ -62,7 +62,8 @@ class _Cut:
         self.batch, self.out, self.q_buffer, self.pool, self.pieces = batch, out, q_buffer, pool, pieces
         self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None) -> torch.Tensor:
         if self.pieces is not None:
             # q is a view of the layer's q/k/v product: kept as the slot, it would keep that product alive in the pool
             static = self.q_buffer.view(-1)[:q.numel()].view(q.shape)

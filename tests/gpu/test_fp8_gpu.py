@@ -146,8 +146,9 @@ def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scal
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, fp8.FP8])
 def test_a_deferred_qkv_product_reads_as_the_scaled_one_in_the_rope_kernel(rows, kv_dtype, monkeypatch):
     """fp8.DEFERRED_QKV: the merged q/k/v product of the 8B shape left unscaled, and fused.norm_rope_store_ (q/k
-    norms, RoPE, the K/V write) applying its scales as it loads it: q and k rotated in place and the cache's K and V
-    bit for bit as from the product's output scaled (materialize, the values quantized_linear rounds to)."""
+    norms, RoPE, the K/V write) applying its scales as it loads it: q and k rotated in place, v scaled in place and
+    the cache's K and V bit for bit as from the product's output scaled (materialize, the values quantized_linear
+    rounds to)."""
     monkeypatch.setattr(fp8, "DEFERRED", True)
     torch.manual_seed(rows)
     hq, hk, d = 32, 8, 128
@@ -166,7 +167,7 @@ def test_a_deferred_qkv_product_reads_as_the_scaled_one_in_the_rope_kernel(rows,
         q, k, v = q.view(rows, hq, d), k.view(rows, hk, d), v.view(rows, hk, d)
         cache = torch.zeros(-(-rows // 16), 2, 16, hk, d, device="cuda", dtype=kv_dtype)
         fused.norm_rope_store_(q, k, v, cos, sin, *norms, 1e-6, cache, blocks, offsets, scales)
-        results.append((q.clone(), k.clone(), cache.view(torch.uint8)))
+        results.append((q.clone(), k.clone(), v.clone(), cache.view(torch.uint8)))
     for got, want in zip(*results):
         assert torch.equal(got, want)
 
@@ -274,6 +275,44 @@ def test_fp16_products_clamp_a_query_past_fp16s_range_instead_of_overflowing():
     got = streamed.forward(q, cache, scale).float()
     assert got.isfinite().all()
     torch.testing.assert_close(got, expected, **STREAMED_CLOSE)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, fp8.FP8])
+@pytest.mark.parametrize("query_lens", [[17, 300, 400, 1000], [17, 45, 1, 200]])
+def test_a_prefill_step_attends_over_its_own_k_and_v_merged_with_the_cached_prefixes(query_lens, kv_dtype,
+                                                                                      monkeypatch):
+    """attention.RAGGED_PREFILL: flashinfer's ragged prefill over the step's own K and V (bf16), merged where a
+    sequence has a cached prefix with a paged attention over the prefix's pages, against SDPA over a cache whose
+    prefix tokens are as the cache stores them and whose new tokens are the step's own bf16 values. The first case
+    has no prefix (the ragged kernel alone), the second a prefix of 283 tokens, one of 399 before a single new token
+    and one of 800."""
+    from ember.runtime.engine import attention
+
+    monkeypatch.setattr(attention, "RAGGED_PREFILL", True)
+    g = torch.Generator().manual_seed(sum(query_lens))
+    lengths, tables, cache, _ = paged([17, 300, 400, 1000], g)
+    new = [(table[p // PAGE], p % PAGE) for table, n, m in zip(tables, lengths, query_lens) for p in range(n - m, n)]
+    blocks = torch.tensor([b for b, _ in new], device="cuda")
+    offsets = torch.tensor([o for _, o in new], device="cuda")
+    k, v = cache[blocks, 0, offsets], cache[blocks, 1, offsets]   # [T, KV_HEADS, D], the step's own
+    stored = fp8.to_cache(cache, kv_dtype)
+    seen = stored.to(torch.bfloat16)
+    seen[blocks, 0, offsets], seen[blocks, 1, offsets] = k, v
+    q = torch.randn(len(new), HEADS, D, generator=g).bfloat16().cuda()
+    batch = AttentionBatch(np.array(query_lens, dtype=np.int32), np.array(lengths, dtype=np.int32), padded(tables),
+                           np.array([len(t) for t in tables], dtype=np.int32), blocks, offsets)
+    backend = FlashInferBackend(HEADS, KV_HEADS, D, PAGE, D ** -0.5, dtype=torch.bfloat16,
+                                device=torch.device("cuda"), kv_dtype=kv_dtype)
+    backend.plan(batch)
+    assert backend.fresh and (backend.prefix_rows is None) == (query_lens == lengths)
+    got = backend.attend(q, stored, k, v)
+    sdpa = SdpaBackend(HEADS, KV_HEADS, D, PAGE, D ** -0.5)
+    sdpa.plan(batch)
+    torch.testing.assert_close(got.float(), sdpa.attend(q, seen).float(), **STREAMED_CLOSE)
+    monkeypatch.setattr(attention, "RAGGED_PREFILL", False)   # the cache's own attention, unchanged
+    backend.plan(batch)
+    torch.testing.assert_close(backend.attend(q, stored, k, v).float(), sdpa.attend(q, stored).float(),
+                               **STREAMED_CLOSE)
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 17, 45, 200]])

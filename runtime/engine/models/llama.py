@@ -96,7 +96,7 @@ class LlamaAttention(nn.Module):
         batch = attention.batch
         fused.norm_rope_store_(q, k, v, cos, sin, *norms, self.eps, kv_cache, batch.slot_blocks, batch.slot_offsets,
                                scales)
-        out = attention.attend(q, kv_cache)
+        out = attention.attend(q, kv_cache, k, v)
         return self.o_proj.deferred(out.reshape(t, self.num_heads * self.head_dim))   # the next norm scales it
 
 

@@ -281,8 +281,8 @@ def test_an_unscaled_product_output_reads_as_its_scaled_values_everywhere_it_is_
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_the_rope_kernel_reads_an_unscaled_qkv_product_as_its_scaled_values(kv_dtype, qk_norm):
     """fused.norm_rope_store_ with `scales` (fp8.DEFERRED_QKV: the merged q/k/v product's Unscaled output, whose
-    raw columns are q's, k's and v's): q and k rotated in place and the cache's K and V as from the scaled
-    product."""
+    raw columns are q's, k's and v's): q and k rotated in place, v scaled in place, and the cache's K and V as from
+    the scaled product."""
     from ember.runtime.engine import fused
 
     torch.manual_seed(5)
@@ -301,7 +301,7 @@ def test_the_rope_kernel_reads_an_unscaled_qkv_product_as_its_scaled_values(kv_d
         q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
         cache = torch.zeros(2, 2, 4, hk, d, dtype=kv_dtype)
         fused.norm_rope_store_(q, k, v, cos, sin, *norms, 1e-6, cache, blocks, offsets, scales)
-        caches.append((q.clone(), k.clone(), cache.view(torch.uint8) if kv_dtype == fp8.FP8 else cache))
+        caches.append((q.clone(), k.clone(), v.clone(), cache.view(torch.uint8) if kv_dtype == fp8.FP8 else cache))
     for got, want in zip(*caches):
         assert torch.equal(got, want)
-    assert caches[1][2].any()
+    assert caches[1][3].any()

@@ -70,3 +70,24 @@ def test_the_rows_a_step_hands_its_kernels_start_aligned_whatever_its_length(t):
     assert rows.shape == (4, t) and torch.equal(rows, torch.from_numpy(tokens))
     base = rows.untyped_storage().data_ptr()
     assert all((row.data_ptr() - base) % 64 == 0 for row in rows), [row.data_ptr() - base for row in rows]
+
+
+def test_the_prefix_tables_cover_each_sequences_cached_tokens_before_the_step():
+    """attention.prefix_tables (RAGGED_PREFILL's paged attention over the cached prefixes): each sequence's blocks
+    up to its prefix's last token, that token's place in its block, and which of the step's tokens have a prefix; a
+    sequence without one gets one token of its first block, which the merge leaves out."""
+    from ember.runtime.engine.attention import prefix_tables
+
+    block = 4
+    # prefixes of 0, 4 (a whole block), 6 and 16 tokens before 3, 5, 1 and 2 new ones
+    query_lens = np.array([3, 5, 1, 2], dtype=np.int32)
+    context_lens = np.array([3, 9, 7, 18], dtype=np.int32)
+    tables = np.array([[7, 0, 0, 0, 0], [3, 9, 4, 0, 0], [5, 6, 0, 0, 0], [1, 2, 8, 10, 11]], dtype=np.int32)
+    slots = torch.zeros(int(query_lens.sum()), dtype=torch.long)
+    batch = AttentionBatch(query_lens, context_lens, tables, -(-context_lens // block), slots, slots)
+    indptr, indices, last, rows = prefix_tables(batch, block)
+    assert indptr.tolist() == [0, 1, 2, 4, 8]
+    assert indices.tolist() == [7, 3, 5, 6, 1, 2, 8, 10]
+    assert last.tolist() == [1, 4, 2, 4]
+    assert rows.tolist() == [False] * 3 + [True] * 8
+    assert indptr.dtype == indices.dtype == last.dtype == np.int32
