@@ -97,6 +97,29 @@ class SdpaBackend:
         return out
 
 
+class Staged:
+    """Host arrays on the device, queued from a pinned buffer (grown as needed) that the next call rewrites. A graph
+    wrapper copies page indices given on the host into its buffer with a blocking copy, which waited for the step
+    the device was running and so undid overlap scheduling (on the H200, 6.4 ms of host time per batch-64 step);
+    and a copy from pageable memory waits the same way. The model runner starts the next plan only after this
+    plan's copies ran."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, least: int):
+        self.dtype, self.device, self.least = dtype, device, least
+        self.pinned: torch.Tensor | None = None
+        self.staged: torch.Tensor | None = None
+
+    def __call__(self, values: np.ndarray) -> torch.Tensor:
+        n = len(values)
+        if self.pinned is None or self.staged is None or self.pinned.numel() < n:
+            size = max(n, 2 * (0 if self.pinned is None else self.pinned.numel()), self.least)
+            self.pinned = torch.empty(size, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            self.staged = torch.empty(size, dtype=self.dtype, device=self.device)
+        self.pinned[:n].numpy()[:] = values
+        self.staged[:n].copy_(self.pinned[:n], non_blocking=True)
+        return self.staged[:n]
+
+
 class FlashInferBackend:
     """flashinfer's paged kernels: the decode wrapper when every sequence adds one token, else the prefill one.
 
@@ -129,14 +152,12 @@ class FlashInferBackend:
         self.graph_decode: dict[int, Any] = {}    # batch size -> graph-safe flashinfer wrapper (flashinfer is untyped)
         self.graph: PagedDecode | None = None       # the Triton decode of the batch planned last, if any
         self.max_blocks_per_seq: int | None = None   # the graphs' table width, once one was added
-        self._pinned_indices: torch.Tensor | None = None   # _device_indices' host and device buffers
-        self._staged_indices: torch.Tensor | None = None
+        self._device_indices = Staged(torch.int32, device, 1 << 16)   # the graph wrappers' page indices
         self.ragged: Any = None   # with RAGGED_PREFILL: the step's own K/V, the prefix's paged attention, its rows
         self.prefix: Any = None
         self.prefix_rows: torch.Tensor | None = None
         self.fresh = False   # the prefill step last planned may attend over its own K and V
-        self._pinned_rows: torch.Tensor | None = None
-        self._staged_rows: torch.Tensor | None = None
+        self._device_rows = Staged(torch.bool, device, 1 << 14)
 
     def add_graph_batch_size(self, batch_size: int, max_blocks_per_seq: int) -> None:
         """The decode attention of graphs of `batch_size` sequences; only one graph runs at a time, so the
@@ -238,33 +259,6 @@ class FlashInferBackend:
                              num_qo_heads=self.num_heads, head_dim_qk=self.head_dim, causal=False, **common)
             self.prefix_rows = self._device_rows(rows)
         self.fresh = True
-
-    def _device_rows(self, rows: np.ndarray) -> torch.Tensor:
-        """The prefix rows' mask on the device, queued from a pinned buffer (as _device_indices)."""
-        n = len(rows)
-        if self._pinned_rows is None or self._pinned_rows.numel() < n:
-            size = max(n, 2 * (0 if self._pinned_rows is None else self._pinned_rows.numel()), 1 << 14)
-            self._pinned_rows = torch.empty(size, dtype=torch.bool, pin_memory=self.device.type == "cuda")
-            self._staged_rows = torch.empty(size, dtype=torch.bool, device=self.device)
-        assert self._staged_rows is not None
-        self._pinned_rows[:n].numpy()[:] = rows
-        self._staged_rows[:n].copy_(self._pinned_rows[:n], non_blocking=True)
-        return self._staged_rows[:n]
-
-    def _device_indices(self, indices: np.ndarray) -> torch.Tensor:
-        """The page indices on the device, queued from a pinned buffer. A graph wrapper copies page indices given on
-        the host into its buffer with a blocking copy, which waited for the step the device was running and so
-        undid overlap scheduling (on the H200, 6.4 ms of host time per batch-64 step). The pinned buffer is
-        rewritten only by the next plan, which the model runner starts after this plan's copies ran."""
-        n = len(indices)
-        if self._pinned_indices is None or self._pinned_indices.numel() < n:
-            size = max(n, 2 * (0 if self._pinned_indices is None else self._pinned_indices.numel()), 1 << 16)
-            self._pinned_indices = torch.empty(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
-            self._staged_indices = torch.empty(size, dtype=torch.int32, device=self.device)
-        assert self._staged_indices is not None
-        self._pinned_indices[:n].numpy()[:] = indices
-        self._staged_indices[:n].copy_(self._pinned_indices[:n], non_blocking=True)
-        return self._staged_indices[:n]
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, k: torch.Tensor | None = None,
                v: torch.Tensor | None = None) -> torch.Tensor:

@@ -91,3 +91,19 @@ def test_the_prefix_tables_cover_each_sequences_cached_tokens_before_the_step():
     assert last.tolist() == [1, 4, 2, 4]
     assert rows.tolist() == [False] * 3 + [True] * 8
     assert indptr.dtype == indices.dtype == last.dtype == np.int32
+
+
+def test_staged_host_arrays_reach_the_device_buffer_and_grow_it():
+    """attention.Staged: each call's values in the device buffer's first rows, the buffers kept while they fit and
+    doubled (at least) when they do not."""
+    from ember.runtime.engine.attention import Staged
+
+    staged = Staged(torch.int32, torch.device("cpu"), 4)
+    first = staged(np.array([3, 1, 2], dtype=np.int32))
+    assert first.tolist() == [3, 1, 2] and staged.pinned.numel() == 4
+    buffer = staged.staged
+    assert staged(np.array([5], dtype=np.int32)).tolist() == [5] and staged.staged is buffer
+    assert staged(np.arange(9, dtype=np.int32)).tolist() == list(range(9))
+    assert staged.staged is not buffer and staged.pinned.numel() == 9
+    rows = Staged(torch.bool, torch.device("cpu"), 2)
+    assert rows(np.array([False, True, True])).tolist() == [False, True, True]
