@@ -44,8 +44,8 @@ class AttentionBatch:
 # on Hopper), merged with a paged attention over each prompt's cached prefix where one has some, instead of over the
 # cache alone: with an FP8 cache and a bf16 query flashinfer's paged prefill runs fa2 (its fa3 takes an FP8 cache only
 # with an FP8 query). Prefill graphs' steps keep the cache's. Off until timed: bench/engine/kernel_bench.py --parts
-# prefill_attention, then bench/engine/ab.py --b runtime.engine.attention.RAGGED_PREFILL=True; its ragged and merge
-# modules are not yet built by the kernel warm-up.
+# prefill_attention, then bench/engine/ab.py --b runtime.engine.attention.RAGGED_PREFILL=True. The kernel warm-up
+# (model_runner.warm_kernels) runs a second chunk of its prompt, so the prefix's attention and the merge load there.
 RAGGED_PREFILL = False
 
 

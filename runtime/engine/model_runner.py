@@ -15,6 +15,7 @@ from ember.runtime import startup
 from ember.snapshot import image, open_store
 from ember.snapshot.store import SnapshotStore
 
+from . import attention as attention_module
 from . import fp8, kernels
 from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from .config import EngineConfig
@@ -577,6 +578,15 @@ def warm_kernels(model_dir: str, dtype: torch.dtype, device: torch.device, atten
         logits = model.compute_logits(hidden[-1:])
         greedy = SamplingParams(max_tokens=1, temperature=0.0)
         draw(logits.float(), [SamplingRow(greedy, [0] * prompt_tokens, [], None, [])])
+        if attention_module.RAGGED_PREFILL and device.type == "cuda":
+            # the prompt's next chunk, after its first in the cache: RAGGED_PREFILL's paged attention over a prefix
+            # and its merge, whose modules load here, not on the first step that continues a cut prompt
+            more = blocks * block_size - prompt_tokens
+            lens, context = np.array([more], dtype=np.int32), np.array([prompt_tokens + more], dtype=np.int32)
+            slots = torch.arange(prompt_tokens, prompt_tokens + more)
+            attention.plan(AttentionBatch(lens, context, table, np.array([blocks], dtype=np.int32),
+                                          (slots // block_size).to(device), (slots % block_size).to(device)))
+            hidden = model(torch.zeros(more, dtype=torch.long, device=device), slots.to(device), attention, [kv])
         if quantization == "fp8" and fp8.DEFERRED and device.type == "cuda":
             # A step of fp8.DEFERRED_MIN_ROWS tokens: its products leave their scales to the norm and SiLU-mul
             # kernels (fp8.Unscaled), whose variants that take them compile here, not on the first step of that

@@ -291,6 +291,44 @@ def test_the_kernel_warm_up_runs_the_deferred_fp8_products(family, monkeypatch):
         torch.cuda.empty_cache()
 
 
+def test_the_kernel_warm_up_runs_a_prefix_merge_where_prefills_attend_over_their_own_kv(family, monkeypatch):
+    """With attention.RAGGED_PREFILL, the start-up warm-up runs its prompt's second chunk after the first, so the
+    ragged prefill, the prefix's paged attention and the merge load there; and its first-token logprobs on an FP8
+    cache agree with the cache's own attention's (half the prompts share a 64-token start: prefix-cache hits, whose
+    steps merge)."""
+    from ember.runtime.engine import attention
+
+    if family[0] != "qwen3":
+        pytest.skip("one family covers the warm-up")
+    merged, merge = [], attention.FlashInferBackend.attend
+
+    def counted(self, q, kv_cache, k=None, v=None):
+        merged.append(self.fresh and k is not None and self.prefix_rows is not None)
+        return merge(self, q, kv_cache, k, v)
+
+    monkeypatch.setattr(attention.FlashInferBackend, "attend", counted)
+    batch = prompts(8, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    answers = {}
+    for ragged in (True, False):
+        monkeypatch.setattr(attention, "RAGGED_PREFILL", ragged)
+        eng = engine(family[1], kv_cache_dtype="fp8", graph_capture="lazy", prefill_graphs=False)
+        assert any(merged) is ragged, "the warm-up ran no prefix merge"
+        merged.clear()
+        # the first two prompts, then the rest: the shared start is cached by then, so their steps have a prefix
+        answers[ragged] = run(eng, batch[:2], params)[1] + run(eng, batch[2:], params)[1]
+        assert any(merged) is ragged, "no step merged a cached prefix"
+        merged.clear()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    worst = max(abs(a[0]["logprob"] - b[0]["logprob"]) for a, b in zip(answers[True], answers[False])
+                if a[0]["token_id"] == b[0]["token_id"])
+    # the two differ by the FP8 rounding of each step's own K and V, which the ragged prefill reads unrounded; a
+    # wrong merge or mask attends over the wrong context and moves a logprob by far more
+    assert worst < 0.5, worst
+
+
 def test_eager_prefill_launches_no_fill_a_layer(family):
     """An eager prefill step gives flashinfer's prefill its output buffer: given none, it allocates one zeroed, a fill
     kernel a layer (~20 us of the step's host time each) for rows its attention writes whole."""
