@@ -215,10 +215,12 @@ DEFERRED = True
 DEFERRED_MIN_ROWS = 65
 DEFERRED_MAX_ROWS = 256
 # The merged q/k/v product too, its scales applied by the RoPE kernel that reads it (fused.norm_rope_store_). One
-# scale a tensor against its product now (kernel_bench.py --parts decode, H100, sessions 52 and 54): 11.87 against
-# small_linear's 13.77 us at 128 rows, 12.3 against the row-scaled 14.3 at 160, 13.4 against 14.4 at 256. Off until
-# timed end to end: bench/engine/ab.py --b runtime.engine.fp8.DEFERRED_QKV=True.
-DEFERRED_QKV = False
+# scale a tensor against the product it replaces (kernel_bench.py --parts decode, H100, sessions 52 and 54): 11.87
+# against small_linear's 13.77 us at 128 rows, 12.3 against the row-scaled 14.3 at 160, 13.4 against 14.4 at 256. End
+# to end on the H200 (bench/engine/ab.py --b runtime.engine.fp8.DEFERRED_QKV=True -- --models 8B --parts fp8_kv, two
+# rounds, session 56): offline 14,534.75 against 14,589.1 output tok/s (each run on against each run off), the decode
+# graphs' GPU time 7.465 against 7.425 s, batch 1 unchanged (307.4 against 307.6).
+DEFERRED_QKV = True
 # A product whose blocks of weight rows are fewer than SPLIT_SHARE of the GPU's multiprocessors splits K among
 # split_k programs a block, by the most input rows: (16, 4), then (64, 2), none past. The 8B shape's o_proj and
 # down_proj (4,096 weight rows: 64 blocks) on the H100 (kernel_bench.py --parts decode --decode-ways fp8_small,

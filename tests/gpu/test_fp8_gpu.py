@@ -144,11 +144,12 @@ def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scal
 
 @pytest.mark.parametrize("rows", [65, 128, 256])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, fp8.FP8])
-def test_a_deferred_qkv_product_reads_as_the_scaled_one_in_the_rope_kernel(rows, kv_dtype, monkeypatch):
+@pytest.mark.parametrize("qk_norms", [True, False])
+def test_a_deferred_qkv_product_reads_as_the_scaled_one_in_the_rope_kernel(rows, kv_dtype, qk_norms, monkeypatch):
     """fp8.DEFERRED_QKV: the merged q/k/v product of the 8B shape left unscaled, and fused.norm_rope_store_ (q/k
-    norms, RoPE, the K/V write) applying its scales as it loads it: q and k rotated in place, v scaled in place and
-    the cache's K and V bit for bit as from the product's output scaled (materialize, the values quantized_linear
-    rounds to)."""
+    norms where the family has them, as Qwen3 does and Llama does not; RoPE; the K/V write) applying its scales as
+    it loads it: q and k rotated in place, v scaled in place and the cache's K and V bit for bit as from the
+    product's output scaled (materialize, the values quantized_linear rounds to)."""
     monkeypatch.setattr(fp8, "DEFERRED", True)
     torch.manual_seed(rows)
     hq, hk, d = 32, 8, 128
@@ -158,7 +159,7 @@ def test_a_deferred_qkv_product_reads_as_the_scaled_one_in_the_rope_kernel(rows,
     assert isinstance(deferred, fp8.Unscaled)
     scaled = deferred.materialize()
     cos, sin = (torch.rand(rows, 1, d, device="cuda").bfloat16() for _ in range(2))
-    norms = tuple(torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    norms = tuple(torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 if qk_norms else None for _ in range(2))
     slots = torch.randperm(rows, device="cuda")   # a slot a token
     blocks, offsets = slots // 16, slots % 16
     results = []
