@@ -107,9 +107,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
 class Unscaled:
     """An FP8 product's output before its scales: `raw` [M, N] (the model's dtype) is the sum of the FP8 operands'
     products as they are, and the output is raw * row_scale [M, 1] * col_scale [N] (fp32), rounded to raw's dtype.
-    The kernel that reads the output applies them as it loads it (fused.rms_norm_fp8, add_rms_norm, silu_mul_fp8),
-    so the product can take torch._scaled_mm's path with one scale a tensor (cuBLASLt), which at 160-256 input rows
-    of the 8B shape took 9-27% less time than its path with row scales (torch's own CUTLASS kernel) on an H100
+    The kernel that reads the output applies them as it loads it (fused.rms_norm_fp8, add_rms_norm, silu_mul_fp8,
+    and with DEFERRED_QKV norm_rope_store_), so the product can take torch._scaled_mm's path with one scale a tensor
+    (cuBLASLt), which at 160-256 input rows of the 8B shape took 9-27% less time than its path with row scales
+    (torch's own CUTLASS kernel) on an H100
     (kernel_bench.py --decode-ways fp8_rows,fp8_tensor, session 53: a layer's o, gate/up and down products 104.7
     against 76.7 us at 160 rows, 99.4 against 79.7 at 192, 94.2 against 85.7 at 256)."""
     raw: torch.Tensor
