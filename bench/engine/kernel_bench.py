@@ -711,8 +711,9 @@ def bench_prefill_attention(rate: float) -> list[dict]:
         order = torch.randperm(sequences * per_seq).to(torch.int32)   # pages in no order, as a cache hands them out
         cache = torch.zeros(sequences * per_seq, 2, page, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
         tokens = torch.arange(t, device="cuda")
-        pages = order.cuda().view(sequences, per_seq)[tokens // length, (tokens % length) // page]
-        cache[pages, 0, tokens % page], cache[pages, 1, tokens % page] = k, v
+        position = tokens % length   # within its prompt
+        pages = order.cuda().view(sequences, per_seq)[tokens // length, position // page]
+        cache[pages, 0, position % page], cache[pages, 1, position % page] = k, v
         caches = {"bf16": cache, "fp8": fp8.to_cache(cache, fp8.FP8)}
         qo_indptr = torch.arange(sequences + 1, dtype=torch.int32) * length
         kv_indptr = torch.arange(sequences + 1, dtype=torch.int32) * per_seq

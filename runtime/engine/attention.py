@@ -47,11 +47,11 @@ class AttentionBatch:
 # (kernel_bench.py --parts prefill_attention, a layer's 8,192-token step: 127 against the FP8 cache's 245 us at 14
 # prompts of 585 tokens, 154 against 340 at 8 of 1,024, 448 against 1,148 at 2 of 4,096), but end to end it loses
 # (bench/engine/ab.py --b runtime.engine.attention.RAGGED_PREFILL=True -- --models 8B --parts fp8_kv, two rounds:
-# offline 14,537.9 against 14,375.7 output tok/s, the prefill steps' GPU time 2.09 against 2.15 s), and in that
-# kernel_bench run its output at 14 x 585 tokens differed from the paged bf16 kernel's by up to 6.8 (0.004-0.008 at
-# the other lengths; tests/gpu/test_fp8_gpu.py's own_k_and_v case, lengths 17 to 1,000, passes): both to understand
-# before it is turned on. The kernel warm-up (model_runner.warm_kernels) runs a second chunk of its prompt, so the
-# prefix's attention and the merge load there.
+# offline 14,537.9 against 14,375.7 output tok/s, the prefill steps' GPU time 2.09 against 2.15 s); likely (not
+# measured) because most of the offline run's steps continue a prompt cut at the step before, and then the prefix's
+# paged attention and the merge run over every row of the step, masked, not over the continued prompt's alone. The
+# kernel warm-up (model_runner.warm_kernels) runs a second chunk of its prompt, so the prefix's attention and the merge
+# load there.
 RAGGED_PREFILL = False
 
 
