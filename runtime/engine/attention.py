@@ -48,26 +48,42 @@ class AttentionBatch:
 # prompts of 585 tokens, 154 against 340 at 8 of 1,024, 448 against 1,148 at 2 of 4,096), but end to end it loses
 # (bench/engine/ab.py --b runtime.engine.attention.RAGGED_PREFILL=True -- --models 8B --parts fp8_kv, two rounds:
 # offline 14,537.9 against 14,375.7 output tok/s, the prefill steps' GPU time 2.09 against 2.15 s); likely (not
-# measured) because most of the offline run's steps continue a prompt cut at the step before, and then the prefix's
-# paged attention and the merge run over every row of the step, masked, not over the continued prompt's alone. The
-# kernel warm-up (model_runner.warm_kernels) runs a second chunk of its prompt, so the prefix's attention and the merge
-# load there.
+# measured) because most of the offline run's steps continue a prompt cut at the step before, and the prefix's paged
+# attention and the merge then ran over every row of the step, masked. They now take the rows of prefix_span alone
+# (the continued prompt's, there), untimed: the same ab.py again. The kernel warm-up (model_runner.warm_kernels) runs a
+# second chunk of its prompt, so the prefix's attention and the merge load there.
 RAGGED_PREFILL = False
 
 
-def prefix_tables(batch: AttentionBatch, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The paged attention over each sequence's cached prefix (its context before this step's tokens), as flashinfer
-    takes it: (indptr [B + 1], indices, last page lengths [B], int32; rows [T] bool: the step's tokens whose
-    sequence has a prefix). A sequence with none gets its first block's first token, whose attention the merge
-    leaves out (flashinfer's paged kernels take no empty context)."""
-    prefix = batch.context_lens - batch.query_lens
+def prefix_tables(batch: AttentionBatch, block_size: int, span: slice = slice(None)
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The paged attention over the cached prefix (its context before this step's tokens) of each sequence in `span`
+    (all, or the batch's sequences from one with a prefix to the last with one: prefix_span), as flashinfer takes
+    it: (indptr [B + 1], indices, last page lengths [B], int32; rows [T] bool: the span's tokens whose sequence has
+    a prefix). A sequence with none gets its first block's first token, whose attention the merge leaves out
+    (flashinfer's paged kernels take no empty context)."""
+    query_lens = batch.query_lens[span]
+    prefix = batch.context_lens[span] - query_lens
     pages = np.maximum(-(-prefix // block_size), 1).astype(np.int32)
     indptr = np.zeros(len(pages) + 1, dtype=np.int32)
     np.cumsum(pages, out=indptr[1:])
-    width = batch.block_tables.shape[1]
-    indices = batch.block_tables[np.arange(width) < pages[:, None]].astype(np.int32, copy=False)
+    tables = batch.block_tables[span]
+    indices = tables[np.arange(tables.shape[1]) < pages[:, None]].astype(np.int32, copy=False)
     last = np.where(prefix > 0, (prefix - 1) % block_size + 1, 1).astype(np.int32)
-    return indptr, indices, last, np.repeat(prefix > 0, batch.query_lens)
+    return indptr, indices, last, np.repeat(prefix > 0, query_lens)
+
+
+def prefix_span(batch: AttentionBatch) -> tuple[slice, int, int] | None:
+    """The sequences from the batch's first with a cached prefix to its last (a slice), and their tokens' rows [a,
+    b) in the step; None where none has one. A step of the offline run continues, most often, one prompt cut at the
+    step before (its first sequence): the prefix's attention and the merge then take that prompt's rows alone, not
+    the step's thousands."""
+    having = np.flatnonzero(batch.context_lens > batch.query_lens)
+    if not len(having):
+        return None
+    rows = np.concatenate([[0], np.cumsum(batch.query_lens)])
+    first, last = int(having[0]), int(having[-1]) + 1
+    return slice(first, last), int(rows[first]), int(rows[last])
 
 
 class SdpaBackend:
@@ -161,7 +177,8 @@ class FlashInferBackend:
         self._device_indices = Staged(torch.int32, device, 1 << 16)   # the graph wrappers' page indices
         self.ragged: Any = None   # with RAGGED_PREFILL: the step's own K/V, the prefix's paged attention, its rows
         self.prefix: Any = None
-        self.prefix_rows: torch.Tensor | None = None
+        self.prefix_span: tuple[slice, int, int] | None = None   # prefix_span's, for the planned step
+        self.prefix_rows: torch.Tensor | None = None   # which of the span's rows have a prefix (None: every one)
         self.fresh = False   # the prefill step last planned may attend over its own K and V
         self._device_rows = Staged(torch.bool, device, 1 << 14)
 
@@ -258,12 +275,14 @@ class FlashInferBackend:
         self.ragged.plan(qo_indptr, qo_indptr, num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                          head_dim_qk=self.head_dim, causal=True, sm_scale=self.scale, q_data_type=self.dtype,
                          kv_data_type=self.dtype)
-        self.prefix_rows = None
-        if (batch.context_lens > batch.query_lens).any():
-            indptr, indices, last, rows = prefix_tables(batch, self.block_size)
-            self.prefix.plan(qo_indptr, torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
-                             num_qo_heads=self.num_heads, head_dim_qk=self.head_dim, causal=False, **common)
-            self.prefix_rows = self._device_rows(rows)
+        self.prefix_rows, self.prefix_span = None, prefix_span(batch)
+        if self.prefix_span is not None:
+            span, first_row, _ = self.prefix_span
+            indptr, indices, last, rows = prefix_tables(batch, self.block_size, span)
+            self.prefix.plan(qo_indptr[span.start:span.stop + 1] - first_row, torch.from_numpy(indptr),
+                             torch.from_numpy(indices), torch.from_numpy(last), num_qo_heads=self.num_heads,
+                             head_dim_qk=self.head_dim, causal=False, **common)
+            self.prefix_rows = None if rows.all() else self._device_rows(rows)
         self.fresh = True
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, k: torch.Tensor | None = None,
@@ -274,13 +293,14 @@ class FlashInferBackend:
         if self.graph is not None:
             return self.graph.forward(q, kv_cache, self.scale)
         if self.wrapper is self.prefill and self.fresh and k is not None and v is not None:
-            if self.prefix_rows is None:
+            if self.prefix_span is None:
                 return self.ragged.run(q, k, v)
             import flashinfer
 
             out, lse = self.ragged.run(q, k, v, return_lse=True)
-            prefix_out, prefix_lse = self.prefix.run(q, kv_cache, return_lse=True)
-            flashinfer.merge_state_in_place(out, lse, prefix_out, prefix_lse, mask=self.prefix_rows)
+            _, a, b = self.prefix_span   # the span's rows: views, merged in place
+            prefix_out, prefix_lse = self.prefix.run(q[a:b], kv_cache, return_lse=True)
+            flashinfer.merge_state_in_place(out[a:b], lse[a:b], prefix_out, prefix_lse, mask=self.prefix_rows)
             return out
         if self.wrapper is self.prefill:
             # given no output, flashinfer's prefill allocates it zeroed: a fill kernel a layer (~20 us of an eager

@@ -303,7 +303,7 @@ def test_the_kernel_warm_up_runs_a_prefix_merge_where_prefills_attend_over_their
     merged, merge = [], attention.FlashInferBackend.attend
 
     def counted(self, q, kv_cache, k=None, v=None):
-        merged.append(self.fresh and k is not None and self.prefix_rows is not None)
+        merged.append(self.fresh and k is not None and self.prefix_span is not None)
         return merge(self, q, kv_cache, k, v)
 
     monkeypatch.setattr(attention.FlashInferBackend, "attend", counted)

@@ -279,14 +279,17 @@ def test_fp16_products_clamp_a_query_past_fp16s_range_instead_of_overflowing():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, fp8.FP8])
-@pytest.mark.parametrize("query_lens", [[17, 300, 400, 1000], [17, 45, 1, 200]])
+@pytest.mark.parametrize("query_lens", [[17, 300, 400, 1000], [17, 45, 1, 200], [10, 300, 45, 200],
+                                        [5, 300, 400, 1000]])
 def test_a_prefill_step_attends_over_its_own_k_and_v_merged_with_the_cached_prefixes(query_lens, kv_dtype,
                                                                                       monkeypatch):
     """attention.RAGGED_PREFILL: flashinfer's ragged prefill over the step's own K and V (bf16), merged where a
-    sequence has a cached prefix with a paged attention over the prefix's pages, against SDPA over a cache whose
-    prefix tokens are as the cache stores them and whose new tokens are the step's own bf16 values. The first case
-    has no prefix (the ragged kernel alone), the second a prefix of 283 tokens, one of 399 before a single new token
-    and one of 800."""
+    sequence has a cached prefix with a paged attention over the prefix's pages (over the rows of the sequences from
+    the first with a prefix to the last), against SDPA over a cache whose prefix tokens are as the cache stores them
+    and whose new tokens are the step's own bf16 values. The first case has no prefix (the ragged kernel alone); the
+    second a prefix of 283 tokens, one of 399 before a single new token and one of 800 (the span's rows all have
+    one); the third a sequence without one between two with one (its rows masked in the merge); the fourth only the
+    first sequence has one, 12 tokens (a step that continues a prompt cut at the step before)."""
     from ember.runtime.engine import attention
 
     monkeypatch.setattr(attention, "RAGGED_PREFILL", True)
@@ -305,7 +308,8 @@ def test_a_prefill_step_attends_over_its_own_k_and_v_merged_with_the_cached_pref
     backend = FlashInferBackend(HEADS, KV_HEADS, D, PAGE, D ** -0.5, dtype=torch.bfloat16,
                                 device=torch.device("cuda"), kv_dtype=kv_dtype)
     backend.plan(batch)
-    assert backend.fresh and (backend.prefix_rows is None) == (query_lens == lengths)
+    assert backend.fresh and (backend.prefix_span is None) == (query_lens == lengths)
+    assert (backend.prefix_rows is not None) == (query_lens == [10, 300, 45, 200])   # a row masked in the span
     got = backend.attend(q, stored, k, v)
     sdpa = SdpaBackend(HEADS, KV_HEADS, D, PAGE, D ** -0.5)
     sdpa.plan(batch)

@@ -93,6 +93,36 @@ def test_the_prefix_tables_cover_each_sequences_cached_tokens_before_the_step():
     assert indptr.dtype == indices.dtype == last.dtype == np.int32
 
 
+def test_the_prefix_span_takes_the_rows_from_the_first_sequence_with_a_prefix_to_the_last():
+    """attention.prefix_span and prefix_tables over it: the prefix's attention of RAGGED_PREFILL runs over the rows
+    of the sequences from the first with a cached prefix to the last, those without one among them masked; a step
+    with none has no span."""
+    from ember.runtime.engine.attention import prefix_span, prefix_tables
+
+    block = 4
+    tables = np.array([[7, 0, 0, 0, 0], [3, 9, 4, 0, 0], [5, 6, 0, 0, 0], [1, 2, 8, 10, 11]], dtype=np.int32)
+
+    def batch(query_lens, context_lens):
+        query_lens, context_lens = np.array(query_lens, np.int32), np.array(context_lens, np.int32)
+        slots = torch.zeros(int(query_lens.sum()), dtype=torch.long)
+        return AttentionBatch(query_lens, context_lens, tables, -(-context_lens // block), slots, slots)
+
+    assert prefix_span(batch([3, 5, 1, 2], [3, 5, 1, 2])) is None
+    # only the first sequence has a prefix (6 tokens before 3): a step continuing a prompt cut at the one before
+    step = batch([3, 5, 1, 2], [9, 5, 1, 2])
+    span, a, b = prefix_span(step)
+    assert (span.start, span.stop, a, b) == (0, 1, 0, 3)
+    indptr, indices, last, rows = prefix_tables(step, block, span)
+    assert (indptr.tolist(), indices.tolist(), last.tolist(), rows.tolist()) == ([0, 2], [7, 0], [2], [True] * 3)
+    # the second and fourth have one, the third (between them) none: its row in the span, masked
+    step = batch([3, 5, 1, 2], [3, 9, 1, 18])
+    span, a, b = prefix_span(step)
+    assert (span.start, span.stop, a, b) == (1, 4, 3, 11)
+    indptr, indices, last, rows = prefix_tables(step, block, span)
+    assert indptr.tolist() == [0, 1, 2, 6] and indices.tolist() == [3, 5, 1, 2, 8, 10]
+    assert last.tolist() == [4, 1, 4] and rows.tolist() == [True] * 5 + [False] + [True] * 2
+
+
 def test_staged_host_arrays_reach_the_device_buffer_and_grow_it():
     """attention.Staged: each call's values in the device buffer's first rows, the buffers kept while they fit and
     doubled (at least) when they do not."""
