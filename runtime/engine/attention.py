@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import paged_decode
 from .paged_decode import PagedDecode, StreamedDecode, streamed_config, streamed_pool
 
 
@@ -103,9 +104,9 @@ class SdpaBackend:
             self.masks.append(torch.arange(ctx, device=device)[None, :] <= query_pos[:, None])
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, k: torch.Tensor | None = None,
-               v: torch.Tensor | None = None) -> torch.Tensor:
+               v: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
         """q's attention over the cache, which holds the step's K and V already (fused.norm_rope_store_); k and v,
-        the step's own, are not read here."""
+        the step's own, are not read here, nor is `quantize` (always the output in q's dtype)."""
         out = torch.empty_like(q)
         start = 0
         for n, ctx, table, mask in zip(self.batch.query_lens.tolist(), self.batch.context_lens.tolist(), self.tables,
@@ -234,6 +235,8 @@ class FlashInferBackend:
                                 **streamed_config(self.kv_dtype, self.head_dim))
         decode.stage(np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int32))
         decode.forward(qkv[:, :self.num_heads], cache, self.scale)
+        if paged_decode.QUANTIZED_OUT:   # the variant an FP8 o_proj's layers run
+            decode.forward_quantized(qkv[:, :self.num_heads], cache, self.scale)
         torch.cuda.synchronize(self.device)
 
     def plan(self, batch: AttentionBatch, graph_batch_size: int | None = None) -> None:
@@ -286,11 +289,16 @@ class FlashInferBackend:
         self.fresh = True
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, k: torch.Tensor | None = None,
-               v: torch.Tensor | None = None) -> torch.Tensor:
+               v: torch.Tensor | None = None, quantize: bool = False
+               ) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
         """q's attention over the cache, which holds the step's K and V already (fused.norm_rope_store_). With
         RAGGED_PREFILL, a prefill step given its own K and V [T, Hk, D] (in q's dtype) attends over them, and over
-        the cache only for the prefixes."""
+        the cache only for the prefixes. `quantize`: the caller's product takes an FP8 input; a graph's streamed
+        kernel with paged_decode.QUANTIZED_OUT then returns the output's rows quantized to e4m3 [T, Hq D] and their
+        scales [T, 1] instead (fp8.quantize_tokens' values)."""
         if self.graph is not None:
+            if quantize and paged_decode.QUANTIZED_OUT and isinstance(self.graph, StreamedDecode):
+                return self.graph.forward_quantized(q, kv_cache, self.scale)
             return self.graph.forward(q, kv_cache, self.scale)
         if self.wrapper is self.prefill and self.fresh and k is not None and v is not None:
             if self.prefix_span is None:

@@ -195,6 +195,12 @@ class Linear(nn.Linear):
             return self(x)
         return fp8.deferred_linear(*fp8.quantize_tokens(x), self.weight, self.weight_scale, self.bias, x.dtype)
 
+    def deferred_quantized(self, q: torch.Tensor, q_scale: torch.Tensor, dtype: torch.dtype
+                           ) -> "torch.Tensor | fp8.Unscaled":
+        """`deferred` of an input already quantized per row (q [M, K] e4m3, q_scale [M, 1]: an attention kernel's,
+        paged_decode.QUANTIZED_OUT), for an FP8 weight."""
+        return fp8.deferred_linear(q, q_scale, self.weight, self.weight_scale, self.bias, dtype)
+
 
 if triton is not None:
     from .fused import _round

@@ -24,6 +24,12 @@ from .pdl import start as _pdl_start
 
 BLOCK_TOKENS = 64   # tokens gathered per loop iteration
 MERGE_CHUNK = 32    # splits the merge reads per loop iteration
+# StreamedDecode.forward(quantize=True) (FlashInferBackend.attend's, for an FP8 o_proj): the last of a token's KV-head
+# programs to write its heads' output quantizes the token's row to e4m3 with its scale (fp8.quantize_tokens'
+# arithmetic, on the bf16 row as stored), in place of the kernel that did it after attention: one kernel boundary
+# fewer a layer (the quantizer took 2.9 us of a layer at 256 sequences on an H100). Off until timed:
+# bench/engine/ab.py --b runtime.engine.paged_decode.QUANTIZED_OUT=True -- --models 8B --parts fp8_kv.
+QUANTIZED_OUT = False
 
 
 def split_tokens(batch_size: int) -> int:
@@ -218,6 +224,7 @@ class StreamedDecode(PagedDecode):
         self.extras = self.staged[self._meta_at + batch_size:self._meta_at + batch_size + 2 * pool]
         self.staged[1] = max_blocks_per_seq * block_size   # a chunk no context passes, until a step's plan
         self.arrived = torch.zeros(2 * pool, num_kv_heads, dtype=torch.int32, device=device)
+        self.token_arrived = torch.zeros(batch_size, dtype=torch.int32, device=device)   # forward(quantize=True)
 
     def split_results(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # a long sequence's pieces, in the pool and first: at most 2 x pool (each long one has one in the pool)
@@ -258,19 +265,32 @@ class StreamedDecode(PagedDecode):
         return chunk, [tuple(e) for e in extras], self.first_slots.tolist()
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return self._launch(q, kv_cache, scale, False)[0]
+
+    def forward_quantized(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's rows [B, Hq D] quantized to e4m3 and their scales [B, 1] (fp8.quantize_tokens of
+        `forward`'s output), as an FP8 product takes its input (QUANTIZED_OUT)."""
+        return self._launch(q, kv_cache, scale, True)[1]
+
+    def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float, quantize: bool
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         b, hq, d = q.shape
         group = hq // self.num_kv_heads
         out = q.new_empty(b, hq, d)
+        quantized = (torch.empty(b, hq * d, dtype=torch.float8_e4m3fn, device=q.device),
+                     torch.empty(b, 1, dtype=torch.float32, device=q.device)) if quantize else (out, out)
         # the pool's programs first, so a long context's pieces start with the step's first wave
         _stream_kernel[(self.num_kv_heads // self.heads, self.pool + b)](
             q, kv_cache, self.tables, self.context_lens, self.first_slots, self.extras, out, self.partial,
             self.lse, self.arrived, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-            kv_cache.stride(2), kv_cache.stride(3), self.staged, scale * _LOG2_E, self.pool, GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group * self.heads)), D=d, PAGE=self.block_size,
-            BLOCK_T=self.block_t, KV_A=self.kv_a, F16=self.f16, HEADS=self.heads, PERM=self.perm,
-            DEFER=self.defer_sum, PREFETCH=self.prefetch_table, num_warps=self.warps, num_stages=self.stages,
+            kv_cache.stride(2), kv_cache.stride(3), self.staged, scale * _LOG2_E, self.pool, *quantized,
+            self.token_arrived, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group * self.heads)), D=d,
+            PAGE=self.block_size, BLOCK_T=self.block_t, KV_A=self.kv_a, F16=self.f16, HEADS=self.heads,
+            PERM=self.perm, DEFER=self.defer_sum, PREFETCH=self.prefetch_table, QUANT=quantize,
+            ROW=triton.next_power_of_2(hq * d), num_warps=self.warps, num_stages=self.stages,
             **self.launch_options, **pdl.args(q.device))
-        return out
+        return out, quantized
 
 
 _LOG2_E = 1.4426950408889634
@@ -473,10 +493,11 @@ if triton is not None:
     @triton.jit(do_not_specialize=["pool"])   # one kernel for every graph size's pool
     def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, first_ptr, extras_ptr, out_ptr, partial_ptr, lse_ptr,
                        arrived_ptr, q_stride_t, q_stride_h, s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2,
-                       pool, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                       PAGE: tl.constexpr, BLOCK_T: tl.constexpr, KV_A: tl.constexpr, F16: tl.constexpr,
-                       HEADS: tl.constexpr, PERM: tl.constexpr, DEFER: tl.constexpr, PREFETCH: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       pool, quant_ptr, quant_scale_ptr, token_arrived_ptr, GROUP: tl.constexpr,
+                       GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
+                       KV_A: tl.constexpr, F16: tl.constexpr, HEADS: tl.constexpr, PERM: tl.constexpr,
+                       DEFER: tl.constexpr, PREFETCH: tl.constexpr, QUANT: tl.constexpr = False,
+                       ROW: tl.constexpr = 1, PDL: tl.constexpr = False):
         # _split_kernel's work over one piece of a sequence (StreamedDecode's plan), with a loop whose bounds are the
         # piece's own tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2,
         # and p rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor
@@ -558,6 +579,8 @@ if triton is not None:
         out_rows = (seq * num_heads + heads[:, None]) * D + dims[None, :]
         if context <= chunk:   # one piece, this one: the output directly (every sequence has a token)
             tl.store(out_ptr + out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+            if QUANT:
+                _quantize_token(out_ptr, quant_ptr, quant_scale_ptr, token_arrived_ptr, seq, num_heads * D, ROW)
         else:
             first = tl.load(first_ptr + seq)
             pieces = tl.cdiv(context, chunk)
@@ -587,3 +610,23 @@ if triton is not None:
                 tl.store(out_ptr + out_rows, (merged / weight[:, None]).to(out_ptr.dtype.element_ty),
                          mask=head_ok[:, None])
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # for the next layer's launch
+                if QUANT:
+                    _quantize_token(out_ptr, quant_ptr, quant_scale_ptr, token_arrived_ptr, seq, num_heads * D, ROW)
+
+    @triton.jit
+    def _quantize_token(out_ptr, quant_ptr, quant_scale_ptr, token_arrived_ptr, seq, width, ROW: tl.constexpr):
+        """Called by the program that has just stored its heads' output of token `seq`: the last of the token's
+        programs (axis 0) to do so quantizes the token's row of `width` values (fp8.quantize_tokens' arithmetic,
+        on the row as stored), reading the others' heads through L2, and sets the count back to 0."""
+        tl.debug_barrier()   # every thread's stores before the count's release
+        counter = token_arrived_ptr + seq
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.debug_barrier()
+            cols = tl.arange(0, ROW)
+            ok = cols < width
+            x = tl.load(out_ptr + seq * width + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1.0 / (448.0 * 512))
+            tl.store(quant_scale_ptr + seq, scale)
+            y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+            tl.store(quant_ptr + seq * width + cols, y.to(tl.float8e4nv), mask=ok)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # for the next layer's launch

@@ -63,7 +63,7 @@ class _Cut:
         self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, k: torch.Tensor | None = None,
-               v: torch.Tensor | None = None) -> torch.Tensor:
+               v: torch.Tensor | None = None, quantize: bool = False) -> torch.Tensor:
         if self.pieces is not None:
             # q is a view of the layer's q/k/v product: kept as the slot, it would keep that product alive in the pool
             static = self.q_buffer.view(-1)[:q.numel()].view(q.shape)

@@ -263,6 +263,35 @@ def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_
     assert shares and max(shares) < 0.5
 
 
+
+def test_an_fp8_engine_decodes_the_same_with_its_attention_quantizing_the_o_products_input(family, monkeypatch):
+    """paged_decode.QUANTIZED_OUT: the streamed attention of the decode graphs (16 sequences and more) quantizes
+    its output for the FP8 o_proj itself, bit for bit as the quantizer it replaces, so the tokens and logprobs are
+    the same with it on and off; with it on, the graphs ran it."""
+    from ember.runtime.engine import paged_decode
+
+    if family[0] != "qwen3":
+        pytest.skip("one family covers the attention")
+    batch, params = prompts(40, seed=15), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    launched, forward = [], paged_decode.StreamedDecode.forward_quantized
+
+    def counted(self, *args):
+        launched.append(True)
+        return forward(self, *args)
+
+    monkeypatch.setattr(paged_decode.StreamedDecode, "forward_quantized", counted)
+    answers = {}
+    for on in (True, False):
+        monkeypatch.setattr(paged_decode, "QUANTIZED_OUT", on)
+        eng = engine(family[1], quantization="fp8", kv_cache_dtype="fp8")
+        answers[on] = run(eng, batch, params)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert any(launched) is on
+        launched.clear()
+    assert answers[True] == answers[False]
+
 def test_the_kernel_warm_up_runs_the_deferred_fp8_products(family, monkeypatch):
     """An FP8 engine's start-up warm-up (model_runner.warm_kernels) runs a step of fp8.DEFERRED_MIN_ROWS tokens, so
     the norm and SiLU-mul kernels' variants that take an Unscaled output compile there, not on the first step of

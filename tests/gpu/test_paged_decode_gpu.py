@@ -103,6 +103,32 @@ def test_streamed_attention_spreads_long_contexts_and_merges_them_in_a_graph(len
     assert not decode.arrived.any()   # every merge reset its count
 
 
+
+@pytest.mark.parametrize("lengths", [[2048, 2047, 1] + [17] * 61, [300] * 40])
+def test_the_streamed_kernel_quantizes_its_output_as_the_quantizer_does(lengths):
+    """paged_decode.QUANTIZED_OUT: forward_quantized's e4m3 rows and scales are fp8.quantize_tokens' of forward's
+    output, bit for bit, whether a token's heads are written directly or merged from pieces (the skewed plan),
+    replayed from a CUDA graph over three layers' launches; every token's count is back at 0 after."""
+    from ember.runtime.engine import fp8
+
+    lengths, tables, cache, q = paged(lengths, torch.Generator().manual_seed(len(lengths) + 1))
+    decode = paged_decode.StreamedDecode(len(lengths), MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
+                                         **paged_decode.streamed_config(torch.bfloat16))
+    decode.stage(padded(tables), np.array(lengths))
+    decode.forward_quantized(q, cache, D ** -0.5)   # compiles outside the capture
+    rows, scales = torch.empty(len(lengths), HEADS * D, dtype=fp8.FP8, device="cuda"), torch.empty(len(lengths), 1,
+                                                                                                   device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            got = decode.forward_quantized(q, cache, D ** -0.5)
+            rows.copy_(got[0])
+            scales.copy_(got[1])
+    graph.replay()
+    want = fp8.quantize_tokens(decode.forward(q, cache, D ** -0.5).reshape(len(lengths), -1))
+    assert torch.equal(rows.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scales, want[1])
+    assert not decode.token_arrived.any() and not decode.arrived.any()
+
 def test_the_merge_keeps_its_tiles_in_registers_at_the_longest_context():
     """A 40,960-token context is 640 splits at batch 1: the merge walks them in chunks. Its one-piece tile had
     spilled to local memory, which the CUDA context keeps for good (a parked replica then held ~1.9 GiB more)."""

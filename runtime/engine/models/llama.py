@@ -96,7 +96,10 @@ class LlamaAttention(nn.Module):
         batch = attention.batch
         fused.norm_rope_store_(q, k, v, cos, sin, *norms, self.eps, kv_cache, batch.slot_blocks, batch.slot_offsets,
                                scales)
-        out = attention.attend(q, kv_cache, k, v)
+        # an FP8 o_proj's input may come quantized from the attention kernel (paged_decode.QUANTIZED_OUT)
+        out = attention.attend(q, kv_cache, k, v, quantize=self.o_proj.weight_scale is not None and t > 1)
+        if isinstance(out, tuple):
+            return self.o_proj.deferred_quantized(*out, q.dtype)
         return self.o_proj.deferred(out.reshape(t, self.num_heads * self.head_dim))   # the next norm scales it
 
 
