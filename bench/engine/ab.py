@@ -4,6 +4,8 @@ alternately with module attributes set one way and the other, on the same model 
     python bench/engine/ab.py --b runtime.engine.fp8.DEFERRED=False -- --models 8B --parts fp8_kv --skip-transformers
     python bench/engine/ab.py --a runtime.engine.pdl.ENABLED=True --rounds 3 -- --models 8B --parts b1,offline
     python bench/engine/ab.py --b runtime.engine.fp8.SMALL_SPLITS=() --record -- --models 8B --parts fp8_kv
+    python bench/engine/ab.py --b runtime.engine.paged_decode.QUANTIZED_OUT=True \
+        --also runtime.engine.attention.RAGGED_PREFILL=True --also runtime.engine.gemv.FP8_THIN=None -- --models 8B ...
 
 A setting is a module of the ember package, an attribute it already has and a Python literal (runtime.engine.fp8
 .DEFERRED=False); a side with none runs the defaults. Round 1 runs A then B, round 2 B then A, and so on, so neither
@@ -11,9 +13,12 @@ side always runs first after the model's build. The arguments after `--` go to s
 they have none, so the model is built once); each process records into a folder of its own, from which this reads,
 for each model and part (the row itself, fp8, fp8_kv), batch-1 and offline output tok/s, the offline run's seconds
 and its GPU seconds in decode graphs and in eager (prefill) steps, and prints every run and the medians with B over
-A. With --record the comparison is appended to bench/results/engine_ab.json with the machine. Absolute numbers hold
-only on the GPU machine. The settings reach speed.py's own process, where its b1, offline, fp8 and fp8_kv parts run
-their engines, not the processes it starts (the b64 part's engines, the online part's `ember serve`).
+A. `--also SETTING...` (repeatable) adds a further side, C, D and on, each compared with A as B is, on the same A
+runs: one call times several switches against one set of A runs (each round runs every side, in reverse order every
+other round). With --record each comparison (B, then each further side, against A) is appended to
+bench/results/engine_ab.json with the machine. Absolute numbers hold only on the GPU machine. The settings reach
+speed.py's own process, where its b1, offline, fp8 and fp8_kv parts run their engines, not the processes it starts
+(the b64 part's engines, the online part's `ember serve`).
 """
 import argparse
 import ast
@@ -110,6 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a", nargs="*", default=[], metavar="SETTING", help="side A's settings (none: defaults)")
     parser.add_argument("--b", nargs="*", default=[], metavar="SETTING", help="side B's settings (none: defaults)")
+    parser.add_argument("--also", action="append", nargs="+", default=[], metavar="SETTING",
+                        help="a further side's settings, compared with A as B is (repeatable: sides C, D, ...)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side (default 2)")
     parser.add_argument("--record", action="store_true", help=f"append the comparison to {RESULTS}")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the file --record appends to")
@@ -128,40 +135,50 @@ def main() -> None:
         parser.exit(2, "ab.py: speed.py's --record and --results are ab.py's to set; give ab.py --record\n")
     if args.rounds < 1:
         parser.exit(2, "ab.py: --rounds must be 1 or more\n")
+    sides = {"a": args.a, "b": args.b} | {chr(ord("c") + i): also for i, also in enumerate(args.also)}
+    if len(sides) > 26:
+        parser.exit(2, "ab.py: at most 24 --also sides\n")
     try:
-        parsed = {"a": [parse_setting(s) for s in args.a], "b": [parse_setting(s) for s in args.b]}
+        parsed = {side: [parse_setting(s) for s in settings] for side, settings in sides.items()}
     except ValueError as err:
         parser.exit(2, f"ab.py: {err}\n")
-    if parsed["a"] == parsed["b"]:
-        parser.exit(2, "ab.py: sides A and B have the same settings; give --a or --b a setting to compare\n")
+    for side, settings in parsed.items():
+        same = next((other for other in parsed if other < side and parsed[other] == settings), None)
+        if same is not None:
+            parser.exit(2, f"ab.py: sides {same.upper()} and {side.upper()} have the same settings; give each side a "
+                           "setting of its own to compare\n")
     with tempfile.TemporaryDirectory(prefix="ember-ab-") as scratch:
         speed_args = list(args.speed_args)
         if "--workdir" not in speed_args:   # one model build for every run
             speed_args += ["--workdir", os.path.join(scratch, "models")]
-        runs: dict[str, list[dict]] = {"a": [], "b": []}
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
         machine = None
         for round_ in range(args.rounds):
-            for side in ("a", "b") if round_ % 2 == 0 else ("b", "a"):
-                label = " ".join(getattr(args, side)) or "defaults"
+            for side in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
+                label = " ".join(sides[side]) or "defaults"
                 print(f"ab: round {round_ + 1} of {args.rounds}, side {side.upper()} ({label})", flush=True)
                 try:
-                    record = run_side(args.script, getattr(args, side), speed_args,
-                                      Path(scratch) / f"{side}{round_}")
+                    record = run_side(args.script, sides[side], speed_args, Path(scratch) / f"{side}{round_}")
                 except RuntimeError as err:
                     sys.exit(f"ab.py: side {side.upper()} failed: {err}")
                 machine = machine or record.get("machine")
                 runs[side].append(metrics(record))
-    table = compare(runs)
-    print(f"\n{'metric':48s} {'A median':>12s} {'B median':>12s} {'B/A':>8s}   runs A | B")
-    for name, row in table.items():
-        print(f"{name:48s} {row.get('a_median', '-'):>12} {row.get('b_median', '-'):>12} "
-              f"{row.get('b_over_a', '-'):>8}   {row['a']} | {row['b']}")
+    entries = []
+    for side in list(sides)[1:]:   # each against A, as side B of its own entry
+        table = compare({"a": runs["a"], "b": runs[side]})
+        label = " ".join(sides[side]) or "defaults"
+        print(f"\nside {side.upper()} ({label}) against A\n"
+              f"{'metric':48s} {'A median':>12s} {side.upper() + ' median':>12s} {side.upper() + '/A':>8s}"
+              f"   runs A | {side.upper()}")
+        for name, row in table.items():
+            print(f"{name:48s} {row.get('a_median', '-'):>12} {row.get('b_median', '-'):>12} "
+                  f"{row.get('b_over_a', '-'):>8}   {row['a']} | {row['b']}")
+        entries.append({"machine": machine, "date": time.strftime("%Y-%m-%d"), "speed_args": args.speed_args,
+                        "a": args.a, "b": sides[side], "rounds": args.rounds, "metrics": table})
     if args.record:
-        entry = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "speed_args": args.speed_args,
-                 "a": args.a, "b": args.b, "rounds": args.rounds, "metrics": table}
         existing = json.loads(args.results.read_text()) if args.results.exists() else []
         args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps([*existing, entry], indent=1) + "\n")
+        args.results.write_text(json.dumps([*existing, *entries], indent=1) + "\n")
         print(f"ab: appended to {args.results}")
 
 

@@ -63,6 +63,38 @@ def test_the_sides_run_alternately_with_their_settings_and_are_compared(tmp_path
     assert "8B/fp8_kv/offline_tok_s" in out.stdout
 
 
+
+def test_further_sides_share_side_as_runs_and_each_is_recorded_against_them(tmp_path):
+    """--also: sides C (and on) run in every round beside A and B, the order reversed every other round, and each
+    is recorded as its own comparison with the same A runs."""
+    script, log, results = tmp_path / "speed.py", tmp_path / "runs.log", tmp_path / "ab.json"
+    script.write_text(STAND_IN)
+    out = ab("--b", "runtime.engine.fp8.DEFERRED=False", "--also", "runtime.engine.fp8.SMALL_SPLITS=()",
+             "--script", str(script), "--record", "--results", str(results), "--", "--models", "8B",
+             "--log", str(log))
+    assert out.returncode == 0, out.stdout + out.stderr
+    runs = [line.split()[:2] for line in log.read_text().splitlines()]
+    # A B C, then C B A
+    assert runs == [["True", "2"], ["False", "2"], ["True", "0"], ["True", "0"], ["False", "2"], ["True", "2"]]
+    b_entry, c_entry = json.loads(results.read_text())
+    assert b_entry["b"] == ["runtime.engine.fp8.DEFERRED=False"]
+    assert c_entry["b"] == ["runtime.engine.fp8.SMALL_SPLITS=()"]
+    assert b_entry["a"] == c_entry["a"] == []
+    a_runs = b_entry["metrics"]["8B/fp8_kv/offline_tok_s"]["a"]
+    assert a_runs == c_entry["metrics"]["8B/fp8_kv/offline_tok_s"]["a"] == [210.0, 260.0]
+    assert b_entry["metrics"]["8B/fp8_kv/offline_tok_s"]["b"] == [120.0, 150.0]
+    assert c_entry["metrics"]["8B/fp8_kv/offline_tok_s"]["b"] == [230.0, 240.0]
+    assert "side C (runtime.engine.fp8.SMALL_SPLITS=()) against A" in out.stdout
+
+
+def test_two_sides_with_the_same_settings_are_refused_by_name(tmp_path):
+    script = tmp_path / "speed.py"
+    script.write_text("raise SystemExit('ran')\n")
+    out = ab("--script", str(script), "--b", "runtime.engine.fp8.DEFERRED=False", "--also",
+             "runtime.engine.fp8.DEFERRED=False")
+    assert out.returncode == 2 and "sides B and C have the same settings" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("args, names", [
     (["--b", "runtime.engine.fp8.NOT_A_SETTING=1"], "has no attribute NOT_A_SETTING"),
     (["--b", "runtime.engine.nowhere.X=1"], "does not import"),
