@@ -24,7 +24,7 @@ from .pdl import start as _pdl_start
 
 BLOCK_TOKENS = 64   # tokens gathered per loop iteration
 MERGE_CHUNK = 32    # splits the merge reads per loop iteration
-# StreamedDecode.forward(quantize=True) (FlashInferBackend.attend's, for an FP8 o_proj): the last of a token's KV-head
+# StreamedDecode.forward_quantized (FlashInferBackend.attend's, for an FP8 o_proj): the last of a token's KV-head
 # programs to write its heads' output quantizes the token's row to e4m3 with its scale (fp8.quantize_tokens'
 # arithmetic, on the bf16 row as stored), in place of the kernel that did it after attention: one kernel boundary
 # fewer a layer (the quantizer took 2.9 us of a layer at 256 sequences on an H100). Off until timed:
@@ -224,7 +224,7 @@ class StreamedDecode(PagedDecode):
         self.extras = self.staged[self._meta_at + batch_size:self._meta_at + batch_size + 2 * pool]
         self.staged[1] = max_blocks_per_seq * block_size   # a chunk no context passes, until a step's plan
         self.arrived = torch.zeros(2 * pool, num_kv_heads, dtype=torch.int32, device=device)
-        self.token_arrived = torch.zeros(batch_size, dtype=torch.int32, device=device)   # forward(quantize=True)
+        self.token_arrived = torch.zeros(batch_size, dtype=torch.int32, device=device)   # forward_quantized
 
     def split_results(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # a long sequence's pieces, in the pool and first: at most 2 x pool (each long one has one in the pool)
