@@ -16,6 +16,8 @@
     streamed kernel over a sweep of tiles, warps and pipeline stages, and its time with the engine's), against the
     KV bytes' read time at the copy bandwidth; and skewed batches (long contexts among short ones), flashinfer
     against the streamed kernel's sweep;
+  - attention_order: the streamed decode attention over uneven contexts (an offline run's decode steps), its
+    programs in batch order and longest first (paged_decode.LONGEST_FIRST), over a bf16 and an FP8 cache;
   - decode: each product at 8 to 256 rows (the decode graphs' batch sizes) with cuBLAS, against the longer of its
     weight read and its FLOPs at the bandwidth and product rate measured in the same run (--decode-ways: also
     with torch's cuBLASLt backend, and with the weight stored transposed);
@@ -290,6 +292,54 @@ def bench_attention_fp8(bandwidth: float) -> list[dict]:
         row["max_abs_diff_fp8_bf16"] = round(float((outputs["fp8"] - outputs["bf16"]).abs().max()), 4)
         rows.append(row)
         log("attention_fp8 " + json.dumps(row))
+    return rows
+
+
+# bench_attention_order's steps: (sequences, tokens each has made), contexts its prompt (uniform in [100, 1,024],
+# seeded, as the offline run's) plus those tokens, in the order the prompts came: an offline decode step's.
+ORDER_CASES = [(256, 100), (256, 600), (192, 300), (160, 800), (128, 500), (96, 900), (64, 400)]
+
+
+def bench_attention_order(bandwidth: float) -> list[dict]:
+    """paged_decode.LONGEST_FIRST: the streamed decode attention with its first-piece programs in batch order and
+    longest first, over each cache (bf16; FP8, the engine's FP8 configuration) on ORDER_CASES' uneven contexts, in
+    graphs, against the KV bytes' read; whether the two give the same bits."""
+    from ember.runtime.engine import fp8
+    from ember.runtime.engine.paged_decode import StreamedDecode, streamed_config, streamed_pool
+
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for batch, made in ORDER_CASES:
+        g = torch.Generator().manual_seed(batch + made)
+        contexts = (torch.randint(100, 1025, (batch,), generator=g) + made).tolist()
+        pages = [-(-n // page) for n in contexts]
+        shuffled = torch.randperm(sum(pages), generator=g).to(torch.int32)
+        tables, used = [], 0
+        for n in pages:
+            tables.append(shuffled[used:used + n].tolist())
+            used += n
+        q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+        bf16 = torch.randn(sum(pages), 2, page, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+        kv_bytes = sum(contexts) * kv_heads * dim * 2 * 2
+        row = {"batch": batch, "made": made, "context_min": min(contexts), "context_mean": round(sum(contexts) / batch),
+               "context_max": max(contexts), "floor_bf16_us": round(kv_bytes / bandwidth * 1e6, 2),
+               "floor_fp8_us": round(kv_bytes / 2 / bandwidth * 1e6, 2)}
+        for name, kv in (("bf16", bf16), ("fp8", fp8.to_cache(bf16, fp8.FP8))):
+            outputs = {}
+            for way, longest_first in (("batch_order", False), ("longest_first", True)):
+                decode = StreamedDecode(batch, -(-max(contexts) // page), page, heads, kv_heads, dim, q.device,
+                                        pool=streamed_pool(batch, kv_heads, sms), longest_first=longest_first,
+                                        **streamed_config(kv.dtype))
+                decode.prepare(tables, contexts)
+                run = functools.partial(decode.forward, q, kv, dim ** -0.5)
+                row[f"{name}_{way}_us"] = round(in_graph([run] * 10) * 1e6, 2)
+                outputs[way] = run()
+            row[f"{name}_same_bits"] = bool(torch.equal(outputs["batch_order"], outputs["longest_first"]))
+        rows.append(row)
+        log("attention_order " + json.dumps(row))
+        del bf16
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -872,8 +922,8 @@ def record(path: Path, result: dict) -> None:
     path.write_text(json.dumps({**kept, **result}, indent=1) + "\n")
 
 
-PARTS = ("gemv", "fused", "attention", "attention_fp8", "decode", "rope", "silu", "norm", "prefill_attention", "gemm",
-         "overlap")
+PARTS = ("gemv", "fused", "attention", "attention_fp8", "attention_order", "decode", "rope", "silu", "norm",
+         "prefill_attention", "gemm", "overlap")
 
 
 def parts_arg(text: str) -> set[str]:
@@ -923,6 +973,8 @@ def main() -> None:
         result["attention_skewed"] = bench_skewed_attention(bandwidth)
     if "attention_fp8" in parts:
         result["attention_fp8"] = bench_attention_fp8(bandwidth)
+    if "attention_order" in parts:
+        result["attention_order"] = bench_attention_order(bandwidth)
     if "decode" in parts:
         ways = tuple(w.strip() for w in args.decode_ways.split(","))
         if unknown := set(ways) - set(DECODE_WAYS):

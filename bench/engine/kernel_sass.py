@@ -4,8 +4,8 @@
 
 Each variant is StreamedDecode's options over an FP8 cache, or a bf16 one with --cache bf16 (the engine's
 streamed_config for it, with the options given on top: `perm`, `defer_sum`, `prefetch_table`, `quant`
-(paged_decode.QUANTIZED_OUT's epilogue), `maxnreg=N`, `heads=N`, `block_t=N`, `warps=N`, `stages=N`; `perm=0` turns
-one off), compiled by Triton for sm_90 (the H100
+(paged_decode.QUANTIZED_OUT's epilogue), `longest_first` (paged_decode.LONGEST_FIRST's order), `maxnreg=N`,
+`heads=N`, `block_t=N`, `warps=N`, `stages=N`; `perm=0` turns one off), compiled by Triton for sm_90 (the H100
 and H200) as the engine's JIT would compile it (pointer and stride arguments 16-divisible), then
 read back with the cuobjdump Triton ships. For each it prints the registers a thread and the bytes spilled (so
 how many programs of its warps share a multiprocessor: 65,536 registers and 228 KB of shared memory each), the
@@ -58,7 +58,7 @@ def compile_variant(options: dict, arch: int = 90, cache: str = "fp8"):
                   "BLOCK_T": config.get("block_t", 64), "KV_A": config.get("kv_a", False),
                   "F16": config.get("f16", False), "HEADS": heads, "PERM": config.get("perm", False),
                   "DEFER": config.get("defer_sum", False), "PREFETCH": config.get("prefetch_table", False),
-                  "QUANT": config.get("quant", False), "ROW": 32 * 128}
+                  "ORDER": config.get("longest_first", False), "QUANT": config.get("quant", False), "ROW": 32 * 128}
     pointers = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if cache == "fp8" else "*bf16", "out_ptr": "*bf16",
                 "partial_ptr": "*fp32", "lse_ptr": "*fp32", "scale_log2": "fp32", "quant_ptr": "*fp8e4nv",
                 "quant_scale_ptr": "*fp32"}

@@ -30,6 +30,15 @@ MERGE_CHUNK = 32    # splits the merge reads per loop iteration
 # fewer a layer (the quantizer took 2.9 us of a layer at 256 sequences on an H100). Off until timed:
 # bench/engine/ab.py --b runtime.engine.paged_decode.QUANTIZED_OUT=True -- --models 8B --parts fp8_kv.
 QUANTIZED_OUT = False
+# StreamedDecode's programs take the step's sequences longest first (by their first piece: the plan's argsort, staged
+# with it), where they took them in batch order. A step's programs fill the multiprocessors in waves as earlier ones
+# end; in batch order its last programs are as long as any, and the step waits on the few still running. Longest
+# first, the last to start are the shortest. The offline run's contexts (prompts uniform in [100, 1,024] plus the
+# tokens made so far) are spread ~10x: a model of the scheduler (programs in launch order, four a multiprocessor,
+# sharing the bandwidth once fewer than ~200 run) puts batch order 2-7% over the bytes' time at 96-256 sequences and
+# longest first within 1%. The same sums, bit for bit, in another order of programs. Off until timed:
+# bench/engine/kernel_bench.py --parts attention_order; ab.py --b runtime.engine.paged_decode.LONGEST_FIRST=True.
+LONGEST_FIRST = False
 
 
 def split_tokens(batch_size: int) -> int:
@@ -206,7 +215,8 @@ class StreamedDecode(PagedDecode):
     def __init__(self, batch_size: int, max_blocks_per_seq: int, block_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device, pool: int = 33, block_t: int = 64, warps: int = 4,
                  stages: int = 3, kv_a: bool = False, f16: bool = False, heads: int = 1, perm: bool = False,
-                 maxnreg: int | None = None, defer_sum: bool = False, prefetch_table: bool = False):
+                 maxnreg: int | None = None, defer_sum: bool = False, prefetch_table: bool = False,
+                 longest_first: bool | None = None):
         if pool < 1:
             raise ValueError(f"pool must be at least 1, not {pool}")
         if heads != 1 and (not kv_a or heads < 1 or num_kv_heads % heads or heads & (heads - 1)):
@@ -219,9 +229,12 @@ class StreamedDecode(PagedDecode):
         super().__init__(batch_size, max_blocks_per_seq, block_size, num_heads, num_kv_heads, head_dim, device)
         self.block_t, self.warps, self.stages, self.kv_a, self.f16 = block_t, warps, stages, kv_a, f16
         self.heads, self.perm, self.defer_sum, self.prefetch_table = heads, perm, defer_sum, prefetch_table
+        self.longest_first = LONGEST_FIRST if longest_first is None else longest_first
         self.launch_options = {} if maxnreg is None else {"maxnreg": maxnreg}
         self.first_slots = self.staged[self._meta_at:self._meta_at + batch_size]
         self.extras = self.staged[self._meta_at + batch_size:self._meta_at + batch_size + 2 * pool]
+        self._order_at = self._meta_at + batch_size + 2 * pool
+        self.order = self.staged[self._order_at:self._order_at + batch_size]
         self.staged[1] = max_blocks_per_seq * block_size   # a chunk no context passes, until a step's plan
         self.arrived = torch.zeros(2 * pool, num_kv_heads, dtype=torch.int32, device=device)
         self.token_arrived = torch.zeros(batch_size, dtype=torch.int32, device=device)   # forward_quantized
@@ -232,16 +245,20 @@ class StreamedDecode(PagedDecode):
                 torch.empty(2 * self.pool, self.num_heads, dtype=torch.float32, device=device))
 
     def meta_size(self) -> int:
-        return self.batch_size + 2 * self.pool   # each sequence's first slot; the pool's (sequence, first token)
+        # each sequence's first slot; the pool's (sequence, first token); the sequences in their programs' order
+        return 2 * self.batch_size + 2 * self.pool
 
     def stage_meta(self, host: np.ndarray) -> None:
         """The step's plan: header 1 the chunk, header 2 the pool's pieces in use; for each long sequence (over the
-        chunk) the slot of its first piece's partial result, its later pieces' slots following it; and for each
-        pool program, its piece's sequence and first token."""
+        chunk) the slot of its first piece's partial result, its later pieces' slots following it; for each pool
+        program, its piece's sequence and first token; with longest_first, the sequences by their first pieces'
+        tokens, most first (ties in batch order), which the first-piece programs take in turn."""
         size, tile = self.batch_size, self.block_t
         lens = host[4:4 + size]
         chunk = max(tile, -(-int(lens.sum()) // (self.pool * tile)) * tile)
         host[1] = chunk
+        if self.longest_first:
+            host[self._order_at:self._order_at + size] = np.argsort(-np.minimum(lens, chunk), kind="stable")
         if lens.max() <= chunk:
             host[2] = 0
             return
@@ -264,6 +281,11 @@ class StreamedDecode(PagedDecode):
         extras = self.extras[:2 * n].view(n, 2).tolist()
         return chunk, [tuple(e) for e in extras], self.first_slots.tolist()
 
+    def staged_order(self) -> list[int]:
+        """The sequences in the order the first-piece programs take them (reads the device): with longest_first the
+        step's plan, else batch order."""
+        return self.order.tolist() if self.longest_first else list(range(self.batch_size))
+
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         return self._launch(q, kv_cache, scale, False)[0]
 
@@ -282,13 +304,13 @@ class StreamedDecode(PagedDecode):
                      torch.empty(b, 1, dtype=torch.float32, device=q.device)) if quantize else (out, out)
         # the pool's programs first, so a long context's pieces start with the step's first wave
         _stream_kernel[(self.num_kv_heads // self.heads, self.pool + b)](
-            q, kv_cache, self.tables, self.context_lens, self.first_slots, self.extras, out, self.partial,
+            q, kv_cache, self.tables, self.context_lens, self.first_slots, self.extras, self.order, out, self.partial,
             self.lse, self.arrived, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             kv_cache.stride(2), kv_cache.stride(3), self.staged, scale * _LOG2_E, self.pool, *quantized,
             self.token_arrived, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group * self.heads)), D=d,
             PAGE=self.block_size, BLOCK_T=self.block_t, KV_A=self.kv_a, F16=self.f16, HEADS=self.heads,
-            PERM=self.perm, DEFER=self.defer_sum, PREFETCH=self.prefetch_table, QUANT=quantize,
-            ROW=triton.next_power_of_2(hq * d), num_warps=self.warps, num_stages=self.stages,
+            PERM=self.perm, DEFER=self.defer_sum, PREFETCH=self.prefetch_table, ORDER=self.longest_first,
+            QUANT=quantize, ROW=triton.next_power_of_2(hq * d), num_warps=self.warps, num_stages=self.stages,
             **self.launch_options, **pdl.args(q.device))
         return out, quantized
 
@@ -491,18 +513,19 @@ if triton is not None:
         tl.store(out_ptr + row * D + dims, (acc / tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty))
 
     @triton.jit(do_not_specialize=["pool"])   # one kernel for every graph size's pool
-    def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, first_ptr, extras_ptr, out_ptr, partial_ptr, lse_ptr,
-                       arrived_ptr, q_stride_t, q_stride_h, s_block, s_kv, s_slot, s_head, stride_ptr, scale_log2,
-                       pool, quant_ptr, quant_scale_ptr, token_arrived_ptr, GROUP: tl.constexpr,
+    def _stream_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, first_ptr, extras_ptr, order_ptr, out_ptr, partial_ptr,
+                       lse_ptr, arrived_ptr, q_stride_t, q_stride_h, s_block, s_kv, s_slot, s_head, stride_ptr,
+                       scale_log2, pool, quant_ptr, quant_scale_ptr, token_arrived_ptr, GROUP: tl.constexpr,
                        GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
                        KV_A: tl.constexpr, F16: tl.constexpr, HEADS: tl.constexpr, PERM: tl.constexpr,
-                       DEFER: tl.constexpr, PREFETCH: tl.constexpr, QUANT: tl.constexpr = False,
-                       ROW: tl.constexpr = 1, PDL: tl.constexpr = False):
+                       DEFER: tl.constexpr, PREFETCH: tl.constexpr, ORDER: tl.constexpr = False,
+                       QUANT: tl.constexpr = False, ROW: tl.constexpr = 1, PDL: tl.constexpr = False):
         # _split_kernel's work over one piece of a sequence (StreamedDecode's plan), with a loop whose bounds are the
         # piece's own tokens (Triton pipelines it: the next tiles load while this one computes), scores in base 2,
         # and p rounded to the cache's dtype for its product with V (flash attention's rounding), on the tensor
         # cores. Programs 0..pool-1 of axis 1 take the plan's later pieces of long sequences (those past its count
-        # run nothing); program pool + i takes sequence i's first piece. Axis 0: HEADS KV heads from kv_head.
+        # run nothing); program pool + i takes sequence i's first piece (with ORDER, the plan's i-th sequence). Axis 0:
+        # HEADS KV heads from kv_head.
         _pdl_start(PDL)
         kv_head = tl.program_id(0) * HEADS
         item = tl.program_id(1)
@@ -512,7 +535,10 @@ if triton is not None:
             seq = tl.load(extras_ptr + 2 * item).to(tl.int64)
             begin = tl.load(extras_ptr + 2 * item + 1)
         else:
-            seq = (item - pool).to(tl.int64)
+            if ORDER:
+                seq = tl.load(order_ptr + item - pool).to(tl.int64)
+            else:
+                seq = (item - pool).to(tl.int64)
             begin = item * 0
         chunk = tl.load(stride_ptr + 1)
         table_stride = tl.load(stride_ptr).to(tl.int64)

@@ -129,6 +129,44 @@ def test_the_streamed_kernel_quantizes_its_output_as_the_quantizer_does(lengths)
     assert torch.equal(rows.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scales, want[1])
     assert not decode.token_arrived.any() and not decode.arrived.any()
 
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_longest_first_programs_give_batch_orders_bits(cache_dtype):
+    """paged_decode.LONGEST_FIRST: the first-piece programs take the sequences longest first, the plan's order read
+    at each replay of a graph (three layers' launches) over steps whose order differs (skewed, with pieces to merge;
+    then even), with the engine's configuration for each cache; the outputs, and the quantized
+    rows of forward_quantized, are batch order's bit for bit: each sequence and head sums the same tiles."""
+    from ember.runtime.engine import fp8
+
+    lengths, tables, cache, q = paged([2048, 17, 2047, 1] + [300, 1000, 40, 700] * 15,
+                                      torch.Generator().manual_seed(11))
+    if cache_dtype != torch.bfloat16:
+        cache = fp8.to_cache(cache, cache_dtype)
+    steps = [lengths, [min(n, 64) for n in lengths]]
+    config = paged_decode.streamed_config(cache_dtype)
+    ordered = paged_decode.StreamedDecode(len(lengths), MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
+                                          longest_first=True, **config)
+    plain = paged_decode.StreamedDecode(len(lengths), MAX_BLOCKS, PAGE, HEADS, KV_HEADS, D, torch.device("cuda"),
+                                        longest_first=False, **config)
+    ordered.stage(padded(tables), np.array(lengths))
+    ordered.forward(q, cache, D ** -0.5)   # compiles outside the capture
+    ordered.forward_quantized(q, cache, D ** -0.5)
+    out, rows = torch.empty_like(q), torch.empty(len(lengths), HEADS * D, dtype=fp8.FP8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            out.copy_(ordered.forward(q, cache, D ** -0.5))
+            rows.copy_(ordered.forward_quantized(q, cache, D ** -0.5)[0])
+    for step in steps:
+        ordered.stage(padded(tables), np.array(step))
+        plain.stage(padded(tables), np.array(step))
+        assert ordered.staged_order() != list(range(len(lengths)))
+        graph.replay()
+        assert torch.equal(out, plain.forward(q, cache, D ** -0.5))
+        assert torch.equal(rows.view(torch.uint8), plain.forward_quantized(q, cache, D ** -0.5)[0].view(torch.uint8))
+    assert not ordered.arrived.any() and not ordered.token_arrived.any()
+
+
 def test_the_merge_keeps_its_tiles_in_registers_at_the_longest_context():
     """A 40,960-token context is 640 splits at batch 1: the merge walks them in chunks. Its one-piece tile had
     spilled to local memory, which the CUDA context keeps for good (a parked replica then held ~1.9 GiB more)."""

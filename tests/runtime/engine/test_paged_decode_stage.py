@@ -122,3 +122,34 @@ def test_the_engines_streamed_configuration_builds_for_every_head_dim_its_kernel
         config = streamed_config(dtype, head_dim)
         decode = StreamedDecode(4, 32, 16, 32, 8, head_dim, torch.device("cpu"), **config)
         assert decode.perm == (dtype.itemsize == 1 and head_dim % 64 == 0)
+
+
+@pytest.mark.parametrize("lengths", [
+    [300, 1800, 120, 950, 950, 2, 640],        # even lengths' ties keep batch order
+    [16384, 90, 16384, 700] + [512] * 60,       # long ones (over the chunk) tie at its length, first
+    [1, 5, 1],                                  # fewer rows than the size: the padded rows (one token) come last
+])
+def test_longest_first_stages_the_sequences_by_their_first_pieces_most_tokens_first(lengths, monkeypatch):
+    """With longest_first the first-piece programs take the sequences by their first piece's tokens (a context, or
+    the chunk where it is cut), most first, equal ones in batch order, so the shortest make the step's last wave;
+    each sequence once. Without, batch order. The module's LONGEST_FIRST is what a decode built without the
+    option takes."""
+    from ember.runtime.engine import paged_decode
+
+    size = max(len(lengths), 16)
+    pool = paged_decode.streamed_pool(size, 8, 132)
+    tables = np.zeros((len(lengths), max(-(-n // 16) for n in lengths)), dtype=np.int32)
+    monkeypatch.setattr(paged_decode, "LONGEST_FIRST", True)
+    ordered = StreamedDecode(size, 40960 // 16, 16, 32, 8, 128, torch.device("cpu"), pool=pool)
+    plain = StreamedDecode(size, 40960 // 16, 16, 32, 8, 128, torch.device("cpu"), pool=pool, longest_first=False)
+    for decode in (ordered, plain):
+        decode.stage(tables, np.array(lengths))
+    chunk = ordered.staged_plan()[0]
+    firsts = [min(n, chunk) for n in lengths + [1] * (size - len(lengths))]
+    order = ordered.staged_order()
+    assert sorted(order) == list(range(size))
+    assert order == sorted(range(size), key=lambda seq: (-firsts[seq], seq))
+    assert plain.staged_order() == list(range(size))
+    assert ordered.staged_plan() == plain.staged_plan()   # the pieces are the same; only their programs' order moves
+    if lengths[0] == 16384:
+        assert order[:2] == [0, 2] and chunk < 16384
