@@ -34,10 +34,11 @@ QUANTIZED_OUT = False
 # with it), where they took them in batch order. A step's programs fill the multiprocessors in waves as earlier ones
 # end; in batch order its last programs are as long as any, and the step waits on the few still running. Longest
 # first, the last to start are the shortest. The offline run's contexts (prompts uniform in [100, 1,024] plus the
-# tokens made so far) are spread ~10x: a model of the scheduler (programs in launch order, four a multiprocessor,
-# sharing the bandwidth once fewer than ~200 run) puts batch order 2-7% over the bytes' time at 96-256 sequences and
-# longest first within 1%. The same sums, bit for bit, in another order of programs. Off until timed:
-# bench/engine/kernel_bench.py --parts attention_order; ab.py --b runtime.engine.paged_decode.LONGEST_FIRST=True.
+# tokens made so far) are spread up to ~10x: a model of the scheduler (bench/engine/order_model.py: programs started
+# in launch order, four a multiprocessor, the bandwidth shared once fewer than 100-200 run; not a measurement) puts
+# batch order 1-10% over the bytes' time at 96-256 sequences and longest first within 2%. The same sums, bit for
+# bit, in another order of programs. Off until timed: bench/engine/kernel_bench.py --parts attention_order;
+# ab.py --b runtime.engine.paged_decode.LONGEST_FIRST=True.
 LONGEST_FIRST = False
 
 
