@@ -292,6 +292,39 @@ def test_an_fp8_engine_decodes_the_same_with_its_attention_quantizing_the_o_prod
         launched.clear()
     assert answers[True] == answers[False]
 
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_an_engine_decodes_the_same_with_its_attention_programs_longest_first(family, kv_cache_dtype, monkeypatch):
+    """paged_decode.LONGEST_FIRST: the decode graphs' streamed attention (16 sequences and more) starts its programs
+    longest context first; each sequence and head sums the same tiles, so the tokens and logprobs are the same bit
+    for bit with it on and off, over a bf16 and an FP8 cache; with it on, the graphs' steps were planned out of
+    batch order (the prompts' lengths differ)."""
+    from ember.runtime.engine import paged_decode
+
+    if family[0] != "qwen3":
+        pytest.skip("one family covers the attention")
+    batch, params = prompts(40, seed=16), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    reordered, stage_meta = [], paged_decode.StreamedDecode.stage_meta
+
+    def counted(self, host):
+        stage_meta(self, host)
+        order = host[self._order_at:self._order_at + self.batch_size].tolist()
+        reordered.append(self.longest_first and order != list(range(self.batch_size)))
+
+    monkeypatch.setattr(paged_decode.StreamedDecode, "stage_meta", counted)
+    answers = {}
+    for on in (True, False):
+        monkeypatch.setattr(paged_decode, "LONGEST_FIRST", on)
+        eng = engine(family[1], kv_cache_dtype=kv_cache_dtype)
+        answers[on] = run(eng, batch, params)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert any(reordered) is on
+        reordered.clear()
+    assert answers[True] == answers[False]
+
+
 def test_the_kernel_warm_up_runs_the_deferred_fp8_products(family, monkeypatch):
     """An FP8 engine's start-up warm-up (model_runner.warm_kernels) runs a step of fp8.DEFERRED_MIN_ROWS tokens, so
     the norm and SiLU-mul kernels' variants that take an Unscaled output compile there, not on the first step of
