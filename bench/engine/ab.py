@@ -62,9 +62,15 @@ def parse_setting(text: str) -> tuple[str, str, object]:
 
 
 def apply(settings: list[str]) -> None:
+    """Sets each setting's attribute; a value for a Triton constexpr global (a kernel reads only those, e.g.
+    runtime.engine.fused.PACKED_ROUND) becomes one, which Triton keys its compiled kernels by."""
     for text in settings:
         module, attribute, value = parse_setting(text)
-        setattr(importlib.import_module(f"ember.{module}"), attribute, value)
+        loaded = importlib.import_module(f"ember.{module}")
+        current = getattr(loaded, attribute)
+        if type(current).__name__ == "constexpr" and hasattr(current, "value"):
+            value = type(current)(value)
+        setattr(loaded, attribute, value)
 
 
 def metrics(result: dict) -> dict[str, float]:

@@ -10,6 +10,8 @@ gives 0.957). The CPU and every test without a GPU run the reference.
 Triton compiles each kernel on its first call into TRITON_CACHE_DIR, which kernels.install() points into the
 kernel directory that ships with the snapshots (EMBER_HOME/kernels/triton), so a replica's start loads them.
 """
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -120,10 +122,27 @@ def silu_mul_fp8(gate_up: "torch.Tensor | fp8.Unscaled", one_pass: bool | None =
     scale = torch.empty((t, 1), dtype=torch.float32, device=gate_up.device)
     if warps is None:
         warps = SILU_ONE_PASS_WARPS if one_pass else 8
-    block = triton.next_power_of_2(n) if one_pass else min(triton.next_power_of_2(n), 4096)
-    _silu_mul_fp8_kernel[(t,)](gate_up, out, scale, n, BLOCK=block, ONE_PASS=one_pass, num_warps=warps,
-                               **_scale_args(scales), **pdl.args(gate_up.device))
+    block, chunks = one_pass_chunks(n, 32 * warps) if one_pass else (min(triton.next_power_of_2(n), 4096), 1)
+    _silu_mul_fp8_kernel[(t,)](gate_up, out, scale, n, BLOCK=block, ONE_PASS=one_pass, CHUNKS=chunks,
+                               num_warps=warps, **_scale_args(scales), **pdl.args(gate_up.device))
     return out, scale
+
+
+def one_pass_chunks(n: int, threads: int, most: int = 8) -> tuple[int, int]:
+    """(block, chunks): how silu_mul_fp8's one-pass kernel holds a row of `n` values, in `chunks` blocks of `block`
+    (a power of two, at least a value a thread of the program's `threads`), at most `most` blocks, padded least
+    (then the fewest blocks). Every padded value costs the program its arithmetic: the 8B shape's 12,288-wide rows
+    in one block of 16,384 left a quarter of its lanes computing nothing, in three of 4,096 none."""
+    block = 1 << max(threads - 1, 0).bit_length()
+    best: tuple[int, int] | None = None
+    while True:
+        chunks = -(-n // block)
+        if chunks <= most and (best is None or block * chunks <= best[0] * best[1]):
+            best = (block, chunks)
+        if chunks == 1:   # one block holds the row: it always fits, so best is set
+            assert best is not None
+            return best
+        block *= 2
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -207,8 +226,11 @@ ROPE_WIDE_FROM = 128   # tokens from which programs take 8 heads (fewer: 4, spre
 # time 8.86 against 8.77 s; with DEFERRED_MIN_ROWS 65, both against neither in one later call 12,642.2 against 12,897.4.
 SILU_ONE_PASS = True
 SILU_ONE_PASS_MAX = 16384   # silu_mul_fp8(one_pass=True): the longest row it holds in registers
-# ... with this many warps a program (a row of 16,384 values: 16 a thread). On an H100 (kernel_bench.py --parts silu,
-# session 55; us at 16 against 32 warps) 7.78/7.41 at 256 tokens, 12.96/11.88 on an Unscaled input, 29.65/27.06 at
+# ... with this many warps a program (a row of 16,384 values: 16 a thread; the 8B shape's 12,288, in three blocks of
+# 4,096 (one_pass_chunks), 12, where one block of 16,384 left a quarter of the lanes computing padding: a thread's
+# instructions on an fp8.Unscaled input 824 -> 640, on bf16 584 -> 472, compiled for sm_90 by Triton 3.6). On an
+# H100 (kernel_bench.py --parts silu, session 55, one block; us at 16 against 32 warps) 7.78/7.41 at 256 tokens,
+# 12.96/11.88 on an Unscaled input, 29.65/27.06 at
 # 1,024, 196.1/186.2 at 8,192; end to end (ab.py --b runtime.engine.fused.SILU_ONE_PASS_WARPS=32 -- --models 8B
 # --parts fp8_kv, two rounds) offline 13,259.2 against 13,288.3 output tok/s, decode graphs 8.425 against 8.40 s.
 SILU_ONE_PASS_WARPS = 32
@@ -227,13 +249,32 @@ def _rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 if triton is not None:
+    # PACKED_ROUND: _round's bf16 rounding in one conversion instruction for two values (cvt.rn.bf16x2.f32) and a
+    # shift or a mask to widen each back, 1.5 instructions a value, where the same rounding in integer arithmetic takes
+    # four (shift, bit extract, add, mask); both round to nearest even, the same bits for every finite value. At a
+    # decode step's rows these kernels take longer than their bytes (the FP8 SiLU-mul of 256 rows of the 8B shape:
+    # 11.9 us on the H200 against ~4 us for its bytes), and their instructions alone would take ~6 us of the
+    # multiprocessors' issue slots. Compiled for sm_90 by Triton 3.6, a thread's instructions without and with it:
+    # the SiLU-mul at 32 warps (a 12,288-wide row) 640 -> 520 on an fp8.Unscaled input (42 -> 32 registers) and
+    # 472 -> 416 on bf16; the FP8 RMSNorm of a 4,096-wide row at 16 warps 416 -> 344 (Unscaled) and 368 -> 304, at
+    # 4 warps 1,080 -> 840; the RoPE/KV-store kernel (8 heads a program, Unscaled) 624 -> 496.
+    # Off until the GPU runs its tests and times it: ab.py --b runtime.engine.fused.PACKED_ROUND=True. Triton's
+    # interpreter runs no PTX: there, the integer arithmetic either way.
+    PACKED_ROUND = tl.constexpr(False)
+    _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
     @triton.jit
     def _round(x, dtype: tl.constexpr):
-        """fp32 `x` rounded to `dtype` (to nearest even) and back, in integer arithmetic for bf16 so that the
-        compiler cannot fold the round trip away."""
+        """fp32 `x` rounded to `dtype` (to nearest even) and back; for bf16 in integer arithmetic or a conversion
+        (PACKED_ROUND) that the compiler cannot fold away, as it folds a `.to(bf16).to(fp32)` round trip."""
         if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            if PACKED_ROUND and not _INTERPRETED:
+                bits = tl.inline_asm_elementwise(
+                    "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
+                    "=r,=r,r,r", [x.to(tl.uint32, bitcast=True)], dtype=tl.uint32, is_pure=True, pack=2)
+            else:
+                bits = x.to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return bits.to(tl.float32, bitcast=True)
         else:
             return x.to(dtype).to(tl.float32)
@@ -287,20 +328,27 @@ if triton is not None:
     @triton.jit
     def _silu_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, n, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                              row_scale_ptr=None, col_scale_ptr=None, SCALED: tl.constexpr = False,
-                             PDL: tl.constexpr = False):
+                             CHUNKS: tl.constexpr = 1, PDL: tl.constexpr = False):
         """With SCALED, gate_up is an fp8.Unscaled output's raw values."""
         _pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         gate = gate_up_ptr + row * 2 * n
         dtype = gate_up_ptr.dtype.element_ty
-        if ONE_PASS:   # BLOCK >= n
-            cols = tl.arange(0, BLOCK)
-            g, u = _gate_up(gate, n, cols, row_scale_ptr, col_scale_ptr, row, SCALED, dtype)
-            y = _round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype)
-            scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1.0 / (448.0 * 512))
+        if ONE_PASS:   # the row held in CHUNKS blocks of BLOCK values (BLOCK * CHUNKS >= n, one_pass_chunks)
+            ys = ()   # type: tuple
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for c in tl.static_range(CHUNKS):
+                cols = c * BLOCK + tl.arange(0, BLOCK)
+                g, u = _gate_up(gate, n, cols, row_scale_ptr, col_scale_ptr, row, SCALED, dtype)
+                y = _round(_round(g / (1.0 + tl.exp(-g)), dtype) * u, dtype)
+                ys = ys + (y,)
+                amax = tl.maximum(amax, tl.abs(y))
+            scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.0 / (448.0 * 512))
             tl.store(scale_ptr + row, scale)
-            y = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-            tl.store(out_ptr + row * n + cols, y.to(tl.float8e4nv), mask=cols < n)
+            for c in tl.static_range(CHUNKS):
+                cols = c * BLOCK + tl.arange(0, BLOCK)
+                y = tl.minimum(tl.maximum(ys[c] / scale, -448.0), 448.0)
+                tl.store(out_ptr + row * n + cols, y.to(tl.float8e4nv), mask=cols < n)
         else:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for c0 in range(0, n, BLOCK):

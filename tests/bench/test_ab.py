@@ -116,3 +116,24 @@ def test_a_side_that_fails_is_named_with_the_end_of_its_output(tmp_path):
     out = ab("--b", "runtime.engine.fp8.DEFERRED=False", "--script", str(script))
     assert out.returncode == 1 and "side A failed" in out.stderr and "no GPU here" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_setting_of_a_triton_constexpr_global_stays_a_constexpr(monkeypatch):
+    """A kernel reads only globals that are Triton constexprs (runtime.engine.fused.PACKED_ROUND), so apply() wraps
+    a value for one in its type, and sets any other attribute to the value itself."""
+    import importlib.util
+    import types
+
+    class constexpr:   # Triton's type, as apply() recognizes it: its name and its `value`
+        def __init__(self, value):
+            self.value = value
+
+    fake = types.ModuleType("ember.fake_kernels")
+    fake.ROUND, fake.WARPS = constexpr(False), 4
+    monkeypatch.setitem(sys.modules, "ember.fake_kernels", fake)
+    spec = importlib.util.spec_from_file_location("ab_under_test", AB)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.apply(["fake_kernels.ROUND=True", "fake_kernels.WARPS=16"])
+    assert type(fake.ROUND) is constexpr and fake.ROUND.value is True
+    assert fake.WARPS == 16

@@ -119,3 +119,78 @@ def test_a_single_rows_norm_and_product_in_one_kernel_match_them_apart(n, k, fir
     out, total = gemv.norm_linear(wide, None if first else randn(2, k), norm, 1e-6, weight)
     assert out.shape == (2, n)
 
+
+
+# Every kernel that rounds through fused._round, on fixed inputs; run in a fresh process (Triton keys a compiled
+# kernel by the constexpr globals it reads and refuses one changed under it), its outputs saved to argv[1].
+ROUNDING_KERNELS = '''
+import sys
+import torch
+import triton.language as tl
+from ember.runtime.engine import fp8, fused, gemv
+fused.PACKED_ROUND = tl.constexpr(sys.argv[2] == "packed")
+g = torch.Generator("cuda").manual_seed(0)
+def randn(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
+out = {}
+x, residual, weight = randn(300, 4096, scale=3.0), randn(300, 4096, scale=3.0), randn(4096) + 1
+unscaled = fp8.Unscaled(randn(300, 4096, scale=300.0), torch.rand(300, 1, device="cuda", generator=g) * 1e-2,
+                        torch.rand(4096, device="cuda", generator=g) * 1e-2)
+for rows in (1, 64, 256, 300):
+    out[f"norm{rows}"] = fused.rms_norm(x[:rows], weight, 1e-6)
+    out[f"add_norm{rows}"] = fused.add_rms_norm(x[:rows], residual[:rows], weight, 1e-6)
+    out[f"norm_fp8{rows}"] = fused.rms_norm_fp8(x[:rows], residual[:rows], weight, 1e-6)
+    part = fp8.Unscaled(unscaled.raw[:rows], unscaled.row_scale[:rows], unscaled.col_scale)
+    out[f"norm_fp8_unscaled{rows}"] = fused.rms_norm_fp8(part, residual[:rows], weight, 1e-6)
+gate_up = randn(300, 2 * 12288, scale=3.0)
+gate_scaled = fp8.Unscaled(randn(300, 2 * 12288, scale=300.0), unscaled.row_scale,
+                           torch.rand(2 * 12288, device="cuda", generator=g) * 1e-2)
+for rows in (1, 256, 300):
+    out[f"silu{rows}"] = fused.silu_mul(gate_up[:rows])
+    for one_pass in (True, False):
+        out[f"silu_fp8{rows}{one_pass}"] = fused.silu_mul_fp8(gate_up[:rows], one_pass)
+        part = fp8.Unscaled(gate_scaled.raw[:rows], gate_scaled.row_scale[:rows], gate_scaled.col_scale)
+        out[f"silu_fp8_unscaled{rows}{one_pass}"] = fused.silu_mul_fp8(part, one_pass)
+hq, hk, d = 32, 8, 128
+for rows in (1, 256):
+    qkv = fp8.Unscaled(randn(rows, (hq + 2 * hk) * d, scale=300.0), unscaled.row_scale[:rows],
+                       torch.rand((hq + 2 * hk) * d, device="cuda", generator=g) * 1e-2)
+    q, k, v = (t.view(rows, -1, d) for t in qkv.raw.split([hq * d, hk * d, hk * d], dim=-1))
+    cos, sin = randn(rows, 1, d), randn(rows, 1, d)
+    cache = torch.zeros(-(-rows // 16), 2, 16, hk, d, device="cuda", dtype=fp8.FP8)
+    slots = torch.arange(rows, device="cuda")
+    fused.norm_rope_store_(q, k, v, cos, sin, randn(d) + 1, randn(d) + 1, 1e-6, cache, slots // 16, slots % 16,
+                           (qkv.row_scale, qkv.col_scale))
+    out[f"rope{rows}"] = (qkv.raw, cache.view(torch.uint8))
+w = randn(6144, 4096, scale=0.02)
+out["norm_gemv"] = gemv.norm_gemv(x[:1], residual[:1], weight, 1e-6, w)
+torch.save(out, sys.argv[1])
+'''
+
+
+def test_packed_rounding_gives_every_kernel_the_integer_roundings_bits(tmp_path):
+    """fused.PACKED_ROUND: _round's bf16 rounding as a packed conversion (cvt.rn.bf16x2.f32) in place of the integer
+    arithmetic: the RMSNorm kernels (with the residual add, quantizing, on an fp8.Unscaled input), the SiLU-mul ones
+    (one pass and two, quantizing, Unscaled), the RoPE/KV-store kernel on an Unscaled q/k/v product and the fused
+    norm and single-row product, at decode and prefill rows, give the same bits both ways."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "kernels.py"
+    script.write_text(ROUNDING_KERNELS)
+    results = {}
+    for way in ("integer", "packed"):
+        path = tmp_path / f"{way}.pt"
+        done = subprocess.run([sys.executable, str(script), str(path), way], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[way] = torch.load(path)
+
+    def flat(value):
+        return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in
+                (value if isinstance(value, (tuple, list)) else (value,))]
+
+    assert results["integer"].keys() == results["packed"].keys()
+    for name, value in results["integer"].items():
+        for a, b in zip(flat(value), flat(results["packed"][name])):
+            assert torch.equal(a, b), name

@@ -277,6 +277,26 @@ def test_an_unscaled_product_output_reads_as_its_scaled_values_everywhere_it_is_
          [fp8.quantized_linear(q, q_scale, weight, scale, None, torch.float32)])
 
 
+@pytest.mark.parametrize("n", [12288, 9728, 3072, 4096, 1000, 1025, 40000, 1])
+@pytest.mark.parametrize("threads", [128, 512, 1024])
+def test_the_one_pass_silu_kernel_holds_a_row_in_the_blocks_that_pad_it_least(n, threads):
+    """fused.one_pass_chunks: the blocks (a power of two, at least a value a thread, at most 8 of them) cover the
+    row, and no other such blocks cover it with fewer values held, or as few in fewer blocks; the Qwen3 shapes' rows
+    (8B 12,288, 4B 9,728, 0.6B 3,072) held with no padding or under 6%."""
+    from ember.runtime.engine import fused
+
+    block, chunks = fused.one_pass_chunks(n, threads)
+    assert block & (block - 1) == 0 and block >= threads and 1 <= chunks <= 8 and block * chunks >= n
+    assert block * (chunks - 1) < n   # no block is all padding
+    for other in (1 << i for i in range(32)):
+        if other >= threads and -(-n // other) <= 8:
+            assert (block * chunks, chunks) <= (other * -(-n // other), -(-n // other))
+    if n in (12288, 3072):
+        assert block * chunks == n
+    if n == 9728:
+        assert block * chunks < 1.06 * n
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, fp8.FP8])
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_the_rope_kernel_reads_an_unscaled_qkv_product_as_its_scaled_values(kv_dtype, qk_norm):
