@@ -187,6 +187,22 @@ def test_prefill_graphs_and_eager_prefills_agree(family):
     assert any(n < size for size, n in replays), "some step was padded"
 
 
+def test_eager_prefills_running_the_last_layer_for_their_sampled_rows_agree_with_the_whole_layer(family, monkeypatch):
+    """model_runner.LAST_LAYER_ROWS: eager prefill steps (no piecewise graphs) run their last layer past its attention
+    for the rows they sample from alone, against the whole layer: the products over fewer rows round alike but for
+    the kernels' order of sums, so first-token logprobs agree closely and continuations part only at near-ties."""
+    from ember.runtime.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "LAST_LAYER_ROWS", True)
+
+    def whole_layer():
+        monkeypatch.setattr(model_runner, "LAST_LAYER_ROWS", False)
+        return engine(family[1], prefill_graphs=False)
+
+    compare_engines(family, "last layer for the sampled rows vs whole", engine(family[1], prefill_graphs=False),
+                    whole_layer)
+
+
 def test_dependent_launches_change_no_output(family, monkeypatch):
     """pdl.ENABLED: every Triton kernel of a step launched as a dependent of the kernel before it (decode graphs,
     prefill graphs and eager steps; FP8 weights and KV cache, so the products, the quantizing norms and SiLU-mul,

@@ -81,8 +81,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(h, self.qkv_sizes, bias=qkv_bias)
         self.o_proj = gemv.Linear(self.num_heads * head_dim, h, bias=o_bias)
 
-    def attend(self, qkv, cos, sin, attention, kv_cache):
-        """The layer's attention from its merged q/k/v product [T, q + 2 kv]."""
+    def attend(self, qkv, cos, sin, attention, kv_cache, keep=None):
+        """The layer's attention from its merged q/k/v product [T, q + 2 kv]; with `keep` (row indices), o_proj's
+        output for those rows alone (K and V are written for every row)."""
         t = qkv.shape[0]
         scales = None
         if isinstance(qkv, fp8.Unscaled):   # the RoPE kernel scales q, k and v as it loads them
@@ -97,10 +98,14 @@ class LlamaAttention(nn.Module):
         fused.norm_rope_store_(q, k, v, cos, sin, *norms, self.eps, kv_cache, batch.slot_blocks, batch.slot_offsets,
                                scales)
         # an FP8 o_proj's input may come quantized from the attention kernel (paged_decode.QUANTIZED_OUT)
-        out = attention.attend(q, kv_cache, k, v, quantize=self.o_proj.weight_scale is not None and t > 1)
+        out = attention.attend(q, kv_cache, k, v,
+                               quantize=self.o_proj.weight_scale is not None and t > 1 and keep is None)
         if isinstance(out, tuple):
             return self.o_proj.deferred_quantized(*out, q.dtype)
-        return self.o_proj.deferred(out.reshape(t, self.num_heads * self.head_dim))   # the next norm scales it
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        if keep is not None:
+            out = out[keep]
+        return self.o_proj.deferred(out)   # the next norm scales it
 
 
 class LlamaMLP(nn.Module):
@@ -126,17 +131,21 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, cos, sin, attention, kv_cache):
+    def forward(self, x, residual, cos, sin, attention, kv_cache, keep=None):
         """`x`: the previous layer's output, not yet added to `residual` (None before the first layer). Returns
         this layer's output and the residual stream, whose sum the next norm takes in the same kernel; each norm
         runs as part of its product's input (gemv.norm_linear: inside the product at batch 1 on CUDA, and with FP8
         weights quantizing the normed rows). With FP8 weights the o, gate/up and down products (with
         fp8.DEFERRED_QKV also q/k/v) may leave their scales to the kernel that reads their output (fp8.Unscaled):
-        the norms', the SiLU-mul's (and the RoPE kernel's)."""
+        the norms', the SiLU-mul's (and the RoPE kernel's). `keep` (row indices): everything after the attention
+        for those rows alone, whose output and residual it returns (the model's last layer, ModelRunner's
+        LAST_LAYER_ROWS)."""
         norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
         qkv, residual = gemv.norm_linear(x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias,
                                          qkv_proj.weight_scale, defer=fp8.DEFERRED_QKV)
-        h = self.self_attn.attend(qkv, cos, sin, attention, kv_cache)
+        h = self.self_attn.attend(qkv, cos, sin, attention, kv_cache, keep)
+        if keep is not None:
+            residual = residual[keep]
         norm, gate_up_proj = self.post_attention_layernorm, self.mlp.gate_up_proj
         gate_up, residual = gemv.norm_linear(h, residual, norm.weight, norm.eps, gate_up_proj.weight,
                                              gate_up_proj.bias, gate_up_proj.weight_scale, defer=True)
@@ -165,13 +174,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config, self.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, kv_caches) -> torch.Tensor:
-        """Hidden states [T, hidden] for the flattened tokens of one step."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention, kv_caches,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] for the flattened tokens of one step; with `keep` (row indices, the rows the
+        step samples from), those rows' alone [len(keep), hidden]: the last layer writes every row's K and V, and
+        runs its o, gate/up and down products and the final norm for those rows only, since no later layer reads
+        the others."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, attention, kv_cache)
+        last = len(self.model.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            x, residual = layer(x, residual, cos, sin, attention, kv_cache, keep if i == last else None)
         return self.model.norm.add(x, residual)[0]
 
     def quantize_fp8(self) -> None:

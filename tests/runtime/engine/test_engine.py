@@ -242,6 +242,47 @@ def test_logprobs_match_transformers(llama):
     assert [lp for _, lp in entry["top"]] == pytest.approx(top_values.tolist(), abs=1e-4)
 
 
+def test_a_prefill_steps_last_layer_runs_past_its_attention_for_the_rows_it_samples_alone(llama, monkeypatch):
+    """model_runner.LAST_LAYER_ROWS: a step prefilling three prompts (a token sampled from each one's last) runs
+    every layer's products for all its tokens but the last layer's past its attention, which runs for the three
+    sampled rows; a decode step (every row samples) runs them all. The tokens and their logprobs are those of the
+    whole last layer."""
+    from ember.runtime.engine import model_runner
+    from ember.runtime.engine.models.llama import LlamaMLP
+
+    prompts = random_prompts([7, 16, 33], seed=13)
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    rows, down = [], LlamaMLP.down
+
+    def counted(self, gate_up):
+        rows.append(gate_up.shape[0])
+        return down(self, gate_up)
+
+    monkeypatch.setattr(LlamaMLP, "down", counted)
+    answers = {}
+    for on in (True, False):
+        monkeypatch.setattr(model_runner, "LAST_LAYER_ROWS", on)
+        eng = engine(llama[0])
+        layers = len(eng.runner.model.model.layers)
+        rows.clear()
+        outputs: dict[str, list] = {}
+        for i, prompt in enumerate(prompts):
+            eng.add_request(str(i), prompt, params)
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                outputs.setdefault(out.request_id, []).append((out.new_token_ids, out.new_logprobs))
+        answers[on] = outputs
+        prefill, decode = rows[:layers], rows[layers:2 * layers]
+        assert prefill == [56] * (layers - 1) + ([3] if on else [56])
+        assert decode == [3] * layers
+    for request, steps in answers[True].items():
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(steps, answers[False][request]):
+            assert tokens == want_tokens
+            for got, want in zip(logprobs, want_logprobs):
+                assert got["token_id"] == want["token_id"] and [t for t, _ in got["top"]] == [t for t, _ in want["top"]]
+                assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-5)
+
+
 def test_same_seed_same_output_whatever_the_batch(llama):
     eng = engine(llama[0])
     prompt = random_prompts([12], seed=10)[0]
