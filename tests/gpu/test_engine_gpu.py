@@ -296,17 +296,25 @@ def test_an_fp8_engine_decodes_the_same_with_its_attention_quantizing_the_o_prod
         return forward(self, *args)
 
     monkeypatch.setattr(paged_decode.StreamedDecode, "forward_quantized", counted)
+    answers = both_ways(monkeypatch, paged_decode, "QUANTIZED_OUT", launched, batch, params,
+                        lambda: engine(family[1], quantization="fp8", kv_cache_dtype="fp8"))
+    assert answers[True] == answers[False]
+
+
+def both_ways(monkeypatch, module, name: str, seen: list, batch, params, make_engine) -> dict:
+    """The batch's answers ({True: ..., False: ...}) from a fresh engine with `module.name` on and off; what the
+    caller's patched method appended to `seen` during a run holds something true exactly when on."""
     answers = {}
     for on in (True, False):
-        monkeypatch.setattr(paged_decode, "QUANTIZED_OUT", on)
-        eng = engine(family[1], quantization="fp8", kv_cache_dtype="fp8")
+        monkeypatch.setattr(module, name, on)
+        eng = make_engine()
         answers[on] = run(eng, batch, params)
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-        assert any(launched) is on
-        launched.clear()
-    assert answers[True] == answers[False]
+        assert any(seen) is on, name
+        seen.clear()
+    return answers
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
@@ -328,16 +336,8 @@ def test_an_engine_decodes_the_same_with_its_attention_programs_longest_first(fa
         reordered.append(self.longest_first and order != list(range(self.batch_size)))
 
     monkeypatch.setattr(paged_decode.StreamedDecode, "stage_meta", counted)
-    answers = {}
-    for on in (True, False):
-        monkeypatch.setattr(paged_decode, "LONGEST_FIRST", on)
-        eng = engine(family[1], kv_cache_dtype=kv_cache_dtype)
-        answers[on] = run(eng, batch, params)
-        del eng
-        gc.collect()
-        torch.cuda.empty_cache()
-        assert any(reordered) is on
-        reordered.clear()
+    answers = both_ways(monkeypatch, paged_decode, "LONGEST_FIRST", reordered, batch, params,
+                        lambda: engine(family[1], kv_cache_dtype=kv_cache_dtype))
     assert answers[True] == answers[False]
 
 
