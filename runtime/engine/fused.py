@@ -230,9 +230,9 @@ SILU_ONE_PASS_MAX = 16384   # silu_mul_fp8(one_pass=True): the longest row it ho
 # 4,096 (one_pass_chunks), 12, where one block of 16,384 left a quarter of the lanes computing padding: a thread's
 # instructions on an fp8.Unscaled input 824 -> 640, on bf16 584 -> 472, compiled for sm_90 by Triton 3.6). On an
 # H100 (kernel_bench.py --parts silu, session 55, one block; us at 16 against 32 warps) 7.78/7.41 at 256 tokens,
-# 12.96/11.88 on an Unscaled input, 29.65/27.06 at
-# 1,024, 196.1/186.2 at 8,192; end to end (ab.py --b runtime.engine.fused.SILU_ONE_PASS_WARPS=32 -- --models 8B
-# --parts fp8_kv, two rounds) offline 13,259.2 against 13,288.3 output tok/s, decode graphs 8.425 against 8.40 s.
+# 12.96/11.88 on an Unscaled input, 29.65/27.06 at 1,024, 196.1/186.2 at 8,192; end to end (ab.py --b
+# runtime.engine.fused.SILU_ONE_PASS_WARPS=32 -- --models 8B --parts fp8_kv, two rounds) offline 13,259.2 against
+# 13,288.3 output tok/s, decode graphs 8.425 against 8.40 s.
 SILU_ONE_PASS_WARPS = 32
 
 
