@@ -6,8 +6,10 @@ Each variant is StreamedDecode's options over an FP8 cache, or a bf16 one with -
 streamed_config for it, with the options given on top: `perm`, `defer_sum`, `prefetch_table`, `quant`
 (paged_decode.QUANTIZED_OUT's epilogue), `longest_first` (paged_decode.LONGEST_FIRST's order), `maxnreg=N`,
 `heads=N`, `block_t=N`, `warps=N`, `stages=N`; `perm=0` turns one off), compiled by Triton for sm_90 (the H100
-and H200) as the engine's JIT would compile it (pointer and stride arguments 16-divisible), then
-read back with the cuobjdump Triton ships. For each it prints the registers a thread and the bytes spilled (so
+and H200) as the engine's JIT would compile it (pointer and stride arguments 16-divisible), then read back with
+the cuobjdump Triton ships. `--fused` (with `--packed-round`: fused.PACKED_ROUND on) compiles fused.py's norm,
+RoPE and SiLU-mul kernels instead, at the 8B shape's widths (FUSED_CASES), and prints each one's registers and a
+thread's instructions. For each it prints the registers a thread and the bytes spilled (so
 how many programs of its warps share a multiprocessor: 65,536 registers and 228 KB of shared memory each), the
 shared memory a program takes, and of its main loop (one tile an iteration) the instructions, shared-memory
 loads, barriers and tensor-core instructions. These explain a kernel's time but do not measure it:
@@ -124,6 +126,60 @@ def describe(options: dict, tool: str, cache: str = "fp8") -> dict:
             "programs_per_sm": programs} | loop_stats(sass)
 
 
+# --fused: runtime/engine/fused.py's kernels at the 8B shape's widths, as the FP8 engine launches them at a decode
+# step's rows: (kernel, argument types past the defaults, constexprs, warps). silu_one_block is the SiLU-mul's
+# one pass over a single padded block of 16,384, as the kernel held the 8B's rows before fused.one_pass_chunks (that
+# kernel took its amax in one reduction: 824 and 584 instructions, where this one takes 840 and 600).
+_BF16, _FP8 = "*bf16", "*fp8e4nv"
+_NORM = {"x_ptr": _BF16, "residual_ptr": _BF16, "out_ptr": _FP8, "total_ptr": _BF16, "weight_ptr": _BF16}
+_SILU = {"gate_up_ptr": _BF16, "out_ptr": _FP8}
+FUSED_CASES = {
+    "norm_fp8_unscaled_16w": ("_rms_norm_kernel", _NORM,
+                              {"HAS_RESIDUAL": True, "BLOCK": 4096, "QUANT": True, "SCALED": True}, 16),
+    "norm_fp8_16w": ("_rms_norm_kernel", _NORM, {"HAS_RESIDUAL": True, "BLOCK": 4096, "QUANT": True}, 16),
+    "norm_fp8_4w": ("_rms_norm_kernel", _NORM, {"HAS_RESIDUAL": True, "BLOCK": 4096, "QUANT": True}, 4),
+    "rope_unscaled": ("_norm_rope_store_kernel",
+                      {"q_ptr": _BF16, "k_ptr": _BF16, "v_ptr": _BF16, "cos_ptr": _BF16, "sin_ptr": _BF16,
+                       "qw_ptr": _BF16, "kw_ptr": _BF16, "cache_ptr": _FP8, "blocks_ptr": "*i64",
+                       "offsets_ptr": "*i64"}, {"HAS_NORM": True, "D": 128, "HEADS": 8, "SCALED": True}, 4),
+    "silu_unscaled": ("_silu_mul_fp8_kernel", _SILU, {"BLOCK": 4096, "CHUNKS": 3, "ONE_PASS": True, "SCALED": True},
+                      32),
+    "silu": ("_silu_mul_fp8_kernel", _SILU, {"BLOCK": 4096, "CHUNKS": 3, "ONE_PASS": True}, 32),
+    "silu_unscaled_one_block": ("_silu_mul_fp8_kernel", _SILU,
+                                {"BLOCK": 16384, "CHUNKS": 1, "ONE_PASS": True, "SCALED": True}, 32),
+    "silu_one_block": ("_silu_mul_fp8_kernel", _SILU, {"BLOCK": 16384, "CHUNKS": 1, "ONE_PASS": True}, 32),
+}
+
+
+def describe_fused(case: str, tool: str) -> dict:
+    """A FUSED_CASES kernel compiled for sm_90 (integer and size arguments 16-divisible, as the JIT specializes
+    the 8B shape's): registers and a thread's instructions, the whole kernel (these have no tile loop)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ember.runtime.engine import fused
+
+    name, types, constexprs, warps = FUSED_CASES[case]
+    fn = getattr(fused, name)
+    names = fn.arg_names
+    constexprs = {k: False for k in ("SCALED", "PDL", "QUANT") if k in names} | constexprs
+    signature = {arg: "constexpr" if arg in constexprs else types.get(
+        arg, "fp32" if arg == "eps" else "*fp32" if arg.endswith("_ptr") else "i32") for arg in names}
+    aligned = [i for i, arg in enumerate(names) if signature[arg] not in ("constexpr", "fp32")]
+    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 64), options={"num_warps": warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True).stdout
+    instructions = sum(1 for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line))
+    return {"warps": warps, "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "instructions": instructions}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+",
@@ -132,12 +188,23 @@ def main() -> None:
     parser.add_argument("--block-t", type=int, default=None, help="tokens a tile for every variant")
     parser.add_argument("--cache", choices=["fp8", "bf16"], default="fp8",
                         help="the KV cache's dtype (each variant starts from the engine's configuration for it)")
+    parser.add_argument("--fused", action="store_true",
+                        help="fused.py's norm, RoPE and SiLU-mul kernels instead (FUSED_CASES; --variants ignored)")
+    parser.add_argument("--packed-round", action="store_true", help="with --fused: fused.PACKED_ROUND on")
     args = parser.parse_args()
     try:
         import triton
     except ImportError:
         sys.exit("kernel_sass.py needs Triton: pip install triton (no GPU needed)")
     tool = cuobjdump()
+    if args.fused:
+        from ember.runtime.engine import fused
+        fused.PACKED_ROUND = triton.language.constexpr(args.packed_round)
+        print(f"Triton {triton.__version__}, sm_90, fused.PACKED_ROUND {args.packed_round}")
+        for case in FUSED_CASES:
+            row = describe_fused(case, tool)
+            print(f"{case:28s} " + "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        return
     print(f"Triton {triton.__version__}, sm_90, {args.cache} cache, 4 query heads a KV head, head_dim 128")
     for text in args.variants:
         options = parse_variant(text)

@@ -254,7 +254,8 @@ if triton is not None:
     # four (shift, bit extract, add, mask); both round to nearest even, the same bits for every finite value. At a
     # decode step's rows these kernels take longer than their bytes (the FP8 SiLU-mul of 256 rows of the 8B shape:
     # 11.9 us on the H200 against ~4 us for its bytes), and their instructions alone would take ~6 us of the
-    # multiprocessors' issue slots. Compiled for sm_90 by Triton 3.6, a thread's instructions without and with it:
+    # multiprocessors' issue slots. Compiled for sm_90 by Triton 3.6 (bench/engine/kernel_sass.py --fused, then
+    # --packed-round), a thread's instructions without and with it:
     # the SiLU-mul at 32 warps (a 12,288-wide row) 640 -> 520 on an fp8.Unscaled input (42 -> 32 registers) and
     # 472 -> 416 on bf16; the FP8 RMSNorm of a 4,096-wide row at 16 warps 416 -> 344 (Unscaled) and 368 -> 304, at
     # 4 warps 1,080 -> 840; the RoPE/KV-store kernel (8 heads a program, Unscaled) 624 -> 496.
