@@ -380,9 +380,9 @@ def test_the_kernel_warm_up_runs_a_prefix_merge_where_prefills_attend_over_their
         pytest.skip("one family covers the warm-up")
     merged, merge = [], attention.FlashInferBackend.attend
 
-    def counted(self, q, kv_cache, k=None, v=None):
+    def counted(self, q, kv_cache, k=None, v=None, **options):   # options: attend's keywords (quantize)
         merged.append(self.fresh and k is not None and self.prefix_span is not None)
-        return merge(self, q, kv_cache, k, v)
+        return merge(self, q, kv_cache, k, v, **options)
 
     monkeypatch.setattr(attention.FlashInferBackend, "attend", counted)
     batch = prompts(8, seed=21)
