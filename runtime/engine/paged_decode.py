@@ -27,9 +27,14 @@ MERGE_CHUNK = 32    # splits the merge reads per loop iteration
 # StreamedDecode.forward_quantized (FlashInferBackend.attend's, for an FP8 o_proj): the last of a token's KV-head
 # programs to write its heads' output quantizes the token's row to e4m3 with its scale (fp8.quantize_tokens'
 # arithmetic, on the bf16 row as stored), in place of the kernel that did it after attention: one kernel boundary
-# fewer a layer (the quantizer took 2.9 us of a layer at 256 sequences on an H100). Off until timed:
-# bench/engine/ab.py --b runtime.engine.paged_decode.QUANTIZED_OUT=True -- --models 8B --parts fp8_kv.
-QUANTIZED_OUT = False
+# fewer a layer (the quantizer took 2.9 us of a layer at 256 sequences on an H100). On since session 58, timed with
+# LONGEST_FIRST and fused.PACKED_ROUND, the three together against none on an H100 (bench/engine/ab.py -- --models 8B
+# --parts fp8_kv --skip-transformers, one round in each order): offline 13,596.4 and 13,557.0 output tok/s against
+# 13,374.1 and 13,367.1 (+1.5%), the decode graphs' GPU time 8.19 s both times against 8.33 and 8.32, prefill 2.04 and
+# 2.05 against 2.07 and 2.06, batch 1 271.5 against 265.9 and 265.8; not yet timed apart. Their GPU tests passed
+# (tests/gpu/test_paged_decode_gpu.py -k "quantizes or longest_first", test_engine_gpu.py -k "quantizing or
+# longest_first").
+QUANTIZED_OUT = True
 # StreamedDecode's programs take the step's sequences longest first (by their first piece: the plan's argsort, staged
 # with it), where they took them in batch order. A step's programs fill the multiprocessors in waves as earlier ones
 # end; in batch order its last programs are as long as any, and the step waits on the few still running. Longest
@@ -37,9 +42,8 @@ QUANTIZED_OUT = False
 # tokens made so far) are spread up to ~10x: a model of the scheduler (bench/engine/order_model.py: programs started
 # in launch order, four a multiprocessor, the bandwidth shared once fewer than 100-200 run; not a measurement) puts
 # batch order 1-10% over the bytes' time at 96-256 sequences and longest first within 2%. The same sums, bit for
-# bit, in another order of programs. Off until timed: bench/engine/kernel_bench.py --parts attention_order;
-# ab.py --b runtime.engine.paged_decode.LONGEST_FIRST=True.
-LONGEST_FIRST = False
+# bit, in another order of programs. On since session 58: timed with QUANTIZED_OUT, above.
+LONGEST_FIRST = True
 
 
 def split_tokens(batch_size: int) -> int:
