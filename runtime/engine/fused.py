@@ -30,6 +30,16 @@ def enabled(x: torch.Tensor, per_head: bool = False) -> bool:
     return triton is not None and x.is_cuda and (not per_head or x.shape[-1] & (x.shape[-1] - 1) == 0)
 
 
+def fit_to(device: torch.device) -> None:
+    """Turns PACKED_ROUND off for a GPU older than Ampere (compute capability 8.0), where its conversion instruction
+    (cvt.rn.bf16x2.f32) does not exist and the kernels would not compile: there they round in integer arithmetic,
+    to the same bits. The engine calls it for its device before any kernel compiles (Triton keys a kernel by the
+    constexpr globals it reads, so one compiled before would keep its rounding)."""
+    global PACKED_ROUND
+    if triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        PACKED_ROUND = tl.constexpr(False)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not enabled(x):
         return _rms_norm_reference(x, weight, eps)

@@ -16,7 +16,7 @@ from ember.snapshot import image, open_store
 from ember.snapshot.store import SnapshotStore
 
 from . import attention as attention_module
-from . import fp8, kernels
+from . import fp8, fused, kernels
 from .attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes, row_width
@@ -92,6 +92,7 @@ class ModelRunner:
         self.store = open_store(config.snapshot_store) if config.snapshot_store else None
         if self.device.type == "cuda":
             kernels.install()
+            fused.fit_to(self.device)
         store_done = time.perf_counter()
         # The weights and the KV cache live in the arena, so a park can release them and keep their addresses.
         self.arena = Arena(self.device)

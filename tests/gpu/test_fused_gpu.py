@@ -194,3 +194,19 @@ def test_packed_rounding_gives_every_kernel_the_integer_roundings_bits(tmp_path)
     for name, value in results["integer"].items():
         for a, b in zip(flat(value), flat(results["packed"][name])):
             assert torch.equal(a, b), name
+
+
+def test_packed_rounding_stays_on_from_ampere_and_turns_off_before(monkeypatch):
+    """fused.fit_to, which the engine calls for its device: the packed conversion is an sm_80 instruction, so a GPU
+    of compute capability under 8.0 gets the integer rounding (the kernels would not compile otherwise); this GPU,
+    and any from 8.0, keeps the packed one."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setattr(fused, "PACKED_ROUND", fused.tl.constexpr(True))
+    fused.fit_to(device)
+    assert fused.PACKED_ROUND.value is (torch.cuda.get_device_capability(device) >= (8, 0))
+    monkeypatch.setattr(fused, "PACKED_ROUND", fused.tl.constexpr(True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    fused.fit_to(device)
+    assert fused.PACKED_ROUND.value is False
+    fused.fit_to(torch.device("cpu"))   # not a GPU: nothing to fit
+    assert fused.PACKED_ROUND.value is False
