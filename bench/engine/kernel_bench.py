@@ -18,6 +18,9 @@
     against the streamed kernel's sweep;
   - attention_order: the streamed decode attention over uneven contexts (an offline run's decode steps), its
     programs in batch order and longest first (paged_decode.LONGEST_FIRST), over a bf16 and an FP8 cache;
+  - attention_small: decode graphs of 1-16 sequences, the split kernel and its merge kernel (the engine's under 16)
+    against the streamed kernel with its pool cutting each context into up to 4, 8, 16 pieces or as many as fill
+    the multiprocessors (paged_decode.SMALL_BATCH_PIECES), over a bf16 and an FP8 cache;
   - decode: each product at 8 to 256 rows (the decode graphs' batch sizes) with cuBLAS, against the longer of its
     weight read and its FLOPs at the bandwidth and product rate measured in the same run (--decode-ways: also
     with torch's cuBLASLt backend, and with the weight stored transposed);
@@ -292,6 +295,66 @@ def bench_attention_fp8(bandwidth: float) -> list[dict]:
         row["max_abs_diff_fp8_bf16"] = round(float((outputs["fp8"] - outputs["bf16"]).abs().max()), 4)
         rows.append(row)
         log("attention_fp8 " + json.dumps(row))
+    return rows
+
+
+# bench_attention_small's steps: (sequences, tokens each), the decode graphs' batch sizes under and at the streamed
+# kernel's start (EngineConfig.streamed_decode_min_batch, 16)
+SMALL_CASES = [(1, 384), (1, 1024), (1, 4096), (2, 1024), (4, 1024), (8, 1024), (8, 4096), (16, 1024)]
+SMALL_PIECES = (4, 8, 16, None)   # paged_decode.SMALL_BATCH_PIECES' values to time (4: the default)
+SPLIT_LONGEST = (4096, 40960)
+
+
+def bench_attention_small(bandwidth: float) -> list[dict]:
+    """Decode graphs of few sequences: the split kernel and its merge kernel (PagedDecode, what the engine runs
+    up to 8 sequences; flashinfer's decode kernel takes 9-15), its grid sized for a longest context of
+    SPLIT_LONGEST (the engine's max_model_len), against the streamed kernel, whose pool cuts each context into up
+    to SMALL_PIECES pieces (paged_decode.SMALL_BATCH_PIECES; None: as many as fill the multiprocessors) and whose
+    last piece merges them, over each cache (bf16; FP8, the engine's FP8 configuration) on SMALL_CASES, in graphs,
+    against the KV bytes' read; and each streamed output's largest difference from the split kernel's."""
+    from ember.runtime.engine import fp8, paged_decode
+    from ember.runtime.engine.paged_decode import PagedDecode, StreamedDecode, streamed_config, streamed_pool
+
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    cap = paged_decode.SMALL_BATCH_PIECES
+    try:
+        for batch, ctx in SMALL_CASES:
+            g = torch.Generator().manual_seed(batch * ctx)
+            per_seq = -(-ctx // page)
+            tables = torch.randperm(batch * per_seq, generator=g).to(torch.int32).view(batch, per_seq).tolist()
+            q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+            bf16 = torch.randn(batch * per_seq, 2, page, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+            kv_bytes = batch * ctx * kv_heads * dim * 2 * 2
+            row = {"batch": batch, "context": ctx, "floor_bf16_us": round(kv_bytes / bandwidth * 1e6, 2),
+                   "floor_fp8_us": round(kv_bytes / 2 / bandwidth * 1e6, 2)}
+            for name, kv in (("bf16", bf16), ("fp8", fp8.to_cache(bf16, fp8.FP8))):
+                # the split kernel's grid and its merge's loop cover the longest context a graph may take (the
+                # engine's max_model_len): speed.py's 4,096, and Qwen3's 40,960 (a model's default)
+                for longest in SPLIT_LONGEST:
+                    split = PagedDecode(batch, -(-max(longest, ctx) // page), page, heads, kv_heads, dim, q.device)
+                    split.prepare(tables, [ctx] * batch)
+                    run = functools.partial(split.forward, q, kv, dim ** -0.5)
+                    row[f"{name}_split_{longest}_us"] = round(in_graph([run] * 10) * 1e6, 2)
+                    reference = run().float()
+                for pieces in SMALL_PIECES:
+                    paged_decode.SMALL_BATCH_PIECES = pieces
+                    pool = streamed_pool(batch, kv_heads, sms)
+                    streamed = StreamedDecode(batch, per_seq, page, heads, kv_heads, dim, q.device, pool=pool,
+                                              **streamed_config(kv.dtype))
+                    streamed.prepare(tables, [ctx] * batch)
+                    run = functools.partial(streamed.forward, q, kv, dim ** -0.5)
+                    key = f"{name}_streamed_{pieces or 'fill'}"
+                    row[f"{key}_us"] = round(in_graph([run] * 10) * 1e6, 2)
+                    row[f"{key}_pool"] = pool
+                    row[f"{key}_max_abs_diff"] = round(float((run().float() - reference).abs().max()), 4)
+            rows.append(row)
+            log("attention_small " + json.dumps(row))
+            del bf16
+            torch.cuda.empty_cache()
+    finally:
+        paged_decode.SMALL_BATCH_PIECES = cap
     return rows
 
 
@@ -933,8 +996,8 @@ def record(path: Path, result: dict) -> None:
     path.write_text(json.dumps({**kept, **result}, indent=1) + "\n")
 
 
-PARTS = ("gemv", "fused", "attention", "attention_fp8", "attention_order", "decode", "rope", "silu", "norm",
-         "prefill_attention", "gemm", "overlap")
+PARTS = ("gemv", "fused", "attention", "attention_fp8", "attention_order", "attention_small", "decode", "rope",
+         "silu", "norm", "prefill_attention", "gemm", "overlap")
 
 
 def parts_arg(text: str) -> set[str]:
@@ -986,6 +1049,8 @@ def main() -> None:
         result["attention_fp8"] = bench_attention_fp8(bandwidth)
     if "attention_order" in parts:
         result["attention_order"] = bench_attention_order(bandwidth)
+    if "attention_small" in parts:
+        result["attention_small"] = bench_attention_small(bandwidth)
     if "decode" in parts:
         ways = tuple(w.strip() for w in args.decode_ways.split(","))
         if unknown := set(ways) - set(DECODE_WAYS):

@@ -154,16 +154,27 @@ class PagedDecode:
         return out
 
 
+# The most pieces streamed_pool cuts a sequence of a small batch's even contexts into; None: as many as fill the
+# multiprocessors (at one sequence, ~33 on an H200's 132 with 8 KV heads: 850 tokens in 14 one-tile pieces, 112
+# programs, where 4 pieces give 32 programs of 4 tiles). The engine's streamed attention starts at 16 sequences
+# (EngineConfig.streamed_decode_min_batch), where 4 pieces already fill them; below, the split kernel and its merge
+# kernel take 8.9 us a layer at one sequence of 384 tokens over an FP8 cache and 20.4 at four of 1,024 (H200,
+# kernel_bench.py --parts attention_fp8), against 18.0 for the streamed kernel at sixteen of 1,024.
+# `kernel_bench.py --parts attention_small` times both ways at 1-16 sequences.
+SMALL_BATCH_PIECES: int | None = 4
+
+
 def streamed_pool(batch_size: int, num_kv_heads: int, multiprocessors: int) -> int:
     """Programs StreamedDecode keeps for the pieces of long contexts: a program for every two sequences, so that a
     piece is at most twice a mean context (measured on the H200: one 32,768-token context among 255 of 843 took
     322 us a layer with 33 programs, 250 with 128, against 213 without it), and at least about two programs a
     multiprocessor (each reads one KV head of one piece). A batch of fewer sequences than that takes a pool that
-    cuts even contexts into up to 4 pieces each, to fill the multiprocessors."""
+    cuts even contexts into up to SMALL_BATCH_PIECES pieces each, to fill the multiprocessors."""
     programs = -(-2 * multiprocessors // num_kv_heads)
     if batch_size >= programs:
         return max(programs, batch_size // 2)
-    return batch_size * min(4, -(-programs // batch_size))
+    fill = -(-programs // batch_size)
+    return batch_size * (fill if SMALL_BATCH_PIECES is None else min(SMALL_BATCH_PIECES, fill))
 
 
 def streamed_config(cache_dtype: torch.dtype, head_dim: int = 128) -> dict[str, Any]:

@@ -49,6 +49,22 @@ def test_streamed_pool_is_a_program_for_two_sequences_two_a_multiprocessor_or_fo
     assert streamed_pool(256, 32, 132) == 128
 
 
+def test_a_small_batch_without_the_piece_cap_fills_the_multiprocessors(monkeypatch):
+    """paged_decode.SMALL_BATCH_PIECES None: a batch under two programs a multiprocessor cuts each context into as
+    many pieces as fill them, and the step's plan then cuts one 850-token context into one-tile pieces."""
+    from ember.runtime.engine import paged_decode
+
+    monkeypatch.setattr(paged_decode, "SMALL_BATCH_PIECES", None)
+    assert paged_decode.streamed_pool(1, 8, 132) == 33    # 33 x 8 KV heads: two programs a multiprocessor
+    assert paged_decode.streamed_pool(4, 8, 132) == 36    # 9 pieces each
+    assert paged_decode.streamed_pool(16, 8, 132) == 48   # as with the cap: 3 each fill them
+    assert paged_decode.streamed_pool(64, 8, 132) == 33   # batches that fill them alone are the same
+    decode = StreamedDecode(1, 64, 16, 32, 8, 128, torch.device("cpu"), pool=paged_decode.streamed_pool(1, 8, 132))
+    decode.stage(np.zeros((1, 54), dtype=np.int32), np.array([850]))
+    chunk, extras, _ = decode.staged_plan()
+    assert chunk == 64 and len(extras) == 13   # 14 pieces: the first, and 13 of the pool's
+
+
 @pytest.mark.parametrize("lengths", [
     [843] * 256,                          # even: one piece a sequence, written directly
     [16384] + [512] * 63,                 # one long context among short ones
