@@ -149,8 +149,9 @@ class PagedDecode:
             BLOCK_T=BLOCK_TOKENS, **pdl.args(q.device))
         out = q.new_empty(b, hq, d)
         # the compiled kernel, kept for its register and spill counts (tests)
-        self.merge_kernel = _merge_kernel[(b, hq)](self.partial, self.lse, out, self.num_splits, D=d,
-                                                   CHUNK=MERGE_CHUNK, **pdl.args(q.device))
+        self.merge_kernel = _merge_kernel[(b, hq)](self.partial, self.lse, out, self.context_lens, self.num_splits,
+                                                   D=d, CHUNK=MERGE_CHUNK, SPLIT=self.split_tokens,
+                                                   **pdl.args(q.device))
         return out
 
 
@@ -509,36 +510,42 @@ if triton is not None:
                 m, total, acc = _attend_tile(q, cache_ptr, table, start, end, kv_head, s_block, s_kv, s_slot,
                                              s_head, scale, m, total, acc, D=D, PAGE=PAGE, BLOCK_T=BLOCK_T,
                                              STREAMED=False)
-        # A split past the sequence's end ran no iteration: its lse is -inf and the merge skips it.
+        # A split past the sequence's end ran no iteration and writes nothing: the merge reads the sequence's own
+        # splits alone. The grid covers the longest context a graph may take (the engine's max_model_len): at
+        # 40,960 tokens, 640 splits a sequence and KV head at up to 8 sequences, where 384 tokens use 6.
+        inside = begin < context
         seen = total > 0
         tl.store(partial_ptr + out_row[:, None] * D + dims[None, :], acc / tl.where(seen, total, 1.0)[:, None],
-                 mask=head_ok[:, None])
-        tl.store(lse_ptr + out_row, tl.where(seen, m + tl.log(total), float("-inf")), mask=head_ok)
+                 mask=head_ok[:, None] & inside)
+        tl.store(lse_ptr + out_row, tl.where(seen, m + tl.log(total), float("-inf")), mask=head_ok & inside)
 
     @triton.jit
-    def _merge_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, CHUNK: tl.constexpr,
-                      PDL: tl.constexpr = False):
+    def _merge_kernel(partial_ptr, lse_ptr, out_ptr, lens_ptr, num_splits, D: tl.constexpr, CHUNK: tl.constexpr,
+                      SPLIT: tl.constexpr, PDL: tl.constexpr = False):
         _pdl_start(PDL)
-        # The splits in chunks of CHUNK rows: a [num_splits, D] tile in one piece (1024 x 128 fp32 at a 40k
-        # context) cannot sit in registers, and spills take local memory, which a CUDA context keeps for good.
-        row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)   # (sequence, head)
+        # The sequence's own splits (its context's, of the grid's num_splits), in chunks of CHUNK rows: a
+        # [splits, D] tile in one piece (1024 x 128 fp32 at a 40k context) cannot sit in registers, and spills take
+        # local memory, which a CUDA context keeps for good.
+        seq = tl.program_id(0).to(tl.int64)
+        row = seq * tl.num_programs(1) + tl.program_id(1)   # (sequence, head)
+        used = tl.cdiv(tl.load(lens_ptr + seq), SPLIT)
         chunk = tl.arange(0, CHUNK)
         dims = tl.arange(0, D)
         top = tl.full([CHUNK], float("-inf"), tl.float32)
-        for start in range(0, num_splits, CHUNK):
+        for start in range(0, used, CHUNK):
             splits = start + chunk
-            top = tl.maximum(top, tl.load(lse_ptr + row * num_splits + splits, mask=splits < num_splits,
+            top = tl.maximum(top, tl.load(lse_ptr + row * num_splits + splits, mask=splits < used,
                                           other=float("-inf")))
         top_all = tl.max(top, axis=0)
         total = tl.zeros([CHUNK], tl.float32)
         acc = tl.zeros([D], tl.float32)
-        for start in range(0, num_splits, CHUNK):
+        for start in range(0, used, CHUNK):
             splits = start + chunk
-            lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
-            weights = tl.exp(lse - top_all)   # 0 for a split past the sequence's end
+            lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < used, other=float("-inf"))
+            weights = tl.exp(lse - top_all)   # 0 for a split that saw no token
             total += weights
             parts = tl.load(partial_ptr + (row * num_splits + splits[:, None]) * D + dims[None, :],
-                            mask=(splits[:, None] < num_splits) & (weights[:, None] > 0), other=0.0)
+                            mask=(splits[:, None] < used) & (weights[:, None] > 0), other=0.0)
             acc += tl.sum(parts * weights[:, None], axis=0)
         tl.store(out_ptr + row * D + dims, (acc / tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty))
 
