@@ -18,9 +18,10 @@
     against the streamed kernel's sweep;
   - attention_order: the streamed decode attention over uneven contexts (an offline run's decode steps), its
     programs in batch order and longest first (paged_decode.LONGEST_FIRST), over a bf16 and an FP8 cache;
-  - attention_small: decode graphs of 1-16 sequences, the split kernel and its merge kernel (the engine's under 16)
-    against the streamed kernel with its pool cutting each context into up to 4, 8, 16 pieces or as many as fill
-    the multiprocessors (paged_decode.SMALL_BATCH_PIECES), over a bf16 and an FP8 cache;
+  - attention_small: decode graphs of 1-16 sequences, the split kernel and its merge kernel (the engine's up to 8)
+    and flashinfer's decode kernel (9-15) against the streamed kernel with its pool cutting each context into up
+    to 4, 8, 16 pieces or as many as fill the multiprocessors (paged_decode.SMALL_BATCH_PIECES), over a bf16 and an
+    FP8 cache;
   - decode: each product at 8 to 256 rows (the decode graphs' batch sizes) with cuBLAS, against the longer of its
     weight read and its FLOPs at the bandwidth and product rate measured in the same run (--decode-ways: also
     with torch's cuBLASLt backend, and with the weight stored transposed);
@@ -300,23 +301,27 @@ def bench_attention_fp8(bandwidth: float) -> list[dict]:
 
 # bench_attention_small's steps: (sequences, tokens each), the decode graphs' batch sizes under and at the streamed
 # kernel's start (EngineConfig.streamed_decode_min_batch, 16)
-SMALL_CASES = [(1, 384), (1, 1024), (1, 4096), (2, 1024), (4, 1024), (8, 1024), (8, 4096), (16, 1024)]
+SMALL_CASES = [(1, 384), (1, 1024), (1, 4096), (2, 1024), (4, 1024), (8, 1024), (8, 4096), (12, 1024), (16, 1024)]
 SMALL_PIECES = (4, 8, 16, None)   # paged_decode.SMALL_BATCH_PIECES' values to time (4: the default)
 SPLIT_LONGEST = (4096, 40960)
 
 
 def bench_attention_small(bandwidth: float) -> list[dict]:
-    """Decode graphs of few sequences: the split kernel and its merge kernel (PagedDecode, what the engine runs
-    up to 8 sequences; flashinfer's decode kernel takes 9-15), its grid sized for a longest context of
-    SPLIT_LONGEST (the engine's max_model_len), against the streamed kernel, whose pool cuts each context into up
-    to SMALL_PIECES pieces (paged_decode.SMALL_BATCH_PIECES; None: as many as fill the multiprocessors) and whose
-    last piece merges them, over each cache (bf16; FP8, the engine's FP8 configuration) on SMALL_CASES, in graphs,
-    against the KV bytes' read; and each streamed output's largest difference from the split kernel's."""
+    """Decode graphs of few sequences: the split kernel and its merge kernel (PagedDecode, what the engine runs up to 8
+    sequences), its grid sized for a longest context of SPLIT_LONGEST (the engine's max_model_len), and flashinfer's
+    decode kernel in its graph wrapper (what the engine runs at 9-15), against the streamed kernel, whose pool cuts
+    each context into up to SMALL_PIECES pieces (paged_decode.SMALL_BATCH_PIECES; None: as many as fill the
+    multiprocessors) and whose last piece merges them, over each cache (bf16; FP8, the engine's FP8 configuration)
+    on SMALL_CASES, in graphs, against the KV bytes' read; and each streamed output's largest difference from the
+    split kernel's."""
+    import flashinfer
+
     from ember.runtime.engine import fp8, paged_decode
     from ember.runtime.engine.paged_decode import PagedDecode, StreamedDecode, streamed_config, streamed_pool
 
     heads, kv_heads, dim, page = 32, 8, 128, 16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     rows = []
     cap = paged_decode.SMALL_BATCH_PIECES
     try:
@@ -338,6 +343,18 @@ def bench_attention_small(bandwidth: float) -> list[dict]:
                     run = functools.partial(split.forward, q, kv, dim ** -0.5)
                     row[f"{name}_split_{longest}_us"] = round(in_graph([run] * 10) * 1e6, 2)
                     reference = run().float()
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_cuda_graph=True,
+                    paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device="cuda"),
+                    paged_kv_indices_buffer=torch.empty(batch * per_seq, dtype=torch.int32, device="cuda"),
+                    paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device="cuda"))
+                wrapper.plan(torch.arange(batch + 1, dtype=torch.int32) * per_seq,
+                             torch.tensor(tables, dtype=torch.int32).flatten(),
+                             torch.full((batch,), (ctx - 1) % page + 1, dtype=torch.int32), heads, kv_heads, dim,
+                             page, q_data_type=torch.bfloat16, kv_data_type=kv.dtype)
+                run = functools.partial(wrapper.run, q, kv)
+                row[f"{name}_flashinfer_us"] = round(in_graph([run] * 10) * 1e6, 2)
+                row[f"{name}_flashinfer_max_abs_diff"] = round(float((run().float() - reference).abs().max()), 4)
                 for pieces in SMALL_PIECES:
                     paged_decode.SMALL_BATCH_PIECES = pieces
                     pool = streamed_pool(batch, kv_heads, sms)
