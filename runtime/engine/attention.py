@@ -153,8 +153,9 @@ class FlashInferBackend:
     256-token context, but 69 us where it takes 31 at batch 16 and 1024 tokens. With `streamed_min_batch`, graphs
     of at least that many sequences run paged_decode's streamed kernel instead of flashinfer's (EngineConfig's
     default: 16, from which bench/engine/kernel_bench.py measured it faster on the H200; 245.8 against 365.2 us at
-    batch 256 and 1024 tokens). flashinfer's decode stays for steps without a graph, and for the graphs above
-    `triton_graph_max_batch` when `streamed_min_batch` is None.
+    batch 256 and 1024 tokens; a `streamed_min_batch` under `triton_graph_max_batch` takes those graphs from the
+    split kernel too: kernel_bench.py --parts attention_small compares them). flashinfer's decode stays for steps
+    without a graph, and for the graphs above `triton_graph_max_batch` when `streamed_min_batch` is None.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
@@ -191,14 +192,14 @@ class FlashInferBackend:
         self.max_blocks_per_seq = max_blocks_per_seq
         shape = (batch_size, max_blocks_per_seq, self.block_size, self.num_heads, self.num_kv_heads, self.head_dim,
                  self.device)
-        if batch_size <= self.triton_graph_max_batch:
-            self.triton_graph_decode[batch_size] = PagedDecode(*shape)
-            return
         if self.streamed_min_batch is not None and batch_size >= self.streamed_min_batch:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.triton_graph_decode[batch_size] = StreamedDecode(
                 *shape, pool=streamed_pool(batch_size, self.num_kv_heads, sms),
                 **streamed_config(self.kv_dtype, self.head_dim))
+            return
+        if batch_size <= self.triton_graph_max_batch:
+            self.triton_graph_decode[batch_size] = PagedDecode(*shape)
             return
 
         def buffer(n: int) -> torch.Tensor:
