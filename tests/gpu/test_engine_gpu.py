@@ -63,12 +63,13 @@ def family(request, tmp_path_factory):
 
 def engine(model_dir: str, backend: str = "flashinfer", enforce_eager: bool = False,
            graph_capture: str = "start", prefill_graphs: bool = True, quantization: str | None = None,
-           kv_cache_dtype: str = "auto", max_num_seqs: int = 128) -> LLMEngine:
+           kv_cache_dtype: str = "auto", max_num_seqs: int = 128, streamed_decode_min_batch: int | None = 16
+           ) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=8192, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=4096, max_model_len=1024, attention_backend=backend,
                                   enforce_eager=enforce_eager, graph_capture=graph_capture,
                                   prefill_graphs=prefill_graphs, quantization=quantization,
-                                  kv_cache_dtype=kv_cache_dtype))
+                                  kv_cache_dtype=kv_cache_dtype, streamed_decode_min_batch=streamed_decode_min_batch))
 
 
 def run(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[list[dict]]]:
@@ -339,6 +340,54 @@ def test_an_engine_decodes_the_same_with_its_attention_programs_longest_first(fa
     answers = both_ways(monkeypatch, paged_decode, "LONGEST_FIRST", reordered, batch, params,
                         lambda: engine(family[1], kv_cache_dtype=kv_cache_dtype))
     assert answers[True] == answers[False]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_small_decode_graphs_on_the_streamed_attention_agree_with_the_split_kernel(family, kv_cache_dtype, monkeypatch):
+    """EngineConfig(streamed_decode_min_batch=1) with paged_decode.SMALL_BATCH_PIECES None: decode graphs of 1-15
+    sequences run the streamed attention, each context cut into as many pieces as fill the multiprocessors and
+    merged by the last to finish, where the defaults run the split kernel (up to 8) and flashinfer's (9-15). The
+    same sums in another order: logprobs agree closely up to where a continuation parts, and each parts at a
+    near-tie. Twelve prompts of 4 to 37 tokens' output: the steps' batches fall from 12 to 1."""
+    from ember.runtime.engine import paged_decode
+
+    if family[0] != "qwen3":
+        pytest.skip("one family covers the attention")
+    monkeypatch.setattr(paged_decode, "SMALL_BATCH_PIECES", None)
+    captured, launch = [], paged_decode.StreamedDecode._launch
+
+    def counted(self, *args):
+        captured.append(self.batch_size)
+        return launch(self, *args)
+
+    monkeypatch.setattr(paged_decode.StreamedDecode, "_launch", counted)
+    batch = prompts(12, seed=23)
+
+    def answers(eng: LLMEngine) -> tuple[list[list[int]], list[list[dict]]]:
+        for i, p in enumerate(batch):
+            eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True,
+                                                      logprobs=5))
+        tokens, logprobs = {}, {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                logprobs.setdefault(o.request_id, []).extend(o.new_logprobs or [])
+        return [tokens[str(i)] for i in range(len(batch))], [logprobs[str(i)] for i in range(len(batch))]
+
+    streamed = answers(engine(family[1], kv_cache_dtype=kv_cache_dtype, streamed_decode_min_batch=1))
+    # graphs of 1, 2, 4 and 8 sequences (the start-up warm-up runs a streamed attention of 1 either way)
+    assert {2, 4, 8} <= set(captured), f"decode graphs under 16 sequences ran the split kernel: {sorted(set(captured))}"
+    gc.collect()
+    torch.cuda.empty_cache()
+    default = answers(engine(family[1], kv_cache_dtype=kv_cache_dtype))
+    worst = 0.0
+    for ours, our_lp, theirs, their_lp in zip(*streamed, *default):
+        parted = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
+        worst = max([worst] + [abs(a["logprob"] - b["logprob"]) for a, b in zip(our_lp[:parted], their_lp)])
+        if parted < len(ours):
+            their_choice = dict(our_lp[parted]["top"]).get(theirs[parted], float("-inf"))
+            assert our_lp[parted]["logprob"] - their_choice < NEAR_TIE, f"parted at token {parted} without a near-tie"
+    assert worst < 0.1, worst
 
 
 def test_the_kernel_warm_up_runs_the_deferred_fp8_products(family, monkeypatch):
