@@ -72,9 +72,11 @@ def engine(model_dir: str, backend: str = "flashinfer", enforce_eager: bool = Fa
                                   kv_cache_dtype=kv_cache_dtype, streamed_decode_min_batch=streamed_decode_min_batch))
 
 
-def run(eng: LLMEngine, batch: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list[list[dict]]]:
+def run(eng: LLMEngine, batch: list[list[int]], params: "SamplingParams | list[SamplingParams]"
+        ) -> tuple[list[list[int]], list[list[dict]]]:
+    """Each prompt's tokens and logprobs; `params` for every prompt, or one each."""
     for i, p in enumerate(batch):
-        eng.add_request(str(i), p, params)
+        eng.add_request(str(i), p, params[i] if isinstance(params, list) else params)
     tokens, logprobs = {}, {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -362,24 +364,13 @@ def test_small_decode_graphs_on_the_streamed_attention_agree_with_the_split_kern
 
     monkeypatch.setattr(paged_decode.StreamedDecode, "_launch", counted)
     batch = prompts(12, seed=23)
-
-    def answers(eng: LLMEngine) -> tuple[list[list[int]], list[list[dict]]]:
-        for i, p in enumerate(batch):
-            eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True,
-                                                      logprobs=5))
-        tokens, logprobs = {}, {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-                logprobs.setdefault(o.request_id, []).extend(o.new_logprobs or [])
-        return [tokens[str(i)] for i in range(len(batch))], [logprobs[str(i)] for i in range(len(batch))]
-
-    streamed = answers(engine(family[1], kv_cache_dtype=kv_cache_dtype, streamed_decode_min_batch=1))
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=5) for i in range(12)]
+    streamed = run(engine(family[1], kv_cache_dtype=kv_cache_dtype, streamed_decode_min_batch=1), batch, params)
     # graphs of 1, 2, 4 and 8 sequences (the start-up warm-up runs a streamed attention of 1 either way)
     assert {2, 4, 8} <= set(captured), f"decode graphs under 16 sequences ran the split kernel: {sorted(set(captured))}"
     gc.collect()
     torch.cuda.empty_cache()
-    default = answers(engine(family[1], kv_cache_dtype=kv_cache_dtype))
+    default = run(engine(family[1], kv_cache_dtype=kv_cache_dtype), batch, params)
     worst = 0.0
     for ours, our_lp, theirs, their_lp in zip(*streamed, *default):
         parted = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
