@@ -28,9 +28,10 @@ class EngineConfig:
     attention_backend: str = "auto"    # "flashinfer" on CUDA when importable, else "sdpa"
     enforce_eager: bool = False        # True disables CUDA graphs
     # Decode graphs of at least this many sequences run paged_decode's streamed Triton attention instead of
-    # flashinfer's decode kernel; None: flashinfer's for every batch. On the H200 the streamed kernel is faster
-    # from 16 sequences (bench/engine/kernel_bench.py --parts attention: 24.9 against 30.9 us at 16 x 1024
-    # tokens, 245.8 against 365.2 us at 256 x 1024, the bandwidth floor 254.7)
+    # flashinfer's decode kernel (and, under 9, instead of paged_decode's split kernel); None: flashinfer's for
+    # every batch over 8. On the H200 the streamed kernel is faster from 16 sequences (bench/engine/kernel_bench.py
+    # --parts attention: 24.9 against 30.9 us at 16 x 1024 tokens, 245.8 against 365.2 us at 256 x 1024, the
+    # bandwidth floor 254.7); --parts attention_small times it under 16.
     streamed_decode_min_batch: int | None = 16
     # "lazy": capture each decode graph on the first step that needs it or while the engine idles (a cold start
     # does not wait ~1.5 s for twenty captures); "start": all of them before the engine serves.
