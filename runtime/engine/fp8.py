@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import pdl
+from . import cublaslt, pdl
 from .pdl import prefetch as _prefetch
 from .pdl import start as _pdl_start
 
@@ -156,8 +156,10 @@ def deferred_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor
     DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS input rows an Unscaled output (in place of small_linear's kernel where
     their rows overlap); else quantized_linear's."""
     if DEFERRED and q.is_cuda and bias is None and DEFERRED_MIN_ROWS <= q.shape[0] <= DEFERRED_MAX_ROWS:
-        one = _one(q.device)
-        raw = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=True)
+        raw = cublaslt.matmul(q, weight) if LT_CHOICE and dtype == torch.bfloat16 else None
+        if raw is None:
+            one = _one(q.device)
+            raw = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=dtype, use_fast_accum=True)
         return Unscaled(raw, q_scale, scale)
     return quantized_linear(q, q_scale, weight, scale, bias, dtype)
 
@@ -215,6 +217,10 @@ SMALL_CONFIG: SmallConfig | None = SmallConfig(block_n=64, block_k=256, warps=4,
 DEFERRED = True
 DEFERRED_MIN_ROWS = 65
 DEFERRED_MAX_ROWS = 256
+# Those products through cuBLASLt with the algorithm each shape timed fastest at its first call (cublaslt.py), not
+# the heuristic's first that _scaled_mm runs. Off until timed end to end (bench/engine/lt_algos.py shows what each
+# algorithm takes; ab.py --b runtime.engine.fp8.LT_CHOICE=True -- --models 8B --parts fp8_kv times the engine).
+LT_CHOICE = False
 # The merged q/k/v product too, its scales applied by the RoPE kernel that reads it (fused.norm_rope_store_). One
 # scale a tensor against the product it replaces (kernel_bench.py --parts decode, H100, sessions 52 and 54): 11.87
 # against small_linear's 13.77 us at 128 rows, 12.3 against the row-scaled 14.3 at 160, 13.4 against 14.4 at 256. End

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ember.runtime.engine import fp8, fused, gemv, paged_decode
+from ember.runtime.engine import cublaslt, fp8, fused, gemv, paged_decode
 from ember.runtime.engine.attention import AttentionBatch, FlashInferBackend, SdpaBackend
 from tests.gpu.test_paged_decode_gpu import (
     HEADS,
@@ -113,14 +113,17 @@ def test_the_small_product_kernel_computes_the_dequantized_product(rows, tile):
                            fp8.small_linear(xq, xs, weight, scale, torch.bfloat16, engine_config))
 
 
-@pytest.mark.parametrize("rows", [64, 65, 96, 129, 200, 256, 300])
+@pytest.mark.parametrize("lt_choice", [False, True])
+@pytest.mark.parametrize("rows", [64, 65, 96, 129, 192, 200, 256, 300])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 4096), (4096, 12288)])
-def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scale_it(rows, n, k, monkeypatch):
+def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scale_it(rows, n, k, lt_choice,
+                                                                                      monkeypatch):
     """fp8.deferred_linear: from DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS rows, the FP8 sums with their scales
-    left to the next kernel (torch._scaled_mm with one scale a tensor); scaled, quantized_linear's output to bf16's
-    rounding, and the norm and SiLU-mul kernels scale it as they load it, bit for bit as they read it scaled. Other
-    rows: quantized_linear's output itself."""
+    left to the next kernel (torch._scaled_mm with one scale a tensor, or with LT_CHOICE cuBLASLt's algorithm timed
+    fastest for the shape); scaled, quantized_linear's output to bf16's rounding, and the norm and SiLU-mul kernels
+    scale it as they load it, bit for bit as they read it scaled. Other rows: quantized_linear's output itself."""
     monkeypatch.setattr(fp8, "DEFERRED", True)
+    monkeypatch.setattr(fp8, "LT_CHOICE", lt_choice)
     torch.manual_seed(rows + n + k)
     weight, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
     q, q_scale = fp8.quantize_tokens(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
@@ -140,6 +143,33 @@ def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scal
     for one_pass in (False, True):
         got, want = fused.silu_mul_fp8(deferred, one_pass), fused.silu_mul_fp8(scaled, one_pass)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("rows,n,k", [(96, 4096, 4096), (256, 24576, 4096), (160, 4096, 12288)])
+def test_cublaslt_runs_the_algorithm_it_chose_for_a_shape_and_a_graph_replays_it(rows, n, k):
+    """cublaslt.matmul: _scaled_mm's product (one scale a tensor, fast accumulation) to the order of its sums, through
+    the algorithm its first call timed fastest of the heuristic's first CANDIDATES (kept for the shape); a graph
+    captured after it replays the same bits; a shape with no choice yet is left to _scaled_mm inside a capture, and
+    a row count that is not a multiple of 16 always."""
+    torch.manual_seed(rows + n)
+    weight, _ = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    q, _ = fp8.quantize_tokens(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+    one = torch.ones((), device="cuda")
+    want = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
+    got = cublaslt.matmul(q, weight)
+    assert got is not None and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().mean().item())
+    choice = cublaslt.choices()[(torch.cuda.current_device(), rows, n, k)]
+    assert choice is not None and 0 <= choice.index < len(choice.medians_us) <= cublaslt.CANDIDATES
+    assert min(choice.medians_us) > 0 and "tile" in choice.config
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cublaslt.matmul(q, weight)
+        unchosen = cublaslt.matmul(q[:rows - 16], weight)
+    graph.replay()
+    assert captured is not None and torch.equal(captured, got)
+    assert unchosen is None
+    assert cublaslt.matmul(q[:rows - 1], weight) is None
 
 
 @pytest.mark.parametrize("rows", [65, 128, 256])
