@@ -11,8 +11,10 @@ ctypes, on the library torch loaded), times each in a CUDA graph over enough cop
 from L2, as kernel_bench.py times the products, and prints, per product and row count: _scaled_mm's time, the
 heuristic's first algorithm's (what _scaled_mm runs, as a check), the fastest algorithm's and its configuration (tile,
 split K, stages, cluster), and the same for the product computed swapped (weight x input^T, the output transposed),
-where the weight's rows take cuBLASLt's M side; each fastest output's largest difference from _scaled_mm's. Whether a
-choice of algorithm, which the engine could make once per shape at its warm-up, pays.
+where the weight's rows take cuBLASLt's M side, and scaled (the token and weight-row scales applied in the product,
+cuBLASLt's outer-vector scaling: fp8.LT_SCALED), against _scaled_mm with row scales (torch's CUTLASS kernel); each
+fastest output's largest difference from _scaled_mm's. Whether a choice of algorithm, which the engine makes once per
+shape at its warm-up (fp8.LT_CHOICE, LT_SCALED), pays.
 """
 import argparse
 import functools
@@ -39,33 +41,38 @@ def bench(shape: str, rows_list: list[int], count: int, bandwidth: float) -> lis
         if name == "lm_head":
             continue   # the engine keeps the head in bf16 under FP8 weights
         copies = max(2, math.ceil((512 << 20) / (n * k)))
-        weights = [fp8.quantize_rows(torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02)[0]
-                   for _ in range(copies)]
+        pairs = [fp8.quantize_rows(torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02)
+                 for _ in range(copies)]
+        weights = [w for w, _ in pairs]
         for m in rows_list:
-            xq, _ = fp8.quantize_tokens(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"))
+            xq, xs = fp8.quantize_tokens(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"))
             one = torch.ones((), dtype=torch.float32, device="cuda")
-            scaled = [functools.partial(torch._scaled_mm, xq, w.t(), scale_a=one, scale_b=one,
-                                        out_dtype=torch.bfloat16, use_fast_accum=True) for w in weights]
-            reference = scaled[0]().float()
+            tensor_scaled = [functools.partial(torch._scaled_mm, xq, w.t(), scale_a=one, scale_b=one,
+                                               out_dtype=torch.bfloat16, use_fast_accum=True) for w in weights]
+            row_scaled = [functools.partial(torch._scaled_mm, xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1),
+                                            out_dtype=torch.bfloat16, use_fast_accum=True) for w, ws in pairs]
+            references = {False: tensor_scaled[0]().float(), True: row_scaled[0]().float()}
             row = {"shape": shape, "product": name, "m": m, "n": n, "k": k,
                    "read_floor_us": round(n * k / bandwidth * 1e6, 2),
-                   "scaled_mm_us": round(in_graph(scaled) * 1e6, 2)}
-            for swapped in (False, True):
-                key = "swapped" if swapped else "lt"
-                product = cublaslt.Fp8Product(m, n, k, xq.device, swapped)
+                   "scaled_mm_us": round(in_graph(tensor_scaled) * 1e6, 2),
+                   "scaled_mm_rows_us": round(in_graph(row_scaled) * 1e6, 2)}
+            for key, swapped, scaled in (("lt", False, False), ("swapped", True, False), ("scaled", False, True)):
+                product = cublaslt.Fp8Product(m, n, k, xq.device, swapped, scaled)
                 outs = [torch.empty((n, m) if swapped else (m, n), dtype=torch.bfloat16, device="cuda")
                         for _ in weights]
+                reference = references[scaled]
                 timings = []
                 for index, result in enumerate(product.candidates(count)):
                     algo = result.algo
-                    calls = [functools.partial(product.run, xq, w, out, algo) for w, out in zip(weights, outs)]
+                    calls = [functools.partial(product.run, xq, w, out, algo, *((xs, ws) if scaled else ()))
+                             for (w, ws), out in zip(pairs, outs)]
                     try:
                         seconds = in_graph(calls)
                     except RuntimeError as err:   # an algorithm a graph cannot hold, or one that fails to run
                         log(f"  {name} m={m} {key} #{index}: {str(err)[:160]}")
                         torch.cuda.synchronize()
                         continue
-                    product.run(xq, weights[0], outs[0], algo)
+                    product.run(xq, weights[0], outs[0], algo, *((xs, pairs[0][1]) if scaled else ()))
                     got = outs[0].float().t() if swapped else outs[0].float()
                     timings.append({"index": index, "us": round(seconds * 1e6, 2), "waves": round(result.waves, 2),
                                     "workspace": result.workspace, **product.config(algo),
@@ -79,11 +86,11 @@ def bench(shape: str, rows_list: list[int], count: int, bandwidth: float) -> lis
                 row[f"{key}_best"] = best
                 row[f"{key}_all"] = timings
             out_rows.append(row)
-            log(f"{name:13s} m={m:3d}: read {row['read_floor_us']:6.2f} us, _scaled_mm {row['scaled_mm_us']:6.2f}, "
-                f"heuristic's first {row.get('lt_first_us')}, best {row.get('lt_best_us')} "
-                f"({_brief(row.get('lt_best'))}), swapped first {row.get('swapped_first_us')}, best "
-                f"{row.get('swapped_best_us')} ({_brief(row.get('swapped_best'))})")
-        del weights
+            log(f"{name:13s} m={m:3d}: read {row['read_floor_us']:6.2f} us, _scaled_mm {row['scaled_mm_us']:6.2f} "
+                f"(row scales {row['scaled_mm_rows_us']:6.2f}); heuristic's first, best: "
+                + "; ".join(f"{key} {row.get(f'{key}_first_us')}, {row.get(f'{key}_best_us')} "
+                            f"({_brief(row.get(f'{key}_best'))})" for key in ("lt", "swapped", "scaled")))
+        del weights, pairs
         torch.cuda.empty_cache()
     return out_rows
 

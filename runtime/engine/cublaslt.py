@@ -10,7 +10,10 @@ call of each shape (the decode graphs' warm-up runs every graph size's products 
 the heuristic's first CANDIDATES algorithms, REPS times each, interleaved, with the L2 cache overwritten before each
 run so the weight is read from memory as in a step, and keeps the fastest (`fastest`); later calls, and the graphs
 captured from them, run it. A call of a shape with no choice yet inside a capture, or of a row count that is not a
-multiple of 16 (the decode graphs' sizes from 16 up are), returns None and the caller runs _scaled_mm.
+multiple of 16 (the decode graphs' sizes from 16 up are), returns None and the caller runs _scaled_mm. With
+fp8.LT_SCALED the product also applies the token and weight-row scales (cuBLASLt's outer-vector scaling), so its
+output is plain and the kernels after it read no column scales; torch._scaled_mm runs row scales through a CUTLASS
+kernel of its own, which took 9-27% longer than the one-scale path at 160-256 rows (fp8.Unscaled).
 
 cuBLASLt is called through ctypes on the library torch itself loads, so nothing is compiled. The product is D [N, M]
 = W [N, K] x X^T in cuBLASLt's column-major terms, which is the row-major [M, N] output: FP8 e4m3 operands (A
@@ -20,16 +23,20 @@ use_fast_accum), scales of 1, bf16 output.
 import ctypes
 import dataclasses
 import functools
+import logging
 import statistics
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # cuBLASLt's and CUDA's enum values (cublasLt.h, cublas_api.h, library_types.h; the same in CUDA 12 and 13)
 CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 14, 28
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 3, 4, 17, 18, 25
+DESC_A_SCALE_MODE, DESC_B_SCALE_MODE, SCALE_OUTER_VEC_32F = 31, 32, 3   # a scale for each row of A, each column of B
 PREF_MAX_WORKSPACE_BYTES = 1
 ALGO_CONFIG = {"algo": 0, "tile": 1, "split_k": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6,
                "inner": 7, "cluster": 8}
@@ -125,22 +132,30 @@ def _device(index: int) -> _Device:
 
 
 class Fp8Product:
-    """x [M, K] e4m3 times w [N, K]^T e4m3 into a bf16 output, scales of 1, fast accumulation: out [M, N], or with
-    `swapped` out^T [N, M] (cuBLASLt then takes x as its A, the weight's rows on its N side)."""
+    """x [M, K] e4m3 times w [N, K]^T e4m3 into a bf16 output, fast accumulation: out [M, N], or with `swapped`
+    out^T [N, M] (cuBLASLt then takes x as its A, the weight's rows on its N side). Scales of 1, or with `scaled`
+    each output times its token's scale and its weight row's (cuBLASLt's outer-vector scaling, sm_90 on), rounded
+    once: quantized_linear's product, not an Unscaled one."""
 
-    def __init__(self, m: int, n: int, k: int, device: torch.device, swapped: bool = False):
+    def __init__(self, m: int, n: int, k: int, device: torch.device, swapped: bool = False, scaled: bool = False):
         lib = library()
         if lib is None:
             raise RuntimeError("cuBLASLt is not available: FP8 products through it need torch's CUDA build")
-        self.lib, self.m, self.n, self.k, self.swapped = lib, m, n, k, swapped
+        if scaled and swapped:
+            raise ValueError("a scaled product is not swapped: its scales follow the weight's rows on cuBLASLt's M")
+        self.lib, self.m, self.n, self.k, self.swapped, self.scaled = lib, m, n, k, swapped, scaled
         self.state = _device(device.index if device.index is not None else torch.cuda.current_device())
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "DescCreate")
         self._set(DESC_TRANSA, ctypes.c_int32(CUBLAS_OP_T))
         self._set(DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N))
         self._set(DESC_FAST_ACCUM, ctypes.c_int8(1))
-        self._set(DESC_A_SCALE_POINTER, ctypes.c_void_p(self.state.one.data_ptr()))
-        self._set(DESC_B_SCALE_POINTER, ctypes.c_void_p(self.state.one.data_ptr()))
+        if scaled:
+            self._set(DESC_A_SCALE_MODE, ctypes.c_int32(SCALE_OUTER_VEC_32F))
+            self._set(DESC_B_SCALE_MODE, ctypes.c_int32(SCALE_OUTER_VEC_32F))
+        else:
+            self._set(DESC_A_SCALE_POINTER, ctypes.c_void_p(self.state.one.data_ptr()))
+            self._set(DESC_B_SCALE_POINTER, ctypes.c_void_p(self.state.one.data_ptr()))
         rows, cols = (m, n) if swapped else (n, m)   # D's, column-major
         self.a = self._layout(CUDA_R_8F_E4M3, k, rows, k)
         self.b = self._layout(CUDA_R_8F_E4M3, k, cols, k)
@@ -165,9 +180,9 @@ class Fp8Product:
                                                              ctypes.sizeof(size)), "PreferenceSetAttribute")
         results = (Heuristic * count)()
         returned = ctypes.c_int()
-        _check(self.lib.cublasLtMatmulAlgoGetHeuristic(self.state.handle, self.desc, self.a, self.b, self.d, self.d,
-                                                       pref, count, results, ctypes.byref(returned)),
-               "AlgoGetHeuristic")
+        if self.lib.cublasLtMatmulAlgoGetHeuristic(self.state.handle, self.desc, self.a, self.b, self.d, self.d, pref,
+                                                   count, results, ctypes.byref(returned)) != 0:
+            return []   # e.g. CUBLAS_STATUS_NOT_SUPPORTED: no algorithm for this product here
         return [results[i] for i in range(returned.value) if results[i].state == 0]
 
     def config(self, algo: Algo) -> dict[str, int]:
@@ -180,8 +195,15 @@ class Fp8Product:
                 out[name] = value.value & ((1 << (8 * written.value)) - 1) if written.value < 8 else value.value
         return out
 
-    def run(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, algo: Algo) -> None:
-        """out = x w^T (out^T, swapped) on the current stream with `algo`."""
+    def run(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, algo: Algo,
+            x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> None:
+        """out = x w^T (out^T, swapped) on the current stream with `algo`; a scaled product takes each token's
+        scale (fp32 [M] or [M, 1]) and each weight row's (fp32 [N])."""
+        if self.scaled:
+            if x_scale is None or w_scale is None:
+                raise ValueError("a scaled product takes the input's and the weight's scales")
+            self._set(DESC_A_SCALE_POINTER, ctypes.c_void_p(w_scale.data_ptr()))
+            self._set(DESC_B_SCALE_POINTER, ctypes.c_void_p(x_scale.data_ptr()))
         a, b = (x, w) if self.swapped else (w, x)
         stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
         _check(self.lib.cublasLtMatmul(self.state.handle, self.desc, ctypes.byref(self.alpha), a.data_ptr(), self.a,
@@ -201,39 +223,53 @@ class Choice:
     medians_us: list[float]
 
 
-# (device, m, n, k) -> the shape's choice, or None where cuBLASLt offered no algorithm that ran (_scaled_mm takes it)
-_CHOICES: dict[tuple[int, int, int, int], Choice | None] = {}
+# (device, m, n, k, scaled) -> the shape's choice, or None where cuBLASLt offered no algorithm that ran (the caller
+# runs _scaled_mm)
+_CHOICES: dict[tuple[int, int, int, int, bool], Choice | None] = {}
 
 
-def choices() -> dict[tuple[int, int, int, int], Choice | None]:
-    """Every shape's choice so far, by (device index, m, n, k)."""
+def choices() -> dict[tuple[int, int, int, int, bool], Choice | None]:
+    """Every shape's choice so far, by (device index, m, n, k, scaled)."""
     return dict(_CHOICES)
 
 
-def matmul(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """q [M, K] e4m3 x weight [N, K]^T e4m3 with scales of 1, fast accumulation: the bf16 [M, N] output
-    torch._scaled_mm(q, weight.t(), scale_a=1, scale_b=1, out_dtype=torch.bfloat16, use_fast_accum=True) gives,
-    through the algorithm chosen for the shape (chosen at this call if it is the shape's first outside a capture);
-    None where this does not take the product (the caller runs _scaled_mm): a row count that is not a multiple of
-    16, operands not contiguous, or a capture with no choice made."""
+def matmul(q: torch.Tensor, weight: torch.Tensor, q_scale: torch.Tensor | None = None,
+           w_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """q [M, K] e4m3 x weight [N, K]^T e4m3, fast accumulation, into bf16 [M, N]: with no scales, what
+    torch._scaled_mm(q, weight.t(), scale_a=1, scale_b=1, out_dtype=torch.bfloat16, use_fast_accum=True) gives;
+    with the token scales q_scale [M, 1] and the weight's row scales w_scale [N] (fp32), the product scaled by both
+    as fp8.quantized_linear's is. Through the algorithm chosen for the shape (at this call if it is the shape's
+    first outside a capture); None where this does not take the product (the caller runs _scaled_mm): a row count
+    that is not a multiple of 16, operands or scales not contiguous, or a capture with no choice made."""
     m, k = q.shape
     n = weight.shape[0]
+    scaled = q_scale is not None and w_scale is not None
     if m % 16 or not (q.is_contiguous() and weight.is_contiguous()) or not available(q.device):
         return None
-    key = (q.device.index if q.device.index is not None else torch.cuda.current_device(), m, n, k)
+    if (q_scale is not None and w_scale is not None
+            and not (q_scale.is_contiguous() and w_scale.is_contiguous()
+                     and q_scale.dtype == w_scale.dtype == torch.float32)):
+        return None
+    key = (q.device.index if q.device.index is not None else torch.cuda.current_device(), m, n, k, scaled)
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None
-        _CHOICES[key] = _choose(Fp8Product(m, n, k, q.device), q, weight)
+        try:
+            _CHOICES[key] = _choose(Fp8Product(m, n, k, q.device, scaled=scaled), q, weight, q_scale, w_scale)
+        except RuntimeError as err:   # a cuBLASLt that refuses the descriptor (an older one: outer-vector scales)
+            log.warning("cuBLASLt takes no %dx%dx%d FP8 product%s here (%s); torch._scaled_mm runs it", m, n, k,
+                        " with row scales" if scaled else "", err)
+            _CHOICES[key] = None
     choice = _CHOICES[key]
     if choice is None:
         return None
     out = torch.empty(m, n, dtype=torch.bfloat16, device=q.device)
-    choice.product.run(q, weight, out, choice.algo)
+    choice.product.run(q, weight, out, choice.algo, q_scale, w_scale)
     return out
 
 
-def _choose(product: Fp8Product, q: torch.Tensor, weight: torch.Tensor) -> Choice | None:
+def _choose(product: Fp8Product, q: torch.Tensor, weight: torch.Tensor, q_scale: torch.Tensor | None,
+            w_scale: torch.Tensor | None) -> Choice | None:
     """Times the heuristic's first CANDIDATES algorithms on this call's operands, REPS runs each, interleaved, the
     L2 cache overwritten before each run, and keeps `fastest`'s choice; None where none ran."""
     found = product.candidates(CANDIDATES)
@@ -253,7 +289,7 @@ def _choose(product: Fp8Product, q: torch.Tensor, weight: torch.Tensor) -> Choic
             start, end = events[rep][i]
             start.record()
             try:
-                product.run(q, weight, out, candidate.algo)
+                product.run(q, weight, out, candidate.algo, q_scale, w_scale)
             except RuntimeError:
                 failed.add(i)
             end.record()

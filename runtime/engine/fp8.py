@@ -154,8 +154,13 @@ def deferred_linear(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor
                     bias: torch.Tensor | None, dtype: torch.dtype) -> "torch.Tensor | Unscaled":
     """quantized_linear for a caller whose next kernel applies the scales: on CUDA, without a bias, from
     DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS input rows an Unscaled output (in place of small_linear's kernel where
-    their rows overlap); else quantized_linear's."""
+    their rows overlap), or with LT_SCALED the scaled output from cuBLASLt where it takes the shape; else
+    quantized_linear's."""
     if DEFERRED and q.is_cuda and bias is None and DEFERRED_MIN_ROWS <= q.shape[0] <= DEFERRED_MAX_ROWS:
+        if LT_SCALED and dtype == torch.bfloat16:
+            scaled = cublaslt.matmul(q, weight, q_scale, scale)
+            if scaled is not None:
+                return scaled
         raw = cublaslt.matmul(q, weight) if LT_CHOICE and dtype == torch.bfloat16 else None
         if raw is None:
             one = _one(q.device)
@@ -221,6 +226,11 @@ DEFERRED_MAX_ROWS = 256
 # the heuristic's first that _scaled_mm runs. Off until timed end to end (bench/engine/lt_algos.py shows what each
 # algorithm takes; ab.py --b runtime.engine.fp8.LT_CHOICE=True -- --models 8B --parts fp8_kv times the engine).
 LT_CHOICE = False
+# The same products through cuBLASLt with their scales applied in the product (its outer-vector scaling, sm_90 on),
+# each shape's algorithm chosen the same way: a plain output, so the norm, SiLU-mul and RoPE kernels after them read
+# no column scales (the SiLU-mul of 256 rows took 11.88 us on an Unscaled input against 7.41 on a plain one, H100,
+# session 55). Off until timed: lt_algos.py's "scaled" rows, then ab.py --b runtime.engine.fp8.LT_SCALED=True.
+LT_SCALED = False
 # The merged q/k/v product too, its scales applied by the RoPE kernel that reads it (fused.norm_rope_store_). One
 # scale a tensor against the product it replaces (kernel_bench.py --parts decode, H100, sessions 52 and 54): 11.87
 # against small_linear's 13.77 us at 128 rows, 12.3 against the row-scaled 14.3 at 160, 13.4 against 14.4 at 256. End

@@ -113,17 +113,19 @@ def test_the_small_product_kernel_computes_the_dequantized_product(rows, tile):
                            fp8.small_linear(xq, xs, weight, scale, torch.bfloat16, engine_config))
 
 
-@pytest.mark.parametrize("lt_choice", [False, True])
+@pytest.mark.parametrize("lt", ["off", "LT_CHOICE", "LT_SCALED"])
 @pytest.mark.parametrize("rows", [64, 65, 96, 129, 192, 200, 256, 300])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 4096), (4096, 12288)])
-def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scale_it(rows, n, k, lt_choice,
-                                                                                      monkeypatch):
+def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scale_it(rows, n, k, lt, monkeypatch):
     """fp8.deferred_linear: from DEFERRED_MIN_ROWS to DEFERRED_MAX_ROWS rows, the FP8 sums with their scales
     left to the next kernel (torch._scaled_mm with one scale a tensor, or with LT_CHOICE cuBLASLt's algorithm timed
     fastest for the shape); scaled, quantized_linear's output to bf16's rounding, and the norm and SiLU-mul kernels
-    scale it as they load it, bit for bit as they read it scaled. Other rows: quantized_linear's output itself."""
+    scale it as they load it, bit for bit as they read it scaled. With LT_SCALED, at the rows cuBLASLt takes (a
+    multiple of 16), the scaled output itself, quantized_linear's to the order of its sums. Other rows:
+    quantized_linear's output itself."""
     monkeypatch.setattr(fp8, "DEFERRED", True)
-    monkeypatch.setattr(fp8, "LT_CHOICE", lt_choice)
+    monkeypatch.setattr(fp8, "LT_CHOICE", lt == "LT_CHOICE")
+    monkeypatch.setattr(fp8, "LT_SCALED", lt == "LT_SCALED")
     torch.manual_seed(rows + n + k)
     weight, scale = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
     q, q_scale = fp8.quantize_tokens(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
@@ -131,6 +133,11 @@ def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scal
     deferred = fp8.deferred_linear(q, q_scale, weight, scale, None, torch.bfloat16)
     if not fp8.DEFERRED_MIN_ROWS <= rows <= fp8.DEFERRED_MAX_ROWS:
         assert isinstance(deferred, torch.Tensor) and torch.equal(deferred, out)
+        return
+    if lt == "LT_SCALED" and rows % 16 == 0:
+        assert isinstance(deferred, torch.Tensor) and deferred.shape == out.shape
+        torch.testing.assert_close(deferred.float(), out.float(), rtol=2 ** -6,
+                                   atol=2 ** -6 * out.abs().mean().item())
         return
     assert isinstance(deferred, fp8.Unscaled) and deferred.shape == out.shape
     scaled = deferred.materialize()
@@ -145,31 +152,39 @@ def test_a_deferred_product_reads_as_the_row_scaled_one_in_the_kernels_that_scal
         assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("rows,n,k", [(96, 4096, 4096), (256, 24576, 4096), (160, 4096, 12288)])
-def test_cublaslt_runs_the_algorithm_it_chose_for_a_shape_and_a_graph_replays_it(rows, n, k):
-    """cublaslt.matmul: _scaled_mm's product (one scale a tensor, fast accumulation) to the order of its sums, through
-    the algorithm its first call timed fastest of the heuristic's first CANDIDATES (kept for the shape); a graph
-    captured after it replays the same bits; a shape with no choice yet is left to _scaled_mm inside a capture, and
-    a row count that is not a multiple of 16 always."""
-    torch.manual_seed(rows + n)
-    weight, _ = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
-    q, _ = fp8.quantize_tokens(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
-    one = torch.ones((), device="cuda")
-    want = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
-    got = cublaslt.matmul(q, weight)
+def test_cublaslt_runs_the_algorithm_it_chose_for_a_shape_and_a_graph_replays_it(rows, n, k, scaled):
+    """cublaslt.matmul: _scaled_mm's product (one scale a tensor, fast accumulation; `scaled`, the token and weight
+    row scales applied, as quantized_linear's) to the order of its sums, through the algorithm its first call timed
+    fastest of the heuristic's first CANDIDATES (kept for the shape); a graph captured after it replays the same
+    bits; a shape with no choice yet is left to _scaled_mm inside a capture, and a row count that is not a multiple
+    of 16 always."""
+    torch.manual_seed(rows + n + scaled)
+    weight, w_scale = fp8.quantize_rows(torch.randn(n, k, device="cuda") * 0.02)
+    q, q_scale = fp8.quantize_tokens(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+    scales = (q_scale, w_scale) if scaled else ()
+    if scaled:
+        want = torch._scaled_mm(q, weight.t(), scale_a=q_scale, scale_b=w_scale.view(1, -1),
+                                out_dtype=torch.bfloat16, use_fast_accum=True)
+    else:
+        one = torch.ones((), device="cuda")
+        want = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+    got = cublaslt.matmul(q, weight, *scales)
     assert got is not None and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().mean().item())
-    choice = cublaslt.choices()[(torch.cuda.current_device(), rows, n, k)]
+    choice = cublaslt.choices()[(torch.cuda.current_device(), rows, n, k, scaled)]
     assert choice is not None and 0 <= choice.index < len(choice.medians_us) <= cublaslt.CANDIDATES
     assert min(choice.medians_us) > 0 and "tile" in choice.config
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = cublaslt.matmul(q, weight)
-        unchosen = cublaslt.matmul(q[:rows - 16], weight)
+        captured = cublaslt.matmul(q, weight, *scales)
+        unchosen = cublaslt.matmul(q[:rows - 16], weight, *(s[:rows - 16] if s is q_scale else s for s in scales))
     graph.replay()
     assert captured is not None and torch.equal(captured, got)
     assert unchosen is None
-    assert cublaslt.matmul(q[:rows - 1], weight) is None
+    assert cublaslt.matmul(q[:rows - 1], weight, *(s[:rows - 1] if s is q_scale else s for s in scales)) is None
 
 
 @pytest.mark.parametrize("rows", [65, 128, 256])

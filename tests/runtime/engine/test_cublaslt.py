@@ -26,10 +26,12 @@ def test_off_cuda_no_product_goes_through_cublaslt_and_the_switch_changes_nothin
     torch.manual_seed(0)
     weight, scale = fp8.quantize_rows(torch.randn(64, 128) * 0.02)
     q, q_scale = fp8.quantize_tokens(torch.randn(96, 128, dtype=torch.bfloat16))
-    assert cublaslt.matmul(q, weight) is None
+    assert cublaslt.matmul(q, weight) is None and cublaslt.matmul(q, weight, q_scale, scale) is None
     monkeypatch.setattr(fp8, "LT_CHOICE", False)
+    monkeypatch.setattr(fp8, "LT_SCALED", False)
     off = fp8.deferred_linear(q, q_scale, weight, scale, None, torch.bfloat16)
-    monkeypatch.setattr(fp8, "LT_CHOICE", True)
-    on = fp8.deferred_linear(q, q_scale, weight, scale, None, torch.bfloat16)
-    assert isinstance(on, torch.Tensor) and torch.equal(on, off)
+    for switch in ("LT_CHOICE", "LT_SCALED"):
+        monkeypatch.setattr(fp8, switch, True)
+        on = fp8.deferred_linear(q, q_scale, weight, scale, None, torch.bfloat16)
+        assert isinstance(on, torch.Tensor) and torch.equal(on, off)
     assert cublaslt.choices() == {}
