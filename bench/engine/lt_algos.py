@@ -34,7 +34,9 @@ from kernel_bench import copy_bandwidth, in_graph, log, products  # noqa: E402
 RESULTS = HERE.parent / "results" / "lt_algos.json"
 
 
-def bench(shape: str, rows_list: list[int], count: int, bandwidth: float) -> list[dict]:
+def bench(shape: str, rows_list: list[int], count: int, bandwidth: float, on_row=None) -> list[dict]:
+    """Every product's rows (see the module's docstring); `on_row(rows so far)` after each, so a run cut short keeps
+    what it measured."""
     from ember.runtime.engine import cublaslt, fp8
     out_rows = []
     for name, n, k in products(shape):
@@ -86,6 +88,8 @@ def bench(shape: str, rows_list: list[int], count: int, bandwidth: float) -> lis
                 row[f"{key}_best"] = best
                 row[f"{key}_all"] = timings
             out_rows.append(row)
+            if on_row is not None:
+                on_row(out_rows)
             log(f"{name:13s} m={m:3d}: read {row['read_floor_us']:6.2f} us, _scaled_mm {row['scaled_mm_us']:6.2f} "
                 f"(row scales {row['scaled_mm_rows_us']:6.2f}); heuristic's first, best: "
                 + "; ".join(f"{key} {row.get(f'{key}_first_us')}, {row.get(f'{key}_best_us')} "
@@ -107,7 +111,7 @@ def main() -> None:
     parser.add_argument("--shape", default="8B", choices=["8B", "4B", "0.6B"])
     parser.add_argument("--rows", nargs="+", type=int, default=[64, 128, 192, 256])
     parser.add_argument("--algos", type=int, default=32, help="the most algorithms to ask the heuristic for")
-    parser.add_argument("--record", action="store_true", help=f"write {RESULTS}")
+    parser.add_argument("--record", action="store_true", help=f"write {RESULTS} (after every row)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     from ember.runtime.engine import cublaslt
@@ -116,18 +120,20 @@ def main() -> None:
     if any(m % 16 for m in args.rows):
         sys.exit("lt_algos.py: --rows must be multiples of 16 (cuBLASLt's FP8 products take no others)")
     bandwidth = copy_bandwidth()
-    started = time.time()
-    rows = bench(args.shape, args.rows, args.algos, bandwidth)
     lib = cublaslt.library()
     assert lib is not None
     machine = (f"{torch.cuda.get_device_name()}, {platform.machine()}; torch {torch.__version__}, "
                f"cuBLASLt {lib.cublasLtGetVersion()}")
-    log(f"{len(rows)} products in {time.time() - started:.0f} s on {machine}")
-    if args.record:
+
+    def record(rows: list[dict]) -> None:   # rewritten after every row
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps({"machine": machine, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
                                             "rows": rows}, indent=1) + "\n")
-        log(f"wrote {args.results}")
+
+    started = time.time()
+    rows = bench(args.shape, args.rows, args.algos, bandwidth, record if args.record else None)
+    log(f"{len(rows)} products in {time.time() - started:.0f} s on {machine}"
+        + (f"; wrote {args.results}" if args.record else ""))
 
 
 if __name__ == "__main__":
