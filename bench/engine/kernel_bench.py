@@ -572,7 +572,7 @@ DECODE_ROWS = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
 DECODE_WAYS = ("cublas", "cublaslt", "transposed", "fp8", "fp8_fast", "fp8_mm", "fp8_rows", "fp8_tensor",
-               "fp8_tensor_halves", "fp8_tensor_swapped", "fp8_small")
+               "fp8_tensor_halves", "fp8_small")
 # fp8.small_linear's tiles the fp8_small way sweeps: (block_n, block_k, warps, stages, f16[, split_k[, block_m]])
 SMALL_SWEEP = [(16, 256, 4, 3, True), (16, 512, 4, 3, True), (32, 256, 4, 3, True), (32, 512, 4, 2, True),
                (64, 256, 4, 3, True), (64, 128, 4, 4, False), (64, 256, 4, 3, False), (128, 128, 4, 4, False),
@@ -599,9 +599,7 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
     fp8_tensor (_scaled_mm alone with one scale for the input and one for the weight, which torch runs through
     cuBLASLt where row scales take its own CUTLASS kernel: what the product would take if the engine's scales
     allowed it, not the engine's arithmetic), fp8_tensor_halves (the same as two products of half the rows each:
-    whether cuBLASLt's choice for a product of 129-256 rows loses to its choice for half of them),
-    fp8_tensor_swapped (the same product as weight x input^T, its output transposed [N, M]: the weight's rows take
-    cuBLASLt's M side, where its heuristics pick other tiles, as CUTLASS users swap A and B for few rows), fp8_small
+    whether cuBLASLt's choice for a product of 129-256 rows loses to its choice for half of them), fp8_small
     (fp8.small_linear on an input quantized before, the best of SMALL_SWEEP's tiles; every tile's time in the row's
     fp8_small_sweep)."""
     from ember.runtime.engine import fp8, gemv
@@ -658,14 +656,6 @@ def bench_decode_products(bandwidth: float, shapes: tuple[str, ...] = ("8B",),
                         calls = [functools.partial(torch._scaled_mm, half, w.t(), scale_a=one, scale_b=one,
                                                    out_dtype=torch.bfloat16, use_fast_accum=True)
                                  for w, _ in quantized for half in (xq[:m // 2], xq[m // 2:])]
-                    elif way == "fp8_tensor_swapped":
-                        if m % 16:
-                            continue   # cuBLASLt's FP8 products take dimensions that are multiples of 16
-                        xq, _ = fp8.quantize_tokens(x)
-                        one = torch.ones((), dtype=torch.float32, device="cuda")
-                        calls = [functools.partial(torch._scaled_mm, w, xq.t(), scale_a=one, scale_b=one,
-                                                   out_dtype=torch.bfloat16, use_fast_accum=True)
-                                 for w, _ in quantized]
                     else:
                         calls = [functools.partial(F.linear, x, w) for w in weights]
                     torch.backends.cuda.preferred_blas_library("cublaslt" if way == "cublaslt" else "cublas")
