@@ -282,6 +282,45 @@ def test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_
     assert shares and max(shares) < 0.5
 
 
+@pytest.mark.parametrize("switch", ["LT_CHOICE", "LT_SCALED"])
+def test_fp8_products_through_cublaslts_chosen_algorithms_agree_with_scaled_mms(family, switch, monkeypatch):
+    """fp8.LT_CHOICE and LT_SCALED: a decode batch of 200 sequences (its graph of 208, a multiple of 16) runs its
+    deferred products through cuBLASLt with the algorithm each shape timed fastest (LT_SCALED: the scales applied
+    in the product, a plain output for the next kernel), against the same engine on _scaled_mm. Sums in another
+    order and, scaled, rounded once where the Unscaled path rounds in the next kernel: the same near-tie partings
+    as test_fp8_products_that_leave_their_scales_to_the_next_kernel_agree_with_row_scaled_ones allows; a dropped
+    or doubled scale would part nearly every sequence at the first step. With the switch on, the graphs' shapes
+    have their choices."""
+    from ember.runtime.engine import cublaslt, fp8
+
+    if family[0] != "qwen3":
+        pytest.skip("one family covers the products")
+    batch, n = prompts(200, seed=16), 16
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+    answers = {}
+    for on in (True, False):
+        monkeypatch.setattr(fp8, switch, on)
+        before = len(cublaslt.choices())
+        eng = engine(family[1], quantization="fp8", max_num_seqs=256)
+        answers[on] = run(eng, batch, params)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+        scaled = switch == "LT_SCALED"
+        made = [key for key, choice in cublaslt.choices().items() if key[1] == 208 and key[4] == scaled and choice]
+        assert (len(cublaslt.choices()) > before and len(made) >= 3) if on else len(cublaslt.choices()) == before
+    (ours, our_lp), (theirs, their_lp) = answers[True], answers[False]
+    worst = max(abs(a[0]["logprob"] - b[0]["logprob"]) for a, b in zip(our_lp, their_lp)
+                if a[0]["token_id"] == b[0]["token_id"])
+    parted = [next((i for i, (x, y) in enumerate(zip(mine, other)) if x != y), n) for mine, other in zip(ours, theirs)]
+    together = [sum(p >= i for p in parted) for i in range(n)]
+    shares = [sum(p == i for p in parted) / together[i] for i in range(1, n) if together[i] >= 20]
+    print(f"\n[{family[0]}] {switch}: first-token logprob max |diff| {worst:.4f}; sequences parting at each "
+          f"position: {[sum(p == i for p in parted) for i in range(n)]}")
+    assert worst < 0.1
+    assert shares and max(shares) < 0.5
+
+
 
 def test_an_fp8_engine_decodes_the_same_with_its_attention_quantizing_the_o_products_input(family, monkeypatch):
     """paged_decode.QUANTIZED_OUT: the streamed attention of the decode graphs (16 sequences and more) quantizes
