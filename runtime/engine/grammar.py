@@ -47,6 +47,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import select
 import signal
 import subprocess
@@ -731,6 +732,12 @@ def mask_logits(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tens
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
+# xgrammar's C++ errors open with its log prefix, "[02:54:07] /project/cpp/json_schema_converter.cc:5082: ": a
+# client is told what in its format failed, not where in xgrammar's source
+_SOURCE_PREFIX = re.compile(r"^(\[[0-9:]+\] )?\S+\.(cc|cpp|h):\d+: ")
+
+
 def _first_line(error: Exception) -> str:
     text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:500]
+    line = text.splitlines()[0]
+    return (_SOURCE_PREFIX.sub("", line) or line)[:500]

@@ -107,6 +107,7 @@ def test_the_responses_api_holds_output_text_to_text_format(client):
      "response_format", "at most 100,000"),
     ({"response_format": schema_format(json.loads('{"items": ' * 150 + "{}" + "}" * 150))}, "response_format",
      "more than 100 deep"),
+    ({"response_format": schema_format({"type": "nonsense"})}, "response_format", 'Unsupported type "nonsense"'),
     ({"guided_regex": "(unclosed"}, "guided_regex", "cannot be compiled"),
     ({"guided_regex": "(" * 5000 + "a" + ")" * 5000}, "guided_regex", "cannot be compiled"),
     ({"guided_choice": []}, "guided_choice", "non-empty list"),
@@ -122,6 +123,7 @@ def test_a_format_that_cannot_hold_a_reply_is_a_400_naming_it(served, body, para
     error = reply.json()["error"]
     assert error["param"] == param and named in error["message"], error
     assert "Traceback" not in error["message"]
+    assert not re.search(r"\.(cc|cpp|h):\d+", error["message"]), error   # no path into xgrammar's sources
 
 
 def test_a_text_format_is_free_text(client):
